@@ -1,0 +1,217 @@
+"""The engine: requests in, one step at a time, outputs out.
+
+A step: the scheduler plans which requests feed which tokens; the runner turns the plan
+into one forward; the sampler turns the logits of the rows that end a known sequence into
+tokens; requests commit them, check their stops, and finished ones free their slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.config import EngineConfig
+from quickdraft.engine.request import Request, make_token_logprobs
+from quickdraft.engine.runner import ModelRunner, SequenceWork
+from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
+from quickdraft.kv.cache import KVCache
+from quickdraft.models.loader import load_decoder, resolve_device, resolve_dtype, resolve_model_dir
+from quickdraft.models.tokenizer import Tokenizer
+from quickdraft.outputs import StreamDelta
+from quickdraft.sampling_params import SamplingParams
+from quickdraft.verify.sampler import (
+    RowContext,
+    compute_logprobs,
+    logits_to_probs,
+    make_generator,
+    sample_from_probs,
+)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+# Storage beyond max_model_len, so that a step's new tokens (a prefill chunk's tail or a
+# draft tree) always have room to be written before they are accepted or dropped.
+CACHE_HEADROOM = 64
+
+
+@dataclass
+class StepStats:
+    num_sequences: int
+    num_tokens: int
+    seconds: float
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        model_dir = resolve_model_dir(config.model)
+        probe = _read_max_positions(model_dir)  # reads config.json first: the clearest error
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.max_model_len = config.max_model_len or min(probe, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > probe:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context {probe}")
+        cache_len = self.max_model_len + CACHE_HEADROOM
+        self.model, self.model_config = load_decoder(model_dir, dtype=self.dtype, device=self.device,
+                                                     max_len=cache_len)
+        self.cache = KVCache(
+            num_layers=self.model_config.num_layers, num_slots=config.max_num_seqs,
+            num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim,
+            max_len=cache_len, dtype=self.dtype, device=self.device,
+        )
+        self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
+        self.scheduler = Scheduler(cache=self.cache, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.eos_token_ids = list(dict.fromkeys(
+            list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids)))
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._default_generator = torch.Generator(device=self.device)
+        self._default_generator.manual_seed(config.seed)
+        self.last_step: StepStats | None = None
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_tokens(prompt, prompt_token_ids)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = (make_generator(params.seed, self.device) if params.seed is not None
+                     else self._default_generator)
+        request = Request(
+            request_id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=params,
+            tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len, generator=generator,
+        )
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _prompt_tokens(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt_token_ids)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"no room to generate (shorten the prompt or raise max_model_len)"
+            )
+        return token_ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its slot; False when it is unknown or already done."""
+        request = self._requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.finish(request)
+        request.finish(reason="abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def get_request(self, request_id: str) -> Request:
+        return self._requests[request_id]
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (outputs have been handed out)."""
+        request = self._requests.get(request_id)
+        if request is not None and request.is_finished:
+            del self._requests[request_id]
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        for item in plan:
+            if item.request.metrics.first_scheduled_time is None:
+                item.request.metrics.first_scheduled_time = started
+        work = [self._work_for(item) for item in plan]
+        sampled = [item.request for item in plan if item.completes_prompt]
+        out = self.runner.forward(work)
+        for item in plan:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.cache.commit(item.request.slot, item.request.num_computed_tokens)
+        if sampled:
+            self._sample_and_commit(sampled, out.logits)
+        deltas = [self._delta(item.request) for item in plan]
+        self.last_step = StepStats(num_sequences=len(plan), num_tokens=sum(len(w.token_ids) for w in work),
+                                   seconds=time.perf_counter() - started)
+        return deltas
+
+    def _work_for(self, item: ScheduledRequest) -> SequenceWork:
+        req = item.request
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + item.num_new_tokens]
+        logits_nodes = [item.num_new_tokens - 1] if item.completes_prompt else []
+        return SequenceWork(slot=req.slot, cache_len=start, token_ids=tokens, logits_nodes=logits_nodes)
+
+    def _sample_and_commit(self, requests: list[Request], logits: torch.Tensor) -> None:
+        # logits [len(requests), V]: one row per request that completed its known tokens
+        rows = [RowContext(params=r.params, prompt_token_ids=r.prompt_token_ids,
+                           output_token_ids=r.output_token_ids) for r in requests]
+        probs = logits_to_probs(logits, rows, eos_token_ids=self.eos_token_ids)
+        tokens = sample_from_probs(probs, [r.generator for r in requests]).tolist()
+        logprob_rows = self._logprobs(requests, logits, tokens)
+        now = time.perf_counter()
+        for req, token, token_logprobs in zip(requests, tokens, logprob_rows):
+            if req.append_token(token, now=now, logprobs=token_logprobs):
+                self.scheduler.finish(req)
+
+    def _logprobs(self, requests: list[Request], logits: torch.Tensor, tokens: list[int]):
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        result = [None] * len(requests)
+        if not wanted:
+            return result
+        num_top = max(requests[i].params.logprobs for i in wanted)
+        index = torch.tensor(wanted, device=logits.device)
+        token_lp, top_ids, top_lp = compute_logprobs(
+            logits[index], torch.tensor([tokens[i] for i in wanted], device=logits.device), num_top)
+        for row, i in enumerate(wanted):
+            k = requests[i].params.logprobs
+            result[i] = make_token_logprobs(
+                token_id=tokens[i], logprob=float(token_lp[row]), top_ids=top_ids[row, :k].tolist(),
+                top_logprobs=top_lp[row, :k].tolist(), tokenizer=self.tokenizer)
+        return result
+
+    def _delta(self, request: Request) -> StreamDelta:
+        text, tokens = request.take_stream_delta()
+        return StreamDelta(
+            request_id=request.request_id, text=text, token_ids=tokens, finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            output=request.to_output() if request.is_finished else None,
+        )
+
+
+def _read_max_positions(model_dir) -> int:
+    from quickdraft.models.loader import read_hf_config
+
+    hf = read_hf_config(model_dir)
+    hf = hf.get("text_config", hf)
+    return int(hf.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))

@@ -1,0 +1,86 @@
+"""The one place where the scheduler's plain-Python plan becomes tensors for the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quickdraft.kv.cache import KVCache
+from quickdraft.models.attention import AttentionBatch, build_sequence_attention
+from quickdraft.models.decoder import Decoder, ForwardOutput
+
+
+@dataclass
+class SequenceWork:
+    """New tokens of one sequence for one forward: a prefill chunk, one decode token, or a tree."""
+
+    slot: int
+    cache_len: int  # KV already stored for this slot (committed tokens)
+    token_ids: list[int]  # node 0 first; for a tree node 0 is the root
+    parents: list[int] | None = None  # tree parents (-1 for the root); None = a chain
+    logits_nodes: list[int] = field(default_factory=list)  # nodes whose logits are needed
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor | None  # [M, V] rows in the order of (sequence, logits_nodes)
+    logits_offsets: list[int]  # sequence b's logits are rows logits_offsets[b]:logits_offsets[b+1]
+    forward: ForwardOutput
+
+
+class ModelRunner:
+    def __init__(self, *, model: Decoder, cache: KVCache, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.device = device
+
+    def forward(self, work: list[SequenceWork], *, capture_layers: tuple[int, ...] = ()) -> RunnerOutput:
+        if not work:
+            raise ValueError("forward needs at least one sequence")
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_index: list[int] = []
+        store_index: list[int] = []
+        logits_rows: list[int] = []
+        logits_offsets = [0]
+        sequences = []
+        window = self.model.config.sliding_window
+        for item in work:
+            num_new = len(item.token_ids)
+            if item.cache_len + num_new > self.cache.max_len:
+                raise ValueError(
+                    f"slot {item.slot}: {item.cache_len} cached + {num_new} new tokens exceed the "
+                    f"cache length {self.cache.max_len}"
+                )
+            seq, seq_positions = build_sequence_attention(
+                slot=item.slot, row_start=len(token_ids), cache_len=item.cache_len,
+                parents=item.parents, num_new=num_new, sliding_window=window,
+            )
+            sequences.append(seq)
+            logits_rows.extend(seq.row_start + node for node in item.logits_nodes)
+            logits_offsets.append(len(logits_rows))
+            token_ids.extend(item.token_ids)
+            positions.extend(seq_positions)
+            slot_index.extend([item.slot] * num_new)
+            store_index.extend(range(item.cache_len, item.cache_len + num_new))
+        for seq in sequences:
+            seq.full_mask = self._to_device(seq.full_mask)
+            seq.sliding_mask = self._to_device(seq.sliding_mask)
+        attn = AttentionBatch(
+            sequences=sequences,
+            slot_index=self._long(slot_index),
+            store_index=self._long(store_index),
+        )
+        out = self.model(
+            self._long(token_ids), self._long(positions), attn=attn, cache=self.cache,
+            capture_layers=capture_layers,
+            logits_rows=self._long(logits_rows) if logits_rows else None,
+        )
+        return RunnerOutput(logits=out.logits, logits_offsets=logits_offsets, forward=out)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _to_device(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        return None if mask is None else mask.to(self.device, non_blocking=True)

@@ -1,0 +1,160 @@
+"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from quickdraft.config import EngineConfig
+from quickdraft.engine.engine import Engine
+from quickdraft.outputs import RequestOutput, StreamDelta
+from quickdraft.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching.
+
+    >>> llm = LLM()                      # the embedded Gemma 3 270M (GGUF Q4_K_M, dequantized)
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 512,
+        seed: int = 0,
+        speculative_config: dict | None = None,
+    ):
+        self.config = EngineConfig(
+            model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+            speculative_config=speculative_config,
+        )
+        self.engine = Engine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts.
+
+        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        # Validate every prompt before any is queued: a bad one must not leave the others running.
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_ids.append(self._add(prompt, params))
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+                self.engine.release(request_id)
+            raise
+        outputs: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        while wanted - outputs.keys():
+            for delta in self.engine.step():
+                if delta.finished and delta.request_id in wanted:
+                    outputs[delta.request_id] = delta.output
+        for request_id in request_ids:
+            self.engine.release(request_id)
+        return [outputs[request_id] for request_id in request_ids]
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield the text and tokens each step adds; the last delta carries the full output."""
+        request_id = self._add(_as_prompt_list(prompt)[0], sampling_params or SamplingParams())
+        try:
+            while True:
+                for delta in self.engine.step():
+                    if delta.request_id != request_id:
+                        continue
+                    if delta.text or delta.token_ids or delta.finished:
+                        yield delta
+                    if delta.finished:
+                        return
+        finally:
+            # A consumer that stops early aborts the request and frees its slot.
+            self.engine.abort_request(request_id)
+            self.engine.release(request_id)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self._render_chat(conversation, chat_template, add_generation_prompt)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+                            "prompt": text})
+        return self.generate(prompts, sampling_params)
+
+    def _render_chat(self, conversation, chat_template, add_generation_prompt) -> str:
+        tokenizer = self.tokenizer
+        if chat_template is not None:
+            saved, tokenizer.chat_template, tokenizer._compiled_template = (
+                tokenizer.chat_template, chat_template, None)
+            try:
+                return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            finally:
+                tokenizer.chat_template, tokenizer._compiled_template = saved, None
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        if isinstance(prompt, str):
+            return self.engine.add_request(prompt=prompt, params=params)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                request_id = self.engine.add_request(prompt_token_ids=prompt["prompt_token_ids"], params=params)
+                self.engine.get_request(request_id).prompt = prompt.get("prompt")
+                return request_id
+            if "prompt" in prompt:
+                return self.engine.add_request(prompt=prompt["prompt"], params=params)
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return self.engine.add_request(prompt_token_ids=prompt, params=params)
+        raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty string, token-id list, or list of those")
+    return list(prompts)
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling_params for {count} prompts")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params entries must be SamplingParams, got {type(p).__name__}")
+    return params

@@ -1,0 +1,125 @@
+"""Attention metadata for one forward pass over a ragged batch of sequences.
+
+The forward works on a flat list of new tokens ``[N]``: sequence ``b`` owns rows
+``row_start:row_end``.  Its new tokens are written into its cache slot at storage indices
+``cache_len + node`` (node = index in the tree, 0..T-1), and each new token attends to the
+sequence's committed prefix plus its own tree ancestors (a chain is a tree of width 1).
+
+For committed tokens storage index == absolute position, so a sliding-window layer can
+read only the storage range it needs, and rollback is just a shorter length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceAttention:
+    """One sequence's view of the cache for this forward."""
+
+    slot: int
+    row_start: int  # first row of this sequence in the flat batch
+    row_end: int
+    cache_len: int  # committed tokens whose KV is already stored
+    # Key range [kv_start, kv_end) of the slot's storage read by each layer type, and the
+    # boolean masks over it (True = may attend).  A mask of None means "attend to the whole
+    # range", which is exact for single-token decode and keeps that path mask-free.
+    full_kv_start: int
+    sliding_kv_start: int
+    full_mask: torch.Tensor | None  # [T, kv_end - full_kv_start]
+    sliding_mask: torch.Tensor | None  # [T, kv_end - sliding_kv_start]
+
+    @property
+    def kv_end(self) -> int:
+        return self.cache_len + (self.row_end - self.row_start)
+
+
+@dataclass
+class AttentionBatch:
+    sequences: list[SequenceAttention]
+    slot_index: torch.Tensor  # [N] int64, cache slot of each new token
+    store_index: torch.Tensor  # [N] int64, storage index of each new token in its slot
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:  # -> [T, T] bool
+    """mask[i, j] is True when node j is node i or one of its ancestors.
+
+    ``parents[i]`` is the index of node i's parent (-1 for the root) and parents always come
+    before their children, so one pass fills the table.
+    """
+    num_nodes = len(parents)
+    mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= node:
+            raise ValueError(f"tree node {node} has parent {parent}: parents must come first")
+        if parent >= 0:
+            mask[node] = mask[parent]
+        mask[node, node] = True
+    return mask
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def build_sequence_attention(
+    *,
+    slot: int,
+    row_start: int,
+    cache_len: int,
+    parents: list[int] | None,
+    num_new: int,
+    sliding_window: int | None,
+) -> tuple[SequenceAttention, list[int]]:
+    """Masks and key ranges for one sequence; returns it with the new tokens' positions.
+
+    ``parents=None`` means the new tokens form a chain (prefill chunk or plain decode).
+    """
+    if parents is None:
+        depths = list(range(num_new))
+        tree = torch.ones(num_new, num_new, dtype=torch.bool).tril_() if num_new > 1 else None
+    else:
+        if len(parents) != num_new:
+            raise ValueError(f"{len(parents)} parents for {num_new} tree nodes")
+        depths = node_depths(parents)
+        tree = ancestor_mask(parents) if num_new > 1 else None
+    positions = [cache_len + depth for depth in depths]
+    kv_end = cache_len + num_new
+
+    full_mask = None
+    if tree is not None:
+        full_mask = torch.ones(num_new, kv_end, dtype=torch.bool)
+        full_mask[:, cache_len:] = tree
+
+    sliding_kv_start = 0
+    sliding_mask = full_mask
+    if sliding_window is not None:
+        # The oldest key any new token may see: key_pos > query_pos - window.
+        sliding_kv_start = max(0, min(positions) - sliding_window + 1)
+        needs_window_mask = max(positions) - sliding_window + 1 > sliding_kv_start
+        if full_mask is not None or needs_window_mask:
+            key_pos = torch.arange(sliding_kv_start, kv_end)
+            key_pos[cache_len - sliding_kv_start :] = torch.tensor(positions)
+            query_pos = torch.tensor(positions)[:, None]
+            window = key_pos[None, :] > query_pos - sliding_window  # [T, S]
+            base = full_mask[:, sliding_kv_start:] if full_mask is not None else True
+            sliding_mask = window & base
+        else:
+            sliding_mask = None
+    seq = SequenceAttention(
+        slot=slot,
+        row_start=row_start,
+        row_end=row_start + num_new,
+        cache_len=cache_len,
+        full_kv_start=0,
+        sliding_kv_start=sliding_kv_start,
+        full_mask=full_mask,
+        sliding_mask=sliding_mask,
+    )
+    return seq, positions

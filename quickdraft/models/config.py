@@ -1,0 +1,215 @@
+"""ModelConfig: the one description the config-driven decoder is built from.
+
+It is parsed from a HuggingFace ``config.json`` dict.  Every architecture we support is a
+set of switches on the same decoder (norm style, activation, biases, q/k norm, sandwich
+norms, embedding scale, sliding-window layers, rope flavour), so adding an architecture
+means adding a parser branch here, never a new model file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma3", "llama", "qwen2", "qwen3")
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"unsupported rope_type {self.rope_type!r}: supported are default, linear, llama3"
+            )
+        if self.theta <= 0:
+            raise ValueError(f"rope theta must be positive, got {self.theta}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    activation: str  # "gelu_tanh" | "silu"
+    layer_types: tuple[str, ...]
+    rope_by_layer_type: dict[str, RopeConfig]
+    attn_scale: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False  # Gemma: extra norms after attention and after the MLP
+    norm_unit_offset: bool = False  # Gemma's RMSNorm multiplies by (1 + weight)
+    embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
+    sliding_window: int | None = None
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        for layer_type in self.layer_types:
+            if layer_type not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ValueError(f"unsupported layer type {layer_type!r}")
+            if layer_type not in self.rope_by_layer_type:
+                raise ValueError(f"no rope parameters for layer type {layer_type!r}")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        if self.activation not in ("gelu_tanh", "silu"):
+            raise ValueError(f"unsupported activation {self.activation!r}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type == "gemma3" and "text_config" in hf:
+            # A multimodal Gemma 3 checkpoint: we serve its text decoder only.
+            hf = {**hf["text_config"], "model_type": "gemma3_text"}
+            model_type = "gemma3_text"
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture model_type={model_type!r} "
+                f"(architectures={hf.get('architectures')}); quickdraft supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        parser = _gemma3_fields if model_type.startswith("gemma3") else _llama_family_fields
+        return cls(**{**_common_fields(hf), **parser(hf, model_type)})
+
+
+def _require(hf: dict, key: str):
+    if key not in hf or hf[key] is None:
+        raise ValueError(f"config.json is missing the required field {key!r}")
+    return hf[key]
+
+
+def _common_fields(hf: dict) -> dict:
+    num_heads = int(_require(hf, "num_attention_heads"))
+    hidden = int(_require(hf, "hidden_size"))
+    head_dim = hf.get("head_dim") or hidden // num_heads
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return dict(
+        vocab_size=int(_require(hf, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_require(hf, "intermediate_size")),
+        num_layers=int(_require(hf, "num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _rope_from_params(params: dict | None, default_theta: float) -> RopeConfig:
+    params = dict(params or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    kwargs = dict(theta=float(params.get("rope_theta", default_theta)), rope_type=rope_type)
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key in params:
+            kwargs[key] = float(params[key])
+    if "original_max_position_embeddings" in params:
+        kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    return RopeConfig(**kwargs)
+
+
+def _gemma3_fields(hf: dict, model_type: str) -> dict:
+    num_layers = int(hf["num_hidden_layers"])
+    pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+    layer_types = hf.get("layer_types") or [
+        SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
+    ]
+    rope_params = hf.get("rope_parameters") or {}
+    if FULL_ATTENTION in rope_params or SLIDING_ATTENTION in rope_params:
+        full = _rope_from_params(rope_params.get(FULL_ATTENTION), 1_000_000.0)
+        local = _rope_from_params(rope_params.get(SLIDING_ATTENTION), 10_000.0)
+    else:  # transformers 4.x spelling
+        full = _rope_from_params(
+            {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1_000_000.0)},
+            1_000_000.0,
+        )
+        local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
+    if hf.get("attn_logit_softcapping"):
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 does not use it)")
+    hidden = int(hf["hidden_size"])
+    return dict(
+        model_type="gemma3_text",
+        activation="gelu_tanh",
+        layer_types=tuple(layer_types),
+        rope_by_layer_type={FULL_ATTENTION: full, SLIDING_ATTENTION: local},
+        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)),
+        qk_norm=True,
+        sandwich_norms=True,
+        norm_unit_offset=True,
+        embed_scale=math.sqrt(hidden),
+        sliding_window=hf.get("sliding_window"),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+
+
+def _llama_family_fields(hf: dict, model_type: str) -> dict:
+    num_layers = int(hf["num_hidden_layers"])
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} for {model_type}")
+    rope_params = hf.get("rope_parameters")
+    if rope_params is None:  # transformers 4.x spelling
+        rope_params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10_000.0)}
+    rope = _rope_from_params(rope_params, 10_000.0)
+    layer_types = hf.get("layer_types") or [FULL_ATTENTION] * num_layers
+    if not hf.get("use_sliding_window", False):
+        layer_types = [FULL_ATTENTION] * num_layers
+    attention_bias = bool(hf.get("attention_bias", False))
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    return dict(
+        model_type=model_type,
+        activation="silu",
+        layer_types=tuple(layer_types),
+        rope_by_layer_type={FULL_ATTENTION: rope, SLIDING_ATTENTION: rope},
+        attn_scale=head_dim**-0.5,
+        # Qwen2 always has q/k/v biases and no o_proj bias; Llama/Qwen3 follow attention_bias.
+        qkv_bias=True if model_type == "qwen2" else attention_bias,
+        o_bias=False if model_type == "qwen2" else attention_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window") else None,
+    )

@@ -1,0 +1,208 @@
+"""One config-driven decoder for Gemma 3 (text), Llama 3, Qwen2/2.5 and Qwen3.
+
+The forward takes a flat batch of new tokens with their absolute positions and an
+``AttentionBatch`` (built by the runner) that says which cached keys and which tree
+ancestors each token sees.  It can start at any layer from given hidden states, stop after
+any layer, capture the hidden states of chosen layers, and compute logits for chosen rows
+only: everything a drafter that reuses the target's layers or features needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from quickdraft.kv.cache import KVCache
+from quickdraft.models.attention import AttentionBatch
+from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from quickdraft.models.layers import LinearFn, RMSNorm, RotaryTable, apply_rotary
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [M, V] for the requested rows, None when not asked
+    hidden_states: torch.Tensor  # [N, D] output of the last layer that ran (before final norm)
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, D] its output
+
+
+def _weight(rows: int, cols: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+
+
+def _bias(rows: int, enabled: bool, dtype: torch.dtype) -> torch.nn.Parameter | None:
+    if not enabled:
+        return None
+    return torch.nn.Parameter(torch.zeros(rows, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig, *, layer_index: int, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.layer_index = layer_index
+        self.is_sliding = c.layer_types[layer_index] == SLIDING_ATTENTION
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.attn_scale = c.attn_scale
+        self.gelu = c.activation == "gelu_tanh"
+        # q, k and v share one matmul, gate and up another: fewer passes over the input.
+        self.qkv_proj = _weight(c.q_size + 2 * c.kv_size, c.hidden_size, dtype)
+        self.qkv_bias = _bias(c.q_size + 2 * c.kv_size, c.qkv_bias, dtype)
+        self.o_proj = _weight(c.hidden_size, c.q_size, dtype)
+        self.o_bias = _bias(c.hidden_size, c.o_bias, dtype)
+        self.gate_up_proj = _weight(2 * c.intermediate_size, c.hidden_size, dtype)
+        self.gate_up_bias = _bias(2 * c.intermediate_size, c.mlp_bias, dtype)
+        self.down_proj = _weight(c.hidden_size, c.intermediate_size, dtype)
+        self.down_bias = _bias(c.hidden_size, c.mlp_bias, dtype)
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
+
+        self.input_layernorm = norm(c.hidden_size)
+        self.post_attention_layernorm = norm(c.hidden_size)
+        self.q_norm = norm(c.head_dim) if c.qk_norm else None
+        self.k_norm = norm(c.head_dim) if c.qk_norm else None
+        self.pre_feedforward_layernorm = norm(c.hidden_size) if c.sandwich_norms else None
+        self.post_feedforward_layernorm = norm(c.hidden_size) if c.sandwich_norms else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [N, D]
+        *,
+        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin [N, 1, head_dim]
+        attn: AttentionBatch,
+        cache: KVCache,
+        linear: LinearFn,
+    ) -> torch.Tensor:  # [N, D]
+        residual = hidden
+        attn_out = self._attention(self.input_layernorm(hidden), rotary, attn, cache, linear)
+        if self.pre_feedforward_layernorm is not None:
+            # Gemma: norm the attention output, add, then norm again before the MLP.
+            hidden = residual + self.post_attention_layernorm(attn_out)
+            mlp_out = self._mlp(self.pre_feedforward_layernorm(hidden), linear)
+            return hidden + self.post_feedforward_layernorm(mlp_out)
+        hidden = residual + attn_out
+        return hidden + self._mlp(self.post_attention_layernorm(hidden), linear)
+
+    def _mlp(self, x: torch.Tensor, linear: LinearFn) -> torch.Tensor:  # [N, D] -> [N, D]
+        gate, up = linear(x, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return linear(act * up, self.down_proj, self.down_bias)
+
+    def _attention(
+        self,
+        x: torch.Tensor,  # [N, D]
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBatch,
+        cache: KVCache,
+        linear: LinearFn,
+    ) -> torch.Tensor:  # [N, D]
+        num_tokens = x.shape[0]
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index,
+                    store_index=attn.store_index)
+        out = torch.empty_like(q)  # [N, H, head_dim]
+        for seq in attn.sequences:
+            kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
+            mask = seq.sliding_mask if self.is_sliding else seq.full_mask
+            keys, values = cache.read(self.layer_index, slot=seq.slot, start=kv_start, end=seq.kv_end)
+            query = q[seq.row_start : seq.row_end].transpose(0, 1)[None]  # [1, H, T, hd]
+            attended = F.scaled_dot_product_attention(
+                query, keys[None], values[None], attn_mask=mask, scale=self.attn_scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )  # [1, H, T, hd]
+            out[seq.row_start : seq.row_end] = attended[0].transpose(0, 1)
+        return linear(out.view(num_tokens, self.q_size), self.o_proj, self.o_bias)
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, max_len: int):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        c = config
+        self.embed_tokens = _weight(c.vocab_size, c.hidden_size, dtype)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(c, layer_index=i, dtype=dtype) for i in range(c.num_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset,
+                            dtype=dtype)
+        self.lm_head = None if c.tie_word_embeddings else _weight(c.vocab_size, c.hidden_size, dtype)
+        self.rotary = torch.nn.ModuleDict(
+            {
+                layer_type: RotaryTable(rope, head_dim=c.head_dim, max_len=max_len, dtype=dtype)
+                for layer_type, rope in c.rope_by_layer_type.items()
+                if layer_type in c.layer_types
+            }
+        )
+        # The reference rounds the embedding scale to the model dtype first.
+        self.embed_scale = (
+            None if c.embed_scale is None
+            else torch.tensor(c.embed_scale, dtype=dtype, device="cpu").item()
+        )
+        self.linear: LinearFn = F.linear
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [V, D]
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, D]
+        hidden = F.embedding(token_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, D] -> [M, V]
+        logits = self.linear(self.norm(hidden), self.lm_head_weight, None)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor | None,  # [N]
+        positions: torch.Tensor,  # [N] absolute positions
+        *,
+        attn: AttentionBatch,
+        cache: KVCache,
+        hidden_states: torch.Tensor | None = None,  # [N, D] input when start_layer > 0
+        start_layer: int = 0,
+        end_layer: int | None = None,  # exclusive
+        capture_layers: tuple[int, ...] = (),
+        logits_rows: torch.Tensor | None = None,  # [M] rows that need logits; None = no logits
+    ) -> ForwardOutput:
+        end_layer = self.config.num_layers if end_layer is None else end_layer
+        if not 0 <= start_layer < end_layer <= self.config.num_layers:
+            raise ValueError(f"invalid layer range [{start_layer}, {end_layer})")
+        if start_layer == 0:
+            hidden = self.embed(token_ids)
+        elif hidden_states is None:
+            raise ValueError("start_layer > 0 needs hidden_states from layer start_layer - 1")
+        else:
+            hidden = hidden_states
+        rotary = {name: table.lookup(positions) for name, table in self.rotary.items()}
+        captured: dict[int, torch.Tensor] = {}
+        for index in range(start_layer, end_layer):
+            layer = self.layers[index]
+            layer_rotary = rotary[SLIDING_ATTENTION if layer.is_sliding else FULL_ATTENTION]
+            hidden = layer(hidden, rotary=layer_rotary, attn=attn, cache=cache, linear=self.linear)
+            if index in capture_layers:
+                captured[index] = hidden
+        logits = None
+        if logits_rows is not None:
+            if end_layer != self.config.num_layers:
+                raise ValueError("logits need the full stack of layers (end_layer = num_layers)")
+            logits = self.compute_logits(hidden[logits_rows])
+        return ForwardOutput(logits=logits, hidden_states=hidden, captured=captured)

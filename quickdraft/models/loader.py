@@ -1,0 +1,178 @@
+"""Load a target model from a local HF directory, a GGUF file, or the embedded default."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from quickdraft.models.config import ModelConfig
+from quickdraft.models.decoder import Decoder
+from quickdraft.models.layers import RotaryTable, default_linear_fn
+
+DEFAULT_MODEL_ALIASES = ("default", "gemma-3-270m", "gemma3-270m")
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(SUPPORTED_DTYPES)}")
+    return SUPPORTED_DTYPES[name]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"unsupported device {device!r}: use cpu or cuda") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device}: use cpu or cuda")
+    return device
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """A local HF directory for `model`: converted and cached when it is a GGUF file."""
+    from quickdraft.models import gguf
+
+    if model is None or str(model) in DEFAULT_MODEL_ALIASES:
+        return gguf.default_model_dir()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r} not found: give a local HF directory (config.json + "
+            f"safetensors), a .gguf file, or 'default' for the embedded Gemma 3 270M"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file")
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        out_dir = _cache_root() / "gguf" / f"{path.stem}-{key}"
+        if not (out_dir / "config.json").exists():
+            gguf.convert_gguf_to_hf_dir(path, out_dir)
+        return out_dir
+    return path
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} does not exist: not a HF model directory")
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    return files
+
+
+def read_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(model_dir):
+        if not file.exists():
+            raise FileNotFoundError(f"weight shard {file} listed in the index is missing")
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as err:  # safetensors raises several types for a corrupt file
+            raise ValueError(f"cannot read weights from {file}: {err}") from err
+    # Multimodal Gemma 3 stores its text decoder under language_model.
+    return {
+        name.replace("language_model.model.", "model.").replace("model.language_model.", "model."): t
+        for name, t in tensors.items()
+    }
+
+
+def _hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
+    """Our fused parameter -> the HF tensors concatenated (along rows) to make it."""
+    p = f"model.layers.{index}."
+    names = {
+        "qkv_proj": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+        "o_proj": [p + "self_attn.o_proj.weight"],
+        "gate_up_proj": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+        "down_proj": [p + "mlp.down_proj.weight"],
+        "input_layernorm.weight": [p + "input_layernorm.weight"],
+        "post_attention_layernorm.weight": [p + "post_attention_layernorm.weight"],
+    }
+    if config.qkv_bias:
+        names["qkv_bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+    if config.o_bias:
+        names["o_bias"] = [p + "self_attn.o_proj.bias"]
+    if config.mlp_bias:
+        names["gate_up_bias"] = [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]
+        names["down_bias"] = [p + "mlp.down_proj.bias"]
+    if config.qk_norm:
+        names["q_norm.weight"] = [p + "self_attn.q_norm.weight"]
+        names["k_norm.weight"] = [p + "self_attn.k_norm.weight"]
+    if config.sandwich_norms:
+        names["pre_feedforward_layernorm.weight"] = [p + "pre_feedforward_layernorm.weight"]
+        names["post_feedforward_layernorm.weight"] = [p + "post_feedforward_layernorm.weight"]
+    return names
+
+
+def hf_to_decoder_state(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename (and fuse) HF tensors into the Decoder's state dict; strict about what is missing."""
+    plan: dict[str, list[str]] = {"embed_tokens": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        plan["lm_head"] = ["lm_head.weight"]
+    for index in range(config.num_layers):
+        for ours, theirs in _hf_layer_tensors(config, index).items():
+            plan[f"layers.{index}.{ours}"] = theirs
+    missing = [name for names in plan.values() for name in names if name not in tensors]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors the config needs: {shown}")
+    return {ours: torch.cat([tensors[n] for n in theirs]) if len(theirs) > 1 else tensors[theirs[0]]
+            for ours, theirs in plan.items()}
+
+
+def build_decoder(config: ModelConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                  device: torch.device, max_len: int) -> Decoder:
+    with torch.device("meta"):
+        decoder = Decoder(config, dtype=dtype, max_len=max_len)
+    decoder = decoder.to_empty(device=device)
+    own = decoder.state_dict()
+    for name, tensor in state.items():
+        if name not in own:
+            raise ValueError(f"unexpected tensor {name} for this architecture")
+        if own[name].shape != tensor.shape:
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+        own[name].copy_(tensor)
+    # Rotary tables are buffers computed from the config, not weights: rebuild them for real.
+    for layer_type in decoder.rotary:
+        rope = config.rope_by_layer_type[layer_type]
+        decoder.rotary[layer_type] = RotaryTable(rope, head_dim=config.head_dim, max_len=max_len,
+                                                 dtype=dtype).to(device)
+    decoder.linear = default_linear_fn(device)
+    decoder.eval()
+    return decoder
+
+
+def load_decoder(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
+                 max_len: int) -> tuple[Decoder, ModelConfig]:
+    config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
+    state = hf_to_decoder_state(config, read_hf_tensors(model_dir))
+    return build_decoder(config, state, dtype=dtype, device=device, max_len=max_len), config

@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny random checkpoints written with transformers' own config classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=320, max_position_embeddings=512)
+
+
+def tiny_hf_config(arch: str):
+    import transformers
+
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    if arch == "llama":
+        return transformers.LlamaConfig(
+            **{**TINY, "max_position_embeddings": 16384}, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                             "rope_theta": 500000.0})
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**TINY, bos_token_id=1, eos_token_id=2)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**TINY, head_dim=16, bos_token_id=1, eos_token_id=2)
+    raise ValueError(arch)
+
+
+def build_tiny_checkpoint(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
+    """A random HF model saved to out_dir (config.json + model.safetensors)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(arch)
+    model_cls = transformers.Gemma3ForCausalLM if arch == "gemma3" else transformers.AutoModelForCausalLM
+    model = (model_cls(config) if arch == "gemma3" else model_cls.from_config(config)).float().eval()
+    with torch.no_grad():  # random norm weights, so a norm convention bug cannot hide at 1.0
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(out_dir)
+    write_tiny_tokenizer(out_dir, bos="<bos>" if arch == "gemma3" else "<s>",
+                         eos="<eos>" if arch == "gemma3" else "</s>", chat=arch == "qwen3")
+    return out_dir
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tiny_tokenizer(out_dir: Path, *, bos: str, eos: str, chat: bool) -> None:
+    """A byte-level tokenizer (no merges) whose ids fit the tiny vocabulary of 320."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    specials = ["<pad>", eos, bos] if bos == "<bos>" else ["<pad>", bos, eos]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for char in sorted(ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = {"bos_token": bos, "eos_token": eos, "pad_token": "<pad>", "add_bos_token": True}
+    if chat:
+        config["chat_template"] = CHAT_TEMPLATE
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny_checkpoint(arch, root / arch) for arch in ARCHS}
