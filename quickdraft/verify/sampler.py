@@ -1,0 +1,479 @@
+"""Target logits -> per-row probabilities -> tokens.
+
+``logits_to_probs`` is the single definition of "the distribution we sample from" for a
+row. Plain decoding samples from it, and the rejection sampler (lossless speculative
+decoding) compares draft probabilities against it, so both must see exactly the same
+numbers. A *row* is one position to sample: during speculation several rows of one
+request sit at different tree positions and therefore have different token histories,
+which is why penalties take the history per row (``RowContext``), not per request.
+
+Order of processing in ``logits_to_probs`` (all in float32 on a copy of the logits):
+
+1. Penalties on the raw logits (rows that use them):
+   a. repetition penalty (vLLM / HF): for every distinct token in prompt + output, a
+      positive logit is divided by the penalty, a negative one multiplied by it;
+   b. frequency and presence penalties (OpenAI), over output tokens only:
+      ``logit -= frequency * count + presence * (count > 0)``.
+2. ``min_tokens``: while ``len(output) < min_tokens``, ``stop_token_ids`` and the EOS ids
+   (unless ``ignore_eos``, as in vLLM: then EOS does not stop anyway) get ``-inf``.
+3. Greedy rows (temperature 0) become an exact one-hot of the argmax (ties -> lowest
+   index, as ``torch.argmax``). top_k / top_p / min_p do not apply to them.
+4. Other rows: ``softmax(logits / temperature)`` in float32, then
+   a. top_k: keep tokens whose probability is >= the k-th largest (ties at the boundary
+      are all kept, as in vLLM and HF); top_k >= V is off;
+   b. top_p: on the distribution left by top_k, keep the smallest prefix of the sorted
+      distribution whose mass reaches ``top_p * kept mass`` (sums in float64); the most
+      likely token is always kept and tokens tied with the last kept one are kept too
+      (a value threshold, so the result does not depend on how a sort orders ties);
+   c. min_p: drop tokens with ``prob < min_p * max prob`` (the ratio is unchanged by the
+      renormalisations above, so this equals vLLM's min_p-first order);
+   d. renormalise the rows that were filtered.
+
+Rows that use no penalty and no filter take a fast path: one softmax, no sort. top_k alone
+uses ``torch.topk``; top_p reuses the top-k values when top_k is set, otherwise looks at the
+top 1024 values first and sorts the whole vocabulary only for rows whose nucleus is larger.
+Work is vectorised over the rows that use a stage, with per-row parameter tensors; Python
+loops run over rows and over token histories, never over the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.sampling_params import SamplingParams
+
+# Tests set this to True to push every row through every stage (with the stage's "off"
+# value), checking that the fast path computes the same distribution as the slow one.
+_ALWAYS_SLOW = False
+
+
+@dataclass(frozen=True)
+class RowContext:
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]  # the request's prompt
+    output_token_ids: Sequence[int]  # generated so far for this row (committed + drafted ancestors)
+
+
+# --------------------------------------------------------------------------------------
+# logits -> probabilities
+# --------------------------------------------------------------------------------------
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [R, V], any float dtype
+    rows: Sequence[RowContext],
+    *,
+    eos_token_ids: Sequence[int] = (),
+) -> torch.Tensor:  # [R, V] float32
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    num_rows, vocab = logits.shape
+    if len(rows) != num_rows:
+        raise ValueError(f"got {len(rows)} RowContexts for {num_rows} logit rows")
+
+    logits = logits.to(torch.float32)
+    if any(_modifies_logits(row) for row in rows):
+        # .to() returns the caller's tensor when it is already float32; never write into it.
+        logits = logits.clone().contiguous()
+        _apply_penalties(logits, rows)
+        _apply_min_tokens(logits, rows, eos_token_ids=eos_token_ids)
+
+    greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+    if len(greedy) == num_rows:
+        return _one_hot_argmax(logits)
+
+    probs = torch.zeros(num_rows, vocab, dtype=torch.float32, device=logits.device)  # [R, V]
+    if greedy:
+        greedy_idx = _index(greedy, logits.device)
+        probs[greedy_idx] = _one_hot_argmax(logits[greedy_idx])
+
+    sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    sampled_params = [rows[i].params for i in sampled]
+    all_sampled = len(sampled) == num_rows
+    sampled_idx = _index(sampled, logits.device)
+    x = logits if all_sampled else logits[sampled_idx]  # [N, V]
+    temps = torch.tensor([p.temperature for p in sampled_params], device=x.device)  # [N]
+    sampled_probs = torch.softmax(x / temps.unsqueeze(1), dim=-1)  # [N, V] float32
+    _apply_filters(sampled_probs, sampled_params)
+    if all_sampled:
+        return sampled_probs
+    probs[sampled_idx] = sampled_probs
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N, V] float32
+    out = torch.zeros_like(logits, dtype=torch.float32)
+    out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # argmax ties -> lowest index
+    return out
+
+
+def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:  # [N] int64
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+# ---- penalties and min_tokens (step 1 and 2) -----------------------------------------
+
+
+def _uses_repetition(params: SamplingParams) -> bool:
+    return _ALWAYS_SLOW or params.repetition_penalty != 1.0
+
+
+def _uses_output_penalties(params: SamplingParams) -> bool:
+    return _ALWAYS_SLOW or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+def _blocks_stops(row: RowContext) -> bool:
+    return len(row.output_token_ids) < row.params.min_tokens
+
+
+def _modifies_logits(row: RowContext) -> bool:
+    p = row.params
+    return _uses_repetition(p) or _uses_output_penalties(p) or _blocks_stops(row)
+
+
+def _flat_keys(
+    per_row_ids: Sequence[tuple[int, Sequence[int]]],  # (row, token ids) pairs
+    vocab: int,
+    device: torch.device,
+) -> torch.Tensor:  # [T] int64: row * V + token, an index into logits.view(-1)
+    """Flattened (row, token) indices, so one gather/scatter serves all rows at once."""
+    parts = []
+    for row, ids in per_row_ids:
+        ids_t = _as_ids(ids)
+        if ids_t.numel() == 0:
+            continue
+        lo, hi = int(ids_t.min()), int(ids_t.max())
+        if lo < 0 or hi >= vocab:
+            # An out-of-range id would silently land in a neighbouring row.
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} out of range for vocabulary size {vocab}")
+        parts.append(ids_t + row * vocab)
+    if not parts:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.cat(parts).to(device)  # one host-to-device copy for all rows
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+    """In place on contiguous float32 ``logits`` [R, V]."""
+    vocab = logits.shape[1]
+    flat = logits.view(-1)  # [R * V]
+    device = logits.device
+
+    rep_rows = [i for i, row in enumerate(rows) if _uses_repetition(row.params)]
+    if rep_rows:
+        keys = _flat_keys(
+            [(i, _history_ids(rows[i])) for i in rep_rows],
+            vocab,
+            device,
+        )
+        keys = torch.unique(keys)  # each distinct token is penalised once
+        penalty = _per_row_values(rows, lambda p: p.repetition_penalty, device)[keys // vocab]
+        vals = flat[keys]
+        flat[keys] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+    out_rows = [i for i, row in enumerate(rows) if _uses_output_penalties(row.params)]
+    if out_rows:
+        keys = _flat_keys([(i, rows[i].output_token_ids) for i in out_rows], vocab, device)
+        keys, counts = torch.unique(keys, return_counts=True)  # counts >= 1 by construction
+        row_of_key = keys // vocab
+        freq = _per_row_values(rows, lambda p: p.frequency_penalty, device)[row_of_key]
+        pres = _per_row_values(rows, lambda p: p.presence_penalty, device)[row_of_key]
+        flat[keys] -= freq * counts.to(torch.float32) + pres
+
+
+def _apply_min_tokens(
+    logits: torch.Tensor, rows: Sequence[RowContext], *, eos_token_ids: Sequence[int]
+) -> None:
+    """In place: forbid stopping tokens while a row has fewer than min_tokens outputs."""
+    blocked = []
+    for i, row in enumerate(rows):
+        if not _blocks_stops(row):
+            continue
+        ids = list(row.params.stop_token_ids or [])
+        if not row.params.ignore_eos:
+            ids += list(eos_token_ids)
+        blocked.append((i, ids))
+    if blocked:
+        keys = _flat_keys(blocked, logits.shape[1], logits.device)
+        logits.view(-1)[keys] = float("-inf")
+
+
+def _as_ids(ids: Sequence[int] | torch.Tensor) -> torch.Tensor:  # [T] int64 on the CPU
+    return torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()
+
+
+def _history_ids(row: RowContext) -> torch.Tensor:  # [prompt + output] int64
+    return torch.cat([_as_ids(row.prompt_token_ids), _as_ids(row.output_token_ids)])
+
+
+def _per_row_values(rows: Sequence[RowContext], get, device: torch.device) -> torch.Tensor:  # [R]
+    values = [float(get(row.params)) for row in rows]
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+# ---- top_k / top_p / min_p (step 4) ---------------------------------------------------
+
+
+def _effective_top_k(params: SamplingParams, vocab: int) -> int:
+    """top_k as a count in [1, V]; V means off (0, -1 and k >= V all keep everything)."""
+    return params.top_k if 0 < params.top_k < vocab else vocab
+
+
+def _uses_top_k(params: SamplingParams, vocab: int) -> bool:
+    return _ALWAYS_SLOW or _effective_top_k(params, vocab) < vocab
+
+
+def _uses_top_p(params: SamplingParams) -> bool:
+    return _ALWAYS_SLOW or params.top_p < 1.0
+
+
+def _uses_min_p(params: SamplingParams) -> bool:
+    return _ALWAYS_SLOW or params.min_p > 0.0
+
+
+def _apply_filters(probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place on ``probs`` [N, V] (softmax output, one row per params entry)."""
+    vocab = probs.shape[1]
+    device = probs.device
+    k_rows = [i for i, p in enumerate(params) if _uses_top_k(p, vocab)]
+    p_rows = [i for i, p in enumerate(params) if _uses_top_p(p)]
+    m_rows = [i for i, p in enumerate(params) if _uses_min_p(p)]
+    filtered = sorted(set(k_rows) | set(p_rows) | set(m_rows))
+    if not filtered:
+        return  # fast path: nothing to filter, the softmax is already normalised
+
+    # Sorted top-k values of the top_k rows, reused by top_p (no full-vocabulary sort).
+    topk_prefix: _TopKPrefix | None = None
+    if k_rows:
+        idx = _index(k_rows, device)
+        ks = torch.tensor([_effective_top_k(params[i], vocab) for i in k_rows], device=device)
+        kept, sorted_vals, kth = top_k_filter(probs[idx], ks)
+        probs[idx] = kept
+        topk_prefix = _TopKPrefix(
+            position={row: j for j, row in enumerate(k_rows)}, sorted_vals=sorted_vals, kth=kth
+        )
+
+    if p_rows:
+        _apply_top_p_rows(probs, params, p_rows, topk_prefix)
+
+    if m_rows:
+        idx = _index(m_rows, device)
+        min_p = torch.tensor([params[i].min_p for i in m_rows], dtype=torch.float32, device=device)
+        probs[idx] = min_p_filter(probs[idx], min_p)
+
+    idx = _index(filtered, device)
+    sub = probs[idx]
+    probs[idx] = sub / sub.sum(dim=-1, keepdim=True)
+
+
+@dataclass
+class _TopKPrefix:
+    position: dict[int, int]  # row of probs -> row of sorted_vals / kth
+    sorted_vals: torch.Tensor  # [K, max k] descending kept values (zeros past a row's cut)
+    kth: torch.Tensor  # [K] k-th largest value per row
+
+
+def _apply_top_p_rows(
+    probs: torch.Tensor,  # [N, V], modified in place
+    params: Sequence[SamplingParams],
+    p_rows: Sequence[int],
+    topk_prefix: _TopKPrefix | None,
+) -> None:
+    device = probs.device
+    position = topk_prefix.position if topk_prefix is not None else {}
+    with_k = [i for i in p_rows if i in position]
+    without_k = [i for i in p_rows if i not in position]
+
+    if without_k:
+        idx = _index(without_k, device)
+        top_p = torch.tensor(
+            [params[i].top_p for i in without_k], dtype=torch.float64, device=device
+        )
+        probs[idx] = top_p_filter(probs[idx], top_p)
+
+    if with_k:
+        # After top_k a row keeps its sorted top-k values plus, possibly, ties equal to the
+        # k-th value beyond them; so the top-k prefix stands in for the full sort, and if
+        # top_p is not reached inside it the cut is the k-th value itself.
+        pos = _index([position[i] for i in with_k], device)
+        idx = _index(with_k, device)
+        sub = probs[idx]  # [M, V], already top-k filtered
+        top_p = torch.tensor([params[i].top_p for i in with_k], dtype=torch.float64, device=device)
+        threshold, reached = _top_p_cut(
+            topk_prefix.sorted_vals[pos], total=sub.double().sum(dim=-1), top_p=top_p
+        )
+        threshold = torch.where(reached, threshold, topk_prefix.kth[pos])
+        probs[idx] = sub.masked_fill(sub < threshold.unsqueeze(1), 0.0)
+
+
+def top_k_filter(
+    probs: torch.Tensor,  # [N, V]
+    top_k: torch.Tensor,  # [N] int64 in [1, V]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero every token below the k-th largest probability (ties with it are kept).
+
+    Returns (filtered probs [N, V], sorted kept top values [N, max k] with entries past a
+    row's own cut zeroed, k-th value per row [N]).
+    """
+    k_max = int(top_k.max())
+    values = torch.topk(probs, k_max, dim=-1, sorted=True).values  # [N, k_max], descending
+    kth = values.gather(1, (top_k - 1).unsqueeze(1))  # [N, 1]
+    filtered = probs.masked_fill(probs < kth, 0.0)
+    values = values.masked_fill(values < kth, 0.0)
+    return filtered, values, kth.squeeze(1)
+
+
+# top_p first looks at this many top values; usually the nucleus is inside, and the full
+# vocabulary sort is only needed for the rows where it is not.
+_TOP_P_PROBE = 1024
+
+
+def top_p_filter(
+    probs: torch.Tensor,  # [N, V], non-negative (need not sum to 1)
+    top_p: torch.Tensor,  # [N] in (0, 1]
+) -> torch.Tensor:  # [N, V]
+    """Keep the smallest most-likely prefix whose mass reaches ``top_p`` of the row's mass."""
+    num_rows, vocab = probs.shape
+    total = probs.double().sum(dim=-1)  # [N]
+    probe = min(vocab, _TOP_P_PROBE)
+    prefix = torch.topk(probs, probe, dim=-1, sorted=True).values  # [N, probe] descending
+    threshold, reached = _top_p_cut(prefix, total=total, top_p=top_p)
+    if probe < vocab and not bool(reached.all()):
+        rest = (~reached).nonzero().flatten()  # [M]
+        full = torch.sort(probs[rest], dim=-1, descending=True).values  # [M, V]
+        rest_threshold, rest_reached = _top_p_cut(full, total=total[rest], top_p=top_p[rest])
+        threshold[rest] = rest_threshold
+        reached[rest] = rest_reached
+    # Only float rounding (cum[-1] vs total, top_p = 1) can leave a full sort short of the
+    # target; the whole row is then the nucleus.
+    threshold = torch.where(reached, threshold, torch.zeros_like(threshold))
+    return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
+
+
+def _top_p_cut(
+    sorted_vals: torch.Tensor,  # [N, L] descending prefix of each row's values
+    *,
+    total: torch.Tensor,  # [N] float64 mass of the whole row
+    top_p: torch.Tensor,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:  # threshold [N] (keep prob >= it), reached [N] bool
+    """Value of the entry where the running mass first reaches ``top_p * total``.
+
+    float64 sums: the test "mass reaches top_p" is then exact for exactly representable
+    inputs, and float32 rounding over 262144 terms would move the boundary.
+    """
+    cum = sorted_vals.double().cumsum(dim=-1)  # [N, L], non-decreasing
+    target = (top_p.double() * total).unsqueeze(1)  # [N, 1]
+    # cum is monotone, so the first index with cum >= target is the count of cum < target.
+    first = (cum < target).sum(dim=-1)  # [N] in [0, L]
+    reached = first < sorted_vals.shape[1]
+    at_cut = sorted_vals.gather(1, first.clamp(max=sorted_vals.shape[1] - 1).unsqueeze(1))
+    return at_cut.squeeze(1), reached
+
+
+def min_p_filter(
+    probs: torch.Tensor,  # [N, V]
+    min_p: torch.Tensor,  # [N] in [0, 1]
+) -> torch.Tensor:  # [N, V]
+    """Zero tokens with probability < min_p * (max probability of the row)."""
+    cutoff = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [N, 1]
+    return probs.masked_fill(probs < cutoff, 0.0)
+
+
+# --------------------------------------------------------------------------------------
+# randomness
+# --------------------------------------------------------------------------------------
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded for one request, or None (use the global RNG) when unseeded."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [R, V] non-negative weights (need not be normalised)
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:  # [R] int64
+    """One draw per row, each row from its own generator (None = the global RNG).
+
+    Exponential race: ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` i.i.d. picks ``i`` with
+    probability ``p_i / sum(p)`` exactly (this is also what ``torch.multinomial`` does for
+    one sample). Each row consumes only its own generator, so a seeded row draws the same
+    token whatever else is in the batch. A row with a single non-zero entry (greedy
+    one-hot, or top_k=1) returns it without drawing, so its generator is not advanced.
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be [R, V], got shape {tuple(probs.shape)}")
+    num_rows, vocab = probs.shape
+    if len(generators) != num_rows:
+        raise ValueError(f"got {len(generators)} generators for {num_rows} rows")
+
+    nonzero = (probs > 0).sum(dim=-1)  # [R]
+    if bool((nonzero == 0).any()):
+        raise ValueError("every row of probs needs a positive entry")
+    out = probs.argmax(dim=-1)  # [R]; final for deterministic rows
+    random_rows = (nonzero > 1).nonzero().flatten().tolist()
+    if not random_rows:
+        return out
+
+    # float64 weights (e.g. residual distributions) are raced in float64, so tiny weights
+    # do not underflow to zero.
+    dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
+    race = torch.empty(len(random_rows), vocab, dtype=dtype, device=probs.device)  # [N, V]
+    for j, r in enumerate(random_rows):
+        race[j].exponential_(generator=generators[r])
+    # Exp(1) draws are never 0 in current torch, but a 0 would make 0/0 = NaN win argmax.
+    race.clamp_(min=torch.finfo(dtype).tiny)
+    idx = _index(random_rows, probs.device)
+    out[idx] = (probs[idx].to(dtype) / race).argmax(dim=-1)
+    return out
+
+
+def uniform(
+    generators: Sequence[torch.Generator | None],
+    counts: int | Sequence[int],
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float64,
+) -> list[torch.Tensor]:  # per row: [counts[r]] in [0, 1)
+    """Uniform draws for each row from that row's generator (for acceptance tests).
+
+    float64 by default so that ``u < p / q`` is not biased by float32 granularity.
+    """
+    if isinstance(counts, int):
+        counts = [counts] * len(generators)
+    if len(counts) != len(generators):
+        raise ValueError(f"got {len(counts)} counts for {len(generators)} generators")
+    return [
+        torch.rand(n, generator=g, device=device, dtype=dtype) for g, n in zip(generators, counts)
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# logprobs
+# --------------------------------------------------------------------------------------
+
+
+def compute_logprobs(
+    logits: torch.Tensor,  # [R, V] raw logits (before penalties / temperature / filters)
+    token_ids: torch.Tensor,  # [R] int64 sampled tokens
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's default ("raw") logprobs: log_softmax of the model's logits in float32.
+
+    Returns (sampled token's logprob [R], top ids [R, num_top] int64, top logprobs
+    [R, num_top]); ``num_top == 0`` gives empty [R, 0] tensors.
+    """
+    if num_top < 0:
+        raise ValueError(f"num_top must be >= 0, got {num_top}")
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [R, V]
+    token_logprob = logprobs.gather(1, token_ids.to(torch.long).unsqueeze(1)).squeeze(1)  # [R]
+    num_top = min(num_top, logprobs.shape[1])
+    top_logprobs, top_ids = torch.topk(logprobs, num_top, dim=-1)  # [R, k] each
+    return token_logprob, top_ids, top_logprobs
