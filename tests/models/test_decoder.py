@@ -132,3 +132,14 @@ def test_bfloat16_close_to_float32(tiny_checkpoints):
         logits[dtype] = runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=tokens,
                                                      logits_nodes=[15])]).logits.float()
     torch.testing.assert_close(logits[torch.bfloat16], logits[torch.float32], rtol=0.1, atol=0.1)
+
+
+def test_sharded_checkpoint_loads_the_same(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["qwen2"]
+    sharded = tmp_path / "sharded"
+    reference_model(path).save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    tokens = prompt(6, seed=9)
+    runner, _ = make_runner(sharded)
+    out = runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=[5])])
+    torch.testing.assert_close(out.logits[0], reference_logits(path, tokens)[-1], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,41 @@
+"""The CLI on a tiny checkpoint: streams text, prints the summary, reports bad input clearly."""
+
+from __future__ import annotations
+
+import pytest
+
+from quickdraft.cli import build_parser, main
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--model", "--dtype", "--max-tokens", "--temperature", "--top-p", "--seed", "--stop"):
+        assert option in text
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "generate" in capsys.readouterr().out
+
+
+def test_generate_streams_and_summarises(tiny_checkpoints, capsys):
+    code = main(["generate", "hello", "--model", str(tiny_checkpoints["llama"]), "--max-tokens", "5",
+                 "--max-model-len", "64"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.out.startswith("hello")
+    assert "5 tokens (length)" in captured.err and "TTFT" in captured.err and "tokens/s" in captured.err
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "x", "--model", str(tmp_path / "missing")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", str(tmp_path), "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_parser_defaults_are_greedy():
+    args = build_parser().parse_args(["generate", "p"])
+    assert args.temperature == 0.0 and args.max_tokens == 128 and args.model is None
