@@ -57,13 +57,13 @@ class DecoderLayer(torch.nn.Module):
         self.down_proj = _weight(c.hidden_size, c.intermediate_size, dtype)
         self.down_bias = _bias(c.hidden_size, c.mlp_bias, dtype)
 
-        def norm(dim: int) -> RMSNorm:
-            return RMSNorm(dim, eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
+        def norm(*shape: int) -> RMSNorm:
+            return RMSNorm(shape, eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
 
         self.input_layernorm = norm(c.hidden_size)
         self.post_attention_layernorm = norm(c.hidden_size)
-        self.q_norm = norm(c.head_dim) if c.qk_norm else None
-        self.k_norm = norm(c.head_dim) if c.qk_norm else None
+        # q and k heads normalised in one call: row h holds q_norm (h < H) or k_norm.
+        self.qk_norm = norm(c.num_heads + c.num_kv_heads, c.head_dim) if c.qk_norm else None
         self.pre_feedforward_layernorm = norm(c.hidden_size) if c.sandwich_norms else None
         self.post_feedforward_layernorm = norm(c.hidden_size) if c.sandwich_norms else None
 
@@ -100,18 +100,17 @@ class DecoderLayer(torch.nn.Module):
         linear: LinearFn,
     ) -> torch.Tensor:  # [N, D]
         num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias).view(
+            num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
         cos, sin = rotary
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk = apply_rotary(qk, cos, sin)  # q and k heads rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index,
                     store_index=attn.store_index)
-        out = torch.empty_like(q)  # [N, H, head_dim]
+        out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         for seq in attn.sequences:
             kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
             mask = seq.sliding_mask if self.is_sliding else seq.full_mask
@@ -135,7 +134,7 @@ class Decoder(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             DecoderLayer(c, layer_index=i, dtype=dtype) for i in range(c.num_layers)
         )
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset,
+        self.norm = RMSNorm((c.hidden_size,), eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset,
                             dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else _weight(c.vocab_size, c.hidden_size, dtype)
         self.rotary = torch.nn.ModuleDict(

@@ -29,21 +29,31 @@ class RMSNorm(torch.nn.Module):
 
     Gemma multiplies by ``1 + weight`` in float32 and then casts; Llama/Qwen cast the
     normalised activations back first and multiply by the weight in the model dtype.  The
-    difference only shows in bfloat16, where we follow each reference exactly.
+    difference only shows in bfloat16, where we follow each reference exactly.  With
+    ``unit_offset`` the loader stores ``1 + weight`` (float32) here, computed once.
+
+    ``shape`` may have a leading dimension: one weight row per head, so that the q and k
+    heads are normalised together in one call (each row over the last dimension).
     """
 
-    def __init__(self, dim: int, *, eps: float, unit_offset: bool, dtype: torch.dtype):
+    def __init__(self, shape: tuple[int, ...], *, eps: float, unit_offset: bool, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.unit_offset = unit_offset
+        self.dim = shape[-1]
         param_dtype = torch.float32 if unit_offset else dtype
-        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=param_dtype), requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.ones(shape, dtype=param_dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., *shape] -> same
+        if x.dtype == torch.float32:
+            # Fused ops, bit-identical to the reference formula in float32 (where both
+            # conventions coincide); decode calls this ~60 times a step.
+            if self.weight.dim() == 1:
+                return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+            return F.rms_norm(x, (self.dim,), None, self.eps) * self.weight
+        normed = F.rms_norm(x.float(), (self.dim,), None, self.eps)
         if self.unit_offset:
-            return (normed * (1.0 + self.weight)).to(x.dtype)
+            return (normed * self.weight).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -73,23 +83,28 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryTable(torch.nn.Module):
-    """cos/sin for every position up to max_len, computed once like the reference does."""
+    """cos/sin for every position up to max_len, computed once like the reference does.
+
+    The sine table carries the rotate-half sign (-sin on the first half), so applying the
+    rotation is a roll and two products: exactly the reference's arithmetic, fewer ops.
+    """
 
     def __init__(self, rope: RopeConfig, *, head_dim: int, max_len: int, dtype: torch.dtype):
         super().__init__()
         inv_freq = rope_inv_freq(rope, head_dim)  # [D/2]
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, D]
+        sin = emb.sin()
+        signed_sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [N] -> cos, sin [N, 1, D] (broadcast over heads)
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        # positions [N] -> cos, signed_sin [N, 1, D] (broadcast over heads)
+        return self.cos[positions][:, None, :], self.signed_sin[positions][:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [N, H, D], cos/sin [N, 1, D]; rotate-half convention (HF / NeoX layout)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x [N, H, D], cos/signed_sin [N, 1, D]; rotate-half convention (HF / NeoX layout):
+    # x * cos + cat(-x2, x1) * sin  ==  x * cos + roll(x, D/2) * signed_sin
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

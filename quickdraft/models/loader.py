@@ -125,8 +125,7 @@ def _hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
         names["gate_up_bias"] = [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]
         names["down_bias"] = [p + "mlp.down_proj.bias"]
     if config.qk_norm:
-        names["q_norm.weight"] = [p + "self_attn.q_norm.weight"]
-        names["k_norm.weight"] = [p + "self_attn.k_norm.weight"]
+        names["qk_norm.weight"] = [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     if config.sandwich_norms:
         names["pre_feedforward_layernorm.weight"] = [p + "pre_feedforward_layernorm.weight"]
         names["post_feedforward_layernorm.weight"] = [p + "post_feedforward_layernorm.weight"]
@@ -145,8 +144,16 @@ def hf_to_decoder_state(config: ModelConfig, tensors: dict[str, torch.Tensor]) -
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors the config needs: {shown}")
-    return {ours: torch.cat([tensors[n] for n in theirs]) if len(theirs) > 1 else tensors[theirs[0]]
-            for ours, theirs in plan.items()}
+    state = {ours: torch.cat([tensors[n] for n in theirs]) if len(theirs) > 1 else tensors[theirs[0]]
+             for ours, theirs in plan.items() if not ours.endswith("qk_norm.weight")}
+    for ours, (q_name, k_name) in ((o, t) for o, t in plan.items() if o.endswith("qk_norm.weight")):
+        # One row per head: H copies of q_norm then Hkv copies of k_norm.
+        state[ours] = torch.cat([tensors[q_name].expand(config.num_heads, -1),
+                                 tensors[k_name].expand(config.num_kv_heads, -1)])
+    if config.norm_unit_offset:
+        # Gemma's norms scale by (1 + weight) in float32: fold the 1 in once, here.
+        state = {name: t.float() + 1.0 if name.endswith("norm.weight") else t for name, t in state.items()}
+    return state
 
 
 def build_decoder(config: ModelConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
