@@ -1,0 +1,96 @@
+"""Where the milliseconds of one batch-1 decode step go (embedded Gemma 3 270M by default).
+
+Times every matmul by the layer it belongs to (synchronously, so the sum is real wall
+time), the whole forward, and the sampling, then prints a table with the bytes each part
+reads and the bandwidth it achieves.
+
+    python benchmarks/profile_step.py --dtype bfloat16 --steps 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+
+def categorize(weight: torch.Tensor, model) -> str:
+    if weight.data_ptr() == model.lm_head_weight.data_ptr():
+        return "lm_head"
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            if getattr(layer, name).data_ptr() == weight.data_ptr():
+                return name
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--steps", type=int, default=48)
+    args = parser.parse_args()
+
+    from quickdraft import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=512)
+    engine, model = llm.engine, llm.engine.model
+    inner_linear = model.linear
+    seconds: dict[str, float] = collections.defaultdict(float)
+    bytes_read: dict[str, int] = collections.defaultdict(int)
+    names: dict[int, str] = {}
+
+    def timed_linear(x, weight, bias=None):
+        key = names.setdefault(weight.data_ptr(), categorize(weight, model))
+        start = time.perf_counter()
+        out = inner_linear(x, weight, bias)
+        seconds[key] += time.perf_counter() - start
+        bytes_read[key] += weight.numel() * weight.element_size()
+        return out
+
+    forward_seconds = [0.0]
+    inner_forward = engine.runner.forward
+
+    def timed_forward(*a, **kw):
+        start = time.perf_counter()
+        out = inner_forward(*a, **kw)
+        forward_seconds[0] += time.perf_counter() - start
+        return out
+
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+    llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
+    request_id = engine.add_request(prompt="The history of the printing press", params=params)
+    engine.step()  # prefill + first token, not counted
+    model.linear, engine.runner.forward = timed_linear, timed_forward
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    total = time.perf_counter() - start
+    model.linear, engine.runner.forward = inner_linear, inner_forward
+    engine.release(request_id)
+
+    per_step = lambda s: 1e3 * s / steps  # noqa: E731
+    print(f"{args.dtype}, batch 1, {steps} decode steps: {per_step(total):.2f} ms/step "
+          f"({steps / total:.1f} tokens/s)")
+    print(f"{'part':<28}{'ms/step':>9}{'share':>8}{'MB/step':>9}{'GB/s':>7}")
+    matmul_total = 0.0
+    for key in ("lm_head", "gate_up_proj", "down_proj", "qkv_proj", "o_proj", "other"):
+        if key not in seconds:
+            continue
+        matmul_total += seconds[key]
+        mb = bytes_read[key] / steps / 1e6
+        print(f"{'matmul ' + key:<28}{per_step(seconds[key]):9.2f}{seconds[key] / total:8.0%}{mb:9.1f}"
+              f"{mb / 1e3 / (seconds[key] / steps):7.1f}")
+    rest_forward = forward_seconds[0] - matmul_total
+    rest_step = total - forward_seconds[0]
+    print(f"{'rest of forward (attention,':<28}{per_step(rest_forward):9.2f}{rest_forward / total:8.0%}")
+    print(f"{'  norms, rope, kv, python)':<28}")
+    print(f"{'sampling, detokenize, sched':<28}{per_step(rest_step):9.2f}{rest_step / total:8.0%}")
+
+
+if __name__ == "__main__":
+    main()
