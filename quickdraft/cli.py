@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="the prompt text")
     _add_model_options(generate)
     _add_sampling_options(generate)
+    spec = generate.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    spec.add_argument("--speculative-model", default=None, metavar="PATH",
+                      help="draft model (same vocabulary as the target)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
     generate.add_argument("--chat", action="store_true",
                           help="wrap the prompt as a user message with the model's chat template")
     return parser
@@ -83,7 +89,9 @@ def run_generate(args) -> int:
 
     params = _sampling_params(args)
     load_start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
+              speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens)
     load_seconds = time.perf_counter() - load_start
     prompt = args.prompt
     if args.chat:
@@ -108,7 +116,30 @@ def run_generate(args) -> int:
         f"({args.dtype}, {args.device})",
         file=sys.stderr,
     )
+    if metrics.num_drafts:
+        positions = ", ".join(f"{a}/{d}" for a, d in zip(metrics.accepted_per_position, metrics.drafted_per_position))
+        print(
+            f"[quickdraft] speculation: {metrics.num_drafts} drafts, {metrics.num_draft_tokens} draft tokens, "
+            f"{metrics.num_accepted_tokens} accepted (rate {metrics.acceptance_rate:.2f}), acceptance length "
+            f"{metrics.acceptance_length:.2f} tokens/forward, accepted by position [{positions}], "
+            f"drafting {metrics.draft_seconds * 1e3:.0f} ms vs verifying {metrics.verify_seconds * 1e3:.0f} ms",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _parse_json_option(value: str | None, flag: str):
+    if value is None:
+        return None
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{flag} is not valid JSON: {err}") from err
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 def main(argv: list[str] | None = None) -> int:

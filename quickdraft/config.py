@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -14,7 +14,7 @@ class EngineConfig:
     max_num_seqs: int = 8  # requests decoded together (KV cache slots)
     max_num_batched_tokens: int = 512  # tokens per forward; longer prompts prefill in chunks
     seed: int = 0  # seeds the RNG of requests that give no seed of their own
-    speculative_config: dict | None = None
+    speculative_config: "SpeculativeConfig | dict | None" = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -27,7 +27,46 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.speculative_config is not None:
-            raise NotImplementedError(
-                "speculative_config is not available yet in this build: plain decoding only"
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        elif self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError(
+                f"speculative_config must be a dict or SpeculativeConfig, got {type(self.speculative_config).__name__}"
             )
+
+
+@dataclass
+class SpeculativeConfig:
+    """Which drafter proposes, how many tokens, and its own options.
+
+    ``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}``: keys other
+    than the ones below are the drafter's own options, checked by the drafter.
+    """
+
+    method: str
+    num_speculative_tokens: int = 5
+    model: str | None = None  # the draft model, for method "draft_model"
+    # Per-request draft length that grows after a full accept and shrinks after an early
+    # reject (between 1 and num_speculative_tokens). Off by default.
+    dynamic_draft_length: bool = False
+    drafter_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"speculative_config 'method' must be a non-empty string, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 63:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 63], got {k!r}")
+        if not isinstance(self.dynamic_draft_length, bool):
+            raise ValueError(f"dynamic_draft_length must be true or false, got {self.dynamic_draft_length!r}")
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "SpeculativeConfig":
+        if "method" not in config:
+            if config.get("model"):
+                config = {**config, "method": "draft_model"}
+            else:
+                raise ValueError("speculative_config needs a 'method' (e.g. ngram, suffix, draft_model)")
+        known = {"method", "num_speculative_tokens", "model", "dynamic_draft_length"}
+        options = {k: v for k, v in config.items() if k not in known}
+        return cls(**{k: v for k, v in config.items() if k in known}, drafter_options=options)

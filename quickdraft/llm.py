@@ -7,7 +7,7 @@ from typing import Any
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
-from quickdraft.outputs import RequestOutput, StreamDelta
+from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
 from quickdraft.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -32,7 +32,11 @@ class LLM:
         max_num_batched_tokens: int = 512,
         seed: int = 0,
         speculative_config: dict | None = None,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
     ):
+        speculative_config = _merge_speculative_args(speculative_config, speculative_model,
+                                                     num_speculative_tokens)
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
@@ -43,6 +47,10 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_metrics(self) -> EngineMetrics:
+        """Aggregate metrics over every request this engine finished."""
+        return self.engine.metrics
 
     def generate(
         self,
@@ -151,3 +159,17 @@ def _as_params_list(params, count: int) -> list[SamplingParams]:
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling_params entries must be SamplingParams, got {type(p).__name__}")
     return params
+
+
+def _merge_speculative_args(config: dict | None, model: str | None, num_tokens: int | None) -> dict | None:
+    """Accept the older spelling LLM(speculative_model=..., num_speculative_tokens=...) too."""
+    if model is None and num_tokens is None:
+        return config
+    merged = dict(config or {})
+    if model is not None:
+        merged.setdefault("model", model)
+    if num_tokens is not None:
+        merged["num_speculative_tokens"] = num_tokens
+    if "method" not in merged and "model" not in merged:
+        raise ValueError("num_speculative_tokens needs a speculative method or model")
+    return merged

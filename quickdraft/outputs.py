@@ -29,6 +29,37 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Speculation (zero for plain decoding). A target forward that commits tokens for this
+    # request counts once, the prefill that yields the first token included.
+    num_target_forwards: int = 0
+    num_drafts: int = 0  # forwards that verified a proposal
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: accepted at draft depth k+1
+    drafted_per_position: list[int] = field(default_factory=list)  # [k]: drafts reaching depth k+1
+    draft_seconds: float = 0.0  # time of the drafting phases of the steps this request was in
+    verify_seconds: float = 0.0  # time of the verifying forwards (and rejection) it was in
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens committed per target forward, bonus included (1.0 for plain decoding)."""
+        return self.num_generation_tokens / self.num_target_forwards if self.num_target_forwards else None
+
+    def record_draft(self, *, depths: list[int], num_accepted: int) -> None:
+        """One verified proposal: `depths` = depth of every draft node, num_accepted on the path."""
+        self.num_drafts += 1
+        self.num_draft_tokens += len(depths)
+        self.num_accepted_tokens += num_accepted
+        max_depth = max(depths, default=0)
+        for counts, upto in ((self.drafted_per_position, max_depth), (self.accepted_per_position, num_accepted)):
+            counts.extend([0] * (max_depth - len(counts)))
+            for position in range(upto):
+                counts[position] += 1
 
     @property
     def ttft(self) -> float | None:
@@ -85,3 +116,56 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the full output, on the last delta
+
+
+@dataclass
+class EngineMetrics:
+    """Aggregate over every request the engine finished (or aborted) in its life."""
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_target_forwards: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0  # wall time of drafting phases, counted once per step
+    verify_seconds: float = 0.0  # wall time of target forwards + rejection, once per step
+    ttft_sum: float = 0.0
+    tpot_sum: float = 0.0
+    e2e_sum: float = 0.0
+
+    def add(self, m: RequestMetrics) -> None:
+        self.num_requests += 1
+        self.num_prompt_tokens += m.num_prompt_tokens
+        self.num_generation_tokens += m.num_generation_tokens
+        self.num_target_forwards += m.num_target_forwards
+        self.num_drafts += m.num_drafts
+        self.num_draft_tokens += m.num_draft_tokens
+        self.num_accepted_tokens += m.num_accepted_tokens
+        for mine, theirs in ((self.accepted_per_position, m.accepted_per_position),
+                             (self.drafted_per_position, m.drafted_per_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+        self.ttft_sum += m.ttft or 0.0
+        self.tpot_sum += m.tpot or 0.0
+        self.e2e_sum += m.e2e or 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return self.num_generation_tokens / self.num_target_forwards if self.num_target_forwards else None
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Share of drafts reaching depth k+1 whose path accepted a token there."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def mean(self, total: float) -> float | None:
+        return total / self.num_requests if self.num_requests else None

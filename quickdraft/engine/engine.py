@@ -15,12 +15,15 @@ import torch
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.request import Request, make_token_logprobs
+from quickdraft.drafters import default_registry
+from quickdraft.drafters.base import Proposal
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
+from quickdraft.engine.speculation import Speculator
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder, resolve_device, resolve_dtype, resolve_model_dir
 from quickdraft.models.tokenizer import Tokenizer
-from quickdraft.outputs import StreamDelta
+from quickdraft.outputs import EngineMetrics, StreamDelta
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.verify.sampler import (
     RowContext,
@@ -72,6 +75,18 @@ class Engine:
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.seed)
         self.last_step: StepStats | None = None
+        self.metrics = EngineMetrics()
+        self.speculator = self._make_speculator(config.speculative_config)
+
+    def _make_speculator(self, spec) -> Speculator | None:
+        if spec is None:
+            return None
+        try:
+            drafter = default_registry().create(spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+                                                **spec.drafter_options)
+        except TypeError as err:  # an option the drafter does not take
+            raise ValueError(f"speculative_config for method {spec.method!r}: {err}") from err
+        return Speculator(config=spec, drafter=drafter, max_tree_nodes=CACHE_HEADROOM)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(
@@ -127,9 +142,16 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None or request.is_finished:
             return False
-        self.scheduler.finish(request)
         request.finish(reason="abort")
+        self._retire(request)
         return True
+
+    def _retire(self, request: Request) -> None:
+        """A request just finished: free its slot and drafter state, count its metrics."""
+        self.scheduler.finish(request)
+        if self.speculator is not None:
+            self.speculator.finish(request.request_id)
+        self.metrics.add(request.metrics)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -152,25 +174,77 @@ class Engine:
         for item in plan:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = started
-        work = [self._work_for(item) for item in plan]
-        sampled = [item.request for item in plan if item.completes_prompt]
+        proposals = self._propose(plan)
+        drafted = time.perf_counter()
+        work = [self._work_for(item, proposals.get(item.request.request_id)) for item in plan]
+        sampled = [item.request for item in plan
+                   if item.completes_prompt and item.request.request_id not in proposals]
         out = self.runner.forward(work)
         for item in plan:
-            item.request.num_computed_tokens += item.num_new_tokens
-            self.cache.commit(item.request.slot, item.request.num_computed_tokens)
+            if item.request.request_id not in proposals:
+                item.request.num_computed_tokens += item.num_new_tokens
+                self.cache.commit(item.request.slot, item.request.num_computed_tokens)
+        sampled_rows = [i for i, item in enumerate(plan) if item.request in sampled]
         if sampled:
-            self._sample_and_commit(sampled, out.logits)
+            rows = torch.tensor([out.logits_offsets[i] for i in sampled_rows], device=self.device)
+            self._sample_and_commit(sampled, out.logits[rows])
+        for i, item in enumerate(plan):
+            proposal = proposals.get(item.request.request_id)
+            if proposal is not None:
+                logits = out.logits[out.logits_offsets[i] : out.logits_offsets[i + 1]]
+                self._verify_and_commit(item.request, proposal, logits)
+        finished = time.perf_counter()
+        if proposals:
+            self.metrics.draft_seconds += drafted - started
+            self.metrics.verify_seconds += finished - drafted
+            for item in plan:
+                item.request.metrics.draft_seconds += drafted - started
+                item.request.metrics.verify_seconds += finished - drafted
         deltas = [self._delta(item.request) for item in plan]
         self.last_step = StepStats(num_sequences=len(plan), num_tokens=sum(len(w.token_ids) for w in work),
-                                   seconds=time.perf_counter() - started)
+                                   seconds=finished - started)
         return deltas
 
-    def _work_for(self, item: ScheduledRequest) -> SequenceWork:
+    def _propose(self, plan: list[ScheduledRequest]) -> dict[str, Proposal]:
+        if self.speculator is None:
+            return {}
+        decoding = [item.request for item in plan if item.num_new_tokens == 1 and item.completes_prompt]
+        if not decoding:
+            return {}
+        room = {r.request_id: self.cache.max_len - r.num_computed_tokens for r in decoding}
+        return self.speculator.propose(decoding, cache_room=room)
+
+    def _work_for(self, item: ScheduledRequest, proposal: Proposal | None) -> SequenceWork:
         req = item.request
         start = req.num_computed_tokens
+        if proposal is not None:
+            return SequenceWork(slot=req.slot, cache_len=start, token_ids=proposal.token_ids,
+                                parents=proposal.parents, logits_nodes=list(range(len(proposal.token_ids))))
         tokens = req.all_token_ids[start : start + item.num_new_tokens]
         logits_nodes = [item.num_new_tokens - 1] if item.completes_prompt else []
         return SequenceWork(slot=req.slot, cache_len=start, token_ids=tokens, logits_nodes=logits_nodes)
+
+    def _verify_and_commit(self, request: Request, proposal: Proposal, logits: torch.Tensor) -> None:
+        # logits [num_nodes, V]
+        accepted = self.speculator.verify(request=request, proposal=proposal, logits=logits,
+                                          eos_token_ids=self.eos_token_ids)
+        cache_len = request.num_computed_tokens
+        # Keep the accepted path's KV (root included), moved to the positions of its depths.
+        self.cache.compact(request.slot, source=[cache_len + node for node in accepted.nodes],
+                           destination_start=cache_len)
+        request.num_computed_tokens = cache_len + len(accepted.nodes)
+        self.cache.commit(request.slot, request.num_computed_tokens)
+        request.metrics.num_target_forwards += 1
+        logprob_rows = self._logprobs([request] * len(accepted.committed_token_ids),
+                                      logits[accepted.nodes[: len(accepted.committed_token_ids)]],
+                                      accepted.committed_token_ids)
+        now = time.perf_counter()
+        for token, token_logprobs in zip(accepted.committed_token_ids, logprob_rows):
+            if request.append_token(token, now=now, logprobs=token_logprobs):
+                break
+        self.speculator.record(request=request, proposal=proposal, accepted=accepted)
+        if request.is_finished:
+            self._retire(request)
 
     def _sample_and_commit(self, requests: list[Request], logits: torch.Tensor) -> None:
         # logits [len(requests), V]: one row per request that completed its known tokens
@@ -181,8 +255,9 @@ class Engine:
         logprob_rows = self._logprobs(requests, logits, tokens)
         now = time.perf_counter()
         for req, token, token_logprobs in zip(requests, tokens, logprob_rows):
+            req.metrics.num_target_forwards += 1
             if req.append_token(token, now=now, logprobs=token_logprobs):
-                self.scheduler.finish(req)
+                self._retire(req)
 
     def _logprobs(self, requests: list[Request], logits: torch.Tensor, tokens: list[int]):
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]

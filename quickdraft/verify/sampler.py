@@ -134,6 +134,12 @@ def _modifies_logits(row: RowContext) -> bool:
     return _uses_repetition(p) or _uses_output_penalties(p) or _blocks_stops(row)
 
 
+def modifies_logits(params: SamplingParams, *, num_output_tokens: int) -> bool:
+    """Whether penalties or min_tokens change the logits of a row with this many outputs."""
+    return _modifies_logits(RowContext(params=params, prompt_token_ids=(),
+                                       output_token_ids=range(num_output_tokens)))
+
+
 def _flat_keys(
     per_row_ids: Sequence[tuple[int, Sequence[int]]],  # (row, token ids) pairs
     vocab: int,

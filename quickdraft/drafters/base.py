@@ -1,0 +1,114 @@
+"""The one drafter interface, and the registry that maps a config's method to a drafter.
+
+A drafter proposes, for each decoding request, a **tree** of draft tokens (a chain is a
+tree of width 1).  Node 0 is the root: the last committed token, whose KV is not cached
+yet.  The engine verifies every node of every tree in one target forward, and tells the
+drafter what was accepted.  The engine never branches on a method name.
+
+Two conventions for what a proposal's tokens are, both exact under rejection sampling:
+
+- ``draft_probs is None``: deterministic proposals (n-gram, suffix, top-k picks). Each
+  draft token is a point mass: accepted with probability target_probs[token]; on a
+  rejection that token is zeroed out of the target distribution and the rest renormalised
+  before the next sibling is tried.
+- ``draft_probs`` given: node i's token was *sampled* from ``draft_probs[i]`` (siblings
+  drawn i.i.d. from the same row).  Accepted with probability
+  min(1, target_probs[x] / draft_probs[x]); on a rejection the target distribution becomes
+  normalize(max(target - draft, 0)) before the next sibling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]  # [num_nodes] node 0 = root (the last committed token)
+    parents: list[int]  # [num_nodes] parent index, -1 for the root; parents precede children
+    draft_probs: torch.Tensor | None = None  # [num_nodes, V]: row i = distribution node i was drawn from
+
+    def __post_init__(self) -> None:
+        if not self.token_ids or len(self.token_ids) != len(self.parents):
+            raise ValueError(f"{len(self.token_ids)} tokens for {len(self.parents)} parents")
+        if self.parents[0] != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        for node, parent in enumerate(self.parents[1:], start=1):
+            if not 0 <= parent < node:
+                raise ValueError(f"node {node} has parent {parent}: parents must come first")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
+            raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.token_ids)} nodes")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.token_ids) - 1
+
+    @classmethod
+    def chain(cls, root: int, draft: Sequence[int], draft_probs: torch.Tensor | None = None) -> "Proposal":
+        tokens = [root, *draft]
+        return cls(token_ids=tokens, parents=list(range(-1, len(tokens) - 1)), draft_probs=draft_probs)
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter sees of one request when proposing."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    budget: int  # most draft tokens (tree nodes besides the root) this step; >= 1
+    max_depth: int = 1 << 30  # longest root-to-leaf draft path worth verifying this step
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class AcceptedPath:
+    """What verification kept of a proposal."""
+
+    nodes: list[int]  # the accepted path's node indices, root (0) first
+    num_accepted: int  # accepted draft tokens (len(nodes) - 1)
+    committed_token_ids: list[int]  # accepted draft tokens + the recovered/bonus token
+    bonus: bool  # True when the path ended at a leaf: the last token is a bonus token
+
+
+class Drafter(Protocol):
+    def begin(self, request: DraftRequest) -> None:
+        """A request starts decoding (its prompt is known)."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
+        """One proposal per request (None: no draft, plain decoding for it this step)."""
+
+    def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
+        """The request committed tokens (request's token lists are already updated)."""
+
+    def finish(self, request_id: str) -> None:
+        """The request is done: drop its state."""
+
+
+DrafterFactory = Callable[..., Drafter]
+
+
+@dataclass
+class DrafterRegistry:
+    """Maps a speculative config's ``method`` to the drafter class that implements it."""
+
+    factories: dict[str, DrafterFactory] = field(default_factory=dict)
+
+    def register(self, method: str, factory: DrafterFactory) -> None:
+        if method in self.factories:
+            raise ValueError(f"drafter method {method!r} is already registered")
+        self.factories[method] = factory
+
+    def create(self, method: str, **kwargs) -> Drafter:
+        if method not in self.factories:
+            raise ValueError(
+                f"unknown speculative method {method!r}; available: {', '.join(sorted(self.factories))}"
+            )
+        return self.factories[method](**kwargs)

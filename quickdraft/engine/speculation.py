@@ -1,0 +1,127 @@
+"""Speculation inside the engine step: ask the drafter, verify the trees, keep what was accepted.
+
+Plain Python bookkeeping (draft budgets, histories, the accepted path); the tensors it
+touches are the target logits of the tree nodes, turned into target_probs by the same
+``logits_to_probs`` that plain decoding uses, so every sampling parameter is honoured per
+node with that node's own token history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.drafters.base import AcceptedPath, DraftRequest, Drafter, Proposal
+from quickdraft.engine.request import Request
+from quickdraft.models.attention import node_depths
+from quickdraft.verify.rejection import verify_greedy, verify_proposal
+from quickdraft.verify.sampler import RowContext, logits_to_probs, modifies_logits
+
+
+@dataclass
+class DraftLengthPolicy:
+    """Per-request draft length: grow by one after a full accept, shrink after an early reject."""
+
+    maximum: int
+    dynamic: bool
+
+    def next_length(self, current: int, *, drafted: int, accepted: int) -> int:
+        if not self.dynamic or drafted == 0:
+            return current
+        if accepted == drafted:
+            return min(self.maximum, current + 1)
+        if accepted < drafted // 2:
+            return max(1, current - 1)
+        return current
+
+
+class Speculator:
+    def __init__(self, *, config: SpeculativeConfig, drafter: Drafter, max_tree_nodes: int):
+        self.config = config
+        self.drafter = drafter
+        self.max_tree_nodes = max_tree_nodes
+        self.policy = DraftLengthPolicy(maximum=config.num_speculative_tokens,
+                                        dynamic=config.dynamic_draft_length)
+        self._draft_length: dict[str, int] = {}
+        self._views: dict[str, DraftRequest] = {}
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def view(self, request: Request) -> DraftRequest:
+        """The drafter's view of a request; shares the request's token lists (no copy)."""
+        view = self._views.get(request.request_id)
+        if view is None:
+            view = DraftRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                                output_token_ids=request.output_token_ids, budget=1)
+            self._views[request.request_id] = view
+            self._draft_length[request.request_id] = self.config.num_speculative_tokens
+            self.drafter.begin(view)
+        return view
+
+    def finish(self, request_id: str) -> None:
+        if self._views.pop(request_id, None) is not None:
+            self._draft_length.pop(request_id, None)
+            self.drafter.finish(request_id)
+
+    # ---- propose ----------------------------------------------------------------------
+    def propose(self, requests: list[Request], *, cache_room: dict[str, int]) -> dict[str, Proposal]:
+        """Proposals for the requests worth drafting for; others decode plainly this step."""
+        views = []
+        for request in requests:
+            # Nodes are bounded by cache room; depth by the draft length and max_tokens.
+            budget = min(cache_room[request.request_id] - 1, self.max_tree_nodes - 1)
+            max_depth = min(self._draft_length.get(request.request_id, self.config.num_speculative_tokens),
+                            request.remaining_output_tokens - 1)
+            if budget < 1 or max_depth < 1:
+                continue
+            view = self.view(request)
+            view.budget, view.max_depth = budget, max_depth
+            views.append(view)
+        if not views:
+            return {}
+        proposals = {}
+        for view, proposal in zip(views, self.drafter.propose(views)):
+            if proposal is None or proposal.num_draft_tokens == 0:
+                continue
+            if proposal.num_draft_tokens > view.budget:
+                raise RuntimeError(f"drafter proposed {proposal.num_draft_tokens} tokens over a budget of "
+                                   f"{view.budget} for request {view.request_id}")
+            last = view.output_token_ids[-1] if view.output_token_ids else view.prompt_token_ids[-1]
+            if proposal.token_ids[0] != last:
+                raise RuntimeError(f"proposal root {proposal.token_ids[0]} is not the last committed token {last}")
+            proposals[view.request_id] = proposal
+        return proposals
+
+    # ---- verify -----------------------------------------------------------------------
+    def verify(self, *, request: Request, proposal: Proposal, logits: torch.Tensor,
+               eos_token_ids: list[int]) -> AcceptedPath:
+        """logits [num_nodes, V]: the target's logits after each tree node."""
+        if request.params.is_greedy and not modifies_logits(
+                request.params, num_output_tokens=len(request.output_token_ids)):
+            # Greedy without penalties: target_probs would be one-hots of these argmaxes.
+            return verify_greedy(proposal=proposal, target_argmax=logits.argmax(dim=-1).tolist(),
+                                 max_new_tokens=request.remaining_output_tokens)
+        rows = [RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids,
+                           output_token_ids=history)
+                for history in node_histories(request.output_token_ids, proposal)]
+        target_probs = logits_to_probs(logits, rows, eos_token_ids=eos_token_ids)  # [num_nodes, V]
+        return verify_proposal(proposal=proposal, target_probs=target_probs, generator=request.generator,
+                               max_new_tokens=request.remaining_output_tokens)
+
+    def record(self, *, request: Request, proposal: Proposal, accepted: AcceptedPath) -> None:
+        depths = node_depths(proposal.parents)[1:]
+        request.metrics.record_draft(depths=depths, num_accepted=accepted.num_accepted)
+        request_id = request.request_id
+        self._draft_length[request_id] = self.policy.next_length(
+            self._draft_length[request_id], drafted=max(depths), accepted=accepted.num_accepted)
+        if not request.is_finished:
+            self.drafter.accept(self._views[request_id], accepted)
+
+
+def node_histories(output_token_ids: list[int], proposal: Proposal) -> list[list[int]]:
+    """Each node's output history: committed outputs + the drafted tokens on its path (root excluded)."""
+    paths: list[list[int]] = []
+    for node, parent in enumerate(proposal.parents):
+        paths.append([] if parent < 0 else paths[parent] + [proposal.token_ids[node]])
+    return [output_token_ids + path for path in paths]
