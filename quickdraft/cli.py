@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--speculative-model", default=None, metavar="PATH",
                       help="draft model (same vocabulary as the target)")
     spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
+    spec.add_argument("--compare-plain", action="store_true",
+                      help="afterwards decode the same prompt without speculation and print the speedup "
+                           "and whether the outputs are identical")
     generate.add_argument("--chat", action="store_true",
                           help="wrap the prompt as a user message with the model's chat template")
     return parser
@@ -99,6 +102,8 @@ def run_generate(args) -> int:
         prompt = {"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False), "prompt": text}
     else:
         sys.stdout.write(prompt)
+    if args.compare_plain:  # one-time costs (kernel load, allocator) must not count against either run
+        llm.generate(["warm up"], _warmup_params())
     output = None
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta.text)
@@ -125,7 +130,35 @@ def run_generate(args) -> int:
             f"drafting {metrics.draft_seconds * 1e3:.0f} ms vs verifying {metrics.verify_seconds * 1e3:.0f} ms",
             file=sys.stderr,
         )
+    if args.compare_plain:
+        _compare_plain(llm, prompt, params, output)
     return 0
+
+
+def _warmup_params():
+    from quickdraft.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=4)
+
+
+def _compare_plain(llm, prompt, params, speculative_output) -> None:
+    """Decode the same prompt plainly in the same engine; print the speedup and exactness."""
+    spec_config = llm.engine.speculator.config if llm.engine.speculator else None
+    llm.engine.set_speculative_config(None)
+    try:
+        plain = llm.generate([prompt], params)[0]
+    finally:
+        llm.engine.set_speculative_config(spec_config)
+    same = plain.outputs[0].token_ids == speculative_output.outputs[0].token_ids
+    speedup = plain.metrics.e2e / speculative_output.metrics.e2e
+    plain_rate = plain.metrics.num_generation_tokens / plain.metrics.e2e
+    spec_rate = speculative_output.metrics.num_generation_tokens / speculative_output.metrics.e2e
+    print(
+        f"[quickdraft] plain decoding of the same prompt: {plain_rate:.1f} tokens/s vs speculative "
+        f"{spec_rate:.1f} tokens/s end to end: speedup {speedup:.2f}x; outputs "
+        f"{'identical' if same else 'DIFFER'} ({'greedy' if params.is_greedy else 'sampled: may differ'})",
+        file=sys.stderr,
+    )
 
 
 def _parse_json_option(value: str | None, flag: str):

@@ -21,8 +21,27 @@ class TokenLogprobs:
     top: list[Logprob] = field(default_factory=list)
 
 
+class AcceptanceFigures:
+    """Derived figures shared by per-request and engine-wide metrics."""
+
+    num_generation_tokens: int
+    num_target_forwards: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens committed per target forward, bonus included (1.0 for plain decoding)."""
+        return self.num_generation_tokens / self.num_target_forwards if self.num_target_forwards else None
+
+
 @dataclass
-class RequestMetrics:
+class RequestMetrics(AcceptanceFigures):
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -39,16 +58,6 @@ class RequestMetrics:
     drafted_per_position: list[int] = field(default_factory=list)  # [k]: drafts reaching depth k+1
     draft_seconds: float = 0.0  # time of the drafting phases of the steps this request was in
     verify_seconds: float = 0.0  # time of the verifying forwards (and rejection) it was in
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted draft tokens / drafted tokens."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def acceptance_length(self) -> float | None:
-        """Tokens committed per target forward, bonus included (1.0 for plain decoding)."""
-        return self.num_generation_tokens / self.num_target_forwards if self.num_target_forwards else None
 
     def record_draft(self, *, depths: list[int], num_accepted: int) -> None:
         """One verified proposal: `depths` = depth of every draft node, num_accepted on the path."""
@@ -119,7 +128,7 @@ class StreamDelta:
 
 
 @dataclass
-class EngineMetrics:
+class EngineMetrics(AcceptanceFigures):
     """Aggregate over every request the engine finished (or aborted) in its life."""
 
     num_requests: int = 0
@@ -153,14 +162,6 @@ class EngineMetrics:
         self.ttft_sum += m.ttft or 0.0
         self.tpot_sum += m.tpot or 0.0
         self.e2e_sum += m.e2e or 0.0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def acceptance_length(self) -> float | None:
-        return self.num_generation_tokens / self.num_target_forwards if self.num_target_forwards else None
 
     @property
     def acceptance_by_position(self) -> list[float]:

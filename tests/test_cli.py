@@ -39,3 +39,18 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
 def test_parser_defaults_are_greedy():
     args = build_parser().parse_args(["generate", "p"])
     assert args.temperature == 0.0 and args.max_tokens == 128 and args.model is None
+
+
+def test_speculative_generate_prints_acceptance_and_speedup(tiny_checkpoints, capsys):
+    code = main(["generate", "abcabcabcabc", "--model", str(tiny_checkpoints["gemma3"]), "--max-tokens", "24",
+                 "--max-model-len", "128", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
+                 "--compare-plain"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "speculation:" in err and "acceptance length" in err and "accepted by position" in err
+    assert "speedup" in err and "identical" in err
+
+
+def test_bad_speculative_config_json(tiny_checkpoints, capsys):
+    assert main(["generate", "x", "--model", str(tiny_checkpoints["llama"]), "--speculative-config", "{nope"]) == 2
+    assert "--speculative-config is not valid JSON" in capsys.readouterr().err

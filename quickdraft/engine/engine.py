@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.config import EngineConfig
+from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.request import Request, make_token_logprobs
 from quickdraft.drafters import default_registry
 from quickdraft.drafters.base import Proposal
@@ -77,6 +77,13 @@ class Engine:
         self.last_step: StepStats | None = None
         self.metrics = EngineMetrics()
         self.speculator = self._make_speculator(config.speculative_config)
+
+    def set_speculative_config(self, spec: "SpeculativeConfig | dict | None") -> None:
+        """Switch drafting method (or turn speculation off) between requests."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot change the speculative config while requests are running")
+        self.speculator = self._make_speculator(
+            SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec)
 
     def _make_speculator(self, spec) -> Speculator | None:
         if spec is None:

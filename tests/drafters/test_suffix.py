@@ -6,6 +6,7 @@ import pytest
 
 from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal
 from quickdraft.drafters.suffix import SuffixDrafter, SuffixTrie
+from tests.drafters.proposal_checks import assert_valid_proposal, paths
 
 
 def request(prompt, output=(), *, budget=8, request_id="r") -> DraftRequest:
@@ -32,30 +33,6 @@ def run_request(drafter, *, prompt, output, request_id) -> None:
         propose(drafter, req)
         commit(drafter, req, [token])
     drafter.finish(request_id)
-
-
-def paths(proposal: Proposal) -> list[tuple[int, ...]]:
-    """Every root-to-node token path (root excluded), in node order."""
-    result = []
-    for node in range(1, len(proposal.token_ids)):
-        path = []
-        while node > 0:
-            path.append(proposal.token_ids[node])
-            node = proposal.parents[node]
-        result.append(tuple(reversed(path)))
-    return result
-
-
-def assert_valid_proposal(proposal: Proposal, req: DraftRequest) -> None:
-    context = req.prompt_token_ids + req.output_token_ids
-    assert proposal.token_ids[0] == context[-1]
-    assert proposal.parents[0] == -1
-    assert all(0 <= parent < node for node, parent in enumerate(proposal.parents) if node > 0)
-    assert 1 <= proposal.num_draft_tokens <= req.budget
-    assert proposal.draft_probs is None
-    siblings = Counter((proposal.parents[node], proposal.token_ids[node])
-                       for node in range(1, len(proposal.token_ids)))
-    assert max(siblings.values()) == 1, "duplicate siblings"
 
 
 def trie_counts(trie: SuffixTrie) -> dict[tuple[int, ...], int]:

@@ -1,0 +1,31 @@
+"""Checks shared by the drafter tests: a proposal's paths and its validity as a tree."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from quickdraft.drafters.base import DraftRequest, Proposal
+
+
+def paths(proposal: Proposal) -> list[tuple[int, ...]]:
+    """Every root-to-node token path (root excluded), in node order."""
+    result = []
+    for node in range(1, len(proposal.token_ids)):
+        path = []
+        while node > 0:
+            path.append(proposal.token_ids[node])
+            node = proposal.parents[node]
+        result.append(tuple(reversed(path)))
+    return result
+
+
+def assert_valid_proposal(proposal: Proposal, req: DraftRequest) -> None:
+    context = req.prompt_token_ids + req.output_token_ids
+    assert proposal.token_ids[0] == context[-1]
+    assert proposal.parents[0] == -1
+    assert all(0 <= parent < node for node, parent in enumerate(proposal.parents) if node > 0)
+    assert 1 <= proposal.num_draft_tokens <= req.budget
+    assert proposal.draft_probs is None
+    siblings = Counter((proposal.parents[node], proposal.token_ids[node])
+                       for node in range(1, len(proposal.token_ids)))
+    assert max(siblings.values()) == 1, "duplicate siblings"
