@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Drafter, DrafterRegistry, Proposal
+from quickdraft.drafters.base import AcceptedPath, DraftRequest, Drafter, DrafterRegistry, Proposal, TargetInfo
 
 
-def _ngram(**options) -> Drafter:
+def _ngram(*, target: TargetInfo, **options) -> Drafter:
     from quickdraft.drafters.ngram import NgramDrafter
 
     return NgramDrafter(**options)
 
 
-def _suffix(**options) -> Drafter:
+def _suffix(*, target: TargetInfo, **options) -> Drafter:
     from quickdraft.drafters.suffix import SuffixDrafter
 
     return SuffixDrafter(**options)
+
+
+def _draft_model(*, target: TargetInfo, **options) -> Drafter:
+    from quickdraft.drafters.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(target=target, **options)
 
 
 def default_registry() -> DrafterRegistry:
@@ -22,7 +28,9 @@ def default_registry() -> DrafterRegistry:
     registry = DrafterRegistry()
     registry.register("ngram", _ngram)
     registry.register("suffix", _suffix)
+    registry.register("draft_model", _draft_model)
     return registry
 
 
-__all__ = ["AcceptedPath", "DraftRequest", "Drafter", "DrafterRegistry", "Proposal", "default_registry"]
+__all__ = ["AcceptedPath", "DraftRequest", "Drafter", "DrafterRegistry", "Proposal", "TargetInfo",
+           "default_registry"]

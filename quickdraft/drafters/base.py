@@ -25,6 +25,8 @@ from typing import Protocol
 
 import torch
 
+from quickdraft.sampling_params import SamplingParams
+
 
 @dataclass
 class Proposal:
@@ -62,6 +64,7 @@ class DraftRequest:
     output_token_ids: list[int]
     budget: int  # most draft tokens (tree nodes besides the root) this step; >= 1
     max_depth: int = 1 << 30  # longest root-to-leaf draft path worth verifying this step
+    params: SamplingParams | None = None  # the request's sampling parameters (None = greedy)
 
     @property
     def token_ids(self) -> list[int]:
@@ -93,6 +96,17 @@ class Drafter(Protocol):
 
 
 DrafterFactory = Callable[..., Drafter]
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter may need to know about the target it drafts for."""
+
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int  # longest sequence (prompt + output) the engine runs
+    max_num_seqs: int  # requests decoded at once
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.engine.request import Request, make_token_logprobs
 from quickdraft.drafters import default_registry
-from quickdraft.drafters.base import Proposal
+from quickdraft.drafters.base import Proposal, TargetInfo
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
@@ -88,9 +88,14 @@ class Engine:
     def _make_speculator(self, spec) -> Speculator | None:
         if spec is None:
             return None
+        options = dict(spec.drafter_options)
+        if spec.model is not None:
+            options["model"] = spec.model
+        target = TargetInfo(vocab_size=self.model_config.vocab_size, dtype=self.dtype, device=self.device,
+                            max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs)
         try:
-            drafter = default_registry().create(spec.method, num_speculative_tokens=spec.num_speculative_tokens,
-                                                **spec.drafter_options)
+            drafter = default_registry().create(spec.method, target=target,
+                                                num_speculative_tokens=spec.num_speculative_tokens, **options)
         except TypeError as err:  # an option the drafter does not take
             raise ValueError(f"speculative_config for method {spec.method!r}: {err}") from err
         return Speculator(config=spec, drafter=drafter, max_tree_nodes=CACHE_HEADROOM)

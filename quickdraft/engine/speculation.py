@@ -53,7 +53,7 @@ class Speculator:
         view = self._views.get(request.request_id)
         if view is None:
             view = DraftRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                output_token_ids=request.output_token_ids, budget=1)
+                                output_token_ids=request.output_token_ids, budget=1, params=request.params)
             self._views[request.request_id] = view
             self._draft_length[request.request_id] = self.config.num_speculative_tokens
             self.drafter.begin(view)

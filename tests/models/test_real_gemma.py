@@ -62,3 +62,29 @@ def test_embedded_model_reloads_fast():
     start = time.perf_counter()
     LLM(max_model_len=256)
     assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 5},
+    {"method": "suffix"},
+    {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 2, "dynamic_draft_length": True},
+])
+def test_speculative_greedy_equals_plain(spec):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(max_model_len=512, max_num_seqs=4).generate(PROMPTS, params)
+    llm = LLM(max_model_len=512, max_num_seqs=4, speculative_config=spec)
+    ours = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics().acceptance_length > 1.2
+
+
+def test_draft_model_greedy_equals_plain():
+    """The embedded model drafting for itself: exact output, nearly every draft accepted."""
+    from quickdraft.models.gguf import default_model_dir
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(max_model_len=256).generate(PROMPTS[:2], params)
+    llm = LLM(max_model_len=256, speculative_model=str(default_model_dir()), num_speculative_tokens=3)
+    ours = llm.generate(PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics().acceptance_rate > 0.8

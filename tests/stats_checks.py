@@ -1,0 +1,16 @@
+"""A chi-square check that two samplers draw from the same distribution (shared by tests)."""
+
+from __future__ import annotations
+
+
+def same_distribution_p_value(reference: dict, observed: dict, *, min_count: int = 15) -> float:
+    """Chi-square test of homogeneity over the outcomes seen >= min_count times in
+    `reference`, the rarer ones pooled into one column (dropped when empty in both)."""
+    from scipy import stats
+
+    keys = [k for k in reference if reference[k] >= min_count]
+    rest = [sum(v for k, v in counts.items() if k not in keys) for counts in (reference, observed)]
+    table = [[counts.get(k, 0) for k in keys] for counts in (reference, observed)]
+    if any(rest):
+        table = [row + [extra] for row, extra in zip(table, rest)]
+    return stats.chi2_contingency(table)[1]
