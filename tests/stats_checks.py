@@ -14,3 +14,12 @@ def same_distribution_p_value(reference: dict, observed: dict, *, min_count: int
     if any(rest):
         table = [row + [extra] for row, extra in zip(table, rest)]
     return stats.chi2_contingency(table)[1]
+
+
+def count_outputs(llm, prompt, params_list) -> dict[tuple[int, ...], int]:
+    """How often each generated token sequence came out, one request per SamplingParams."""
+    counts: dict[tuple[int, ...], int] = {}
+    for out in llm.generate([prompt] * len(params_list), params_list):
+        key = tuple(out.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts

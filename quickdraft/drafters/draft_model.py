@@ -12,11 +12,17 @@ Greedy requests draft the draft model's argmax (point masses, ``draft_probs=None
 Sampled requests draft from the draft model's distribution after the request's own
 sampling parameters, and return those rows as ``draft_probs``, so the rejection sampler
 accepts with min(1, p/q) and resamples from the residual: exact either way.
+
+With ``num_branches > 1`` the proposal is a tree: at every depth the next
+``num_branches - 1`` most likely tokens of the draft distribution (other than the chain's
+token) become leaf siblings tried after it, at no extra draft forward.  Such top-k picks are
+not samples, so a tree proposal is verified as point masses (``draft_probs=None``), which
+is exact for any proposal chosen without the verifier's randomness.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,14 +42,18 @@ class _DraftState:
     generator: torch.Generator | None
     context_len: int = 0  # committed tokens when the last proposal was made
     fed_drafts: int = 0  # draft tokens fed into the cache by that proposal
+    chain_nodes: list[int] = field(default_factory=list)  # proposal nodes of the fed chain, by depth
 
 
 class DraftModelDrafter:
     def __init__(self, *, num_speculative_tokens: int = 5, model: str | None = None,
-                 target: TargetInfo, seed: int = 0):
+                 target: TargetInfo, num_branches: int = 1, seed: int = 0):
         if not model:
             raise ValueError("method 'draft_model' needs a draft 'model' (HF directory or .gguf file)")
+        if not isinstance(num_branches, int) or isinstance(num_branches, bool) or num_branches < 1:
+            raise ValueError(f"num_branches must be a positive integer, got {num_branches!r}")
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_branches = num_branches
         self.device = target.device
         max_len = target.max_model_len + DRAFT_HEADROOM
         self.model, config = load_decoder(resolve_model_dir(model), dtype=target.dtype, device=target.device,
@@ -81,17 +91,24 @@ class DraftModelDrafter:
         state = self._states.get(request.request_id)
         if state is None:
             return
-        # Fed: every committed token up to the root, then drafts 1..fed_drafts; keep the accepted ones.
-        keep = state.context_len + min(accepted.num_accepted, state.fed_drafts)
+        # Fed: every committed token up to the root, then the chain's drafts 1..fed_drafts;
+        # keep those on the accepted path (a path may leave the chain at a side leaf).
+        on_chain = 0
+        for node, chain_node in zip(accepted.nodes[1:], state.chain_nodes[: state.fed_drafts]):
+            if node != chain_node:
+                break
+            on_chain += 1
+        keep = state.context_len + on_chain
         self.cache.commit(state.slot, min(keep, self.cache.lengths[state.slot]))
         state.fed_drafts = 0
 
     # ---- propose ----------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
-        lengths = [min(self.num_speculative_tokens, r.budget, r.max_depth) for r in requests]
+        lengths = [self._chain_length(r) for r in requests]
         active = [i for i, k in enumerate(lengths) if k >= 1]
         drafts: dict[int, list[int]] = {i: [] for i in active}
         rows: dict[int, list[torch.Tensor | None]] = {i: [] for i in active}
+        side_tokens: dict[int, list[list[int]]] = {i: [] for i in active}
         feed = {i: self._catch_up_tokens(requests[i]) for i in active}
         for depth in range(max(lengths, default=0)):
             active = [i for i in active if depth < lengths[i]]
@@ -102,6 +119,7 @@ class DraftModelDrafter:
                 token, probs = self._choose(requests[i], drafts[i], logits[row : row + 1])
                 drafts[i].append(token)
                 rows[i].append(probs)
+                side_tokens[i].append(self._side_tokens(logits[row], token))
                 feed[i] = [token]
         proposals: list[Proposal | None] = []
         for i, request in enumerate(requests):
@@ -112,9 +130,38 @@ class DraftModelDrafter:
             state.context_len = len(request.prompt_token_ids) + len(request.output_token_ids)
             state.fed_drafts = len(drafts[i]) - 1
             self.cache.commit(state.slot, state.context_len + state.fed_drafts)
-            proposals.append(Proposal.chain(request.token_ids[-1], drafts[i],
-                                            draft_probs=self._draft_probs(rows[i])))
+            proposal, state.chain_nodes = self._build_proposal(request, drafts[i], rows[i], side_tokens[i])
+            proposals.append(proposal)
         return proposals
+
+    def _chain_length(self, request: DraftRequest) -> int:
+        # A tree spends budget on side leaves: the chain keeps what the budget allows.
+        per_depth = self.num_branches
+        return min(self.num_speculative_tokens, request.max_depth, request.budget // per_depth)
+
+    def _side_tokens(self, logits: torch.Tensor, chosen: int) -> list[int]:
+        # logits [V] -> the next most likely tokens besides the chain's own
+        if self.num_branches == 1:
+            return []
+        top = torch.topk(logits, self.num_branches).indices.tolist()
+        return [t for t in top if t != chosen][: self.num_branches - 1]
+
+    def _build_proposal(self, request: DraftRequest, chain: list[int], rows,
+                        side_tokens) -> tuple[Proposal, list[int]]:
+        """The proposal and the node index of each chain token (the ones the cache holds)."""
+        root = request.token_ids[-1]
+        if self.num_branches == 1:
+            return Proposal.chain(root, chain, draft_probs=self._draft_probs(rows)), list(range(1, len(chain) + 1))
+        tokens, parents, chain_nodes = [root], [-1], []
+        for token, sides in zip(chain, side_tokens):
+            parent = chain_nodes[-1] if chain_nodes else 0
+            chain_nodes.append(len(tokens))
+            tokens.append(token)
+            parents.append(parent)
+            for side in sides:  # leaves tried after the chain's token at this depth
+                tokens.append(side)
+                parents.append(parent)
+        return Proposal(token_ids=tokens, parents=parents), chain_nodes
 
     def _catch_up_tokens(self, request: DraftRequest) -> list[int]:
         state = self._state(request)

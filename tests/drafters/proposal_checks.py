@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from quickdraft.drafters.base import DraftRequest, Proposal
+from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal
 
 
 def paths(proposal: Proposal) -> list[tuple[int, ...]]:
@@ -29,3 +29,20 @@ def assert_valid_proposal(proposal: Proposal, req: DraftRequest) -> None:
     siblings = Counter((proposal.parents[node], proposal.token_ids[node])
                        for node in range(1, len(proposal.token_ids)))
     assert max(siblings.values()) == 1, "duplicate siblings"
+
+
+def make_request(prompt, output=(), *, budget: int, request_id: str = "r") -> DraftRequest:
+    return DraftRequest(request_id=request_id, prompt_token_ids=list(prompt),
+                        output_token_ids=list(output), budget=budget)
+
+
+def propose(drafter, req) -> Proposal | None:
+    (proposal,) = drafter.propose([req])
+    return proposal
+
+
+def commit(drafter, req, token_ids) -> None:
+    """What the engine does after verification: extend the output, then tell the drafter."""
+    req.output_token_ids.extend(token_ids)
+    drafter.accept(req, AcceptedPath(nodes=list(range(len(token_ids))), num_accepted=len(token_ids) - 1,
+                                     committed_token_ids=list(token_ids), bonus=False))

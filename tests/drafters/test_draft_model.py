@@ -8,7 +8,7 @@ import torch
 from quickdraft import LLM, SamplingParams
 from tests.conftest import build_tiny_checkpoint
 from tests.engine.test_speculative import repetitive_prompts
-from tests.stats_checks import same_distribution_p_value
+from tests.stats_checks import count_outputs, same_distribution_p_value
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -56,17 +56,10 @@ def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gem
     base = repetitive_prompts()[1][:5]
     params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s) for s in range(1200)]
 
-    def counts(llm):
-        result = {}
-        for out in llm.generate([base] * len(params), params):
-            key = tuple(out.outputs[0].token_ids)
-            result[key] = result.get(key, 0) + 1
-        return result
-
-    plain = counts(LLM(target, max_model_len=64, max_num_seqs=8))
+    plain = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), base, params)
     spec_llm = LLM(target, max_model_len=64, max_num_seqs=8,
                    speculative_config={"method": "draft_model", "model": str(other_gemma), "num_speculative_tokens": 2})
-    spec = counts(spec_llm)
+    spec = count_outputs(spec_llm, base, params)
     assert spec_llm.get_metrics().num_accepted_tokens > 100
     assert same_distribution_p_value(plain, spec) > 1e-3
 
@@ -102,3 +95,27 @@ def test_draft_cache_rolls_back_to_the_accepted_prefix(tiny_checkpoints, other_g
             request = engine.get_request(request_id)
             assert drafter.cache.lengths[state.slot] <= request.num_tokens - 1
     assert torch.is_tensor(drafter.cache.keys[0])
+
+
+def test_tree_mode_greedy_equals_plain_and_uses_side_branches(tiny_checkpoints, other_gemma, plain):
+    target = str(tiny_checkpoints["gemma3"])
+    llm = LLM(target, max_model_len=256, max_num_seqs=3,
+              speculative_config={"method": "draft_model", "model": str(other_gemma), "num_speculative_tokens": 3,
+                                  "num_branches": 3})
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    metrics = llm.get_metrics()
+    assert metrics.num_draft_tokens > 3 * metrics.num_drafts  # trees, not chains
+
+
+def test_tree_mode_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gemma):
+    target = str(tiny_checkpoints["gemma3"])
+    base = repetitive_prompts()[1][:5]
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s) for s in range(1200)]
+    plain = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), base, params)
+    spec_llm = LLM(target, max_model_len=64, max_num_seqs=8,
+                   speculative_config={"method": "draft_model", "model": str(other_gemma),
+                                       "num_speculative_tokens": 2, "num_branches": 2})
+    spec = count_outputs(spec_llm, base, params)
+    assert spec_llm.get_metrics().num_accepted_tokens > 100
+    assert same_distribution_p_value(plain, spec) > 1e-3

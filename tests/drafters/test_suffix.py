@@ -1,3 +1,4 @@
+import functools
 import random
 import time
 from collections import Counter
@@ -6,24 +7,10 @@ import pytest
 
 from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal
 from quickdraft.drafters.suffix import SuffixDrafter, SuffixTrie
-from tests.drafters.proposal_checks import assert_valid_proposal, paths
+from tests.drafters.proposal_checks import assert_valid_proposal, commit, make_request, paths, propose
 
 
-def request(prompt, output=(), *, budget=8, request_id="r") -> DraftRequest:
-    return DraftRequest(request_id=request_id, prompt_token_ids=list(prompt),
-                        output_token_ids=list(output), budget=budget)
-
-
-def propose(drafter, req) -> Proposal | None:
-    (proposal,) = drafter.propose([req])
-    return proposal
-
-
-def commit(drafter, req, token_ids) -> None:
-    """What the engine does after verification: extend the output, then tell the drafter."""
-    req.output_token_ids.extend(token_ids)
-    drafter.accept(req, AcceptedPath(nodes=list(range(len(token_ids))), num_accepted=len(token_ids) - 1,
-                                     committed_token_ids=list(token_ids), bonus=False))
+request = functools.partial(make_request, budget=8)
 
 
 def run_request(drafter, *, prompt, output, request_id) -> None:

@@ -10,7 +10,7 @@ import torch
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafters.base import Proposal
 from tests.models.test_decoder import prompt
-from tests.stats_checks import same_distribution_p_value
+from tests.stats_checks import count_outputs, same_distribution_p_value
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -202,20 +202,13 @@ def test_sampled_first_tokens_have_the_target_distribution(tiny_checkpoints):
     base = prompt(5, seed=80)
     params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=4, seed=s) for s in range(1500)]
 
-    def pair_counts(llm):
-        counts = {}
-        for out in llm.generate([base] * len(params), params):
-            key = tuple(out.outputs[0].token_ids)
-            counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    plain = pair_counts(LLM(path, max_model_len=64, max_num_seqs=8))
+    plain = count_outputs(LLM(path, max_model_len=64, max_num_seqs=8), base, params)
     spec_llm = LLM(path, max_model_len=64, max_num_seqs=8,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     # Random trees over the tokens seen at each position, so accepts and rejects are both frequent.
     seen = {i: sorted({key[i] for key in plain}) for i in range(3)}
     spec_llm.engine.speculator.drafter = PositionalDrafter(choices=seen, seed=1)
-    spec = pair_counts(spec_llm)
+    spec = count_outputs(spec_llm, base, params)
     metrics = spec_llm.get_metrics()
     assert metrics.num_accepted_tokens > 200 and metrics.acceptance_rate < 0.9
     assert same_distribution_p_value(plain, spec) > 1e-3
