@@ -46,3 +46,17 @@ def commit(drafter, req, token_ids) -> None:
     req.output_token_ids.extend(token_ids)
     drafter.accept(req, AcceptedPath(nodes=list(range(len(token_ids))), num_accepted=len(token_ids) - 1,
                                      committed_token_ids=list(token_ids), bonus=False))
+
+
+def mean_step_seconds(drafter, req, *, steps: int = 200, seed: int = 0) -> float:
+    """Average wall time of propose + commit of one random token, on req's context."""
+    import random
+    import time
+
+    rng = random.Random(seed)
+    drafter.begin(req)
+    started = time.perf_counter()
+    for _ in range(steps):
+        propose(drafter, req)
+        commit(drafter, req, [rng.randrange(50)])
+    return (time.perf_counter() - started) / steps

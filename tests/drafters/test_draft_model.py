@@ -51,14 +51,16 @@ def test_sampled_with_the_target_as_draft_accepts_almost_everything(tiny_checkpo
     assert llm.get_metrics().acceptance_rate > 0.9  # same distributions: min(1, p/q) = 1
 
 
-def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gemma):
+@pytest.mark.parametrize("num_branches", [1, 2])
+def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gemma, num_branches):
+    """Chain (sampled drafts, min(1, p/q)) and tree (top-k side leaves, point masses)."""
     target = str(tiny_checkpoints["gemma3"])
     base = repetitive_prompts()[1][:5]
     params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s) for s in range(1200)]
-
     plain = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), base, params)
     spec_llm = LLM(target, max_model_len=64, max_num_seqs=8,
-                   speculative_config={"method": "draft_model", "model": str(other_gemma), "num_speculative_tokens": 2})
+                   speculative_config={"method": "draft_model", "model": str(other_gemma),
+                                       "num_speculative_tokens": 2, "num_branches": num_branches})
     spec = count_outputs(spec_llm, base, params)
     assert spec_llm.get_metrics().num_accepted_tokens > 100
     assert same_distribution_p_value(plain, spec) > 1e-3
@@ -106,16 +108,3 @@ def test_tree_mode_greedy_equals_plain_and_uses_side_branches(tiny_checkpoints, 
     assert [o.outputs[0].token_ids for o in outs] == plain
     metrics = llm.get_metrics()
     assert metrics.num_draft_tokens > 3 * metrics.num_drafts  # trees, not chains
-
-
-def test_tree_mode_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gemma):
-    target = str(tiny_checkpoints["gemma3"])
-    base = repetitive_prompts()[1][:5]
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s) for s in range(1200)]
-    plain = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), base, params)
-    spec_llm = LLM(target, max_model_len=64, max_num_seqs=8,
-                   speculative_config={"method": "draft_model", "model": str(other_gemma),
-                                       "num_speculative_tokens": 2, "num_branches": 2})
-    spec = count_outputs(spec_llm, base, params)
-    assert spec_llm.get_metrics().num_accepted_tokens > 100
-    assert same_distribution_p_value(plain, spec) > 1e-3

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafters.base import Proposal
