@@ -51,15 +51,28 @@ def test_sampled_with_the_target_as_draft_accepts_almost_everything(tiny_checkpo
     assert llm.get_metrics().acceptance_rate > 0.9  # same distributions: min(1, p/q) = 1
 
 
-@pytest.mark.parametrize("num_branches", [1, 2])
-def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gemma, num_branches):
-    """Chain (sampled drafts, min(1, p/q)) and tree (top-k side leaves, point masses)."""
+SAMPLING = {
+    "top_k": dict(temperature=1.0, top_k=3),
+    "top_p": dict(temperature=0.7, top_p=0.8),
+    "min_p": dict(temperature=1.3, min_p=0.25),
+}
+
+
+@pytest.mark.parametrize("num_branches, sampling, draft", [
+    (1, "top_k", "far"), (1, "top_p", "far"), (1, "min_p", "far"),
+    (1, "top_k", "close"), (1, "top_p", "close"), (1, "min_p", "close"),
+    (2, "top_k", "far"), (2, "top_k", "close"),
+])
+def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gemma, num_branches, sampling, draft):
+    """Chain (sampled drafts, min(1, p/q)) and tree (top-k side leaves, point masses), with a
+    draft distribution far from the target (another random model) and close to it (itself)."""
     target = str(tiny_checkpoints["gemma3"])
+    draft_model = str(other_gemma) if draft == "far" else target
     base = repetitive_prompts()[1][:5]
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s) for s in range(1200)]
+    params = [SamplingParams(max_tokens=3, seed=s, **SAMPLING[sampling]) for s in range(1200)]
     plain = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), base, params)
     spec_llm = LLM(target, max_model_len=64, max_num_seqs=8,
-                   speculative_config={"method": "draft_model", "model": str(other_gemma),
+                   speculative_config={"method": "draft_model", "model": draft_model,
                                        "num_speculative_tokens": 2, "num_branches": num_branches})
     spec = count_outputs(spec_llm, base, params)
     assert spec_llm.get_metrics().num_accepted_tokens > 100
