@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -37,13 +36,6 @@ DEFAULT_MAX_MODEL_LEN = 4096
 # Storage beyond max_model_len, so that a step's new tokens (a prefill chunk's tail or a
 # draft tree) always have room to be written before they are accepted or dropped.
 CACHE_HEADROOM = 64
-
-
-@dataclass
-class StepStats:
-    num_sequences: int
-    num_tokens: int
-    seconds: float
 
 
 class Engine:
@@ -74,7 +66,6 @@ class Engine:
         self._ids = itertools.count()
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.seed)
-        self.last_step: StepStats | None = None
         self.metrics = EngineMetrics()
         self.speculator = self._make_speculator(config.speculative_config)
 
@@ -189,17 +180,17 @@ class Engine:
         proposals = self._propose(plan)
         drafted = time.perf_counter()
         work = [self._work_for(item, proposals.get(item.request.request_id)) for item in plan]
-        sampled = [item.request for item in plan
-                   if item.completes_prompt and item.request.request_id not in proposals]
+        # Rows that end a known sequence without a draft: sampled like plain decoding.
+        sampled_rows = [i for i, item in enumerate(plan)
+                        if item.completes_prompt and item.request.request_id not in proposals]
         out = self.runner.forward(work)
         for item in plan:
             if item.request.request_id not in proposals:
                 item.request.num_computed_tokens += item.num_new_tokens
                 self.cache.commit(item.request.slot, item.request.num_computed_tokens)
-        sampled_rows = [i for i, item in enumerate(plan) if item.request in sampled]
-        if sampled:
+        if sampled_rows:
             rows = torch.tensor([out.logits_offsets[i] for i in sampled_rows], device=self.device)
-            self._sample_and_commit(sampled, out.logits[rows])
+            self._sample_and_commit([plan[i].request for i in sampled_rows], out.logits[rows])
         for i, item in enumerate(plan):
             proposal = proposals.get(item.request.request_id)
             if proposal is not None:
@@ -212,10 +203,7 @@ class Engine:
             for item in plan:
                 item.request.metrics.draft_seconds += drafted - started
                 item.request.metrics.verify_seconds += finished - drafted
-        deltas = [self._delta(item.request) for item in plan]
-        self.last_step = StepStats(num_sequences=len(plan), num_tokens=sum(len(w.token_ids) for w in work),
-                                   seconds=finished - started)
-        return deltas
+        return [self._delta(item.request) for item in plan]
 
     def _propose(self, plan: list[ScheduledRequest]) -> dict[str, Proposal]:
         if self.speculator is None:
@@ -247,8 +235,8 @@ class Engine:
         request.num_computed_tokens = cache_len + len(accepted.nodes)
         self.cache.commit(request.slot, request.num_computed_tokens)
         request.metrics.num_target_forwards += 1
-        logprob_rows = self._logprobs([request] * len(accepted.committed_token_ids),
-                                      logits[accepted.nodes[: len(accepted.committed_token_ids)]],
+        # Committed token j was chosen from the logits after path node j.
+        logprob_rows = self._logprobs([request] * len(accepted.nodes), logits[accepted.nodes],
                                       accepted.committed_token_ids)
         now = time.perf_counter()
         for token, token_logprobs in zip(accepted.committed_token_ids, logprob_rows):
