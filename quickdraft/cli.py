@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 import time
 
@@ -73,7 +75,83 @@ def build_parser() -> argparse.ArgumentParser:
                            "and whether the outputs are identical")
     generate.add_argument("--chat", action="store_true",
                           help="wrap the prompt as a user message with the model's chat template")
+    _add_bench_parser(commands)
+    _add_train_head_parser(commands)
     return parser
+
+
+def _add_train_head_parser(commands) -> None:
+    train = commands.add_parser(
+        "train-head", help="train a draft head for a target on this machine (data built from the target)",
+        description="Build training data offline (the target answers prompts made from the Python "
+                    "documentation; its hidden states are recorded as it does), train a draft head, report "
+                    "validation acceptance, and write OUT/head (load it with {\"method\": \"eagle3\", "
+                    "\"head\": \"OUT/head\"}). Re-running with the same --out resumes: data shards and the "
+                    "training checkpoint are kept.")
+    train.add_argument("--method", default="eagle3", choices=["eagle3"], help="head type (default: eagle3)")
+    train.add_argument("--target", default=None, help="target model (default: embedded Gemma 3 270M)")
+    train.add_argument("--out", required=True, metavar="DIR", help="output folder (data, checkpoint, head)")
+    train.add_argument("--num-prompts", type=int, default=480, help="prompts the target answers (default: 480)")
+    train.add_argument("--max-new-tokens", type=int, default=256, help="answer length (default: 256)")
+    train.add_argument("--draft-vocab-size", type=int, default=8192, help="draft vocabulary (default: 8192)")
+    train.add_argument("--feature-layers", type=int, nargs="+", default=None,
+                       help="target layers fused into the head's input (default: low, middle, last)")
+    train.add_argument("--train-depths", type=int, default=3, help="draft depths unrolled in training (default: 3)")
+    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument("--learning-rate", type=float, default=1e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    train.add_argument("--device", default="cpu")
+    train.add_argument("--no-progress", action="store_true")
+
+
+BENCH_EPILOG = """\
+examples:
+  quickdraft bench specbench --questions questions.jsonl
+  quickdraft bench specbench --questions questions.jsonl --questions-per-task 10 \\
+      --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}' \\
+      --speculative-config '{"method": "suffix"}' --peers transformers llama-cpp
+  quickdraft bench specbench --questions questions.jsonl --categories qa rag --temperature 0.7 --seed 1
+"""
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (Spec-Bench)")
+    suites = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    spec = suites.add_parser(
+        "specbench", help="Spec-Bench: speedup and acceptance per task vs plain decoding and peers",
+        description="Answer Spec-Bench questions with plain decoding, every --speculative-config and the "
+                    "chosen peers, one request at a time, in one run; print the per-task tables and write "
+                    "summary.md, results.json (every per-question figure) and PNG plots to --out. With no "
+                    "--speculative-config, runs ngram and suffix.",
+        epilog=BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    spec.add_argument("--questions", required=True, metavar="FILE",
+                      help="Spec-Bench questions, one JSON object per line (question_id, category, turns)")
+    spec.add_argument("--categories", nargs="+", default=None, metavar="NAME",
+                      help="keep these tasks (multi-turn, translation, summarization, qa, math_reasoning, "
+                           "rag) or MT-bench categories (writing, coding, ...)")
+    spec.add_argument("--questions-per-task", type=int, default=None, metavar="N",
+                      help="at most N questions of each task, in file order (default: all)")
+    spec.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="per turn (default: 128)")
+    spec.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
+                      help="a method to measure (repeatable), e.g. '{\"method\": \"suffix\"}'")
+    spec.add_argument("--peers", nargs="*", default=[], metavar="PEER",
+                      help="also run these engines on the same prompts: transformers (plain, prompt lookup, "
+                           "assistant model for a draft_model config), llama-cpp (plain, prompt lookup)")
+    spec.add_argument("--peer-draft-tokens", type=int, default=5, metavar="K",
+                      help="draft length of the peers' prompt lookup and assistant model (default: 5)")
+    spec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    spec.add_argument("--top-p", type=float, default=1.0)
+    spec.add_argument("--top-k", type=int, default=0)
+    spec.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs")
+    spec.add_argument("--out", default=None, metavar="DIR",
+                      help="results folder (default: results/specbench-DATE-TIME)")
+    spec.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_options(spec)
+    redo = suites.add_parser("report", help="rewrite a results folder's tables and plots from its results.json",
+                             description="Recompute summary.md and the plots of a `bench specbench` results "
+                                         "folder from the per-question records in its results.json.")
+    redo.add_argument("folder", metavar="DIR")
 
 
 def _sampling_params(args):
@@ -135,6 +213,70 @@ def run_generate(args) -> int:
     return 0
 
 
+def run_bench(args) -> int:
+    from pathlib import Path
+
+    if args.suite == "report":
+        from quickdraft.bench.report import load_report, summary_markdown, write_report
+
+        folder = Path(args.folder)
+        report = load_report(folder)
+        written = write_report(report, folder)
+        print(summary_markdown(report))
+        print("written: " + ", ".join(str(p) for p in written))
+        return 0
+
+    from quickdraft.bench.backends import BenchSampling
+    from quickdraft.bench.report import default_out_dir, summary_markdown, write_report
+    from quickdraft.bench.runner import BenchOptions, run_specbench
+
+    configs = [_parse_json_option(c, "--speculative-config") for c in (args.speculative_config or [])]
+    options = BenchOptions(
+        questions=Path(args.questions), categories=tuple(args.categories) if args.categories else None,
+        questions_per_task=args.questions_per_task, model=args.model, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len,
+        speculative_configs=configs or [{"method": "ngram"}, {"method": "suffix"}],
+        peers=tuple(args.peers), peer_draft_tokens=args.peer_draft_tokens,
+        sampling=BenchSampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+        progress=not args.no_progress,
+    )
+    out_dir = Path(args.out) if args.out else default_out_dir()
+    report = run_specbench(options, command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv))
+    written = write_report(report, out_dir)
+    print(summary_markdown(report))
+    print("written: " + ", ".join(str(p) for p in written))
+    failed = [r.name for r in report.runs if r.error]
+    if report.runs[0].error:
+        print(f"quickdraft: error: plain decoding failed: {report.runs[0].error}", file=sys.stderr)
+        return 1
+    if failed:
+        print(f"[quickdraft] runs that did not finish (see the summary): {', '.join(failed)}", file=sys.stderr)
+    return 0
+
+
+def run_train_head(args) -> int:
+    from quickdraft.train.heads import TrainHeadConfig, train_head
+
+    config = TrainHeadConfig(
+        out=args.out, method=args.method, target=args.target, dtype=args.dtype, device=args.device,
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab_size,
+        feature_layers=tuple(args.feature_layers) if args.feature_layers else None,
+        train_depths=args.train_depths, epochs=args.epochs, learning_rate=args.learning_rate, seed=args.seed,
+        command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
+    )
+    report = train_head(config, progress=not args.no_progress)
+    accuracy = ", ".join(f"{a:.2f}" for a in report.val_accuracy_by_depth)
+    print(f"[quickdraft] head written to {config.out / 'head'} ({report.head_bytes / 1e6:.1f} MB, "
+          f"{report.parameters / 1e6:.1f}M parameters); trained on {report.train_answer_tokens} answer tokens of "
+          f"{report.train_sequences} sequences, draft vocabulary covers {report.draft_vocab_coverage:.1%}")
+    print(f"[quickdraft] validation: top-1 accuracy by depth [{accuracy}], greedy chain acceptance length "
+          f"{report.val_chain_acceptance_length:.2f} (of {len(report.val_accuracy_by_depth) + 1}); a draft token "
+          f"reads {report.draft_token_cost:.1%} of the weights a target token does; "
+          f"times {', '.join(f'{k} {v:.0f} s' for k, v in report.seconds.items())}")
+    return 0
+
+
 def _warmup_params():
     from quickdraft.sampling_params import SamplingParams
 
@@ -164,8 +306,6 @@ def _compare_plain(llm, prompt, params, speculative_output) -> None:
 def _parse_json_option(value: str | None, flag: str):
     if value is None:
         return None
-    import json
-
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as err:
@@ -177,12 +317,14 @@ def _parse_json_option(value: str | None, flag: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.command is None:
         parser.print_help()
         return 2
     try:
-        return {"generate": run_generate}[args.command](args)
+        return {"generate": run_generate, "bench": run_bench, "train-head": run_train_head}[args.command](args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"quickdraft: error: {err}", file=sys.stderr)
         return 2

@@ -23,12 +23,19 @@ def _draft_model(*, target: TargetInfo, **options) -> Drafter:
     return DraftModelDrafter(target=target, **options)
 
 
+def _eagle(*, target: TargetInfo, **options) -> Drafter:
+    from quickdraft.drafters.eagle import EagleDrafter
+
+    return EagleDrafter(target=target, **options)
+
+
 def default_registry() -> DrafterRegistry:
     """The built-in methods; a caller may register more on the returned registry."""
     registry = DrafterRegistry()
     registry.register("ngram", _ngram)
     registry.register("suffix", _suffix)
     registry.register("draft_model", _draft_model)
+    registry.register("eagle3", _eagle)  # the head's config says which target layers it reads
     return registry
 
 

@@ -82,8 +82,22 @@ class AcceptedPath:
 
 
 class Drafter(Protocol):
+    """The interface every drafter implements.
+
+    A drafter that reads the target's hidden states (a head on the target's features) sets
+    ``feature_layers`` to the target layers whose outputs it needs and implements
+    ``observe``: the engine then captures those layers in every target forward and hands
+    over, in order, the features of every token as its KV enters the target's cache.
+    Drafters that need no features leave ``feature_layers`` empty.
+    """
+
+    feature_layers: tuple[int, ...] = ()
+
     def begin(self, request: DraftRequest) -> None:
-        """A request starts decoding (its prompt is known)."""
+        """A request starts (its prompt is known)."""
+
+    def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
+        """features [n, len(feature_layers) * D]: the next n cached tokens' target features."""
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         """One proposal per request (None: no draft, plain decoding for it this step)."""
@@ -107,6 +121,8 @@ class TargetInfo:
     device: torch.device
     max_model_len: int  # longest sequence (prompt + output) the engine runs
     max_num_seqs: int  # requests decoded at once
+    model: torch.nn.Module | None = None  # the target Decoder, for drafters that borrow its weights
+    model_dir: str | None = None  # where the target was loaded from (finds heads shipped for it)
 
 
 @dataclass

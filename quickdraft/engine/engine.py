@@ -43,7 +43,7 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
-        model_dir = resolve_model_dir(config.model)
+        self.model_dir = model_dir = resolve_model_dir(config.model)
         probe = _read_max_positions(model_dir)  # reads config.json first: the clearest error
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = config.max_model_len or min(probe, DEFAULT_MAX_MODEL_LEN)
@@ -76,6 +76,13 @@ class Engine:
         self.speculator = self._make_speculator(
             SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec)
 
+    def set_drafter(self, drafter, *, num_speculative_tokens: int = 1) -> None:
+        """Speculate with a drafter object of your own (anything with the Drafter interface)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot change the drafter while requests are running")
+        config = SpeculativeConfig(method=type(drafter).__name__, num_speculative_tokens=num_speculative_tokens)
+        self.speculator = Speculator(config=config, drafter=drafter, max_tree_nodes=CACHE_HEADROOM)
+
     def _make_speculator(self, spec) -> Speculator | None:
         if spec is None:
             return None
@@ -83,7 +90,8 @@ class Engine:
         if spec.model is not None:
             options["model"] = spec.model
         target = TargetInfo(vocab_size=self.model_config.vocab_size, dtype=self.dtype, device=self.device,
-                            max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs)
+                            max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
+                            model=self.model, model_dir=str(self.model_dir))
         try:
             drafter = default_registry().create(spec.method, target=target,
                                                 num_speculative_tokens=spec.num_speculative_tokens, **options)
@@ -183,11 +191,16 @@ class Engine:
         # Rows that end a known sequence without a draft: sampled like plain decoding.
         sampled_rows = [i for i, item in enumerate(plan)
                         if item.completes_prompt and item.request.request_id not in proposals]
-        out = self.runner.forward(work)
-        for item in plan:
+        feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
+        out = self.runner.forward(work, capture_layers=feature_layers)
+        features = _features(out.forward.captured, feature_layers)  # [N, L * D] or None
+        row_starts = list(itertools.accumulate((len(w.token_ids) for w in work), initial=0))
+        for i, item in enumerate(plan):
             if item.request.request_id not in proposals:
                 item.request.num_computed_tokens += item.num_new_tokens
                 self.cache.commit(item.request.slot, item.request.num_computed_tokens)
+                if features is not None:  # before sampling: a request it finishes is released
+                    self.speculator.observe(item.request, features[row_starts[i] : row_starts[i + 1]])
         if sampled_rows:
             rows = torch.tensor([out.logits_offsets[i] for i in sampled_rows], device=self.device)
             self._sample_and_commit([plan[i].request for i in sampled_rows], out.logits[rows])
@@ -195,7 +208,8 @@ class Engine:
             proposal = proposals.get(item.request.request_id)
             if proposal is not None:
                 logits = out.logits[out.logits_offsets[i] : out.logits_offsets[i + 1]]
-                self._verify_and_commit(item.request, proposal, logits)
+                tree_features = None if features is None else features[row_starts[i] : row_starts[i + 1]]
+                self._verify_and_commit(item.request, proposal, logits, tree_features)
         finished = time.perf_counter()
         if proposals:
             self.metrics.draft_seconds += drafted - started
@@ -224,8 +238,9 @@ class Engine:
         logits_nodes = [item.num_new_tokens - 1] if item.completes_prompt else []
         return SequenceWork(slot=req.slot, cache_len=start, token_ids=tokens, logits_nodes=logits_nodes)
 
-    def _verify_and_commit(self, request: Request, proposal: Proposal, logits: torch.Tensor) -> None:
-        # logits [num_nodes, V]
+    def _verify_and_commit(self, request: Request, proposal: Proposal, logits: torch.Tensor,
+                           tree_features: torch.Tensor | None) -> None:
+        # logits [num_nodes, V]; tree_features [num_nodes, L * D] when the drafter reads features
         accepted = self.speculator.verify(request=request, proposal=proposal, logits=logits,
                                           eos_token_ids=self.eos_token_ids)
         cache_len = request.num_computed_tokens
@@ -234,6 +249,8 @@ class Engine:
                            destination_start=cache_len)
         request.num_computed_tokens = cache_len + len(accepted.nodes)
         self.cache.commit(request.slot, request.num_computed_tokens)
+        if tree_features is not None:
+            self.speculator.observe(request, tree_features[accepted.nodes])
         request.metrics.num_target_forwards += 1
         # Committed token j was chosen from the logits after path node j.
         logprob_rows = self._logprobs([request] * len(accepted.nodes), logits[accepted.nodes],
@@ -282,6 +299,13 @@ class Engine:
             finish_reason=request.finish_reason,
             output=request.to_output() if request.is_finished else None,
         )
+
+
+def _features(captured: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor | None:
+    """The captured layers' outputs side by side: [N, len(layers) * D], or None."""
+    if not layers:
+        return None
+    return torch.cat([captured[layer] for layer in layers], dim=-1)
 
 
 def _read_max_positions(model_dir) -> int:

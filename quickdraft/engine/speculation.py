@@ -59,6 +59,15 @@ class Speculator:
             self.drafter.begin(view)
         return view
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the drafter reads (empty for most drafters)."""
+        return tuple(getattr(self.drafter, "feature_layers", ()))
+
+    def observe(self, request: Request, features: torch.Tensor) -> None:
+        """features [n, L * D]: the target features of the request's next n cached tokens."""
+        self.drafter.observe(self.view(request), features)
+
     def finish(self, request_id: str) -> None:
         if self._views.pop(request_id, None) is not None:
             self._draft_length.pop(request_id, None)

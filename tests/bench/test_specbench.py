@@ -1,4 +1,4 @@
-"""The Spec-Bench runner on a tiny model: figures consistent with their definitions."""
+"""Spec-Bench questions and summaries: loading, prompts, and the figures' definitions."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from quickdraft import LLM
 from quickdraft.bench.specbench import (
     QuestionResult,
+    TurnRecord,
+    acceptance_by_position,
     conversation_prompt,
     load_questions,
-    run_method,
     summarize,
     task_of,
 )
@@ -29,7 +29,9 @@ def test_load_questions_groups_and_limits(tmp_path):
     questions = load_questions(path, per_task=2)
     assert [q.question_id for q in questions] == [0, 1, 2, 3, 5]
     assert task_of("coding") == "multi-turn"
-    assert [q.question_id for q in load_questions(path, tasks=("rag",))] == [5]
+    assert [q.question_id for q in load_questions(path, categories=("rag",))] == [5]
+    assert [q.question_id for q in load_questions(path, categories=("multi-turn",))] == [0, 1]
+    assert [q.question_id for q in load_questions(path, categories=("coding", "rag"))] == [1, 5]
 
 
 def test_bad_question_file_names_the_line(tmp_path):
@@ -37,35 +39,56 @@ def test_bad_question_file_names_the_line(tmp_path):
     path.write_text('{"question_id": 1, "category": "qa", "turns": ["x"]}\n{"oops": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_questions(path)
+    path.write_text('{"question_id": 1, "category": "qa", "turns": []}\n')
+    with pytest.raises(ValueError, match="turns"):
+        load_questions(path)
+
+
+def test_unknown_category_and_empty_selection_are_errors(tmp_path):
+    path = write_questions(tmp_path / "q.jsonl", [{"question_id": 1, "category": "qa", "turns": ["x"]}])
+    with pytest.raises(ValueError, match="unknown categories"):
+        load_questions(path, categories=("poetry",))
+    with pytest.raises(ValueError, match="no questions"):
+        load_questions(path, categories=("rag",))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_questions(tmp_path / "missing.jsonl")
 
 
 def test_multi_turn_prompt_feeds_earlier_answers():
     assert conversation_prompt(["a", "b"], ["A"]) == "User: a\nAssistant: A\nUser: b\nAssistant:"
 
 
+def turn(seconds, tokens, forwards, *, ttft=0.1, drafted=None, accepted=None, ids=None):
+    return TurnRecord(seconds=seconds, ttft=ttft, token_ids=ids or [1] * tokens, text="", target_forwards=forwards,
+                      draft_tokens=None if drafted is None else sum(drafted),
+                      accepted_tokens=None if accepted is None else sum(accepted),
+                      accepted_per_position=accepted, drafted_per_position=drafted)
+
+
 def test_summary_definitions():
-    plain = [QuestionResult(1, "qa", seconds=2.0, new_tokens=10, target_forwards=10, token_ids=[[1]]),
-             QuestionResult(2, "rag", seconds=4.0, new_tokens=10, target_forwards=10, token_ids=[[2]])]
-    spec = [QuestionResult(1, "qa", seconds=1.0, new_tokens=10, target_forwards=4, draft_tokens=12,
-                           accepted_tokens=6, token_ids=[[1]]),
-            QuestionResult(2, "rag", seconds=4.0, new_tokens=10, target_forwards=10, token_ids=[[3]])]
-    table = summarize(plain, spec)
+    plain = [QuestionResult(1, "qa", [turn(2.0, 10, 10, ids=[1] * 10)]),
+             QuestionResult(2, "rag", [turn(4.0, 10, 10, ids=[2] * 10)])]
+    spec = [QuestionResult(1, "qa", [turn(1.0, 10, 4, drafted=[4, 4, 4], accepted=[3, 2, 1], ids=[1] * 10)]),
+            QuestionResult(2, "rag", [turn(4.0, 10, 10, drafted=[], accepted=[], ids=[3] * 10)])]
+    table = summarize(spec, plain=plain, reference=plain)
+    assert list(table) == ["qa", "rag", "overall"]
     assert table["qa"]["speedup"] == 2.0 and table["qa"]["mean_accepted_tokens"] == 2.5
     assert table["overall"]["speedup"] == pytest.approx(6.0 / 5.0)
+    # Time per token: a run that wrote half as many tokens in half the time is not faster.
+    short = [QuestionResult(1, "qa", [turn(1.0, 5, 5)]), QuestionResult(2, "rag", [turn(2.0, 5, 5)])]
+    assert summarize(short, plain=plain)["overall"]["speedup"] == pytest.approx(1.0)
     assert table["overall"]["mean_accepted_tokens"] == pytest.approx(20 / 14)
     assert table["overall"]["exact_match"] == 0.5
+    assert table["overall"]["acceptance_rate"] == pytest.approx(6 / 12)
+    assert table["overall"]["tpot"] == pytest.approx((0.9 + 3.9) / 18)
+    assert table["overall"]["ttft"] == pytest.approx(0.1)
+    assert acceptance_by_position(spec) == [3 / 4, 2 / 4, 1 / 4]
+    sampled = summarize(spec, plain=plain, reference=plain, greedy=False)
+    assert sampled["overall"]["exact_match"] is None
 
 
-def test_run_method_end_to_end(tiny_checkpoints, tmp_path):
-    rows = [{"question_id": 1, "category": "writing", "turns": ["abab", "again"]},
-            {"question_id": 2, "category": "qa", "turns": ["xyzxyz"]}]
-    questions = load_questions(write_questions(tmp_path / "q.jsonl", rows))
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=1)
-    plain = run_method(llm, questions, max_new_tokens=12)
-    llm.engine.set_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
-    spec = run_method(llm, questions, max_new_tokens=12)
-    assert [len(r.token_ids) for r in plain] == [2, 1]
-    assert all(r.new_tokens == 12 * len(r.token_ids) for r in spec)
-    table = summarize(plain, spec)
-    assert table["overall"]["exact_match"] == 1.0
-    assert table["overall"]["mean_accepted_tokens"] >= 1.0
+def test_uncounted_figures_stay_unknown():
+    peer = [QuestionResult(1, "qa", [TurnRecord(seconds=1.0, ttft=0.1, token_ids=[1, 2], text="")])]
+    row = summarize(peer, plain=peer)["overall"]
+    assert row["mean_accepted_tokens"] is None and row["acceptance_rate"] is None
+    assert acceptance_by_position(peer) is None

@@ -1,0 +1,221 @@
+"""EAGLE-style drafting: a light head on the target's features proposes a tree.
+
+Per request the head keeps its own KV cache of *true* entries: entry i is the pair (target
+feature of token i, token i+1) at position i+1.  Features arrive from the engine as tokens
+enter the target's cache (`observe`); the pairs they complete are fed to the head in one
+catch-up forward at the next `propose`, whose last row (the pair ending in the root token)
+gives the depth-1 draft distribution.  Deeper nodes feed the head's own output feature
+with the node's token, attending to the true entries and to their own ancestors' draft
+entries, which are written past the true entries and forgotten after verification: the
+rollback is just the true length.
+
+Tree shapes: ``tree="dynamic"`` grows an EAGLE-2 tree (expand the ``top_k`` best nodes by
+cumulative draft probability at each depth, keep the best ``max_draft_tokens`` overall);
+a list of paths (Medusa's ``medusa_choices`` form) gives a static tree; ``top_k=1`` is a
+chain.  Children are top-k picks, so proposals are point masses (``draft_probs=None``),
+exact for greedy and sampled requests alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.tree import DynamicTree, StaticTree
+from quickdraft.kv.cache import KVCache
+from quickdraft.models.heads import EagleHead
+
+DRAFT_ENTRY_HEADROOM = 128  # head cache room past max_model_len for one step's draft entries
+
+
+@dataclass
+class _HeadState:
+    slot: int
+    pending: list[torch.Tensor] = field(default_factory=list)  # fused features [n, D] not yet fed
+    num_true: int = 0  # true entries in the head cache
+    num_features: int = 0  # target features observed (= tokens in the target's cache)
+
+
+class EagleDrafter:
+    def __init__(self, *, target: TargetInfo, head: str | None = None, num_speculative_tokens: int = 5,
+                 tree: str | list = "dynamic", top_k: int = 4, max_draft_tokens: int = 16):
+        if target.model is None:
+            raise ValueError("the eagle drafter needs the target model (TargetInfo.model)")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        if not isinstance(max_draft_tokens, int) or isinstance(max_draft_tokens, bool) or max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be a positive integer, got {max_draft_tokens!r}")
+        self.depth = num_speculative_tokens
+        self.top_k = top_k
+        self.max_draft_tokens = max_draft_tokens
+        self.static_tree = None if tree == "dynamic" else _static_tree(tree)
+        self.device = target.device
+        max_len = target.max_model_len + DRAFT_ENTRY_HEADROOM
+        self.head = EagleHead.load(resolve_head_dir(head, target=target), dtype=target.dtype,
+                                   device=target.device, max_len=max_len)
+        if self.head.config.hidden_size != target.model.config.hidden_size:
+            raise ValueError(f"head hidden size {self.head.config.hidden_size} does not match the target's "
+                             f"{target.model.config.hidden_size}")
+        if int(self.head.d2t.max()) >= target.vocab_size:
+            raise ValueError("the head's draft vocabulary maps to ids outside the target's vocabulary")
+        bad_layers = [i for i in self.head.config.feature_layers if not 0 <= i < target.model.config.num_layers]
+        if bad_layers:
+            raise ValueError(f"head reads target layers {bad_layers} that the target does not have")
+        self.head.attach_target(target.model)
+        self.feature_layers = tuple(self.head.config.feature_layers)
+        c = self.head.config
+        self.cache = KVCache(num_layers=1, num_slots=target.max_num_seqs, num_kv_heads=c.num_kv_heads,
+                             head_dim=c.head_dim, max_len=max_len,
+                             dtype=target.dtype, device=target.device)
+        self._states: dict[str, _HeadState] = {}
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def begin(self, request: DraftRequest) -> None:
+        self._states[request.request_id] = _HeadState(slot=self.cache.allocate())
+
+    def finish(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.cache.free(state.slot)
+
+    @torch.inference_mode()
+    def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
+        # features [n, L * D] of the next n tokens entering the target's cache
+        state = self._states[request.request_id]
+        state.pending.append(self.head.fuse_features(features.to(self.head.in_proj.weight.dtype)))
+        state.num_features += features.shape[0]
+
+    def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
+        pass  # draft entries sit past num_true: they are overwritten next step
+
+    # ---- propose ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
+        return [self._propose_one(request) for request in requests]
+
+    def _propose_one(self, request: DraftRequest) -> Proposal | None:
+        state = self._states[request.request_id]
+        tokens = request.token_ids
+        if not state.pending or state.num_features != len(tokens) - 1:
+            return None  # no new features, or out of step with the tokens: no draft this step
+        root_hidden = self._catch_up(state, tokens)  # [D]
+        max_depth = min(self.depth, request.max_depth)
+        budget = min(self.max_draft_tokens, request.budget)
+        tree = DynamicTree(root_token=tokens[-1])
+        hidden = {0: root_hidden}  # node -> the head's output after it (its children's feature)
+        entry = {0: None}  # node -> storage index of its draft entry (root: a true entry)
+        frontier = [0]
+        for depth in range(1, max_depth + 1):
+            expand = self._nodes_to_expand(tree, frontier, depth)
+            if not expand:
+                break
+            if depth > 1:  # depth-1 children come from the catch-up's last row
+                self._feed_nodes(state, tree, expand, hidden, entry)
+            frontier = []
+            logits = self.head.draft_logits(torch.stack([hidden[n] for n in expand]))  # [m, Vd]
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            for row, node in enumerate(expand):
+                ranks = self._child_ranks(tree, node)
+                top = torch.topk(log_probs[row], max(ranks) + 1)
+                picked_ids = self.head.d2t[top.indices[ranks]].tolist()
+                frontier += tree.add_children(node, picked_ids, top.values[ranks].tolist(), ranks)
+        if len(tree.token_ids) == 1:
+            return None
+        token_ids, parents = tree.pruned(budget)
+        return Proposal(token_ids=token_ids, parents=parents)
+
+    # ---- tree shape -------------------------------------------------------------------------
+    def _nodes_to_expand(self, tree: DynamicTree, frontier: list[int], depth: int) -> list[int]:
+        if self.static_tree is None:
+            return tree.best_frontier(frontier, 1 if depth == 1 else self.top_k)
+        return [n for n in frontier if self._static_children(tree, n)]
+
+    def _child_ranks(self, tree: DynamicTree, node: int) -> list[int]:
+        if self.static_tree is None:
+            return list(range(self.top_k))
+        return self._static_children(tree, node)
+
+    def _static_children(self, tree: DynamicTree, node: int) -> list[int]:
+        path = tree.path_ranks(node)
+        return [p[-1] for p in self.static_tree.paths if len(p) == len(path) + 1 and p[:-1] == path]
+
+    # ---- head forwards ------------------------------------------------------------------------
+    def _catch_up(self, state: _HeadState, tokens: list[int]) -> torch.Tensor:
+        """Feed the pending true pairs; returns the head's output after the root pair [D]."""
+        features = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]  # [n, D]
+        state.pending = []
+        start = state.num_true
+        count = features.shape[0]
+        next_tokens = torch.tensor(tokens[start + 1 : start + 1 + count], device=self.device)
+        positions = torch.arange(start + 1, start + 1 + count, device=self.device)
+        mask = torch.ones(count, start + count, dtype=torch.bool, device=self.device)
+        mask[:, start:] = torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()
+        out = self._forward(state, next_tokens, features, positions,
+                            store=list(range(start, start + count)), mask=mask)
+        state.num_true = start + count
+        return out[-1]
+
+    def _feed_nodes(self, state: _HeadState, tree: DynamicTree, nodes: list[int], hidden: dict, entry: dict) -> None:
+        """Draft entries for `nodes` (their parents' outputs + their tokens); fills hidden/entry."""
+        first_free = state.num_true + sum(1 for e in entry.values() if e is not None)
+        store = list(range(first_free, first_free + len(nodes)))
+        kv_len = first_free + len(nodes)
+        mask = torch.zeros(len(nodes), kv_len, dtype=torch.bool)
+        mask[:, : state.num_true] = True
+        for row, node in enumerate(nodes):
+            entry[node] = store[row]
+            ancestor = node
+            while ancestor > 0:
+                mask[row, entry[ancestor]] = True
+                ancestor = tree.parents[ancestor]
+        token_ids = torch.tensor([tree.token_ids[n] for n in nodes], device=self.device)
+        features = torch.stack([hidden[tree.parents[n]] for n in nodes])  # [m, D]
+        positions = torch.tensor([state.num_true + tree.depths[n] for n in nodes], device=self.device)
+        out = self._forward(state, token_ids, features, positions, store=store, mask=mask.to(self.device))
+        for row, node in enumerate(nodes):
+            hidden[node] = out[row]
+
+    def _forward(self, state: _HeadState, token_ids: torch.Tensor, features: torch.Tensor,
+                 positions: torch.Tensor, *, store: list[int], mask: torch.Tensor) -> torch.Tensor:
+        # token_ids [m], features [m, D], positions [m], mask [m, kv_len] -> head outputs [m, D]
+        head = self.head
+        hidden = head.input_hidden(token_ids, features)
+        q, k, v = head.attention_inputs(hidden, positions)
+        store_index = torch.tensor(store, device=self.device)
+        self.cache.write(0, keys=k, values=v, slot_index=torch.full_like(store_index, state.slot),
+                         store_index=store_index)
+        keys, values = self.cache.read(0, slot=state.slot, start=0, end=mask.shape[1])
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+            enable_gqa=head.config.num_kv_heads != head.config.num_heads)  # [1, H, m, hd]
+        return head.block_output(hidden, attended[0].transpose(0, 1).reshape(hidden.shape[0], -1))
+
+
+def _static_tree(tree) -> StaticTree:
+    if not isinstance(tree, (list, tuple)):
+        raise ValueError(f"tree must be 'dynamic' or a list of paths (medusa_choices form), got {tree!r}")
+    return StaticTree.from_paths(tree)
+
+
+def resolve_head_dir(head: str | None, *, target: TargetInfo) -> Path:
+    """A head directory: given, or the one shipped for the embedded model."""
+    from quickdraft.heads import shipped_head_dir
+
+    if head:
+        path = Path(head).expanduser()
+        if not path.is_dir():
+            shipped = shipped_head_dir(str(head), model_dir=target.model_dir)
+            if shipped is None:
+                raise FileNotFoundError(f"draft head {head!r} not found: give a directory written by "
+                                        f"`quickdraft train-head` or the name of a shipped head")
+            return shipped
+        return path
+    shipped = shipped_head_dir("eagle3", model_dir=target.model_dir)
+    if shipped is None:
+        raise ValueError("no eagle3 head is shipped for this target: train one with `quickdraft train-head "
+                         "--method eagle3` and pass {\"head\": DIR}")
+    return shipped

@@ -1,0 +1,175 @@
+"""Training data for draft heads, built offline from the target itself.
+
+Prompts come from text every Python installation has (the stdlib's documentation topics and
+module docstrings), wrapped in task templates (summarise, translate, explain, answer from a
+passage, write, solve a word problem) and in the "User: ...\\nAssistant:" transcript form the
+benchmarks use.  The target answers them (so a head learns what the target actually says),
+and a feature recorder captures the target's hidden states of every token as it enters the
+cache, during that same generation: no second pass over the data.
+
+Spec-Bench questions are never used here, so heads can be measured on them fairly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LANGUAGES = ("German", "French", "Spanish", "Italian", "Portuguese", "Dutch")
+WRITING = ("a short story", "a poem", "a product description", "an email to a colleague", "a blog post intro",
+           "a dialogue between two friends", "a persuasive paragraph", "a short speech")
+TOPICS = ("a lighthouse keeper", "the first day of spring", "a lost umbrella", "a robot learning to cook",
+          "a mountain village", "an old library", "a city at night", "a chess tournament", "the ocean",
+          "a new coffee shop", "learning a language", "a rainy afternoon", "space travel", "a garden",
+          "a train journey", "friendship", "a museum visit", "winter holidays", "a science fair")
+
+
+def text_snippets() -> tuple[list[str], list[str]]:
+    """(paragraphs, sentences) from the Python documentation shipped with the interpreter."""
+    import pydoc_data.topics
+
+    texts = list(pydoc_data.topics.topics.values())
+    for name in ("collections", "itertools", "functools", "json", "re", "pathlib", "datetime", "statistics",
+                 "random", "string", "textwrap", "heapq", "bisect", "argparse", "logging", "unittest",
+                 "sqlite3", "csv", "decimal", "fractions", "math", "os", "shutil", "subprocess", "threading",
+                 "asyncio", "typing", "dataclasses", "enum", "inspect", "contextlib", "abc", "http.client",
+                 "urllib.parse", "email", "zipfile", "tarfile", "hashlib", "secrets", "uuid", "calendar"):
+        try:
+            module = __import__(name, fromlist=["_"])
+        except ImportError:
+            continue
+        texts.append(module.__doc__ or "")
+        with warnings.catch_warnings():  # some attributes are deprecated aliases that warn when touched
+            warnings.simplefilter("ignore")
+            for attr in dir(module):
+                doc = getattr(getattr(module, attr, None), "__doc__", None)
+                if isinstance(doc, str) and len(doc) > 200 and not attr.startswith("_"):
+                    texts.append(doc)
+    paragraphs, sentences = [], []
+    for text in texts:
+        for block in re.split(r"\n\s*\n", text):
+            block = " ".join(block.split())
+            if 200 <= len(block) <= 1200 and block.count(">>>") == 0 and sum(c.isalpha() for c in block) > 0.7 * len(block):
+                paragraphs.append(block)
+                sentences += [s for s in re.split(r"(?<=[.!?])\s+", block) if 40 <= len(s) <= 200]
+    return sorted(set(paragraphs)), sorted(set(sentences))
+
+
+def word_problem(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 40), rng.randint(2, 25), rng.randint(2, 9)
+    item, person = rng.choice(["apples", "books", "pencils", "tickets", "cookies", "boxes"]), rng.choice(
+        ["Maria", "Tom", "Aisha", "Ken", "Lena", "Omar"])
+    templates = [
+        f"{person} buys {a} {item} at ${b} each and pays with a ${a * b + rng.randint(1, 50)} bill. How much change does {person} get?",
+        f"A class has {a} students. Each student brings {c} {item}. The teacher adds {b} more. How many {item} are there?",
+        f"{person} reads {b} pages a day. How many days does it take to read a book of {a * b + c} pages?",
+        f"A train travels {a * 10} km in {c} hours. What is its average speed? Then how far does it go in {b} hours?",
+        f"Solve for x: {c}x + {a} = {c * b + a}.",
+    ]
+    return rng.choice(templates)
+
+
+def build_prompts(count: int, *, seed: int) -> list[str]:
+    """`count` transcript prompts mixing task templates over the local text."""
+    rng = random.Random(seed)
+    paragraphs, sentences = text_snippets()
+    makers = [
+        lambda: f"Summarize the following text in a few sentences.\n\n{rng.choice(paragraphs)}",
+        lambda: f"Translate the following sentence into {rng.choice(LANGUAGES)}: {rng.choice(sentences)}",
+        lambda: f"Explain in simple terms: {rng.choice(sentences)}",
+        lambda: f"Read the passage and answer the question.\n\nPassage: {rng.choice(paragraphs)}\n\n"
+                f"Question: What is the main point of this passage?",
+        lambda: f"Write {rng.choice(WRITING)} about {rng.choice(TOPICS)}.",
+        lambda: f"{word_problem(rng)} Let's think step by step.",
+        lambda: f"What does this mean, and when would you use it? {rng.choice(sentences)}",
+        lambda: f"Give three tips about {rng.choice(TOPICS)}.",
+    ]
+    return [f"User: {rng.choice(makers)()}\nAssistant:" for _ in range(count)]
+
+
+class FeatureRecorder:
+    """A drafter that never drafts: it keeps the target features of every cached token."""
+
+    def __init__(self, feature_layers: tuple[int, ...]):
+        self.feature_layers = tuple(feature_layers)
+        self.features: dict[str, list[torch.Tensor]] = {}
+
+    def begin(self, request) -> None:
+        self.features[request.request_id] = []
+
+    def observe(self, request, features: torch.Tensor) -> None:  # features [n, L * D]
+        self.features[request.request_id].append(features.to(torch.bfloat16))
+
+    def propose(self, requests):
+        return [None] * len(requests)
+
+    def accept(self, request, accepted) -> None:
+        pass
+
+    def finish(self, request_id: str) -> None:
+        pass  # kept until `take` collects them
+
+
+@dataclass
+class Sequence:
+    token_ids: list[int]  # prompt + answer
+    num_prompt_tokens: int
+    features: torch.Tensor  # [len(token_ids) - 1, L * D] bf16: every token but the last
+
+
+@dataclass
+class DataShard:
+    sequences: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_answer_tokens(self) -> int:
+        return sum(len(s.token_ids) - s.num_prompt_tokens for s in self.sequences)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors, meta = {}, []
+        for i, s in enumerate(self.sequences):
+            tensors[f"tokens.{i}"] = torch.tensor(s.token_ids, dtype=torch.int32)
+            tensors[f"features.{i}"] = s.features.contiguous()
+            meta.append(s.num_prompt_tokens)
+        save_file(tensors, str(path), metadata={"num_prompt_tokens": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path: Path) -> DataShard:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["num_prompt_tokens"])
+        tensors = load_file(str(path))
+        return cls([Sequence(token_ids=tensors[f"tokens.{i}"].tolist(), num_prompt_tokens=n,
+                             features=tensors[f"features.{i}"]) for i, n in enumerate(meta)])
+
+
+def generate_shard(llm, prompts: list[str], *, feature_layers: tuple[int, ...], max_new_tokens: int,
+                   temperature: float, seed: int) -> DataShard:
+    """The target answers `prompts` (batched); returns the sequences with their features."""
+    from quickdraft.sampling_params import SamplingParams
+
+    recorder = FeatureRecorder(feature_layers)
+    llm.engine.set_drafter(recorder)
+    try:
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
+                  for i in range(len(prompts))]
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.engine.set_speculative_config(None)
+    shard = DataShard()
+    for output in outputs:
+        tokens = output.prompt_token_ids + output.outputs[0].token_ids
+        features = torch.cat(recorder.features.pop(output.request_id))
+        shard.sequences.append(Sequence(token_ids=tokens, num_prompt_tokens=len(output.prompt_token_ids),
+                                        features=features[: len(tokens) - 1]))
+    return shard

@@ -1,0 +1,338 @@
+"""`quickdraft train-head`: build data from the target, train a draft head, report acceptance.
+
+Stages, each resumable from the output folder:
+
+1. data: the target answers generated prompts; features are recorded while it does
+   (``data/shard-*.safetensors``; existing shards are kept);
+2. draft vocabulary: the most frequent answer tokens (``draft_vocab_size`` of them);
+3. training: the head is unrolled over ``train_depths`` draft depths per anchor
+   (training-time test), cross-entropy on the target's tokens, AdamW with warm-up and
+   cosine decay; ``checkpoint.pt`` after every epoch and every ``checkpoint_every`` steps;
+4. validation on held-out sequences: per-depth top-1 accuracy and the chain acceptance
+   length a greedy chain of ``val_depths`` draft tokens would reach (teacher forcing with
+   the target's own tokens is exact for that: a chain continues only while it is right);
+5. the head (bf16 safetensors) and ``manifest.json`` (command, data, seed, figures).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from quickdraft.models.heads import EagleHead, HeadConfig
+from quickdraft.train.data import DataShard, Sequence, build_prompts, generate_shard
+
+METHODS = ("eagle3",)
+
+
+@dataclass
+class TrainHeadConfig:
+    out: Path
+    method: str = "eagle3"
+    target: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_prompts: int = 480
+    shard_prompts: int = 32
+    max_new_tokens: int = 256
+    sampled_fraction: float = 0.25  # share of answers sampled (temperature 0.7) instead of greedy
+    feature_layers: tuple[int, ...] | None = None  # default: low, middle and last layer
+    draft_vocab_size: int = 8192
+    intermediate_size: int | None = None  # default: the target's
+    train_depths: int = 3
+    val_depths: int = 5
+    epochs: int = 2
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+    sequences_per_step: int = 4
+    max_seq_len: int = 1024
+    val_sequences: int = 24
+    checkpoint_every: int = 50
+    seed: int = 0
+    command: str | None = None
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if self.method not in METHODS:
+            raise ValueError(f"unknown head method {self.method!r}; trainable here: {list(METHODS)}")
+        for name in ("num_prompts", "shard_prompts", "max_new_tokens", "draft_vocab_size", "train_depths",
+                     "val_depths", "epochs", "sequences_per_step", "max_seq_len", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= self.sampled_fraction <= 1.0:
+            raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
+        if self.val_sequences < 1 or self.val_sequences >= self.num_prompts:
+            raise ValueError(f"val_sequences must be in 1..num_prompts-1, got {self.val_sequences}")
+
+
+@dataclass
+class TrainReport:
+    train_sequences: int = 0
+    train_answer_tokens: int = 0
+    draft_vocab_coverage: float = 0.0
+    steps: int = 0
+    seconds: dict = field(default_factory=dict)
+    final_train_loss: float | None = None
+    val_accuracy_by_depth: list[float] = field(default_factory=list)
+    val_chain_acceptance_length: float | None = None
+    parameters: int = 0
+    head_bytes: int = 0
+    draft_token_cost: float | None = None  # head matmul weights per draft token / target's per token
+
+
+def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport:
+    torch.manual_seed(config.seed)
+    config.out.mkdir(parents=True, exist_ok=True)
+    report = TrainReport()
+    start = time.perf_counter()
+    llm = _load_target(config)
+    target = llm.engine.model
+    layers = config.feature_layers or default_feature_layers(target.config.num_layers)
+    shards = _build_data(config, llm, layers, progress=progress)
+    report.seconds["data"] = time.perf_counter() - start
+    sequences = [s for shard in shards for s in shard.sequences]
+    random.Random(config.seed).shuffle(sequences)
+    val, train = sequences[: config.val_sequences], sequences[config.val_sequences:]
+    d2t, coverage = draft_vocabulary(train, config.draft_vocab_size, vocab_size=target.config.vocab_size)
+    report.train_sequences, report.draft_vocab_coverage = len(train), coverage
+    report.train_answer_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in train)
+    head = new_head(target, layers=layers, draft_vocab_size=len(d2t), intermediate_size=config.intermediate_size,
+                    max_len=config.max_seq_len + config.val_depths + 2)
+    head.set_draft_vocab(d2t)
+    head.attach_target(target)
+    del llm
+    t2d = target_to_draft(d2t, vocab_size=target.config.vocab_size)
+    started = time.perf_counter()
+    report.final_train_loss, report.steps = _train(config, head, train, t2d, progress=progress)
+    report.seconds["train"] = time.perf_counter() - started
+    started = time.perf_counter()
+    report.val_accuracy_by_depth, report.val_chain_acceptance_length = validate(
+        head, val, t2d, depths=config.val_depths, max_seq_len=config.max_seq_len)
+    report.seconds["validate"] = time.perf_counter() - started
+    report.parameters = sum(p.numel() for p in head.parameters())
+    report.draft_token_cost = draft_token_cost(head, target)
+    head_dir = config.out / "head"
+    head.save(head_dir)
+    report.head_bytes = sum(f.stat().st_size for f in head_dir.iterdir())
+    _write_manifest(config, report, layers)
+    return report
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high features: an early layer, the middle one and the last."""
+    return tuple(sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1}))
+
+
+def new_head(target, *, layers, draft_vocab_size: int, intermediate_size: int | None, max_len: int) -> EagleHead:
+    c = target.config
+    config = HeadConfig(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                        head_dim=c.head_dim, intermediate_size=intermediate_size or c.intermediate_size,
+                        feature_layers=tuple(layers), draft_vocab_size=draft_vocab_size,
+                        rms_norm_eps=c.rms_norm_eps, activation=c.activation)
+    return EagleHead(config, max_len=max_len)
+
+
+def draft_vocabulary(sequences: list[Sequence], size: int, *, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent answer tokens (draft id order = frequency order) and the share of
+    answer tokens they cover."""
+    counts = Counter()
+    for s in sequences:
+        counts.update(s.token_ids[s.num_prompt_tokens:])
+    ranked = [token for token, _ in counts.most_common(size)]
+    if len(ranked) < size:  # pad with the lowest unused ids so the table has its full size
+        used = set(ranked)
+        ranked += [t for t in range(vocab_size) if t not in used][: size - len(ranked)]
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in ranked)
+    return torch.tensor(ranked, dtype=torch.long), covered / total if total else 0.0
+
+
+def target_to_draft(d2t: torch.Tensor, *, vocab_size: int) -> torch.Tensor:  # [V]: draft id or -100
+    t2d = torch.full((vocab_size,), -100, dtype=torch.long)
+    t2d[d2t] = torch.arange(d2t.shape[0])
+    return t2d
+
+
+def draft_token_cost(head: EagleHead, target) -> float:
+    """Matrix weights read per draft token (block + fusion share + draft LM rows) over the target's."""
+    block = sum(p.numel() for name, p in head.named_parameters() if p.dim() == 2)
+    head_weights = block + head.lm_rows.numel()
+    target_weights = sum(t.numel() for name, t in target.state_dict().items()
+                         if t.dim() == 2 and not name.startswith("rotary"))
+    return head_weights / target_weights
+
+
+def _load_target(config: TrainHeadConfig):
+    from quickdraft.llm import LLM
+
+    return LLM(config.target, dtype=config.dtype, device=config.device, max_num_seqs=16,
+               max_model_len=config.max_seq_len, seed=config.seed)
+
+
+def _build_data(config: TrainHeadConfig, llm, layers, *, progress: bool) -> list[DataShard]:
+    from tqdm import tqdm
+
+    data_dir = config.out / "data"
+    data_dir.mkdir(exist_ok=True)
+    prompts = _fitting_prompts(config, llm.tokenizer)
+    num_shards = math.ceil(config.num_prompts / config.shard_prompts)
+    shards = []
+    bar = tqdm(total=config.num_prompts, desc="target answers (data)", unit="prompt", disable=not progress)
+    for index in range(num_shards):
+        path = data_dir / f"shard-{index:04d}.safetensors"
+        chunk = prompts[index * config.shard_prompts: (index + 1) * config.shard_prompts]
+        if path.is_file():
+            shard = DataShard.load(path)
+        else:
+            sampled = random.Random(config.seed + index).random() < config.sampled_fraction
+            shard = generate_shard(llm, chunk, feature_layers=layers, max_new_tokens=config.max_new_tokens,
+                                   temperature=0.7 if sampled else 0.0, seed=config.seed + index * 1000)
+            shard.save(path)
+        shards.append(shard)
+        bar.update(len(chunk))
+    bar.close()
+    return shards
+
+
+def _fitting_prompts(config: TrainHeadConfig, tokenizer) -> list[str]:
+    """The first num_prompts generated prompts whose answer still fits max_seq_len."""
+    limit = config.max_seq_len - config.max_new_tokens
+    candidates = build_prompts(4 * config.num_prompts, seed=config.seed)
+    fitting = [p for p in candidates if len(tokenizer.encode(p)) <= limit][: config.num_prompts]
+    if len(fitting) < config.num_prompts:
+        raise ValueError(f"only {len(fitting)} prompts fit max_seq_len {config.max_seq_len} with "
+                         f"{config.max_new_tokens} new tokens; raise max_seq_len or lower max_new_tokens")
+    return fitting
+
+
+def _sequence_loss(head: EagleHead, seq: Sequence, t2d: torch.Tensor, *, depths: int, max_seq_len: int):
+    tokens = torch.tensor(seq.token_ids[:max_seq_len])
+    # Anchors before this one predict only prompt tokens at every depth: no logits for them.
+    first_anchor = max(0, min(seq.num_prompt_tokens - depths - 1, len(tokens) - 2))
+    logits = head.unrolled_logits(tokens, seq.features[: len(tokens) - 1].float(), depths=depths,
+                                  first_anchor=first_anchor)
+    anchors = torch.arange(first_anchor, len(tokens) - 1)
+    total, count = 0.0, 0
+    for depth, depth_logits in enumerate(logits, start=1):
+        target_index = anchors + depth + 1  # depth k at anchor j predicts token j + k + 1
+        valid = (target_index < len(tokens)) & (target_index >= seq.num_prompt_tokens)
+        if not valid.any():
+            continue
+        labels = t2d[tokens[target_index[valid]]]
+        weight = 0.8 ** (depth - 1)
+        loss = F.cross_entropy(depth_logits[valid], labels, ignore_index=-100, reduction="sum")
+        total = total + weight * loss
+        count += int((labels >= 0).sum())
+    return total, count
+
+
+def _train(config: TrainHeadConfig, head: EagleHead, train: list[Sequence], t2d: torch.Tensor,
+           *, progress: bool) -> tuple[float | None, int]:
+    from tqdm import tqdm
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0, betas=(0.9, 0.95))
+    steps_per_epoch = math.ceil(len(train) / config.sequences_per_step)
+    total_steps = steps_per_epoch * config.epochs
+    checkpoint = config.out / "checkpoint.pt"
+    step = 0
+    if checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(state["head"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    rng = random.Random(config.seed)
+    orders = []
+    for _ in range(config.epochs):
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        orders.append(order)
+    head.train()
+    bar = tqdm(total=total_steps, initial=step, desc="training head", unit="step", disable=not progress)
+    last_loss = None
+    while step < total_steps:
+        epoch, within = divmod(step, steps_per_epoch)
+        batch = orders[epoch][within * config.sequences_per_step: (within + 1) * config.sequences_per_step]
+        lr = config.learning_rate * min(1.0, (step + 1) / config.warmup_steps) * \
+            0.5 * (1 + math.cos(math.pi * step / total_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, tokens = 0.0, 0
+        for index in batch:
+            loss, count = _sequence_loss(head, train[index], t2d, depths=config.train_depths,
+                                         max_seq_len=config.max_seq_len)
+            if count:
+                loss.backward()
+                loss_sum += float(loss.detach())
+                tokens += count
+        for p in params:
+            if p.grad is not None:
+                p.grad /= max(1, tokens)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        last_loss = loss_sum / max(1, tokens)
+        bar.set_postfix(loss=f"{last_loss:.3f}")
+        bar.update(1)
+        if step % config.checkpoint_every == 0 or step % steps_per_epoch == 0:
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, checkpoint)
+    bar.close()
+    head.eval()
+    return last_loss, step
+
+
+@torch.no_grad()
+def validate(head: EagleHead, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
+             max_seq_len: int) -> tuple[list[float], float]:
+    """Per-depth top-1 accuracy and the mean greedy chain acceptance length (bonus included)."""
+    correct = [0] * depths
+    total = [0] * depths
+    lengths = []
+    for seq in sequences:
+        tokens = torch.tensor(seq.token_ids[:max_seq_len])
+        n = len(tokens) - 1
+        # anchors whose whole chain lies in the answer: the root (token j+1) is an answer token
+        first = max(0, min(seq.num_prompt_tokens - 1, n - 1))
+        logits = head.unrolled_logits(tokens, seq.features[:n].float(), depths=depths, first_anchor=first)
+        hits = torch.zeros(n - first, depths, dtype=torch.bool)
+        for depth, depth_logits in enumerate(logits, start=1):
+            target_index = torch.arange(first, n) + depth + 1
+            inside = target_index < len(tokens)
+            labels = torch.full((n - first,), -100)
+            labels[inside] = t2d[tokens[target_index[inside]]]
+            hits[:, depth - 1] = (depth_logits.argmax(-1) == labels) & inside
+        for j in range(n - first):
+            if first + j + depths + 1 >= len(tokens):
+                break
+            run = 0
+            while run < depths and hits[j, run]:
+                run += 1
+            lengths.append(1 + run)
+            for depth in range(depths):
+                correct[depth] += int(hits[j, depth])
+                total[depth] += 1
+    accuracy = [c / t if t else 0.0 for c, t in zip(correct, total)]
+    return accuracy, sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def _write_manifest(config: TrainHeadConfig, report: TrainReport, layers) -> None:
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
+    manifest = dict(
+        method=config.method, target=config.target or "embedded Gemma 3 270M (GGUF Q4_K_M)",
+        command=config.command, feature_layers=list(layers), options=options,
+        data=("target's own answers (greedy, and temperature 0.7 for a share of shards) to prompts built from "
+              "the Python stdlib documentation (pydoc_data topics, module docstrings) with task templates; "
+              "no Spec-Bench questions"),
+        report=asdict(report), date=time.strftime("%Y-%m-%d %H:%M"),
+    )
+    (config.out / "head" / "manifest.json").write_text(json.dumps(manifest, indent=1))
