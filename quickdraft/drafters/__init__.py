@@ -29,6 +29,12 @@ def _eagle(*, target: TargetInfo, **options) -> Drafter:
     return EagleDrafter(target=target, **options)
 
 
+def _hybrid(*, target: TargetInfo, **options) -> Drafter:
+    from quickdraft.drafters.hybrid import HybridDrafter
+
+    return HybridDrafter(target=target, **options)
+
+
 def default_registry() -> DrafterRegistry:
     """The built-in methods; a caller may register more on the returned registry."""
     registry = DrafterRegistry()
@@ -36,6 +42,7 @@ def default_registry() -> DrafterRegistry:
     registry.register("suffix", _suffix)
     registry.register("draft_model", _draft_model)
     registry.register("eagle3", _eagle)  # the head's config says which target layers it reads
+    registry.register("hybrid", _hybrid)
     return registry
 
 

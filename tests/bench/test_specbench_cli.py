@@ -166,3 +166,19 @@ def test_report_command_rebuilds_the_same_tables(greedy_report, tmp_path, capsys
     assert (copy / SPEEDUP_PLOT).is_file()
     assert main(["bench", "report", str(tmp_path / "nothing")]) == 2
     assert "results.json" in capsys.readouterr().err
+
+
+def test_draft_model_config_adds_the_transformers_assistant_peer(tiny_checkpoints, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[1]) + "\n")
+    draft = str(tiny_checkpoints["gemma3"])  # the target as its own assistant: a valid draft model
+    out = tmp_path / "out"
+    assert run_bench(tiny_checkpoints["gemma3"], questions, out, "--speculative-config",
+                     json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 3}),
+                     "--peers", "transformers", "--peer-draft-tokens", "3") == 0
+    runs = runs_by_name(json.loads((out / JSON_FILE).read_text()))
+    assistant = runs[f"transformers assistant {tiny_checkpoints['gemma3'].name}"]
+    assert assistant["error"] is None, assistant["error"]
+    assert "assistant_model" in assistant["setting"]
+    assert assistant["summary"]["overall"]["mean_accepted_tokens"] > 1.0
+    assert runs['quickdraft draft_model {"model": "%s", "num_speculative_tokens": 3}' % draft]["error"] is None

@@ -1,0 +1,81 @@
+"""Hybrid drafting: trees merged by prefix within a budget, children told their own paths, exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.drafters.base import AcceptedPath, Proposal
+from quickdraft.drafters.hybrid import merge_proposals, path_in_child
+from tests.drafters.test_eagle import random_head
+from tests.engine.test_speculative import repetitive_prompts
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_merge_by_prefix_exact_table():
+    a = Proposal.chain(9, [1, 2, 3])
+    b = Proposal(token_ids=[9, 1, 5, 4], parents=[-1, 0, 1, 0])
+    merged = merge_proposals([a, b], budget=10)
+    assert merged.token_ids == [9, 1, 2, 3, 5, 4] and merged.parents == [-1, 0, 1, 2, 1, 0]
+    assert merged.child_nodes[0] == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert merged.child_nodes[1] == {0: 0, 1: 1, 4: 2, 5: 3}
+    Proposal(token_ids=merged.token_ids, parents=merged.parents)
+
+
+def test_merge_respects_the_budget_and_drops_orphans():
+    a = Proposal.chain(9, [1, 2, 3])
+    b = Proposal(token_ids=[9, 4, 6, 1, 7], parents=[-1, 0, 1, 0, 3])
+    merged = merge_proposals([a, b], budget=4)
+    # a fills 3 nodes; b adds 4 under the root; 6 (under 4) no longer fits; 1 is shared, 7 does not fit
+    assert merged.token_ids == [9, 1, 2, 3, 4] and merged.parents == [-1, 0, 1, 2, 0]
+    assert merged.child_nodes[1] == {0: 0, 4: 1, 1: 3}
+    assert merge_proposals([None, Proposal.chain(9, [])], budget=4) is None
+    only_second = merge_proposals([None, a], budget=2)
+    assert only_second.token_ids == [9, 1, 2] and only_second.child_nodes[0] == {}
+
+
+def test_accepted_path_in_each_child():
+    accepted = AcceptedPath(nodes=[0, 1, 4], num_accepted=2, committed_token_ids=[1, 5, 8], bonus=True)
+    first = path_in_child(accepted, {0: 0, 1: 1, 2: 2, 3: 3})
+    assert first.nodes == [0, 1] and first.num_accepted == 1 and not first.bonus
+    second = path_in_child(accepted, {0: 0, 1: 1, 4: 2, 5: 3})
+    assert second.nodes == [0, 1, 2] and second.num_accepted == 2 and second.bonus
+    assert path_in_child(accepted, {}).nodes == [0]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=4)
+    return [o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))]
+
+
+@pytest.mark.parametrize("children", [
+    [{"method": "suffix"}, {"method": "eagle3", "top_k": 2}],
+    [{"method": "ngram", "num_speculative_tokens": 3}, {"method": "draft_model"}],
+])
+def test_hybrid_greedy_equals_plain(tiny_checkpoints, tmp_path, plain, children):
+    target = str(tiny_checkpoints["gemma3"])
+    head = random_head(tmp_path / "head")
+    for child in children:
+        if child["method"] == "eagle3":
+            child["head"] = str(head)
+        if child["method"] == "draft_model":
+            child["model"] = target
+    llm = LLM(target, max_model_len=256, max_num_seqs=4,
+              speculative_config={"method": "hybrid", "drafters": children, "num_speculative_tokens": 4,
+                                  "max_draft_tokens": 8})
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    metrics = llm.get_metrics()
+    assert metrics.num_drafts > 0 and metrics.num_accepted_tokens > 0
+
+
+def test_bad_hybrid_configs(tiny_checkpoints):
+    path = str(tiny_checkpoints["gemma3"])
+    with pytest.raises(ValueError, match="at least two"):
+        LLM(path, speculative_config={"method": "hybrid", "drafters": [{"method": "ngram"}]})
+    with pytest.raises(ValueError, match="other than hybrid"):
+        LLM(path, speculative_config={"method": "hybrid", "drafters": [{"method": "ngram"}, {"method": "hybrid"}]})
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        LLM(path, speculative_config={"method": "hybrid", "drafters": [{"method": "ngram"}, {"method": "nope"}]})
