@@ -14,7 +14,7 @@ from tests.stats_checks import count_outputs, same_distribution_p_value
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def random_head(directory, *, feature_layers=(0, 1, 3), draft_vocab=200, seed=0, hidden=64):
+def random_head(directory, *, feature_layers=(0, 1, 3), draft_vocab=200, seed=0, hidden=64, vocab_size=320):
     torch.manual_seed(seed)
     config = HeadConfig(hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
                         feature_layers=feature_layers, draft_vocab_size=draft_vocab)
@@ -22,7 +22,7 @@ def random_head(directory, *, feature_layers=(0, 1, 3), draft_vocab=200, seed=0,
     with torch.no_grad():
         for param in head.parameters():
             param.normal_(0.0, 0.2)
-        head.set_draft_vocab(torch.randperm(320)[:draft_vocab])
+        head.set_draft_vocab(torch.randperm(vocab_size)[:draft_vocab])
     head.save(directory, dtype=torch.float32)
     return directory
 

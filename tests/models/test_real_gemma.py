@@ -88,3 +88,20 @@ def test_draft_model_greedy_equals_plain():
     ours = llm.generate(PROMPTS[:2], params)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
     assert llm.get_metrics().acceptance_rate > 0.8
+
+
+@pytest.mark.parametrize("shape", [{"top_k": 1}, {"top_k": 3, "max_draft_tokens": 10}, "hybrid"])
+def test_eagle_head_greedy_equals_plain(tmp_path, shape):
+    """Any head keeps the output exact: here an untrained one sized for Gemma 3 270M."""
+    from tests.drafters.test_eagle import random_head
+
+    head = str(random_head(tmp_path / "head", feature_layers=(1, 9, 17), draft_vocab=2048, hidden=640,
+                           vocab_size=262144))
+    eagle = {"method": "eagle3", "head": head, "num_speculative_tokens": 4}
+    spec = {"method": "hybrid", "drafters": [{"method": "suffix"}, eagle]} if shape == "hybrid" else {**eagle, **shape}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(max_model_len=512, max_num_seqs=4).generate(PROMPTS, params)
+    llm = LLM(max_model_len=512, max_num_seqs=4, speculative_config=spec)
+    ours = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics().num_drafts > 0

@@ -99,3 +99,28 @@ def test_bad_options_are_clear_errors(tmp_path):
         TrainHeadConfig(out=tmp_path, method="medusa2")
     with pytest.raises(ValueError, match="epochs"):
         TrainHeadConfig(out=tmp_path, epochs=0)
+
+
+def test_validation_counts_acceptance_per_decoding_step():
+    """A head right on every token except multiples of 4, a chain of 3: decoding the answer
+    (tokens 2..19) takes steps rooted at tokens 2, 4, 8, 12, 16 committing 2, 4, 4, 4, 4 tokens."""
+    tokens = list(range(20))
+    seq = Sequence(token_ids=tokens, num_prompt_tokens=2, features=torch.zeros(19, 4))
+    t2d = torch.arange(20)
+
+    class FakeHead:
+        def unrolled_logits(self, token_ids, features, *, depths, first_anchor):
+            n = len(token_ids) - 1
+            out = []
+            for depth in range(1, depths + 1):
+                logits = torch.zeros(n - first_anchor, 20)
+                for row, anchor in enumerate(range(first_anchor, n)):
+                    target = anchor + depth + 1
+                    wrong = target % 4 == 0  # tokens 4, 8, 12, 16 are never predicted
+                    logits[row, 0 if wrong or target >= 20 else target] = 1.0
+                out.append(logits)
+            return out
+
+    accuracy, length = validate(FakeHead(), [seq], t2d, depths=3, max_seq_len=64)
+    assert accuracy[0] == pytest.approx(13 / 17)  # depth 1 predicts tokens 3..19: 4, 8, 12, 16 missed
+    assert length == pytest.approx(18 / 5)
