@@ -70,12 +70,17 @@ def test_embedded_model_reloads_fast():
     {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 2, "dynamic_draft_length": True},
 ])
 def test_speculative_greedy_equals_plain(spec):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert speculative_metrics_if_exact(spec, max_tokens=40).acceptance_length > 1.2
+
+
+def speculative_metrics_if_exact(spec: dict, *, max_tokens: int):
+    """Generate PROMPTS plainly and with `spec`; assert identical tokens, return the metrics."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     plain = LLM(max_model_len=512, max_num_seqs=4).generate(PROMPTS, params)
     llm = LLM(max_model_len=512, max_num_seqs=4, speculative_config=spec)
     ours = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
-    assert llm.get_metrics().acceptance_length > 1.2
+    return llm.get_metrics()
 
 
 def test_draft_model_greedy_equals_plain():
@@ -99,9 +104,4 @@ def test_eagle_head_greedy_equals_plain(tmp_path, shape):
                            vocab_size=262144))
     eagle = {"method": "eagle3", "head": head, "num_speculative_tokens": 4}
     spec = {"method": "hybrid", "drafters": [{"method": "suffix"}, eagle]} if shape == "hybrid" else {**eagle, **shape}
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(max_model_len=512, max_num_seqs=4).generate(PROMPTS, params)
-    llm = LLM(max_model_len=512, max_num_seqs=4, speculative_config=spec)
-    ours = llm.generate(PROMPTS, params)
-    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
-    assert llm.get_metrics().num_drafts > 0
+    assert speculative_metrics_if_exact(spec, max_tokens=24).num_drafts > 0
