@@ -9,6 +9,9 @@ with the node's token, attending to the true entries and to their own ancestors'
 entries, which are written past the true entries and forgotten after verification: the
 rollback is just the true length.
 
+``min_draft_prob`` stops a path where its cumulative draft probability falls below it (no
+draft at all when even the best first token is that unsure).
+
 Tree shapes: ``tree="dynamic"`` grows an EAGLE-2 tree (expand the ``top_k`` best nodes by
 cumulative draft probability at each depth, keep the best ``max_draft_tokens`` overall);
 a list of paths (Medusa's ``medusa_choices`` form) gives a static tree; ``top_k=1`` is a
@@ -18,6 +21,7 @@ exact for greedy and sampled requests alike.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +46,8 @@ class _HeadState:
 
 class EagleDrafter:
     def __init__(self, *, target: TargetInfo, head: str | None = None, num_speculative_tokens: int = 5,
-                 tree: str | list = "dynamic", top_k: int = 4, max_draft_tokens: int = 16):
+                 tree: str | list = "dynamic", top_k: int = 4, max_draft_tokens: int = 16,
+                 min_draft_prob: float = 0.0):
         if target.model is None:
             raise ValueError("the eagle drafter needs the target model (TargetInfo.model)")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
@@ -52,6 +57,11 @@ class EagleDrafter:
         self.depth = num_speculative_tokens
         self.top_k = top_k
         self.max_draft_tokens = max_draft_tokens
+        if not isinstance(min_draft_prob, (int, float)) or not 0.0 <= min_draft_prob < 1.0:
+            raise ValueError(f"min_draft_prob must be in [0, 1), got {min_draft_prob!r}")
+        # Nodes whose path probability under the head falls below this are not drafted: where the
+        # head is unsure, verifying its guesses costs more than they return.
+        self.min_log_prob = math.log(min_draft_prob) if min_draft_prob > 0 else -math.inf
         self.static_tree = None if tree == "dynamic" else _static_tree(tree)
         self.device = target.device
         max_len = target.max_model_len + DRAFT_ENTRY_HEADROOM
@@ -121,8 +131,11 @@ class EagleDrafter:
             for row, node in enumerate(expand):
                 ranks = self._child_ranks(tree, node)
                 top = torch.topk(log_probs[row], max(ranks) + 1)
+                picked_log_probs = top.values[ranks].tolist()
+                keep = [i for i, lp in enumerate(picked_log_probs) if tree.scores[node] + lp >= self.min_log_prob]
                 picked_ids = self.head.d2t[top.indices[ranks]].tolist()
-                frontier += tree.add_children(node, picked_ids, top.values[ranks].tolist(), ranks)
+                frontier += tree.add_children(node, [picked_ids[i] for i in keep], [picked_log_probs[i] for i in keep],
+                                              [ranks[i] for i in keep])
         if len(tree.token_ids) == 1:
             return None
         token_ids, parents = tree.pruned(budget)

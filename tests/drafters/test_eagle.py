@@ -47,6 +47,7 @@ def plain(tiny_checkpoints):
     dict(top_k=1),  # a chain
     dict(top_k=3, max_draft_tokens=10),  # EAGLE-2 dynamic tree
     dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),  # static tree
+    dict(top_k=2, min_draft_prob=0.004),  # unsure paths cut short (this random head is flat: ~1/200)
 ])
 def test_greedy_equals_plain(tiny_checkpoints, head_dir, plain, arch, shape):
     llm = LLM(str(tiny_checkpoints[arch]), max_model_len=256, max_num_seqs=4,
@@ -149,6 +150,8 @@ def test_bad_heads_are_clear_errors(tiny_checkpoints, head_dir, tmp_path):
         LLM(path, speculative_config={"method": "eagle3"})
     with pytest.raises(FileNotFoundError, match="not found"):
         LLM(path, speculative_config={"method": "eagle3", "head": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="min_draft_prob"):
+        LLM(path, speculative_config={"method": "eagle3", "head": str(head_dir), "min_draft_prob": 1.5})
     with pytest.raises(ValueError, match="top_k"):
         LLM(path, speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 0})
     with pytest.raises(ValueError, match="no parent path"):
@@ -159,3 +162,11 @@ def test_bad_heads_are_clear_errors(tiny_checkpoints, head_dir, tmp_path):
     deep = random_head(tmp_path / "deep", feature_layers=(0, 7))
     with pytest.raises(ValueError, match="layers"):
         LLM(path, speculative_config={"method": "eagle3", "head": str(deep)})
+
+
+def test_min_draft_prob_drafts_only_confident_paths(tiny_checkpoints, head_dir):
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256,
+              speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 2,
+                                  "num_speculative_tokens": 4, "min_draft_prob": 0.999})
+    llm.generate(repetitive_prompts()[:2], SamplingParams(max_tokens=20, **GREEDY))
+    assert llm.get_metrics().num_draft_tokens == 0  # a random head is never that sure
