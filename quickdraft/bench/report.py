@@ -169,7 +169,7 @@ def load_report(out_dir: Path) -> BenchReport:
                               reference=run["reference"], results=results, error=run["error"],
                               peak_memory_bytes=run["peak_memory_bytes"], memory_base_bytes=run["memory_base_bytes"],
                               seconds=run["seconds"]))
-    report = BenchReport(options=BenchOptions(**options), questions=[], runs=runs, header=data["header"],
+    report = BenchReport(options=BenchOptions(**options), runs=runs, header=data["header"],
                          command=data.get("command"))
     summarize_report(report)
     return report

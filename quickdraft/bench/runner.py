@@ -85,7 +85,6 @@ class RunReport:
 @dataclass
 class BenchReport:
     options: BenchOptions
-    questions: list[Question]
     runs: list[RunReport]
     header: str
     command: str | None = None  # the command line that produced it
@@ -120,12 +119,11 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
                          enabled=options.progress)
     runs = [_run(backend, questions, tokenizer=tokenizer, options=options, progress=progress,
                  memory_base=baseline_rss) for backend in quickdraft_runs]
-    model_dir, max_model_len = llm.engine.model_dir, llm.engine.max_model_len
     del llm, quickdraft_runs
     gc.collect()
     for name, make in peer_specs:
         try:
-            backend = make(model_dir=model_dir, max_model_len=max_model_len, tokenizer=tokenizer)
+            backend = make()
         except PeerUnavailable as err:
             runs.append(RunReport(name=name, engine=name.split()[0], setting="", reference=None, error=str(err)))
             progress.update(len(questions))
@@ -134,7 +132,7 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
                          memory_base=current_rss_bytes()))
         gc.collect()
     progress.close()
-    report = BenchReport(options=options, questions=questions, runs=runs, header=header, command=command)
+    report = BenchReport(options=options, runs=runs, header=header, command=command)
     summarize_report(report)
     return report
 
@@ -191,18 +189,19 @@ def _peer_specs(options: BenchOptions, llm) -> list[tuple[str, object]]:
     """(run name, factory) for every peer run; factories load nothing until `open()`."""
     eos = list(llm.engine.eos_token_ids)
     decode = llm.tokenizer.decode
+    model_dir, max_model_len = Path(llm.engine.model_dir), llm.engine.max_model_len
     k = options.peer_draft_tokens
     specs = []
 
     def transformers_run(name, reference, **extra):
-        def make(*, model_dir, max_model_len, tokenizer):
-            return TransformersBackend(name=name, model_dir=Path(model_dir), dtype=options.dtype,
+        def make():
+            return TransformersBackend(name=name, model_dir=model_dir, dtype=options.dtype,
                                        device=options.device, eos_token_ids=eos, decode=decode,
                                        reference=reference, **extra)
         return name, make
 
     def llama_cpp_run(name, reference, **extra):
-        def make(*, model_dir, max_model_len, tokenizer):
+        def make():
             return LlamaCppBackend(name=name, gguf_path=gguf_source(options.model), eos_token_ids=eos,
                                    decode=decode, reference=reference, n_ctx=max_model_len, **extra)
         return name, make

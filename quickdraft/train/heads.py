@@ -223,16 +223,26 @@ def _sequence_loss(head: EagleHead, seq: Sequence, t2d: torch.Tensor, *, depths:
     anchors = torch.arange(first_anchor, len(tokens) - 1)
     total, count = 0.0, 0
     for depth, depth_logits in enumerate(logits, start=1):
-        target_index = anchors + depth + 1  # depth k at anchor j predicts token j + k + 1
-        valid = (target_index < len(tokens)) & (target_index >= seq.num_prompt_tokens)
-        if not valid.any():
+        labels, inside = depth_labels(tokens, anchors, depth=depth, t2d=t2d, first_target=seq.num_prompt_tokens)
+        if not inside.any():
             continue
-        labels = t2d[tokens[target_index[valid]]]
         weight = 0.8 ** (depth - 1)
-        loss = F.cross_entropy(depth_logits[valid], labels, ignore_index=-100, reduction="sum")
+        loss = F.cross_entropy(depth_logits[inside], labels[inside], ignore_index=-100, reduction="sum")
         total = total + weight * loss
         count += int((labels >= 0).sum())
     return total, count
+
+
+def depth_labels(tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int, t2d: torch.Tensor,
+                 first_target: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft-vocabulary labels of depth `depth` at `anchors` (depth k at anchor j predicts token
+    j + k + 1) and the mask of anchors whose target exists and is at or past `first_target`.
+    Labels are -100 outside the mask and for tokens outside the draft vocabulary."""
+    target_index = anchors + depth + 1
+    inside = (target_index < len(tokens)) & (target_index >= first_target)
+    labels = torch.full(anchors.shape, -100, dtype=torch.long)
+    labels[inside] = t2d[tokens[target_index[inside]]]
+    return labels, inside
 
 
 def _train(config: TrainHeadConfig, head: EagleHead, train: list[Sequence], t2d: torch.Tensor,
@@ -312,10 +322,7 @@ def validate(head: EagleHead, sequences: list[Sequence], t2d: torch.Tensor, *, d
         logits = head.unrolled_logits(tokens, seq.features[:n].float(), depths=depths, first_anchor=first)
         hits = torch.zeros(n - first, depths, dtype=torch.bool)
         for depth, depth_logits in enumerate(logits, start=1):
-            target_index = torch.arange(first, n) + depth + 1
-            inside = target_index < len(tokens)
-            labels = torch.full((n - first,), -100)
-            labels[inside] = t2d[tokens[target_index[inside]]]
+            labels, inside = depth_labels(tokens, torch.arange(first, n), depth=depth, t2d=t2d, first_target=0)
             hits[:, depth - 1] = (depth_logits.argmax(-1) == labels) & inside
             correct[depth - 1] += int(hits[inside, depth - 1].sum())
             total[depth - 1] += int(inside.sum())
