@@ -83,20 +83,30 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_train_head_parser(commands) -> None:
     train = commands.add_parser(
         "train-head", help="train a draft head for a target on this machine (data built from the target)",
-        description="Build training data offline (the target answers prompts made from the Python "
-                    "documentation; its hidden states are recorded as it does), train a draft head, report "
+        description="Build training data offline (the target answers prompts built from local text: the "
+                    "Python documentation, the system's German message catalogues, templates; its hidden states are recorded as it does), train a draft head, report "
                     "validation acceptance, and write OUT/head (load it with {\"method\": \"eagle3\", "
                     "\"head\": \"OUT/head\"}). Re-running with the same --out resumes: data shards and the "
                     "training checkpoint are kept.")
-    train.add_argument("--method", default="eagle3", choices=["eagle3"], help="head type (default: eagle3)")
+    train.add_argument("--method", default="eagle3", choices=["eagle3", "medusa", "self"],
+                       help="head type (default: eagle3; self = the [self] layer-skip drafter's head)")
     train.add_argument("--target", default=None, help="target model (default: embedded Gemma 3 270M)")
     train.add_argument("--out", required=True, metavar="DIR", help="output folder (data, checkpoint, head)")
-    train.add_argument("--num-prompts", type=int, default=480, help="prompts the target answers (default: 480)")
+    train.add_argument("--num-prompts", type=int, default=480,
+                       help="prompts the target answers (default: 480; 0 with --extra-data: train on that data only)")
+    train.add_argument("--prompt-mix", default="tasks", choices=["tasks", "docs"],
+                       help="prompt set: assistant-benchmark task shapes (default) or the first heads' docs set")
+    train.add_argument("--extra-data", nargs="+", default=(), metavar="DIR",
+                       help="data folders of earlier runs (OUT/data) whose shards are trained on too")
     train.add_argument("--max-new-tokens", type=int, default=256, help="answer length (default: 256)")
     train.add_argument("--draft-vocab-size", type=int, default=8192, help="draft vocabulary (default: 8192)")
     train.add_argument("--feature-layers", type=int, nargs="+", default=None,
                        help="target layers fused into the head's input (default: low, middle, last)")
     train.add_argument("--train-depths", type=int, default=3, help="draft depths unrolled in training (default: 3)")
+    train.add_argument("--medusa-heads", type=int, default=4, help="medusa: heads = draft depths (default: 4)")
+    train.add_argument("--exit-layer", type=int, default=None,
+                       help="self: target layers the drafter runs (default: half, plus one; the data must "
+                            "hold the features of layer EXIT_LAYER - 1)")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--learning-rate", type=float, default=1e-3)
     train.add_argument("--seed", type=int, default=0)
@@ -260,9 +270,11 @@ def run_train_head(args) -> int:
 
     config = TrainHeadConfig(
         out=args.out, method=args.method, target=args.target, dtype=args.dtype, device=args.device,
-        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab_size,
+        num_prompts=args.num_prompts, prompt_mix=args.prompt_mix, extra_data=tuple(args.extra_data),
+        max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab_size,
         feature_layers=tuple(args.feature_layers) if args.feature_layers else None,
-        train_depths=args.train_depths, epochs=args.epochs, learning_rate=args.learning_rate, seed=args.seed,
+        train_depths=args.train_depths, medusa_heads=args.medusa_heads, exit_layer=args.exit_layer,
+        epochs=args.epochs, learning_rate=args.learning_rate, seed=args.seed,
         command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
     )
     report = train_head(config, progress=not args.no_progress)

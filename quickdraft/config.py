@@ -35,6 +35,9 @@ class EngineConfig:
             )
 
 
+SELF_DRAFTER = "[self]"
+
+
 @dataclass
 class SpeculativeConfig:
     """Which drafter proposes, how many tokens, and its own options.
@@ -62,6 +65,10 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
+        if config.get("model") == SELF_DRAFTER:  # vLLM's spelling of layer-skip self-drafting
+            if config.get("method", "self") != "self":
+                raise ValueError(f"speculative model {SELF_DRAFTER!r} is the 'self' method, not {config['method']!r}")
+            config = {**{k: v for k, v in config.items() if k != "model"}, "method": "self"}
         if "method" not in config:
             if config.get("model"):
                 config = {**config, "method": "draft_model"}

@@ -26,7 +26,25 @@ def _draft_model(*, target: TargetInfo, **options) -> Drafter:
 def _eagle(*, target: TargetInfo, **options) -> Drafter:
     from quickdraft.drafters.eagle import EagleDrafter
 
-    return EagleDrafter(target=target, **options)
+    return EagleDrafter.with_trained_head(target=target, **options)
+
+
+def _mtp(*, target: TargetInfo, **options) -> Drafter:
+    from quickdraft.drafters.eagle import EagleDrafter
+
+    return EagleDrafter.with_mtp_layer(target=target, **options)
+
+
+def _medusa(*, target: TargetInfo, **options) -> Drafter:
+    from quickdraft.drafters.medusa import MedusaDrafter
+
+    return MedusaDrafter(target=target, **options)
+
+
+def _layer_skip(*, target: TargetInfo, **options) -> Drafter:
+    from quickdraft.drafters.layer_skip import LayerSkipDrafter
+
+    return LayerSkipDrafter(target=target, **options)
 
 
 def _hybrid(*, target: TargetInfo, **options) -> Drafter:
@@ -42,6 +60,9 @@ def default_registry() -> DrafterRegistry:
     registry.register("suffix", _suffix)
     registry.register("draft_model", _draft_model)
     registry.register("eagle3", _eagle)  # the head's config says which target layers it reads
+    registry.register("medusa", _medusa)
+    registry.register("self", _layer_skip)  # also spelled {"model": "[self]"}
+    registry.register("mtp", _mtp)  # the checkpoint's own nextn layers (or a head in that layout)
     registry.register("hybrid", _hybrid)
     return registry
 

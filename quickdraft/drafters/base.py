@@ -65,6 +65,7 @@ class DraftRequest:
     budget: int  # most draft tokens (tree nodes besides the root) this step; >= 1
     max_depth: int = 1 << 30  # longest root-to-leaf draft path worth verifying this step
     params: SamplingParams | None = None  # the request's sampling parameters (None = greedy)
+    slot: int | None = None  # the request's slot in the target's KV cache
 
     @property
     def token_ids(self) -> list[int]:
@@ -123,6 +124,7 @@ class TargetInfo:
     max_num_seqs: int  # requests decoded at once
     model: torch.nn.Module | None = None  # the target Decoder, for drafters that borrow its weights
     model_dir: str | None = None  # where the target was loaded from (finds heads shipped for it)
+    cache: object | None = None  # the target's KVCache, for drafters that run the target's own layers
 
 
 @dataclass

@@ -30,8 +30,11 @@ import torch.nn.functional as F
 
 from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.tree import DynamicTree, StaticTree
+from quickdraft.heads import head_compute_dtype, resolve_head_dir
 from quickdraft.kv.cache import KVCache
-from quickdraft.models.heads import EagleHead
+from quickdraft.models.heads import EagleHead, FeatureHead
+from quickdraft.models.layers import default_linear_fn
+from quickdraft.models.mtp import MtpHead
 
 DRAFT_ENTRY_HEADROOM = 128  # head cache room past max_model_len for one step's draft entries
 
@@ -45,7 +48,9 @@ class _HeadState:
 
 
 class EagleDrafter:
-    def __init__(self, *, target: TargetInfo, head: str | None = None, num_speculative_tokens: int = 5,
+    """Drives any FeatureHead: a trained EAGLE head, or a checkpoint's own MTP layer."""
+
+    def __init__(self, *, target: TargetInfo, head: FeatureHead, num_speculative_tokens: int = 5,
                  tree: str | list = "dynamic", top_k: int = 4, max_draft_tokens: int = 16,
                  min_draft_prob: float = 0.0):
         if target.model is None:
@@ -64,9 +69,7 @@ class EagleDrafter:
         self.min_log_prob = math.log(min_draft_prob) if min_draft_prob > 0 else -math.inf
         self.static_tree = None if tree == "dynamic" else _static_tree(tree)
         self.device = target.device
-        max_len = target.max_model_len + DRAFT_ENTRY_HEADROOM
-        self.head = EagleHead.load(resolve_head_dir(head, target=target), dtype=target.dtype,
-                                   device=target.device, max_len=max_len)
+        self.head = head
         if self.head.config.hidden_size != target.model.config.hidden_size:
             raise ValueError(f"head hidden size {self.head.config.hidden_size} does not match the target's "
                              f"{target.model.config.hidden_size}")
@@ -76,12 +79,38 @@ class EagleDrafter:
         if bad_layers:
             raise ValueError(f"head reads target layers {bad_layers} that the target does not have")
         self.head.attach_target(target.model)
+        self.head.linear = default_linear_fn(target.device)
         self.feature_layers = tuple(self.head.config.feature_layers)
         c = self.head.config
         self.cache = KVCache(num_layers=1, num_slots=target.max_num_seqs, num_kv_heads=c.num_kv_heads,
-                             head_dim=c.head_dim, max_len=max_len,
-                             dtype=target.dtype, device=target.device)
+                             head_dim=c.head_dim, max_len=head_max_len(target),
+                             dtype=head.dtype, device=target.device)
         self._states: dict[str, _HeadState] = {}
+
+    @classmethod
+    def with_trained_head(cls, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None,
+                          **options) -> EagleDrafter:
+        """`head`: a directory written by `quickdraft train-head`, or a shipped head's name;
+        `head_dtype`: the head's compute dtype (default: the target's; bfloat16 halves its reads,
+        and drafting precision never affects the output)."""
+        directory = resolve_head_dir(head, method="eagle3", model=target.model)
+        module = EagleHead.load(directory, dtype=head_compute_dtype(head_dtype, default=target.dtype),
+                                device=target.device, max_len=head_max_len(target))
+        return cls(target=target, head=module, **options)
+
+    @classmethod
+    def with_mtp_layer(cls, *, target: TargetInfo, head: str | None = None, layer: int = 0,
+                       **options) -> EagleDrafter:
+        """MTP layer `layer` of the target's own checkpoint, or of `head` (a folder in the nextn
+        layout, e.g. one written by `quickdraft train-head --method mtp`)."""
+        source = head or target.model_dir
+        if source is None:
+            raise ValueError("the mtp drafter needs the target's checkpoint directory or a head folder")
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            raise ValueError(f"layer must be a non-negative integer, got {layer!r}")
+        module = MtpHead.from_checkpoint(Path(source).expanduser(), target_config=target.model.config, layer=layer,
+                                         dtype=target.dtype, device=target.device, max_len=head_max_len(target))
+        return cls(target=target, head=module, **options)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def begin(self, request: DraftRequest) -> None:
@@ -96,7 +125,7 @@ class EagleDrafter:
     def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
         # features [n, L * D] of the next n tokens entering the target's cache
         state = self._states[request.request_id]
-        state.pending.append(self.head.fuse_features(features.to(self.head.in_proj.weight.dtype)))
+        state.pending.append(self.head.fuse_features(features.to(self.head.dtype)))
         state.num_features += features.shape[0]
 
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
@@ -203,32 +232,16 @@ class EagleDrafter:
                          store_index=store_index)
         keys, values = self.cache.read(0, slot=state.slot, start=0, end=mask.shape[1])
         attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=head.attn_scale,
             enable_gqa=head.config.num_kv_heads != head.config.num_heads)  # [1, H, m, hd]
         return head.block_output(hidden, attended[0].transpose(0, 1).reshape(hidden.shape[0], -1))
+
+
+def head_max_len(target: TargetInfo) -> int:
+    return target.max_model_len + DRAFT_ENTRY_HEADROOM
 
 
 def _static_tree(tree) -> StaticTree:
     if not isinstance(tree, (list, tuple)):
         raise ValueError(f"tree must be 'dynamic' or a list of paths (medusa_choices form), got {tree!r}")
     return StaticTree.from_paths(tree)
-
-
-def resolve_head_dir(head: str | None, *, target: TargetInfo) -> Path:
-    """A head directory: given, or the one shipped for the embedded model."""
-    from quickdraft.heads import shipped_head_dir
-
-    if head:
-        path = Path(head).expanduser()
-        if not path.is_dir():
-            shipped = shipped_head_dir(str(head), model_dir=target.model_dir)
-            if shipped is None:
-                raise FileNotFoundError(f"draft head {head!r} not found: give a directory written by "
-                                        f"`quickdraft train-head` or the name of a shipped head")
-            return shipped
-        return path
-    shipped = shipped_head_dir("eagle3", model_dir=target.model_dir)
-    if shipped is None:
-        raise ValueError("no eagle3 head is shipped for this target: train one with `quickdraft train-head "
-                         "--method eagle3` and pass {\"head\": DIR}")
-    return shipped

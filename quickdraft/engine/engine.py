@@ -91,7 +91,7 @@ class Engine:
             options["model"] = spec.model
         target = TargetInfo(vocab_size=self.model_config.vocab_size, dtype=self.dtype, device=self.device,
                             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
-                            model=self.model, model_dir=str(self.model_dir))
+                            model=self.model, model_dir=str(self.model_dir), cache=self.cache)
         try:
             drafter = default_registry().create(spec.method, target=target,
                                                 num_speculative_tokens=spec.num_speculative_tokens, **options)

@@ -35,7 +35,10 @@ class ModelRunner:
         self.cache = cache
         self.device = device
 
-    def forward(self, work: list[SequenceWork], *, capture_layers: tuple[int, ...] = ()) -> RunnerOutput:
+    def forward(self, work: list[SequenceWork], *, capture_layers: tuple[int, ...] = (),
+                end_layer: int | None = None) -> RunnerOutput:
+        """One forward over `work`; `end_layer` stops after that many layers (no logits then:
+        the output's hidden_states are that layer's)."""
         if not work:
             raise ValueError("forward needs at least one sequence")
         token_ids: list[int] = []
@@ -74,7 +77,7 @@ class ModelRunner:
         )
         out = self.model(
             self._long(token_ids), self._long(positions), attn=attn, cache=self.cache,
-            capture_layers=capture_layers,
+            capture_layers=capture_layers, end_layer=end_layer,
             logits_rows=self._long(logits_rows) if logits_rows else None,
         )
         return RunnerOutput(logits=out.logits, logits_offsets=logits_offsets, forward=out)

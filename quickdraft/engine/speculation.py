@@ -53,7 +53,8 @@ class Speculator:
         view = self._views.get(request.request_id)
         if view is None:
             view = DraftRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                output_token_ids=request.output_token_ids, budget=1, params=request.params)
+                                output_token_ids=request.output_token_ids, budget=1, params=request.params,
+                                slot=request.slot)
             self._views[request.request_id] = view
             self._draft_length[request.request_id] = self.config.num_speculative_tokens
             self.drafter.begin(view)
@@ -85,7 +86,7 @@ class Speculator:
             if budget < 1 or max_depth < 1:
                 continue
             view = self.view(request)
-            view.budget, view.max_depth = budget, max_depth
+            view.budget, view.max_depth, view.slot = budget, max_depth, request.slot
             views.append(view)
         if not views:
             return {}

@@ -1,14 +1,18 @@
 """Draft heads shipped inside the package, found by name for the model they were trained on.
 
-``manifest.json`` lists each head: its method name, the target it drafts for (the name of
-the target's model directory, e.g. the embedded model's converted cache directory), its
-folder here, and how it was made (command, data, seed, measured figures).
+``manifest.json`` lists each head: its name (the method it serves, e.g. ``eagle3``), the
+signature of the target it drafts for (``target_signature``: architecture, shape and a
+checksum of embedding rows, the same wherever and in whichever dtype the model is loaded),
+its folder here, and how it was made (command, data, seed, measured figures).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+
+import torch
 
 HEADS_ROOT = Path(__file__).resolve().parent
 MANIFEST = HEADS_ROOT / "manifest.json"
@@ -20,10 +24,46 @@ def shipped_heads() -> list[dict]:
     return json.loads(MANIFEST.read_text()).get("heads", [])
 
 
-def shipped_head_dir(name: str, *, model_dir: str | None) -> Path | None:
-    """The shipped head called `name` for the target loaded from `model_dir`, or None."""
-    target = Path(model_dir).name if model_dir else None
+def target_signature(model) -> str:
+    """Identifies a target Decoder's weights: bf16-rounded embedding rows hashed with its shape."""
+    c = model.config
+    rows = model.embed_tokens.detach()[:64].to("cpu", torch.bfloat16).view(torch.int16)
+    digest = hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:12]
+    return f"{c.model_type}-{c.num_layers}x{c.hidden_size}-v{c.vocab_size}-{digest}"
+
+
+def shipped_head_dir(name: str, *, model) -> Path | None:
+    """The shipped head called `name` for the target Decoder `model`, or None."""
+    signature = target_signature(model)
     for entry in shipped_heads():
-        if entry["name"] == name and entry["target"] == target:
+        if entry["name"] == name and entry["target"] == signature:
             return HEADS_ROOT / entry["dir"]
     return None
+
+
+def resolve_head_dir(head: str | None, *, method: str, model) -> Path:
+    """A head folder: `head` itself when it is a directory, else the head shipped for `model`
+    under the name `head` (default: the method's name)."""
+    if head:
+        path = Path(head).expanduser()
+        if path.is_dir():
+            return path
+    name = head or method
+    shipped = shipped_head_dir(str(name), model=model)
+    if shipped is not None:
+        return shipped
+    if head:
+        raise FileNotFoundError(f"draft head {head!r} not found: give a directory written by "
+                                f"`quickdraft train-head` or the name of a head shipped for this model")
+    raise ValueError(f"no {method} head is shipped for this target: train one with `quickdraft train-head "
+                     f"--method {method}` and pass {{\"head\": DIR}}")
+
+
+def head_compute_dtype(head_dtype: str | None, *, default: torch.dtype) -> torch.dtype:
+    """A drafter's `head_dtype` option: None keeps the target's dtype.  Drafting precision never
+    changes the output (verification decides), only how well the head guesses and how fast."""
+    if head_dtype is None:
+        return default
+    if head_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"head_dtype must be float32, bfloat16 or float16, got {head_dtype!r}")
+    return getattr(torch, head_dtype)

@@ -76,14 +76,36 @@ class DecoderLayer(torch.nn.Module):
         cache: KVCache,
         linear: LinearFn,
     ) -> torch.Tensor:  # [N, D]
-        residual = hidden
-        attn_out = self._attention(self.input_layernorm(hidden), rotary, attn, cache, linear)
+        q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear)
+        cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index,
+                    store_index=attn.store_index)
+        return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
+
+    # The pieces below are also driven by feature-level draft heads that hold a decoder layer
+    # of the target's architecture (MTP layers) and attend over their own caches.
+    def attention_inputs(self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor],
+                         linear: LinearFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # hidden [N, D] (the layer's input) -> q [N, H, hd], k and v [N, Hkv, hd]
+        x = self.input_layernorm(hidden)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias).view(
+            x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        cos, sin = rotary
+        qk = apply_rotary(qk, cos, sin)  # q and k heads rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, v
+
+    def block_output(self, hidden: torch.Tensor, attended: torch.Tensor, *, linear: LinearFn) -> torch.Tensor:
+        # hidden [N, D] (the layer's input), attended [N, H * hd] -> the layer's output [N, D]
+        attn_out = linear(attended, self.o_proj, self.o_bias)
         if self.pre_feedforward_layernorm is not None:
             # Gemma: norm the attention output, add, then norm again before the MLP.
-            hidden = residual + self.post_attention_layernorm(attn_out)
+            hidden = hidden + self.post_attention_layernorm(attn_out)
             mlp_out = self._mlp(self.pre_feedforward_layernorm(hidden), linear)
             return hidden + self.post_feedforward_layernorm(mlp_out)
-        hidden = residual + attn_out
+        hidden = hidden + attn_out
         return hidden + self._mlp(self.post_attention_layernorm(hidden), linear)
 
     def _mlp(self, x: torch.Tensor, linear: LinearFn) -> torch.Tensor:  # [N, D] -> [N, D]
@@ -91,25 +113,9 @@ class DecoderLayer(torch.nn.Module):
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return linear(act * up, self.down_proj, self.down_bias)
 
-    def _attention(
-        self,
-        x: torch.Tensor,  # [N, D]
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        attn: AttentionBatch,
-        cache: KVCache,
-        linear: LinearFn,
-    ) -> torch.Tensor:  # [N, D]
-        num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias).view(
-            num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
-        cos, sin = rotary
-        qk = apply_rotary(qk, cos, sin)  # q and k heads rotated together
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index,
-                    store_index=attn.store_index)
+    def _attend(self, q: torch.Tensor, attn: AttentionBatch, cache: KVCache) -> torch.Tensor:
+        # q [N, H, hd] -> [N, H * hd], each sequence over its cached keys with its mask
+        num_tokens = q.shape[0]
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         for seq in attn.sequences:
             kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
@@ -121,7 +127,7 @@ class DecoderLayer(torch.nn.Module):
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )  # [1, H, T, hd]
             out[seq.row_start : seq.row_end] = attended[0].transpose(0, 1)
-        return linear(out.view(num_tokens, self.q_size), self.o_proj, self.o_bias)
+        return out.view(num_tokens, self.q_size)
 
 
 class Decoder(torch.nn.Module):

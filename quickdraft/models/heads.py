@@ -63,83 +63,31 @@ class HeadConfig:
         return cls(**data)
 
 
-class EagleHead(torch.nn.Module):
-    def __init__(self, config: HeadConfig, *, dtype: torch.dtype = torch.float32, max_len: int = 4096):
-        super().__init__()
-        self.config = c = config
-        D = c.hidden_size
+class FeatureHead(torch.nn.Module):
+    """What every feature-level draft head offers the drafter and the trainer.
 
-        def linear(inputs: int, outputs: int) -> torch.nn.Linear:
-            return torch.nn.Linear(inputs, outputs, bias=False, dtype=dtype)
+    Subclasses provide ``config`` (a HeadConfig), ``d2t`` [Vd], ``attn_scale`` and the pieces
+    ``fuse_features``, ``input_hidden``, ``attention_inputs``, ``block_output``,
+    ``draft_logits`` and ``attach_target``; drafting (eagle drafter) and training (the
+    unrolled forward below) are written once over those pieces.
+    """
 
-        def norm() -> torch.nn.RMSNorm:
-            return torch.nn.RMSNorm(D, eps=c.rms_norm_eps, dtype=dtype)
+    # The matmul kernel: torch's (with autograd) for training; drafters install the fast
+    # inference kernel of their device (quickdraft.models.layers.default_linear_fn).
+    linear = staticmethod(F.linear)
 
-        self.fuse = linear(len(c.feature_layers) * D, D) if len(c.feature_layers) > 1 else None
-        self.token_norm, self.feature_norm = norm(), norm()
-        self.in_proj = linear(2 * D, D)
-        self.attn_norm = norm()
-        self.qkv_proj = linear(D, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
-        self.o_proj = linear(c.num_heads * c.head_dim, D)
-        self.mlp_norm = norm()
-        self.gate_up_proj = linear(D, 2 * c.intermediate_size)
-        self.down_proj = linear(c.intermediate_size, D)
-        self.final_norm = norm()
-        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # [Vd] target ids
-        # max_len: the longest head position used (sequence length plus draft depth).
-        self.rotary = RotaryTable(RopeConfig(theta=c.rope_theta), head_dim=c.head_dim, max_len=max_len, dtype=dtype)
-        # Borrowed from the target by attach_target (not saved with the head).
-        self.embed_tokens: torch.Tensor | None = None  # [V, D]
-        self.embed_scale: float | None = None
-        self.lm_rows: torch.Tensor | None = None  # [Vd, D] target LM-head rows of the draft vocabulary
-        self.logit_softcap: float | None = None
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(p for p in self.parameters() if p.is_floating_point() and p.dim() == 2).dtype
 
-    # ---- the target's tensors -------------------------------------------------------------
-    def attach_target(self, target) -> None:
-        """Borrow the target Decoder's embedding and the draft vocabulary's LM-head rows."""
-        dtype = self.in_proj.weight.dtype
-        self.embed_tokens = target.embed_tokens.detach()
-        self.embed_scale = target.embed_scale
-        self.lm_rows = target.lm_head_weight.detach()[self.d2t].to(dtype)
-        self.logit_softcap = target.config.final_logit_softcapping
+    def training_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
+                        first_anchor: int = 0) -> list[torch.Tensor]:
+        return self.unrolled_logits(token_ids, features, depths=depths, first_anchor=first_anchor)
 
-    def set_draft_vocab(self, d2t: torch.Tensor) -> None:  # d2t [Vd]
-        if d2t.shape != self.d2t.shape:
-            raise ValueError(f"draft vocabulary has {d2t.shape[0]} ids, the head expects {self.d2t.shape[0]}")
-        self.d2t.copy_(d2t)
-
-    # ---- pieces of the block -----------------------------------------------------------------
-    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., L * D] -> [..., D]
-        return features if self.fuse is None else self.fuse(features)
-
-    def input_hidden(self, token_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
-        # token_ids [...], feature [..., D] -> [..., D]
-        embedded = F.embedding(token_ids, self.embed_tokens).to(feature.dtype)
-        if self.embed_scale is not None:
-            embedded = embedded * self.embed_scale
-        return self.in_proj(torch.cat([self.token_norm(embedded), self.feature_norm(feature)], dim=-1))
-
-    def attention_inputs(self, hidden: torch.Tensor, positions: torch.Tensor):
-        # hidden [N, D], positions [N] -> q [N, H, hd], k and v [N, Hkv, hd]
-        c = self.config
-        qkv = self.qkv_proj(self.attn_norm(hidden)).view(hidden.shape[0], c.num_heads + 2 * c.num_kv_heads,
-                                                         c.head_dim)
-        q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
-        cos, sin = self.rotary.lookup(positions)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-    def block_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        # hidden [N, D], attended [N, H * hd] -> [N, D]
-        hidden = hidden + self.o_proj(attended)
-        gate, up = self.gate_up_proj(self.mlp_norm(hidden)).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.config.activation == "gelu_tanh" else F.silu(gate)
-        return hidden + self.down_proj(act * up)
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., Vd]
-        logits = F.linear(self.final_norm(hidden), self.lm_rows)
-        if self.logit_softcap:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits
+    def weights_per_draft_token(self) -> int:
+        """Matrix weights one draft token reads: the block, the fusion, the draft LM rows."""
+        return sum(p.numel() for name, p in self.named_parameters() if p.dim() == 2 and name != "lm_head") + \
+            self.lm_rows.numel()
 
     # ---- training: all positions at once, unrolled over draft depths -------------------
     def unrolled_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
@@ -171,10 +119,95 @@ class EagleHead(torch.nn.Module):
                 keys.append(k)
                 values.append(v)
             attended = _unrolled_attention(queries, keys, values, causal=causal, first_anchor=first_anchor,
-                                           scale=self.config.head_dim ** -0.5)
+                                           scale=self.attn_scale)
             feature = self.block_output(hidden, attended.reshape(hidden.shape[0], -1))
             outputs.append(self.draft_logits(feature))
         return outputs
+
+
+
+class EagleHead(FeatureHead):
+    def __init__(self, config: HeadConfig, *, dtype: torch.dtype = torch.float32, max_len: int = 4096):
+        super().__init__()
+        self.config = c = config
+        D = c.hidden_size
+
+        def linear(inputs: int, outputs: int) -> torch.nn.Linear:
+            return torch.nn.Linear(inputs, outputs, bias=False, dtype=dtype)
+
+        def norm() -> torch.nn.RMSNorm:
+            return torch.nn.RMSNorm(D, eps=c.rms_norm_eps, dtype=dtype)
+
+        self.fuse = linear(len(c.feature_layers) * D, D) if len(c.feature_layers) > 1 else None
+        self.token_norm, self.feature_norm = norm(), norm()
+        self.in_proj = linear(2 * D, D)
+        self.attn_norm = norm()
+        self.qkv_proj = linear(D, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        self.o_proj = linear(c.num_heads * c.head_dim, D)
+        self.mlp_norm = norm()
+        self.gate_up_proj = linear(D, 2 * c.intermediate_size)
+        self.down_proj = linear(c.intermediate_size, D)
+        self.final_norm = norm()
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # [Vd] target ids
+        # max_len: the longest head position used (sequence length plus draft depth).
+        self.rotary = RotaryTable(RopeConfig(theta=c.rope_theta), head_dim=c.head_dim, max_len=max_len, dtype=dtype)
+        # Borrowed from the target by attach_target (not saved with the head).
+        self.embed_tokens: torch.Tensor | None = None  # [V, D]
+        self.embed_scale: float | None = None
+        self.lm_rows: torch.Tensor | None = None  # [Vd, D] target LM-head rows of the draft vocabulary
+        self.logit_softcap: float | None = None
+
+    @property
+    def attn_scale(self) -> float:
+        return self.config.head_dim ** -0.5
+
+    # ---- the target's tensors -------------------------------------------------------------
+    def attach_target(self, target) -> None:
+        """Borrow the target Decoder's embedding and the draft vocabulary's LM-head rows."""
+        dtype = self.in_proj.weight.dtype
+        self.embed_tokens = target.embed_tokens.detach()
+        self.embed_scale = target.embed_scale
+        self.lm_rows = target.lm_head_weight.detach()[self.d2t].to(dtype)
+        self.logit_softcap = target.config.final_logit_softcapping
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:  # d2t [Vd]
+        if d2t.shape != self.d2t.shape:
+            raise ValueError(f"draft vocabulary has {d2t.shape[0]} ids, the head expects {self.d2t.shape[0]}")
+        self.d2t.copy_(d2t)
+
+    # ---- pieces of the block -----------------------------------------------------------------
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., L * D] -> [..., D]
+        return features if self.fuse is None else self.linear(features, self.fuse.weight, None)
+
+    def input_hidden(self, token_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        # token_ids [...], feature [..., D] -> [..., D]
+        embedded = F.embedding(token_ids, self.embed_tokens).to(feature.dtype)
+        if self.embed_scale is not None:
+            embedded = embedded * self.embed_scale
+        mixed = torch.cat([self.token_norm(embedded), self.feature_norm(feature)], dim=-1)
+        return self.linear(mixed, self.in_proj.weight, None)
+
+    def attention_inputs(self, hidden: torch.Tensor, positions: torch.Tensor):
+        # hidden [N, D], positions [N] -> q [N, H, hd], k and v [N, Hkv, hd]
+        c = self.config
+        qkv = self.linear(self.attn_norm(hidden), self.qkv_proj.weight, None).view(
+            hidden.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+        cos, sin = self.rotary.lookup(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def block_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        # hidden [N, D], attended [N, H * hd] -> [N, D]
+        hidden = hidden + self.linear(attended, self.o_proj.weight, None)
+        gate, up = self.linear(self.mlp_norm(hidden), self.gate_up_proj.weight, None).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.config.activation == "gelu_tanh" else F.silu(gate)
+        return hidden + self.linear(act * up, self.down_proj.weight, None)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., Vd]
+        logits = self.linear(self.final_norm(hidden), self.lm_rows, None)
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     # ---- files ---------------------------------------------------------------------------
     def save(self, directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -88,25 +88,30 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def read_hf_tensors(model_dir: Path, *, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (those whose normalised name starts with `prefix`)."""
+    from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(model_dir):
         if not file.exists():
             raise FileNotFoundError(f"weight shard {file} listed in the index is missing")
         try:
-            tensors.update(load_file(str(file)))
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():
+                    if _normalised_name(name).startswith(prefix):
+                        tensors[_normalised_name(name)] = f.get_tensor(name)
         except Exception as err:  # safetensors raises several types for a corrupt file
             raise ValueError(f"cannot read weights from {file}: {err}") from err
+    return tensors
+
+
+def _normalised_name(name: str) -> str:
     # Multimodal Gemma 3 stores its text decoder under language_model.
-    return {
-        name.replace("language_model.model.", "model.").replace("model.language_model.", "model."): t
-        for name, t in tensors.items()
-    }
+    return name.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
 
 
-def _hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
+def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
     """Our fused parameter -> the HF tensors concatenated (along rows) to make it."""
     p = f"model.layers.{index}."
     names = {
@@ -138,8 +143,14 @@ def hf_to_decoder_state(config: ModelConfig, tensors: dict[str, torch.Tensor]) -
     if not config.tie_word_embeddings:
         plan["lm_head"] = ["lm_head.weight"]
     for index in range(config.num_layers):
-        for ours, theirs in _hf_layer_tensors(config, index).items():
+        for ours, theirs in hf_layer_tensors(config, index).items():
             plan[f"layers.{index}.{ours}"] = theirs
+    return convert_hf_tensors(config, plan, tensors)
+
+
+def convert_hf_tensors(config: ModelConfig, plan: dict[str, list[str]],
+                       tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict from `plan` (our name -> the HF tensors fused into it)."""
     missing = [name for names in plan.values() for name in names if name not in tensors]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -71,15 +71,35 @@ def word_problem(rng: random.Random) -> str:
         f"{person} reads {b} pages a day. How many days does it take to read a book of {a * b + c} pages?",
         f"A train travels {a * 10} km in {c} hours. What is its average speed? Then how far does it go in {b} hours?",
         f"Solve for x: {c}x + {a} = {c * b + a}.",
+        f"{person} has {a} {item}. {person} gives {c} to each of {b % 5 + 2} friends and buys {b} more. "
+        f"How many {item} does {person} have now?",
+        f"A shop sells {item} for ${c} each. On Monday it sells {a}, on Tuesday twice as many. "
+        f"How much money does it make over the two days?",
+        f"{person} works {c} hours a day at ${b} an hour, {rng.randint(3, 6)} days a week. "
+        f"How much does {person} earn in a week?",
     ]
     return rng.choice(templates)
 
 
-def build_prompts(count: int, *, seed: int) -> list[str]:
-    """`count` transcript prompts mixing task templates over the local text."""
+PROMPT_MIXES = ("docs", "tasks")
+
+
+def build_prompts(count: int, *, seed: int, mix: str = "tasks") -> list[str]:
+    """`count` transcript prompts.  "docs" (the first heads' data): task templates over the Python
+    documentation.  "tasks": the shapes of common assistant benchmarks written over local text
+    (German sentences from the system's gettext catalogues, passages from the Python docs,
+    templated questions and word problems, writing/roleplay/reasoning/coding requests)."""
+    if mix not in PROMPT_MIXES:
+        raise ValueError(f"unknown prompt mix {mix!r}; choose one of {list(PROMPT_MIXES)}")
     rng = random.Random(seed)
     paragraphs, sentences = text_snippets()
-    makers = [
+    makers = _docs_makers(rng, paragraphs, sentences) if mix == "docs" else \
+        _task_makers(rng, paragraphs, sentences, german_sentences())
+    return [f"User: {rng.choice(makers)()}\nAssistant:" for _ in range(count)]
+
+
+def _docs_makers(rng: random.Random, paragraphs: list[str], sentences: list[str]) -> list:
+    return [
         lambda: f"Summarize the following text in a few sentences.\n\n{rng.choice(paragraphs)}",
         lambda: f"Translate the following sentence into {rng.choice(LANGUAGES)}: {rng.choice(sentences)}",
         lambda: f"Explain in simple terms: {rng.choice(sentences)}",
@@ -90,7 +110,82 @@ def build_prompts(count: int, *, seed: int) -> list[str]:
         lambda: f"What does this mean, and when would you use it? {rng.choice(sentences)}",
         lambda: f"Give three tips about {rng.choice(TOPICS)}.",
     ]
-    return [f"User: {rng.choice(makers)()}\nAssistant:" for _ in range(count)]
+
+
+def _task_makers(rng: random.Random, paragraphs: list[str], sentences: list[str], german: list[str]) -> list:
+    def passages(low: int, high: int) -> str:
+        return " ".join(rng.sample(paragraphs, rng.randint(low, high)))
+
+    # Weighted like the benchmark mix: summaries, passage questions, word problems and translation
+    # are each about a sixth of it, open requests of every kind the rest.
+    makers = [
+        lambda: f"Summarize: {passages(1, 3)}",
+        lambda: f"{passages(1, 3)}\n{trivia_question(rng)}",
+        lambda: word_problem(rng),
+    ] * 2 + [
+        lambda: trivia_question(rng),
+        lambda: f"Write {rng.choice(WRITING)} about {rng.choice(TOPICS)}.",
+        lambda: f"Write a news article about {rng.choice(TOPICS)}.",
+        lambda: f"Embrace the role of {rng.choice(ROLES)}. {trivia_question(rng)}",
+        lambda: f"{rng.choice(REQUESTS)} {rng.choice(TOPICS)}.",
+        lambda: f"Write a {rng.choice(LANGUAGES_CODE)} function that {rng.choice(CODE_TASKS)}.",
+        lambda: f"Explain in simple terms: {rng.choice(sentences)}",
+    ]
+    if german:
+        makers += [lambda: f"Translate German to English: {rng.choice(german)}"] * 2
+    return makers
+
+
+ROLES = ("a pirate captain", "a famous detective", "a medieval knight", "a friendly doctor", "a strict teacher",
+         "a travel guide in Rome", "a chef", "an astronaut", "a sports coach", "a wise old wizard")
+REQUESTS = ("Give three tips about", "Describe the pros and cons of", "Compare two ways of thinking about",
+            "Explain to a child", "What are common misconceptions about", "Write a short review of",
+            "List five facts about", "Plan a weekend around")
+LANGUAGES_CODE = ("Python", "C++", "JavaScript", "Java")
+CODE_TASKS = ("reverses a string", "finds the nth Fibonacci number", "checks whether a number is prime",
+              "sorts a list of numbers", "counts the words in a text", "finds the largest element of an array",
+              "merges two sorted lists", "computes the factorial of n", "removes duplicates from a list")
+COUNTRIES = ("France", "Japan", "Brazil", "Canada", "Egypt", "India", "Australia", "Mexico", "Norway", "Kenya",
+             "Italy", "Germany", "Spain", "China", "Argentina", "Greece", "Turkey", "Sweden", "Peru", "Vietnam")
+THINGS = ("the telephone", "the printing press", "the light bulb", "penicillin", "the steam engine",
+          "the World Wide Web", "the airplane", "the bicycle", "the camera", "the radio", "the vaccine")
+EVENTS = ("the first Olympic Games", "the moon landing", "the fall of the Berlin Wall", "the French Revolution",
+          "the first World Cup", "the invention of writing", "the building of the pyramids")
+SUBJECTS = ("the song Yesterday", "the novel Moby Dick", "the movie Titanic", "the Mona Lisa",
+            "the TV show Friends", "the opera Carmen", "the game of chess", "the Harry Potter books")
+
+
+def trivia_question(rng: random.Random) -> str:
+    templates = [
+        lambda: f"What is the capital of {rng.choice(COUNTRIES)}?",
+        lambda: f"Who invented {rng.choice(THINGS)}?",
+        lambda: f"When did {rng.choice(EVENTS)} happen?",
+        lambda: f"Who wrote {rng.choice(SUBJECTS)}?",
+        lambda: f"Where is {rng.choice(COUNTRIES)} located on a map?",
+        lambda: f"What language do people speak in {rng.choice(COUNTRIES)}?",
+        lambda: f"Who plays the lead role in {rng.choice(SUBJECTS)}?",
+        lambda: f"Why is {rng.choice(TOPICS)} important?",
+    ]
+    return rng.choice(templates)()
+
+
+def german_sentences() -> list[str]:
+    """German sentences from the system's gettext catalogues (empty where there are none)."""
+    import gettext
+    from glob import glob
+
+    found = set()
+    for path in sorted(glob("/usr/share/locale/de/LC_MESSAGES/*.mo")):
+        try:
+            with open(path, "rb") as f:
+                catalog = gettext.GNUTranslations(f)._catalog
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue  # a catalogue in another encoding or damaged: not needed
+        for text in catalog.values():
+            if isinstance(text, str) and 40 <= len(text) <= 200 and " " in text and "%" not in text \
+                    and "\n" not in text:
+                found.add(text)
+    return sorted(found)
 
 
 class FeatureRecorder:
@@ -121,6 +216,9 @@ class Sequence:
     token_ids: list[int]  # prompt + answer
     num_prompt_tokens: int
     features: torch.Tensor  # [len(token_ids) - 1, L * D] bf16: every token but the last
+
+    def with_features(self, features: torch.Tensor) -> Sequence:
+        return Sequence(token_ids=self.token_ids, num_prompt_tokens=self.num_prompt_tokens, features=features)
 
 
 @dataclass

@@ -5,8 +5,8 @@ Stages, each resumable from the output folder:
 1. data: the target answers generated prompts; features are recorded while it does
    (``data/shard-*.safetensors``; existing shards are kept);
 2. draft vocabulary: the most frequent answer tokens (``draft_vocab_size`` of them);
-3. training: the head is unrolled over ``train_depths`` draft depths per anchor
-   (training-time test), cross-entropy on the target's tokens, AdamW with warm-up and
+3. training: an eagle3 head is unrolled over ``train_depths`` draft depths per anchor
+   (training-time test); medusa heads predict depth k from the last layer; cross-entropy on the target's tokens, AdamW with warm-up and
    cosine decay; ``checkpoint.pt`` after every epoch and every ``checkpoint_every`` steps;
 4. validation on held-out sequences: per-depth top-1 accuracy and the chain acceptance
    length a greedy chain of ``val_depths`` draft tokens would reach (teacher forcing with
@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.models.heads import EagleHead, HeadConfig
-from quickdraft.train.data import DataShard, Sequence, build_prompts, generate_shard
+from quickdraft.models.medusa import LayerSkipHead, MedusaConfig, MedusaHeads
+from quickdraft.train.data import PROMPT_MIXES, DataShard, Sequence, build_prompts, generate_shard
 
-METHODS = ("eagle3",)
+METHODS = ("eagle3", "medusa", "self")
 
 
 @dataclass
@@ -41,13 +42,17 @@ class TrainHeadConfig:
     dtype: str = "float32"
     device: str = "cpu"
     num_prompts: int = 480
+    prompt_mix: str = "tasks"  # see quickdraft.train.data.build_prompts
+    extra_data: tuple[Path, ...] = ()  # data folders of earlier runs whose shards are trained on too
     shard_prompts: int = 32
     max_new_tokens: int = 256
     sampled_fraction: float = 0.25  # share of answers sampled (temperature 0.7) instead of greedy
     feature_layers: tuple[int, ...] | None = None  # default: low, middle and last layer
     draft_vocab_size: int = 8192
     intermediate_size: int | None = None  # default: the target's
-    train_depths: int = 3
+    train_depths: int = 3  # eagle3: draft depths unrolled in training
+    medusa_heads: int = 4  # medusa: heads (draft depths)
+    exit_layer: int | None = None  # self: target layers the drafter runs (default: half of them, plus one)
     val_depths: int = 5
     epochs: int = 2
     learning_rate: float = 1e-3
@@ -61,17 +66,32 @@ class TrainHeadConfig:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        self.extra_data = tuple(Path(d) for d in self.extra_data)
+        for folder in self.extra_data:
+            if not sorted(folder.glob("shard-*.safetensors")):
+                raise ValueError(f"extra_data folder {str(folder)!r} holds no shard-*.safetensors files")
+        if self.prompt_mix not in PROMPT_MIXES:
+            raise ValueError(f"unknown prompt_mix {self.prompt_mix!r}; choose one of {list(PROMPT_MIXES)}")
         if self.method not in METHODS:
             raise ValueError(f"unknown head method {self.method!r}; trainable here: {list(METHODS)}")
-        for name in ("num_prompts", "shard_prompts", "max_new_tokens", "draft_vocab_size", "train_depths",
+        if not isinstance(self.num_prompts, int) or self.num_prompts < (0 if self.extra_data else 1):
+            raise ValueError(f"num_prompts must be a positive integer (0 only with extra_data), got {self.num_prompts!r}")
+        for name in ("shard_prompts", "medusa_heads", "max_new_tokens", "draft_vocab_size", "train_depths",
                      "val_depths", "epochs", "sequences_per_step", "max_seq_len", "checkpoint_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
-        if self.val_sequences < 1 or self.val_sequences >= self.num_prompts:
-            raise ValueError(f"val_sequences must be in 1..num_prompts-1, got {self.val_sequences}")
+        if self.exit_layer is not None and (not isinstance(self.exit_layer, int) or self.exit_layer < 1):
+            raise ValueError(f"exit_layer must be a positive integer, got {self.exit_layer!r}")
+        if not isinstance(self.val_sequences, int) or self.val_sequences < 1:
+            raise ValueError(f"val_sequences must be a positive integer, got {self.val_sequences!r}")
+
+    @property
+    def depths(self) -> int:
+        """Draft depths trained (eagle3: unrolled; medusa: one per head)."""
+        return {"medusa": self.medusa_heads, "self": 1}.get(self.method, self.train_depths)
 
 
 @dataclass
@@ -98,32 +118,43 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     target = llm.engine.model
     layers = config.feature_layers or default_feature_layers(target.config.num_layers)
     shards = _build_data(config, llm, layers, progress=progress)
+    shards += [DataShard.load(path) for folder in config.extra_data for path in sorted(folder.glob("shard-*.safetensors"))]
     report.seconds["data"] = time.perf_counter() - start
     sequences = [s for shard in shards for s in shard.sequences]
     random.Random(config.seed).shuffle(sequences)
+    if len(sequences) <= config.val_sequences:
+        raise ValueError(f"{len(sequences)} sequences of data: fewer than val_sequences ({config.val_sequences}) "
+                         f"plus one to train on")
     val, train = sequences[: config.val_sequences], sequences[config.val_sequences:]
     d2t, coverage = draft_vocabulary(train, config.draft_vocab_size, vocab_size=target.config.vocab_size)
     report.train_sequences, report.draft_vocab_coverage = len(train), coverage
     report.train_answer_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in train)
-    head = new_head(target, layers=layers, draft_vocab_size=len(d2t), intermediate_size=config.intermediate_size,
+    head = new_head(target, method=config.method, layers=layers, draft_vocab_size=len(d2t),
+                    intermediate_size=config.intermediate_size, medusa_heads=config.medusa_heads,
+                    exit_layer=config.exit_layer,
                     max_len=config.max_seq_len + config.val_depths + 2)
     head.set_draft_vocab(d2t)
     head.attach_target(target)
     del llm
     t2d = target_to_draft(d2t, vocab_size=target.config.vocab_size)
+    columns = feature_columns(data_layers=layers, head_layers=head_feature_layers(head),
+                              hidden_size=target.config.hidden_size)
+    train = [s.with_features(s.features[:, columns]) for s in train] if columns is not None else train
+    val = [s.with_features(s.features[:, columns]) for s in val] if columns is not None else val
     started = time.perf_counter()
     report.final_train_loss, report.steps = _train(config, head, train, t2d, progress=progress)
     report.seconds["train"] = time.perf_counter() - started
     started = time.perf_counter()
+    val_depths = config.medusa_heads if config.method == "medusa" else config.val_depths
     report.val_accuracy_by_depth, report.val_chain_acceptance_length = validate(
-        head, val, t2d, depths=config.val_depths, max_seq_len=config.max_seq_len)
+        head, val, t2d, depths=val_depths, max_seq_len=config.max_seq_len)
     report.seconds["validate"] = time.perf_counter() - started
     report.parameters = sum(p.numel() for p in head.parameters())
     report.draft_token_cost = draft_token_cost(head, target)
     head_dir = config.out / "head"
     head.save(head_dir)
     report.head_bytes = sum(f.stat().st_size for f in head_dir.iterdir())
-    _write_manifest(config, report, layers)
+    _write_manifest(config, report, head_feature_layers(head))
     return report
 
 
@@ -132,8 +163,18 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1}))
 
 
-def new_head(target, *, layers, draft_vocab_size: int, intermediate_size: int | None, max_len: int) -> EagleHead:
+def new_head(target, *, method: str = "eagle3", layers, draft_vocab_size: int, intermediate_size: int | None,
+             max_len: int, medusa_heads: int = 4, exit_layer: int | None = None):
     c = target.config
+    if method == "self":
+        exit_layer = exit_layer or c.num_layers // 2 + 1
+        if not 1 <= exit_layer < c.num_layers:
+            raise ValueError(f"exit_layer must be in 1..{c.num_layers - 1} for a {c.num_layers}-layer target")
+        return LayerSkipHead(MedusaConfig(hidden_size=c.hidden_size, num_heads=1, draft_vocab_size=draft_vocab_size,
+                                          feature_layer=exit_layer - 1))
+    if method == "medusa":
+        return MedusaHeads(MedusaConfig(hidden_size=c.hidden_size, num_heads=medusa_heads,
+                                        draft_vocab_size=draft_vocab_size, feature_layer=c.num_layers - 1))
     config = HeadConfig(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                         head_dim=c.head_dim, intermediate_size=intermediate_size or c.intermediate_size,
                         feature_layers=tuple(layers), draft_vocab_size=draft_vocab_size,
@@ -162,10 +203,24 @@ def target_to_draft(d2t: torch.Tensor, *, vocab_size: int) -> torch.Tensor:  # [
     return t2d
 
 
-def draft_token_cost(head: EagleHead, target) -> float:
-    """Matrix weights read per draft token (block + fusion share + draft LM rows) over the target's."""
-    block = sum(p.numel() for name, p in head.named_parameters() if p.dim() == 2)
-    head_weights = block + head.lm_rows.numel()
+def head_feature_layers(head) -> tuple[int, ...]:
+    return tuple(head.feature_layers if isinstance(head, MedusaHeads) else head.config.feature_layers)
+
+
+def feature_columns(*, data_layers, head_layers, hidden_size: int) -> torch.Tensor | None:
+    """Columns of the recorded features [n, len(data_layers) * D] a head reads (None: all)."""
+    data_layers, head_layers = tuple(data_layers), tuple(head_layers)
+    if head_layers == data_layers:
+        return None
+    missing = [layer for layer in head_layers if layer not in data_layers]
+    if missing:
+        raise ValueError(f"the head reads target layers {missing} that the data does not hold ({list(data_layers)})")
+    return torch.cat([torch.arange(hidden_size) + data_layers.index(layer) * hidden_size for layer in head_layers])
+
+
+def draft_token_cost(head, target) -> float:
+    """Matrix weights read per draft token (the head's share + draft LM rows) over the target's."""
+    head_weights = head.weights_per_draft_token()
     target_weights = sum(t.numel() for name, t in target.state_dict().items()
                          if t.dim() == 2 and not name.startswith("rotary"))
     return head_weights / target_weights
@@ -206,7 +261,7 @@ def _build_data(config: TrainHeadConfig, llm, layers, *, progress: bool) -> list
 def _fitting_prompts(config: TrainHeadConfig, tokenizer) -> list[str]:
     """The first num_prompts generated prompts whose answer still fits max_seq_len."""
     limit = config.max_seq_len - config.max_new_tokens
-    candidates = build_prompts(4 * config.num_prompts, seed=config.seed)
+    candidates = build_prompts(4 * config.num_prompts, seed=config.seed, mix=config.prompt_mix)
     fitting = [p for p in candidates if len(tokenizer.encode(p)) <= limit][: config.num_prompts]
     if len(fitting) < config.num_prompts:
         raise ValueError(f"only {len(fitting)} prompts fit max_seq_len {config.max_seq_len} with "
@@ -218,7 +273,7 @@ def _sequence_loss(head: EagleHead, seq: Sequence, t2d: torch.Tensor, *, depths:
     tokens = torch.tensor(seq.token_ids[:max_seq_len])
     # Anchors before this one predict only prompt tokens at every depth: no logits for them.
     first_anchor = max(0, min(seq.num_prompt_tokens - depths - 1, len(tokens) - 2))
-    logits = head.unrolled_logits(tokens, seq.features[: len(tokens) - 1].float(), depths=depths,
+    logits = head.training_logits(tokens, seq.features[: len(tokens) - 1].float(), depths=depths,
                                   first_anchor=first_anchor)
     anchors = torch.arange(first_anchor, len(tokens) - 1)
     total, count = 0.0, 0
@@ -245,7 +300,7 @@ def depth_labels(tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int, t2d
     return labels, inside
 
 
-def _train(config: TrainHeadConfig, head: EagleHead, train: list[Sequence], t2d: torch.Tensor,
+def _train(config: TrainHeadConfig, head, train: list[Sequence], t2d: torch.Tensor,
            *, progress: bool) -> tuple[float | None, int]:
     from tqdm import tqdm
 
@@ -279,7 +334,7 @@ def _train(config: TrainHeadConfig, head: EagleHead, train: list[Sequence], t2d:
         optimizer.zero_grad(set_to_none=True)
         loss_sum, tokens = 0.0, 0
         for index in batch:
-            loss, count = _sequence_loss(head, train[index], t2d, depths=config.train_depths,
+            loss, count = _sequence_loss(head, train[index], t2d, depths=config.depths,
                                          max_seq_len=config.max_seq_len)
             if count:
                 loss.backward()
@@ -302,7 +357,7 @@ def _train(config: TrainHeadConfig, head: EagleHead, train: list[Sequence], t2d:
 
 
 @torch.no_grad()
-def validate(head: EagleHead, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
+def validate(head, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
              max_seq_len: int) -> tuple[list[float], float]:
     """Per-depth top-1 accuracy over answer positions, and the acceptance length a greedy chain
     of `depths` draft tokens reaches when it decodes the answers step by step.
@@ -319,7 +374,7 @@ def validate(head: EagleHead, sequences: list[Sequence], t2d: torch.Tensor, *, d
         tokens = torch.tensor(seq.token_ids[:max_seq_len])
         n = len(tokens) - 1
         first = max(0, min(seq.num_prompt_tokens - 1, n - 1))  # anchor whose root is the first answer token
-        logits = head.unrolled_logits(tokens, seq.features[:n].float(), depths=depths, first_anchor=first)
+        logits = head.training_logits(tokens, seq.features[:n].float(), depths=depths, first_anchor=first)
         hits = torch.zeros(n - first, depths, dtype=torch.bool)
         for depth, depth_logits in enumerate(logits, start=1):
             labels, inside = depth_labels(tokens, torch.arange(first, n), depth=depth, t2d=t2d, first_target=0)
@@ -338,14 +393,23 @@ def validate(head: EagleHead, sequences: list[Sequence], t2d: torch.Tensor, *, d
     return accuracy, committed / steps if steps else 0.0
 
 
+def _jsonable(value):
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
 def _write_manifest(config: TrainHeadConfig, report: TrainReport, layers) -> None:
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
+    options = {k: _jsonable(v) for k, v in asdict(config).items()}
     manifest = dict(
         method=config.method, target=config.target or "embedded Gemma 3 270M (GGUF Q4_K_M)",
         command=config.command, feature_layers=list(layers), options=options,
-        data=("target's own answers (greedy, and temperature 0.7 for a share of shards) to prompts built from "
-              "the Python stdlib documentation (pydoc_data topics, module docstrings) with task templates; "
-              "no Spec-Bench questions"),
+        data=(f"target's own answers (greedy, and temperature 0.7 for a share of shards) to prompts of the "
+              f"{config.prompt_mix!r} mix (quickdraft.train.data.build_prompts: templates over the Python "
+              f"documentation, the system's German gettext catalogues, word lists), plus the shards of "
+              f"{[str(d) for d in config.extra_data]}; no Spec-Bench questions"),
         report=asdict(report), date=time.strftime("%Y-%m-%d %H:%M"),
     )
     (config.out / "head" / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -48,6 +48,7 @@ def plain(tiny_checkpoints):
     dict(top_k=3, max_draft_tokens=10),  # EAGLE-2 dynamic tree
     dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),  # static tree
     dict(top_k=2, min_draft_prob=0.004),  # unsure paths cut short (this random head is flat: ~1/200)
+    dict(top_k=2, head_dtype="bfloat16"),  # the head computes in bf16, the target in fp32
 ])
 def test_greedy_equals_plain(tiny_checkpoints, head_dir, plain, arch, shape):
     llm = LLM(str(tiny_checkpoints[arch]), max_model_len=256, max_num_seqs=4,

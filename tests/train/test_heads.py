@@ -99,6 +99,40 @@ def test_bad_options_are_clear_errors(tmp_path):
         TrainHeadConfig(out=tmp_path, method="medusa2")
     with pytest.raises(ValueError, match="epochs"):
         TrainHeadConfig(out=tmp_path, epochs=0)
+    with pytest.raises(ValueError, match="num_prompts"):
+        TrainHeadConfig(out=tmp_path, num_prompts=0)
+    with pytest.raises(ValueError, match="holds no shard"):
+        TrainHeadConfig(out=tmp_path, extra_data=(tmp_path,))
+    with pytest.raises(ValueError, match="unknown prompt_mix"):
+        TrainHeadConfig(out=tmp_path, prompt_mix="wiki")
+
+
+def test_prompt_mixes_cover_the_task_shapes():
+    prompts = build_prompts(300, seed=3, mix="tasks")
+    assert any(p.startswith("User: Summarize: ") for p in prompts)
+    assert any(p.startswith("User: Write a ") for p in prompts)
+    docs = build_prompts(50, seed=3, mix="docs")
+    assert docs != prompts[:50] and all(p.endswith("\nAssistant:") for p in docs)
+
+
+def test_medusa_heads_train_on_earlier_data_and_draft_exactly(trained, tiny_checkpoints, tmp_path):
+    """--method medusa with no new prompts, on the eagle run's data (its last-layer columns)."""
+    out, _ = trained
+    target = str(tiny_checkpoints["gemma3"])
+    config = TrainHeadConfig(out=tmp_path / "medusa", target=target, method="medusa", medusa_heads=3,
+                             extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0})
+    report = train_head(config, progress=False)
+    assert len(report.val_accuracy_by_depth) == 3 and report.val_chain_acceptance_length >= 1.0
+    assert not (tmp_path / "medusa" / "data").exists() or not list((tmp_path / "medusa" / "data").iterdir())
+    manifest = json.loads((tmp_path / "medusa" / "head" / "manifest.json").read_text())
+    assert manifest["method"] == "medusa"
+    prompts = [build_prompts(1, seed=5)[0][:60]]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = LLM(target, max_model_len=160).generate(prompts, params)
+    llm = LLM(target, max_model_len=160, speculative_config={"method": "medusa",
+                                                             "head": str(tmp_path / "medusa" / "head")})
+    assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.get_metrics().num_drafts > 0
 
 
 def test_validation_counts_acceptance_per_decoding_step():
@@ -109,7 +143,7 @@ def test_validation_counts_acceptance_per_decoding_step():
     t2d = torch.arange(20)
 
     class FakeHead:
-        def unrolled_logits(self, token_ids, features, *, depths, first_anchor):
+        def training_logits(self, token_ids, features, *, depths, first_anchor):
             n = len(token_ids) - 1
             out = []
             for depth in range(1, depths + 1):
@@ -124,3 +158,26 @@ def test_validation_counts_acceptance_per_decoding_step():
     accuracy, length = validate(FakeHead(), [seq], t2d, depths=3, max_seq_len=64)
     assert accuracy[0] == pytest.approx(13 / 17)  # depth 1 predicts tokens 3..19: 4, 8, 12, 16 missed
     assert length == pytest.approx(18 / 5)
+
+
+def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_checkpoints, tmp_path):
+    """--method self: the head reads the recorded middle layer (exit after 3 of 4 layers)."""
+    out, _ = trained
+    target = str(tiny_checkpoints["gemma3"])
+    config = TrainHeadConfig(out=tmp_path / "self", target=target, method="self", extra_data=(out / "data",),
+                             **{**TINY_RUN, "num_prompts": 0})
+    report = train_head(config, progress=False)
+    assert len(report.val_accuracy_by_depth) == 3 and report.val_chain_acceptance_length >= 1.0
+    assert 0 < report.draft_token_cost < 1
+    manifest = json.loads((tmp_path / "self" / "head" / "manifest.json").read_text())
+    assert manifest["method"] == "self" and manifest["feature_layers"] == [2]
+    prompts = [build_prompts(1, seed=5)[0][:60]]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = LLM(target, max_model_len=160).generate(prompts, params)
+    llm = LLM(target, max_model_len=160, speculative_model="[self]",
+              speculative_config={"head": str(tmp_path / "self" / "head")})
+    assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.get_metrics().num_drafts > 0
+    with pytest.raises(ValueError, match="exit_layer must be in"):
+        train_head(TrainHeadConfig(out=tmp_path / "bad", target=target, method="self", exit_layer=4,
+                                   extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0}), progress=False)

@@ -1,0 +1,103 @@
+"""Medusa drafting: K heads on the target's last hidden state fill a static tree in one pass.
+
+The newest target feature (of the token before the root, the one whose hidden state the
+target turned into the root) goes through the K heads; head k's candidates fill depth k of
+the tree: a node at depth k with candidate rank r gets head k's r-th best token, whatever
+its parent (Medusa's Cartesian tree, given as paths in the ``medusa_choices`` form).
+Proposals are top-k picks, so point masses (``draft_probs=None``): exact for greedy and
+sampled requests alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.tree import StaticTree, default_medusa_paths
+from quickdraft.heads import head_compute_dtype, resolve_head_dir
+from quickdraft.models.layers import default_linear_fn
+from quickdraft.models.medusa import MedusaHeads
+
+
+@dataclass
+class _MedusaState:
+    last_feature: torch.Tensor | None = None  # [D] feature of the newest cached token
+    num_features: int = 0  # target features observed (= tokens in the target's cache)
+
+
+class MedusaDrafter:
+    def __init__(self, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None, num_speculative_tokens: int | None = None,
+                 tree: str | list = "default", top_k: int = 3):
+        if target.model is None:
+            raise ValueError("the medusa drafter needs the target model (TargetInfo.model)")
+        directory = resolve_head_dir(head, method="medusa", model=target.model)
+        self.heads = MedusaHeads.load(directory, dtype=head_compute_dtype(head_dtype, default=target.dtype),
+                                      device=target.device)
+        c = self.heads.config
+        if c.hidden_size != target.model.config.hidden_size:
+            raise ValueError(f"medusa heads' hidden size {c.hidden_size} does not match the target's "
+                             f"{target.model.config.hidden_size}")
+        if c.feature_layer != target.model.config.num_layers - 1:
+            raise ValueError(f"medusa heads read layer {c.feature_layer}; the target's last layer is "
+                             f"{target.model.config.num_layers - 1}")
+        if int(self.heads.d2t.max()) >= target.vocab_size:
+            raise ValueError("the medusa heads' draft vocabulary maps to ids outside the target's vocabulary")
+        depth = c.num_heads if num_speculative_tokens is None else num_speculative_tokens
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {depth!r}")
+        depth = min(depth, c.num_heads)  # the heads draft no deeper than their count
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        if tree == "default":
+            tree = default_medusa_paths(depth=depth, top_k=top_k)
+        elif not isinstance(tree, (list, tuple)):
+            raise ValueError(f"tree must be 'default' or a list of paths (medusa_choices form), got {tree!r}")
+        self.tree = StaticTree.from_paths(tree)
+        if self.tree.max_depth > c.num_heads:
+            raise ValueError(f"tree is {self.tree.max_depth} deep; the heads draft {c.num_heads} depths")
+        self.heads.attach_target(target.model)
+        self.heads.linear = default_linear_fn(target.device)
+        self.feature_layers = self.heads.feature_layers
+        self._states: dict[str, _MedusaState] = {}
+
+    def begin(self, request: DraftRequest) -> None:
+        self._states[request.request_id] = _MedusaState()
+
+    def finish(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def observe(self, request: DraftRequest, features: torch.Tensor) -> None:  # features [n, D]
+        state = self._states[request.request_id]
+        state.last_feature = features[-1]
+        state.num_features += features.shape[0]
+
+    def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
+        pass  # the accepted tokens' features arrive through observe
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
+        ready = [r for r in requests if self._is_ready(r)]
+        proposals: dict[str, Proposal | None] = {r.request_id: None for r in requests}
+        if ready:
+            features = torch.stack([self._states[r.request_id].last_feature for r in ready])  # [B, D]
+            logits = self.heads(features)  # [K, B, Vd]
+            top = torch.topk(logits, self.tree.max_rank, dim=-1).indices  # [K, B, ranks]
+            candidates = self.heads.d2t[top].tolist()  # [K][B][ranks] target ids
+            for row, request in enumerate(ready):
+                proposals[request.request_id] = self._fill_tree(request, [depth[row] for depth in candidates])
+        return [proposals[r.request_id] for r in requests]
+
+    def _is_ready(self, request: DraftRequest) -> bool:
+        state = self._states[request.request_id]
+        return state.last_feature is not None and state.num_features == len(request.token_ids) - 1
+
+    def _fill_tree(self, request: DraftRequest, candidates: list[list[int]]) -> Proposal | None:
+        # candidates [K][ranks]: head k's best tokens
+        tree = self.tree.truncated(max_draft_nodes=request.budget, max_depth=request.max_depth)
+        if tree is None:
+            return None
+        tokens = [request.token_ids[-1]] + [candidates[depth - 1][rank]
+                                            for depth, rank in zip(tree.depths[1:], tree.ranks[1:])]
+        return Proposal(token_ids=tokens, parents=list(tree.parents))
