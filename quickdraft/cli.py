@@ -88,8 +88,10 @@ def _add_train_head_parser(commands) -> None:
                     "validation acceptance, and write OUT/head (load it with {\"method\": \"eagle3\", "
                     "\"head\": \"OUT/head\"}). Re-running with the same --out resumes: data shards and the "
                     "training checkpoint are kept.")
-    train.add_argument("--method", default="eagle3", choices=["eagle3", "medusa", "self"],
-                       help="head type (default: eagle3; self = the [self] layer-skip drafter's head)")
+    train.add_argument("--method", default="eagle3", choices=["eagle3", "medusa", "self", "draft", "mtp"],
+                       help="head type (default: eagle3; self = the [self] layer-skip drafter's head; draft = a "
+                            "small distilled draft model for the draft_model method; mtp = a layer in the "
+                            "nextn layout, started from the target's last layer)")
     train.add_argument("--target", default=None, help="target model (default: embedded Gemma 3 270M)")
     train.add_argument("--out", required=True, metavar="DIR", help="output folder (data, checkpoint, head)")
     train.add_argument("--num-prompts", type=int, default=480,
@@ -107,6 +109,7 @@ def _add_train_head_parser(commands) -> None:
     train.add_argument("--exit-layer", type=int, default=None,
                        help="self: target layers the drafter runs (default: half, plus one; the data must "
                             "hold the features of layer EXIT_LAYER - 1)")
+    train.add_argument("--draft-layers", type=int, default=2, help="draft: layers of the draft model (default: 2)")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--learning-rate", type=float, default=1e-3)
     train.add_argument("--seed", type=int, default=0)
@@ -274,7 +277,7 @@ def run_train_head(args) -> int:
         max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab_size,
         feature_layers=tuple(args.feature_layers) if args.feature_layers else None,
         train_depths=args.train_depths, medusa_heads=args.medusa_heads, exit_layer=args.exit_layer,
-        epochs=args.epochs, learning_rate=args.learning_rate, seed=args.seed,
+        draft_layers=args.draft_layers, epochs=args.epochs, learning_rate=args.learning_rate, seed=args.seed,
         command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
     )
     report = train_head(config, progress=not args.no_progress)

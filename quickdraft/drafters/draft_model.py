@@ -18,6 +18,11 @@ With ``num_branches > 1`` the proposal is a tree: at every depth the next
 token) become leaf siblings tried after it, at no extra draft forward.  Such top-k picks are
 not samples, so a tree proposal is verified as point masses (``draft_probs=None``), which
 is exact for any proposal chosen without the verifier's randomness.
+
+A draft model with a reduced vocabulary (``quickdraft train-head --method draft`` writes
+one: its directory holds ``draft_vocab.safetensors``) reads the target's tokens mapped into
+its vocabulary (tokens outside it share one "other" id) and its logits are spread back over
+the target's vocabulary (-inf outside it), so everything downstream works on target ids.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.kv.cache import KVCache
-from quickdraft.models.loader import load_decoder, resolve_model_dir
+from quickdraft.models.loader import load_decoder, read_draft_vocab, resolve_model_dir
 from quickdraft.verify.sampler import RowContext, logits_to_probs, make_generator, sample_from_probs
 
 # Room past max_model_len for the drafted tokens that are fed before verification.
@@ -56,9 +61,21 @@ class DraftModelDrafter:
         self.num_branches = num_branches
         self.device = target.device
         max_len = target.max_model_len + DRAFT_HEADROOM
-        self.model, config = load_decoder(resolve_model_dir(model), dtype=target.dtype, device=target.device,
-                                          max_len=max_len)
-        if config.vocab_size != target.vocab_size:
+        model_dir = resolve_model_dir(model)
+        self.model, config = load_decoder(model_dir, dtype=target.dtype, device=target.device, max_len=max_len)
+        self.target_vocab_size = target.vocab_size
+        self.d2t = read_draft_vocab(model_dir)  # [Vd] or None
+        self.t2d: list[int] | None = None
+        if self.d2t is not None:
+            if config.vocab_size != self.d2t.shape[0] + 1 or int(self.d2t.max()) >= target.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({config.vocab_size} ids) does not match its "
+                                 f"draft_vocab map ({self.d2t.shape[0]} ids + one for other tokens) and the "
+                                 f"target's {target.vocab_size}")
+            t2d = torch.full((target.vocab_size,), config.vocab_size - 1, dtype=torch.long)
+            t2d[self.d2t] = torch.arange(self.d2t.shape[0])
+            self.t2d = t2d.tolist()
+            self.d2t = self.d2t.to(target.device)
+        elif config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens) differs from the "
                              f"target's ({target.vocab_size}): a draft model must share the target's tokenizer")
         self.cache = KVCache(num_layers=config.num_layers, num_slots=target.max_num_seqs,
@@ -173,12 +190,22 @@ class DraftModelDrafter:
         for i in active:
             state = self._states[requests[i].request_id]
             tokens = feed[i]
+            if self.t2d is not None:
+                tokens = [self.t2d[t] for t in tokens]
             work.append(SequenceWork(slot=state.slot, cache_len=self.cache.lengths[state.slot], token_ids=tokens,
                                      logits_nodes=[len(tokens) - 1]))
         out = self.runner.forward(work)
         for item in work:
             self.cache.commit(item.slot, item.cache_len + len(item.token_ids))
-        return out.logits
+        return self._target_vocab_logits(out.logits)
+
+    def _target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        # logits [M, Vd + 1] -> [M, V]: -inf outside the draft vocabulary ("other" is never drafted)
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
+        full[:, self.d2t] = logits[:, : self.d2t.shape[0]]
+        return full
 
     def _choose(self, request: DraftRequest, drafted: list[int], logits: torch.Tensor):
         # logits [1, V] -> (token, draft distribution row [V] or None for a greedy point mass)

@@ -6,6 +6,11 @@ the request's node budget: the first drafter's nodes first, then the nodes the n
 A retrieval drafter that finds nothing proposes nothing, so a head behind it fills the whole
 budget on new text and shares it on repeated text.
 
+``skip_after: N`` makes it take the better of both at every step instead: once the drafters
+before have proposed N draft tokens for a request, the later ones are not asked this step
+(a confident retrieval match costs no head forward; a head catches up on the features it
+missed the next time it is asked).
+
 Merged proposals are point masses (``draft_probs=None``): exact for any child, since
 verifying a token as a point mass is exact for every proposal chosen without the
 verifier's randomness.  After verification each child is told the accepted path in its own
@@ -75,7 +80,7 @@ def path_in_child(accepted: AcceptedPath, mapping: dict[int, int]) -> AcceptedPa
 
 class HybridDrafter:
     def __init__(self, *, target: TargetInfo, drafters: list[dict], num_speculative_tokens: int = 5,
-                 max_draft_tokens: int | None = None):
+                 max_draft_tokens: int | None = None, skip_after: int | None = None):
         from quickdraft.drafters import default_registry
 
         if not isinstance(drafters, list) or len(drafters) < 2 or not all(isinstance(d, dict) for d in drafters):
@@ -93,6 +98,10 @@ class HybridDrafter:
         if max_draft_tokens is not None and (not isinstance(max_draft_tokens, int) or max_draft_tokens < 1):
             raise ValueError(f"max_draft_tokens must be a positive integer, got {max_draft_tokens!r}")
         self.max_draft_tokens = max_draft_tokens
+        if skip_after is not None and (not isinstance(skip_after, int) or isinstance(skip_after, bool)
+                                       or skip_after < 1):
+            raise ValueError(f"skip_after must be a positive integer, got {skip_after!r}")
+        self.skip_after = skip_after
         layers = sorted({layer for child in self.children for layer in getattr(child, "feature_layers", ())})
         self.feature_layers = tuple(layers)
         # Which blocks of the concatenated features each child reads: [child] -> positions in `layers`.
@@ -112,7 +121,16 @@ class HybridDrafter:
                 child.observe(request, torch.cat([features[:, b * width: (b + 1) * width] for b in blocks], dim=1))
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
-        per_child = [child.propose(requests) for child in self.children]
+        per_child = []  # [child][request index] -> proposal or None
+        drafted = [0] * len(requests)
+        for child in self.children:
+            asking = [i for i in range(len(requests)) if self.skip_after is None or drafted[i] < self.skip_after]
+            answers = child.propose([requests[i] for i in asking]) if asking else []
+            row: list[Proposal | None] = [None] * len(requests)
+            for i, proposal in zip(asking, answers):
+                row[i] = proposal
+                drafted[i] += proposal.num_draft_tokens if proposal is not None else 0
+            per_child.append(row)
         proposals = []
         for index, request in enumerate(requests):
             budget = request.budget if self.max_draft_tokens is None else min(request.budget, self.max_draft_tokens)

@@ -67,6 +67,20 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return path
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # d2t of a reduced-vocabulary draft model
+
+
+def read_draft_vocab(model_dir: Path) -> torch.Tensor | None:
+    """d2t [Vd] (target id of each draft id but the last, "any other token") of a
+    reduced-vocabulary draft model directory; None for a model with the target's vocabulary."""
+    path = Path(model_dir) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["d2t"].long()
+
+
 def read_hf_config(model_dir: Path) -> dict:
     config_path = model_dir / "config.json"
     if not config_path.exists():
@@ -165,6 +179,27 @@ def convert_hf_tensors(config: ModelConfig, plan: dict[str, list[str]],
         # Gemma's norms scale by (1 + weight) in float32: fold the 1 in once, here.
         state = {name: t.float() + 1.0 if name.endswith("norm.weight") else t for name, t in state.items()}
     return state
+
+
+def hf_tensors_from_state(config: ModelConfig, plan: dict[str, list[str]],
+                          state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of convert_hf_tensors: our tensors in `state` back under the HF names of `plan`
+    (q/k/v and gate/up split, one q_norm and one k_norm row, Gemma norms without the folded 1)."""
+    tensors: dict[str, torch.Tensor] = {}
+    c = config
+    for ours, theirs in plan.items():
+        tensor = state[ours].detach()
+        if c.norm_unit_offset and ours.endswith("norm.weight"):
+            tensor = tensor - 1.0
+        if ours.endswith("qk_norm.weight"):
+            pieces = [tensor[0], tensor[c.num_heads]]
+        elif len(theirs) > 1:
+            sizes = {3: [c.q_size, c.kv_size, c.kv_size], 2: [c.intermediate_size] * 2}[len(theirs)]
+            pieces = list(tensor.split(sizes))
+        else:
+            pieces = [tensor]
+        tensors.update({name: piece.contiguous() for name, piece in zip(theirs, pieces)})
+    return tensors
 
 
 def build_decoder(config: ModelConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype,

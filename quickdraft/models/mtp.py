@@ -13,9 +13,10 @@ state (what its LM head reads); deeper depths feed the layer's own block output 
 EAGLE does, so the same drafter (``quickdraft.drafters.eagle``) drives both.  The layer attends
 over its own cache at full attention (a sliding window would only matter past it).
 
-``MtpHead`` is trainable too (``quickdraft train-head --method mtp``): its weights are written
-in the same layout (``nextn_tensors``), so a head we train is a valid MTP layer for the target's
-checkpoint.
+``MtpHead`` is trainable too (``quickdraft train-head --method mtp``, started from the target's
+last layer): its weights are written in the same layout (``nextn_tensors``), so a head we train
+is a valid MTP layer for the target's checkpoint; a trained head may draft over a reduced
+vocabulary (``draft_vocab.safetensors`` next to it), its LM rows taken from the shared head.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from quickdraft.models.config import FULL_ATTENTION, ModelConfig
 from quickdraft.models.decoder import DecoderLayer
 from quickdraft.models.heads import FeatureHead, HeadConfig
 from quickdraft.models.layers import RMSNorm, RotaryTable
-from quickdraft.models.loader import convert_hf_tensors, hf_layer_tensors, read_hf_config, read_hf_tensors
+from quickdraft.models.loader import (
+    DRAFT_VOCAB_FILE,
+    convert_hf_tensors,
+    hf_layer_tensors,
+    hf_tensors_from_state,
+    read_draft_vocab,
+    read_hf_config,
+    read_hf_tensors,
+)
 
 MTP_WEIGHTS_FILE = "mtp.safetensors"
 MTP_CONFIG_FILE = "config.json"
@@ -38,7 +47,7 @@ MTP_CONFIG_FILE = "config.json"
 
 class MtpHead(FeatureHead):
     def __init__(self, target_config: ModelConfig, *, dtype: torch.dtype = torch.float32, max_len: int = 4096,
-                 own_lm_head: bool = False):
+                 own_lm_head: bool = False, draft_vocab_size: int | None = None):
         super().__init__()
         c = target_config
         self.target_config = c
@@ -56,10 +65,12 @@ class MtpHead(FeatureHead):
                                           requires_grad=False) if own_lm_head else None
         self.config = HeadConfig(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                  head_dim=c.head_dim, intermediate_size=c.intermediate_size,
-                                 feature_layers=(c.num_layers - 1,), draft_vocab_size=c.vocab_size,
+                                 feature_layers=(c.num_layers - 1,),
+                                 draft_vocab_size=draft_vocab_size or c.vocab_size,
                                  rms_norm_eps=c.rms_norm_eps, activation=c.activation)
         self.attn_scale = c.attn_scale
-        self.register_buffer("d2t", torch.arange(c.vocab_size))  # [V]: the full vocabulary
+        # [Vd] target ids the head drafts over: the full vocabulary unless trained on a reduced one
+        self.register_buffer("d2t", torch.arange(self.config.draft_vocab_size))
         rope = c.rope_by_layer_type[FULL_ATTENTION]
         self.rotary = RotaryTable(rope, head_dim=c.head_dim, max_len=max_len, dtype=dtype)
         self._target = None  # the target Decoder (embedding, final norm, LM head), not a submodule
@@ -67,9 +78,28 @@ class MtpHead(FeatureHead):
     # ---- the target's tensors --------------------------------------------------------------
     def attach_target(self, target) -> None:
         object.__setattr__(self, "_target", target)  # borrowed, kept out of state_dict
-        self.lm_rows = (target.lm_head_weight if self.lm_head is None else self.lm_head).detach()  # [V, D]
+        weight = target.lm_head_weight if self.lm_head is None else self.lm_head
+        self.lm_rows = weight.detach()[self.d2t].to(self.dtype)  # [Vd, D]
         self.logit_softcap = target.config.final_logit_softcapping
 
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:  # d2t [Vd]
+        if d2t.shape != self.d2t.shape:
+            raise ValueError(f"draft vocabulary has {d2t.shape[0]} ids, the head expects {self.d2t.shape[0]}")
+        self.d2t.copy_(d2t)
+
+    def initialise_from(self, target) -> None:
+        """A trainable start: the block copies the target's last layer, the output norm its final
+        norm, the input norms are neutral and eh_proj is random (torch's Linear init)."""
+        with torch.no_grad():
+            self.layer.load_state_dict(target.layers[-1].state_dict())
+            self.head_norm.load_state_dict(target.norm.state_dict())
+            neutral = 1.0  # stored weight of an identity-scaled norm, in either norm convention
+            self.enorm.weight.fill_(neutral)
+            self.hnorm.weight.fill_(neutral)
+            bound = self.eh_proj.shape[1] ** -0.5
+            self.eh_proj.uniform_(-bound, bound)
+        for param in self.parameters():
+            param.requires_grad_(True)
     # ---- pieces the drafter and trainer drive ------------------------------------------------
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] last layer -> [..., D]
         return self._target.norm(features)  # MTP reads the final-normed hidden state
@@ -114,8 +144,12 @@ class MtpHead(FeatureHead):
         index = base + layer
         prefix = f"model.layers.{index}."
         tensors = read_hf_tensors(model_dir, prefix=prefix)
+        d2t = read_draft_vocab(model_dir)
         head = cls(target_config, dtype=dtype, max_len=max_len,
-                   own_lm_head=prefix + "shared_head.head.weight" in tensors)
+                   own_lm_head=prefix + "shared_head.head.weight" in tensors,
+                   draft_vocab_size=None if d2t is None else d2t.shape[0])
+        if d2t is not None:
+            head.set_draft_vocab(d2t)
         state = convert_hf_tensors(head.layer_config, _nextn_plan(head, index), tensors)
         own = head.state_dict()
         for name, tensor in state.items():
@@ -128,22 +162,7 @@ class MtpHead(FeatureHead):
     def nextn_tensors(self, *, index: int) -> dict[str, torch.Tensor]:
         """This layer's weights under the checkpoint names of MTP layer `index` (HF conventions:
         separate q/k/v, gate/up, Gemma norms stored without the folded 1)."""
-        state = {name: t.detach() for name, t in self.state_dict().items() if name in _nextn_plan(self, index)}
-        tensors: dict[str, torch.Tensor] = {}
-        c = self.layer_config
-        for ours, theirs in _nextn_plan(self, index).items():
-            tensor = state[ours]
-            if c.norm_unit_offset and ours.endswith("norm.weight"):
-                tensor = tensor - 1.0
-            if ours.endswith("qk_norm.weight"):
-                pieces = [tensor[0], tensor[c.num_heads]]
-            elif len(theirs) > 1:
-                sizes = {3: [c.q_size, c.kv_size, c.kv_size], 2: [c.intermediate_size] * 2}[len(theirs)]
-                pieces = list(tensor.split(sizes))
-            else:
-                pieces = [tensor]
-            tensors.update({name: piece.contiguous() for name, piece in zip(theirs, pieces)})
-        return tensors
+        return hf_tensors_from_state(self.layer_config, _nextn_plan(self, index), self.state_dict())
 
     def save(self, directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> None:
         """A folder in the nextn layout: ``mtp.safetensors`` + a config.json naming the layer."""
@@ -154,6 +173,8 @@ class MtpHead(FeatureHead):
         index = self.target_config.num_layers
         tensors = {name: t.to(dtype) for name, t in self.nextn_tensors(index=index).items()}
         save_file(tensors, str(directory / MTP_WEIGHTS_FILE))
+        if self.d2t.shape[0] < self.target_config.vocab_size:  # drafted over a reduced vocabulary
+            save_file({"d2t": self.d2t.clone()}, str(directory / DRAFT_VOCAB_FILE))
         config = {"num_hidden_layers": index, "num_nextn_predict_layers": 1,
                   "note": "MTP layer in the DeepSeek-V3 nextn layout, written by quickdraft train-head"}
         (directory / MTP_CONFIG_FILE).write_text(json.dumps(config, indent=1))

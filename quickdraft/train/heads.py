@@ -28,10 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.models.heads import EagleHead, HeadConfig
+from quickdraft.models.mtp import MtpHead
 from quickdraft.models.medusa import LayerSkipHead, MedusaConfig, MedusaHeads
+from quickdraft.train.draft_model import DraftLM
 from quickdraft.train.data import PROMPT_MIXES, DataShard, Sequence, build_prompts, generate_shard
 
-METHODS = ("eagle3", "medusa", "self")
+METHODS = ("eagle3", "medusa", "self", "draft", "mtp")
 
 
 @dataclass
@@ -53,6 +55,7 @@ class TrainHeadConfig:
     train_depths: int = 3  # eagle3: draft depths unrolled in training
     medusa_heads: int = 4  # medusa: heads (draft depths)
     exit_layer: int | None = None  # self: target layers the drafter runs (default: half of them, plus one)
+    draft_layers: int = 2  # draft: decoder layers of the distilled draft model
     val_depths: int = 5
     epochs: int = 2
     learning_rate: float = 1e-3
@@ -76,7 +79,7 @@ class TrainHeadConfig:
             raise ValueError(f"unknown head method {self.method!r}; trainable here: {list(METHODS)}")
         if not isinstance(self.num_prompts, int) or self.num_prompts < (0 if self.extra_data else 1):
             raise ValueError(f"num_prompts must be a positive integer (0 only with extra_data), got {self.num_prompts!r}")
-        for name in ("shard_prompts", "medusa_heads", "max_new_tokens", "draft_vocab_size", "train_depths",
+        for name in ("shard_prompts", "medusa_heads", "draft_layers", "max_new_tokens", "draft_vocab_size", "train_depths",
                      "val_depths", "epochs", "sequences_per_step", "max_seq_len", "checkpoint_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -91,7 +94,7 @@ class TrainHeadConfig:
     @property
     def depths(self) -> int:
         """Draft depths trained (eagle3: unrolled; medusa: one per head)."""
-        return {"medusa": self.medusa_heads, "self": 1}.get(self.method, self.train_depths)
+        return {"medusa": self.medusa_heads, "self": 1, "draft": 1}.get(self.method, self.train_depths)
 
 
 @dataclass
@@ -131,10 +134,11 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     report.train_answer_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in train)
     head = new_head(target, method=config.method, layers=layers, draft_vocab_size=len(d2t),
                     intermediate_size=config.intermediate_size, medusa_heads=config.medusa_heads,
-                    exit_layer=config.exit_layer,
+                    exit_layer=config.exit_layer, draft_layers=config.draft_layers,
                     max_len=config.max_seq_len + config.val_depths + 2)
     head.set_draft_vocab(d2t)
     head.attach_target(target)
+    target_dir = llm.engine.model_dir
     del llm
     t2d = target_to_draft(d2t, vocab_size=target.config.vocab_size)
     columns = feature_columns(data_layers=layers, head_layers=head_feature_layers(head),
@@ -152,7 +156,10 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     report.parameters = sum(p.numel() for p in head.parameters())
     report.draft_token_cost = draft_token_cost(head, target)
     head_dir = config.out / "head"
-    head.save(head_dir)
+    if isinstance(head, DraftLM):
+        head.save(head_dir, target_dir=target_dir)
+    else:
+        head.save(head_dir)
     report.head_bytes = sum(f.stat().st_size for f in head_dir.iterdir())
     _write_manifest(config, report, head_feature_layers(head))
     return report
@@ -164,8 +171,14 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def new_head(target, *, method: str = "eagle3", layers, draft_vocab_size: int, intermediate_size: int | None,
-             max_len: int, medusa_heads: int = 4, exit_layer: int | None = None):
+             max_len: int, medusa_heads: int = 4, exit_layer: int | None = None, draft_layers: int = 2):
     c = target.config
+    if method == "mtp":
+        head = MtpHead(c, draft_vocab_size=draft_vocab_size, max_len=max_len)
+        head.initialise_from(target)
+        return head
+    if method == "draft":
+        return DraftLM(c, num_layers=draft_layers, draft_vocab_size=draft_vocab_size, max_len=max_len)
     if method == "self":
         exit_layer = exit_layer or c.num_layers // 2 + 1
         if not 1 <= exit_layer < c.num_layers:
@@ -204,6 +217,8 @@ def target_to_draft(d2t: torch.Tensor, *, vocab_size: int) -> torch.Tensor:  # [
 
 
 def head_feature_layers(head) -> tuple[int, ...]:
+    if isinstance(head, DraftLM):
+        return ()  # a draft model reads tokens only
     return tuple(head.feature_layers if isinstance(head, MedusaHeads) else head.config.feature_layers)
 
 
@@ -212,6 +227,8 @@ def feature_columns(*, data_layers, head_layers, hidden_size: int) -> torch.Tens
     data_layers, head_layers = tuple(data_layers), tuple(head_layers)
     if head_layers == data_layers:
         return None
+    if not head_layers:
+        return torch.zeros(0, dtype=torch.long)  # no features: keep none in memory
     missing = [layer for layer in head_layers if layer not in data_layers]
     if missing:
         raise ValueError(f"the head reads target layers {missing} that the data does not hold ({list(data_layers)})")

@@ -71,6 +71,35 @@ def test_hybrid_greedy_equals_plain(tiny_checkpoints, tmp_path, plain, children)
     assert metrics.num_drafts > 0 and metrics.num_accepted_tokens > 0
 
 
+def test_skip_after_asks_the_head_only_when_retrieval_is_short(tiny_checkpoints, tmp_path, plain):
+    target = str(tiny_checkpoints["gemma3"])
+    eagle = {"method": "eagle3", "head": str(random_head(tmp_path / "h")), "top_k": 1}
+    children = [{"method": "ngram", "num_speculative_tokens": 4}, eagle]
+    llm = LLM(target, max_model_len=256, max_num_seqs=4,
+              speculative_config={"method": "hybrid", "drafters": children, "num_speculative_tokens": 4,
+                                  "skip_after": 2})
+    hybrid = llm.engine.speculator.drafter
+    ngram, head = hybrid.children
+    asked = {"ngram": 0, "head": 0, "long_matches": 0}
+    ngram_propose, head_propose = ngram.propose, head.propose
+
+    def count_ngram(requests):
+        out = ngram_propose(requests)
+        asked["ngram"] += len(requests)
+        asked["long_matches"] += sum(1 for p in out if p is not None and p.num_draft_tokens >= 2)
+        return out
+
+    def count_head(requests):
+        asked["head"] += len(requests)
+        return head_propose(requests)
+
+    ngram.propose, head.propose = count_ngram, count_head
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert asked["long_matches"] > 0 and asked["head"] == asked["ngram"] - asked["long_matches"]
+    assert llm.get_metrics().num_accepted_tokens > 0
+
+
 def test_bad_hybrid_configs(tiny_checkpoints):
     path = str(tiny_checkpoints["gemma3"])
     with pytest.raises(ValueError, match="at least two"):
@@ -79,3 +108,6 @@ def test_bad_hybrid_configs(tiny_checkpoints):
         LLM(path, speculative_config={"method": "hybrid", "drafters": [{"method": "ngram"}, {"method": "hybrid"}]})
     with pytest.raises(ValueError, match="unknown speculative method"):
         LLM(path, speculative_config={"method": "hybrid", "drafters": [{"method": "ngram"}, {"method": "nope"}]})
+    with pytest.raises(ValueError, match="skip_after"):
+        LLM(path, speculative_config={"method": "hybrid", "drafters": [{"method": "ngram"}, {"method": "suffix"}],
+                                      "skip_after": 0})

@@ -13,14 +13,14 @@ from tests.stats_checks import count_outputs, same_distribution_p_value
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def random_self_head(directory, *, feature_layer=1, hidden=64, draft_vocab=200, seed=0, scale=0.3):
+def random_self_head(directory, *, feature_layer=1, hidden=64, draft_vocab=200, seed=0, scale=0.3, vocab_size=320):
     torch.manual_seed(seed)
     head = LayerSkipHead(MedusaConfig(hidden_size=hidden, num_heads=1, draft_vocab_size=draft_vocab,
                                       feature_layer=feature_layer))
     with torch.no_grad():
         head.weight.normal_(0.0, scale)
         head.bias.normal_(0.0, scale)
-        head.set_draft_vocab(torch.randperm(320)[:draft_vocab])
+        head.set_draft_vocab(torch.randperm(vocab_size)[:draft_vocab])
     head.save(directory, dtype=torch.float32)
     return directory
 

@@ -14,14 +14,14 @@ from tests.stats_checks import count_outputs, same_distribution_p_value
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def random_heads(directory, *, num_heads=3, hidden=64, feature_layer=3, draft_vocab=200, seed=0):
+def random_heads(directory, *, num_heads=3, hidden=64, feature_layer=3, draft_vocab=200, seed=0, vocab_size=320):
     torch.manual_seed(seed)
     heads = MedusaHeads(MedusaConfig(hidden_size=hidden, num_heads=num_heads, draft_vocab_size=draft_vocab,
                                      feature_layer=feature_layer))
     with torch.no_grad():
         heads.weight.normal_(0.0, 0.3)
         heads.bias.normal_(0.0, 0.3)
-        heads.set_draft_vocab(torch.randperm(320)[:draft_vocab])
+        heads.set_draft_vocab(torch.randperm(vocab_size)[:draft_vocab])
     heads.save(directory, dtype=torch.float32)
     return directory
 

@@ -105,3 +105,21 @@ def test_eagle_head_greedy_equals_plain(tmp_path, shape):
     eagle = {"method": "eagle3", "head": head, "num_speculative_tokens": 4}
     spec = {"method": "hybrid", "drafters": [{"method": "suffix"}, eagle]} if shape == "hybrid" else {**eagle, **shape}
     assert speculative_metrics_if_exact(spec, max_tokens=24).num_drafts > 0
+
+
+@pytest.mark.parametrize("kind", ["medusa", "self-chain", "self-tree"])
+def test_medusa_and_self_heads_greedy_equal_plain(tmp_path, kind):
+    """Untrained medusa heads and [self] head sized for Gemma 3 270M keep the output exact."""
+    from tests.drafters.test_layer_skip import random_self_head
+    from tests.drafters.test_medusa import random_heads
+
+    if kind == "medusa":
+        head = random_heads(tmp_path / "h", num_heads=3, hidden=640, feature_layer=17, draft_vocab=2048,
+                            vocab_size=262144)
+        spec = {"method": "medusa", "head": str(head)}
+    else:
+        head = random_self_head(tmp_path / "h", feature_layer=5, hidden=640, draft_vocab=2048, vocab_size=262144,
+                                scale=0.02)
+        spec = {"model": "[self]", "head": str(head), "num_speculative_tokens": 3,
+                "top_k": 1 if kind == "self-chain" else 2}
+    assert speculative_metrics_if_exact(spec, max_tokens=24).num_drafts > 0

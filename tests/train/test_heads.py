@@ -181,3 +181,61 @@ def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_che
     with pytest.raises(ValueError, match="exit_layer must be in"):
         train_head(TrainHeadConfig(out=tmp_path / "bad", target=target, method="self", exit_layer=4,
                                    extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0}), progress=False)
+
+
+def test_distilled_draft_model_trains_and_drafts_exactly(trained, tiny_checkpoints, tmp_path):
+    """--method draft: 2 layers initialised from target layers 0 and 3, a 64-token vocabulary;
+    the draft_model drafter maps tokens in and logits out; greedy and sampled stay exact."""
+    from tests.stats_checks import count_outputs, same_distribution_p_value
+
+    out, _ = trained
+    target = str(tiny_checkpoints["gemma3"])
+    config = TrainHeadConfig(out=tmp_path / "draft", target=target, method="draft", extra_data=(out / "data",),
+                             **{**TINY_RUN, "num_prompts": 0})
+    report = train_head(config, progress=False)
+    model_dir = tmp_path / "draft" / "head"
+    hf = json.loads((model_dir / "config.json").read_text())
+    assert hf["num_hidden_layers"] == 2 and hf["vocab_size"] == 65 and hf["quickdraft_source_layers"] == [0, 3]
+    assert report.val_chain_acceptance_length >= 1.0 and 0 < report.draft_token_cost < 1
+    prompts = [build_prompts(1, seed=5)[0][:60]]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = LLM(target, max_model_len=160).generate(prompts, params)
+    llm = LLM(target, max_model_len=160, speculative_config={"method": "draft_model", "model": str(model_dir),
+                                                             "num_speculative_tokens": 3})
+    assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.get_metrics().num_drafts > 0
+    base = [5, 6, 7, 8, 9]
+    sampled = [SamplingParams(max_tokens=3, seed=s, temperature=1.0, top_k=4) for s in range(1000)]
+    reference = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), base, sampled)
+    spec_llm = LLM(target, max_model_len=64, max_num_seqs=8,
+                   speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 2})
+    spec = count_outputs(spec_llm, base, sampled)
+    metrics = spec_llm.get_metrics()
+    assert metrics.num_draft_tokens >= 1000 and metrics.num_accepted_tokens > 0
+    assert same_distribution_p_value(reference, spec) > 1e-3
+
+
+def test_mtp_head_trains_and_exports_in_the_nextn_layout(trained, tiny_checkpoints, tmp_path):
+    from safetensors import safe_open
+
+    out, _ = trained
+    target = str(tiny_checkpoints["gemma3"])
+    config = TrainHeadConfig(out=tmp_path / "mtp", target=target, method="mtp", extra_data=(out / "data",),
+                             **{**TINY_RUN, "num_prompts": 0})
+    report = train_head(config, progress=False)
+    assert report.val_chain_acceptance_length >= 1.0 and 0 < report.draft_token_cost < 1
+    head_dir = tmp_path / "mtp" / "head"
+    with safe_open(str(head_dir / "mtp.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.hnorm.weight",
+            "model.layers.4.shared_head.norm.weight", "model.layers.4.self_attn.q_proj.weight",
+            "model.layers.4.mlp.down_proj.weight"} <= names
+    assert json.loads((head_dir / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    prompts = [build_prompts(1, seed=5)[0][:60]]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = LLM(target, max_model_len=160).generate(prompts, params)
+    llm = LLM(target, max_model_len=160, speculative_config={"method": "mtp", "head": str(head_dir), "top_k": 2,
+                                                             "num_speculative_tokens": 3})
+    assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.get_metrics().num_drafts > 0
+    assert llm.engine.speculator.drafter.head.config.draft_vocab_size == 64
