@@ -23,3 +23,18 @@ def count_outputs(llm, prompt, params_list) -> dict[tuple[int, ...], int]:
         key = tuple(out.outputs[0].token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def assert_speculation_keeps_sampling(target: str, spec: dict, *, prompt: list[int], draws: int = 1200,
+                                      min_draft_tokens: int = 1000, top_k: int = 3) -> None:
+    """`draws` seeded 3-token samples (temperature 1, top-k) come out with the same distribution
+    plainly and with `spec`, which must have drafted at least `min_draft_tokens` tokens."""
+    from quickdraft import LLM, SamplingParams
+
+    params = [SamplingParams(max_tokens=3, seed=s, temperature=1.0, top_k=top_k) for s in range(draws)]
+    plain = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), prompt, params)
+    spec_llm = LLM(target, max_model_len=64, max_num_seqs=8, speculative_config=spec)
+    speculative = count_outputs(spec_llm, prompt, params)
+    metrics = spec_llm.get_metrics()
+    assert metrics.num_draft_tokens >= min_draft_tokens and metrics.num_accepted_tokens > 0
+    assert same_distribution_p_value(plain, speculative) > 1e-3

@@ -54,3 +54,24 @@ def test_speculative_generate_prints_acceptance_and_speedup(tiny_checkpoints, ca
 def test_bad_speculative_config_json(tiny_checkpoints, capsys):
     assert main(["generate", "x", "--model", str(tiny_checkpoints["llama"]), "--speculative-config", "{nope"]) == 2
     assert "--speculative-config is not valid JSON" in capsys.readouterr().err
+
+
+def test_train_head_options_reach_the_config_and_errors_are_clear(tmp_path, capsys, monkeypatch):
+    import quickdraft.train.heads as heads
+
+    seen = {}
+
+    def fake_train(config, *, progress):
+        seen["config"] = config
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(heads, "train_head", fake_train)
+    code = main(["train-head", "--method", "self", "--out", str(tmp_path / "o"), "--exit-layer", "7",
+                 "--num-prompts", "40", "--prompt-mix", "docs", "--draft-vocab-size", "4096", "--no-progress"])
+    assert code == 2 and "stop here" in capsys.readouterr().err
+    config = seen["config"]
+    assert (config.method, config.exit_layer, config.num_prompts, config.prompt_mix, config.draft_vocab_size) == \
+        ("self", 7, 40, "docs", 4096)
+    assert config.command.startswith("quickdraft train-head --method self")
+    assert main(["train-head", "--out", str(tmp_path / "o"), "--extra-data", str(tmp_path)]) == 2
+    assert "holds no shard" in capsys.readouterr().err
