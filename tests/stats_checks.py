@@ -26,9 +26,12 @@ def count_outputs(llm, prompt, params_list) -> dict[tuple[int, ...], int]:
 
 
 def assert_speculation_keeps_sampling(target: str, spec: dict, *, prompt: list[int], draws: int = 1200,
-                                      min_draft_tokens: int = 1000, top_k: int = 3) -> None:
+                                      min_draft_tokens: int = 1000, top_k: int = 3,
+                                      require_accepts: bool = True) -> None:
     """`draws` seeded 3-token samples (temperature 1, top-k) come out with the same distribution
-    plainly and with `spec`, which must have drafted at least `min_draft_tokens` tokens."""
+    plainly and with `spec`, which must have drafted at least `min_draft_tokens` tokens (and had
+    some accepted, unless `require_accepts` is off: a random head sees only the few contexts of
+    this prompt and may never hit the target's top-k, leaving only the rejection path tested)."""
     from quickdraft import LLM, SamplingParams
 
     params = [SamplingParams(max_tokens=3, seed=s, temperature=1.0, top_k=top_k) for s in range(draws)]
@@ -36,5 +39,6 @@ def assert_speculation_keeps_sampling(target: str, spec: dict, *, prompt: list[i
     spec_llm = LLM(target, max_model_len=64, max_num_seqs=8, speculative_config=spec)
     speculative = count_outputs(spec_llm, prompt, params)
     metrics = spec_llm.get_metrics()
-    assert metrics.num_draft_tokens >= min_draft_tokens and metrics.num_accepted_tokens > 0
+    assert metrics.num_draft_tokens >= min_draft_tokens
+    assert metrics.num_accepted_tokens > 0 or not require_accepts
     assert same_distribution_p_value(plain, speculative) > 1e-3

@@ -32,7 +32,8 @@ from quickdraft.models.medusa import LayerSkipHead
 
 class LayerSkipDrafter:
     def __init__(self, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None,
-                 num_speculative_tokens: int = 4, top_k: int = 2, max_draft_tokens: int = 12, min_draft_prob: float = 0.0):
+                 num_speculative_tokens: int = 4, top_k: int = 2, max_draft_tokens: int = 12,
+                 min_draft_prob: float = 0.0):
         if target.model is None or target.cache is None:
             raise ValueError("the [self] drafter needs the target model and its KV cache (TargetInfo)")
         for name, value in (("top_k", top_k), ("max_draft_tokens", max_draft_tokens)):
@@ -75,8 +76,8 @@ class LayerSkipDrafter:
         frontiers = [[0] for _ in requests]
         budgets = [min(self.max_draft_tokens, r.budget) for r in requests]
         for depth in range(1, max(min(self.depth, r.max_depth) for r in requests) + 1):
-            growing = [i for i, r in enumerate(requests)
-                       if frontiers[i] and depth <= min(self.depth, r.max_depth) and len(trees[i].token_ids) <= budgets[i]]
+            growing = [i for i, r in enumerate(requests) if frontiers[i] and depth <= min(self.depth, r.max_depth)
+                       and len(trees[i].token_ids) <= budgets[i]]
             if not growing:
                 break
             hidden = self._early_layers([requests[i] for i in growing], [trees[i] for i in growing])

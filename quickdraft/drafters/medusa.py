@@ -28,7 +28,8 @@ class _MedusaState:
 
 
 class MedusaDrafter:
-    def __init__(self, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None, num_speculative_tokens: int | None = None,
+    def __init__(self, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None,
+                 num_speculative_tokens: int | None = None,
                  tree: str | list = "default", top_k: int = 3):
         if target.model is None:
             raise ValueError("the medusa drafter needs the target model (TargetInfo.model)")

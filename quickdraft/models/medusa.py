@@ -48,7 +48,8 @@ class MedusaHeads(torch.nn.Module):
     def __init__(self, config: MedusaConfig, *, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = c = config
-        self.weight = torch.nn.Parameter(torch.zeros(c.num_heads, c.hidden_size, c.hidden_size, dtype=dtype))  # [K, D, D]
+        # [K, D, D]: zero, so each head starts as the target's own next-token prediction
+        self.weight = torch.nn.Parameter(torch.zeros(c.num_heads, c.hidden_size, c.hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(c.num_heads, 1, c.hidden_size, dtype=dtype))  # [K, 1, D]
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # [Vd] target ids
         self.feature_layers = (c.feature_layer,)

@@ -6,7 +6,8 @@ Stages, each resumable from the output folder:
    (``data/shard-*.safetensors``; existing shards are kept);
 2. draft vocabulary: the most frequent answer tokens (``draft_vocab_size`` of them);
 3. training: an eagle3 head is unrolled over ``train_depths`` draft depths per anchor
-   (training-time test); medusa heads predict depth k from the last layer; cross-entropy on the target's tokens, AdamW with warm-up and
+   (training-time test); medusa heads predict depth k from the last layer; self and draft heads the
+   next token; cross-entropy on the target's tokens, AdamW with warm-up and
    cosine decay; ``checkpoint.pt`` after every epoch and every ``checkpoint_every`` steps;
 4. validation on held-out sequences: per-depth top-1 accuracy and the chain acceptance
    length a greedy chain of ``val_depths`` draft tokens would reach (teacher forcing with

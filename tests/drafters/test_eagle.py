@@ -135,7 +135,8 @@ def test_training_forward_matches_drafting(tiny_checkpoints, head_dir):
 def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, head_dir):
     assert_speculation_keeps_sampling(
         str(tiny_checkpoints["gemma3"]), {"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 2,
-                                          "top_k": 3, "max_draft_tokens": 6}, prompt=repetitive_prompts()[1][:5])
+                                          "top_k": 3, "max_draft_tokens": 6}, prompt=repetitive_prompts()[1][:5],
+        require_accepts=False)
 
 
 def test_bad_heads_are_clear_errors(tiny_checkpoints, head_dir, tmp_path):

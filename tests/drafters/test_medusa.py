@@ -74,7 +74,7 @@ def test_tree_is_filled_by_depth_and_rank(tiny_checkpoints, heads_dir):
 def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, heads_dir):
     assert_speculation_keeps_sampling(str(tiny_checkpoints["gemma3"]),
                                       {"method": "medusa", "head": str(heads_dir), "top_k": 3},
-                                      prompt=repetitive_prompts()[1][:5])
+                                      prompt=repetitive_prompts()[1][:5], require_accepts=False)
 
 
 def test_bad_heads_are_clear_errors(tiny_checkpoints, heads_dir, tmp_path):

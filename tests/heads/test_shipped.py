@@ -47,3 +47,17 @@ def test_head_dtype_is_validated():
     assert shipped.head_compute_dtype("bfloat16", default=torch.float32) == torch.bfloat16
     with pytest.raises(ValueError, match="head_dtype"):
         shipped.head_compute_dtype("int8", default=torch.float32)
+
+
+def test_shipped_heads_are_small_and_say_how_they_were_made():
+    entries = shipped.shipped_heads()
+    assert entries, "the package ships at least the eagle3 head for the embedded model"
+    for entry in entries:
+        folder = shipped.HEADS_ROOT / entry["dir"]
+        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        assert 0 < weights <= 16 * 1024 * 1024, f"{entry['dir']}: {weights} bytes"
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["method"] == entry["name"]
+        assert manifest["command"].startswith("quickdraft train-head") and manifest["reproduce"]
+        assert "Spec-Bench" in manifest["data"] and manifest["options"]["seed"] == 0
+        assert manifest["report"]["val_chain_acceptance_length"] > 1.0

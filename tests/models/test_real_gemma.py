@@ -123,3 +123,10 @@ def test_medusa_and_self_heads_greedy_equal_plain(tmp_path, kind):
         spec = {"model": "[self]", "head": str(head), "num_speculative_tokens": 3,
                 "top_k": 1 if kind == "self-chain" else 2}
     assert speculative_metrics_if_exact(spec, max_tokens=24).num_drafts > 0
+
+
+def test_shipped_eagle3_head_loads_by_name_and_drafts_usefully():
+    """{"method": "eagle3"} finds the head shipped for the embedded model; output stays exact."""
+    metrics = speculative_metrics_if_exact({"method": "eagle3", "top_k": 1, "num_speculative_tokens": 4,
+                                            "head_dtype": "bfloat16"}, max_tokens=48)
+    assert metrics.acceptance_length > 1.3  # an untrained head stays near 1.0
