@@ -80,6 +80,11 @@ class FeatureHead(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return next(p for p in self.parameters() if p.is_floating_point() and p.dim() == 2).dtype
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose features the head reads."""
+        return tuple(self.config.feature_layers)
+
     def training_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
                         first_anchor: int = 0) -> list[torch.Tensor]:
         return self.unrolled_logits(token_ids, features, depths=depths, first_anchor=first_anchor)

@@ -50,6 +50,8 @@ class DraftLM(torch.nn.Module):
         self.embed_scale = c.embed_scale
         self._t2d: torch.Tensor | None = None
 
+    feature_layers: tuple[int, ...] = ()  # a draft model reads tokens only
+
     @property
     def other_token(self) -> int:
         return self.config.vocab_size - 1

@@ -80,8 +80,8 @@ class TrainHeadConfig:
             raise ValueError(f"unknown head method {self.method!r}; trainable here: {list(METHODS)}")
         if not isinstance(self.num_prompts, int) or self.num_prompts < (0 if self.extra_data else 1):
             raise ValueError(f"num_prompts must be a positive integer (0 only with extra_data), got {self.num_prompts!r}")
-        for name in ("shard_prompts", "medusa_heads", "draft_layers", "max_new_tokens", "draft_vocab_size", "train_depths",
-                     "val_depths", "epochs", "sequences_per_step", "max_seq_len", "checkpoint_every"):
+        for name in ("shard_prompts", "medusa_heads", "draft_layers", "max_new_tokens", "draft_vocab_size",
+                     "train_depths", "val_depths", "epochs", "sequences_per_step", "max_seq_len", "checkpoint_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -96,6 +96,11 @@ class TrainHeadConfig:
     def depths(self) -> int:
         """Draft depths trained (eagle3: unrolled; medusa: one per head)."""
         return {"medusa": self.medusa_heads, "self": 1, "draft": 1}.get(self.method, self.train_depths)
+
+    @property
+    def validation_depths(self) -> int:
+        """Draft depths validated: medusa has one per head, the others draft val_depths deep."""
+        return self.medusa_heads if self.method == "medusa" else self.val_depths
 
 
 @dataclass
@@ -150,9 +155,8 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     report.final_train_loss, report.steps = _train(config, head, train, t2d, progress=progress)
     report.seconds["train"] = time.perf_counter() - started
     started = time.perf_counter()
-    val_depths = config.medusa_heads if config.method == "medusa" else config.val_depths
     report.val_accuracy_by_depth, report.val_chain_acceptance_length = validate(
-        head, val, t2d, depths=val_depths, max_seq_len=config.max_seq_len)
+        head, val, t2d, depths=config.validation_depths, max_seq_len=config.max_seq_len)
     report.seconds["validate"] = time.perf_counter() - started
     report.parameters = sum(p.numel() for p in head.parameters())
     report.draft_token_cost = draft_token_cost(head, target)
@@ -218,9 +222,7 @@ def target_to_draft(d2t: torch.Tensor, *, vocab_size: int) -> torch.Tensor:  # [
 
 
 def head_feature_layers(head) -> tuple[int, ...]:
-    if isinstance(head, DraftLM):
-        return ()  # a draft model reads tokens only
-    return tuple(head.feature_layers if isinstance(head, MedusaHeads) else head.config.feature_layers)
+    return tuple(head.feature_layers)
 
 
 def feature_columns(*, data_layers, head_layers, hidden_size: int) -> torch.Tensor | None:
