@@ -77,7 +77,43 @@ def build_parser() -> argparse.ArgumentParser:
                           help="wrap the prompt as a user message with the model's chat template")
     _add_bench_parser(commands)
     _add_train_head_parser(commands)
+    _add_serve_parser(commands)
     return parser
+
+
+SERVE_EPILOG = """\
+examples:
+  quickdraft serve                                   # embedded Gemma 3 270M on 127.0.0.1:8000
+  quickdraft serve ./my-hf-dir --speculative-config '{"method": "suffix"}' --port 8080
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
+"""
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)",
+        description="Load MODEL once and serve /v1/completions, /v1/chat/completions, /v1/models, /health "
+                    "and /metrics (Prometheus). One engine loop batches every connection's requests "
+                    "(continuous batching, with speculation when --speculative-config is given). "
+                    "See docs/serving.md.",
+        epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help="local HF directory or .gguf file (default: embedded Gemma 3 270M)")
+    _add_model_options(serve)
+    serve.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    serve.add_argument("--max-num-seqs", type=int, default=8,
+                       help="requests decoded together, i.e. KV cache slots (default: 8)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting + running before new ones get HTTP 429 (default: 64)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients send and metrics carry (default: from MODEL)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGINT/SIGTERM, seconds in-flight requests get to finish (default: 30)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def _add_train_head_parser(commands) -> None:
@@ -96,8 +132,15 @@ def _add_train_head_parser(commands) -> None:
     train.add_argument("--out", required=True, metavar="DIR", help="output folder (data, checkpoint, head)")
     train.add_argument("--num-prompts", type=int, default=480,
                        help="prompts the target answers (default: 480; 0 with --extra-data: train on that data only)")
-    train.add_argument("--prompt-mix", default="tasks", choices=["tasks", "docs"],
-                       help="prompt set: assistant-benchmark task shapes (default) or the first heads' docs set")
+    train.add_argument("--prompt-mix", default="tasks", choices=["tasks", "docs", "articles"],
+                       help="prompt set: assistant-benchmark task shapes (default), the first heads' docs set, "
+                            "or articles: long contexts (summaries, questions over passages) and second turns "
+                            "built on the --extra-data transcripts")
+    train.add_argument("--init-head", default=None, metavar="DIR",
+                       help="start from this trained head (eagle3, medusa, self) instead of a new one; its draft "
+                            "vocabulary is kept")
+    train.add_argument("--max-seq-len", type=int, default=1024,
+                       help="longest sequence (prompt + answer) generated and trained on (default: 1024)")
     train.add_argument("--extra-data", nargs="+", default=(), metavar="DIR",
                        help="data folders of earlier runs (OUT/data) whose shards are trained on too")
     train.add_argument("--max-new-tokens", type=int, default=256, help="answer length (default: 256)")
@@ -165,6 +208,44 @@ def _add_bench_parser(commands) -> None:
                              description="Recompute summary.md and the plots of a `bench specbench` results "
                                          "folder from the per-question records in its results.json.")
     redo.add_argument("folder", metavar="DIR")
+    _add_bench_serve_parser(suites)
+
+
+BENCH_SERVE_EPILOG = """\
+examples:
+  quickdraft bench serve --speculative-config '{"method": "suffix"}' --max-model-len 2048
+  quickdraft bench serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}' \\
+      --concurrency 1 8 --requests-per-client 4 --max-tokens 64 --time-limit 120
+"""
+
+
+def _add_bench_serve_parser(suites) -> None:
+    serve = suites.add_parser(
+        "serve", help="the OpenAI server under concurrent streaming clients: off vs always-on vs adaptive",
+        description="Start the real server in this process (loopback, a free port) once per speculative mode: "
+                    "off (plain decoding), always-on (--speculative-config) and adaptive (the same plus "
+                    "\"adaptive\": true). At each --concurrency level, that many clients each stream "
+                    "--requests-per-client greedy completions of Spec-Bench first turns. Writes summary.md "
+                    "(throughput and its ratio to off, TTFT / TPOT median and p90, acceptance, whether the "
+                    "outputs equal plain decoding's) and results.json (every request) to --out.",
+        epilog=BENCH_SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--speculative-config", required=True, metavar="JSON",
+                       help="the always-on config, e.g. '{\"method\": \"suffix\"}' (without \"adaptive\")")
+    serve.add_argument("--questions", default="../shared/data/specbench/questions.dev.jsonl", metavar="FILE",
+                       help="Spec-Bench questions, one JSON object per line; first turns are the prompts, "
+                            "interleaved across tasks and cycled (default: %(default)s)")
+    serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32], metavar="C",
+                       help="concurrent clients per level (default: 1 4 16 32)")
+    serve.add_argument("--requests-per-client", type=int, default=2, metavar="N",
+                       help="requests each client sends, one after another (default: 2)")
+    serve.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: 128)")
+    serve.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
+                       help="per level: after this long, clients send no further request (each still sends "
+                            "its first) (default: 300)")
+    serve.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                       help="KV cache slots of the server (default: the largest --concurrency)")
+    serve.add_argument("--out", default=None, metavar="DIR", help="results folder (default: results/serve-DATE-TIME)")
+    _add_model_options(serve)
 
 
 def _sampling_params(args):
@@ -229,6 +310,8 @@ def run_generate(args) -> int:
 def run_bench(args) -> int:
     from pathlib import Path
 
+    if args.suite == "serve":
+        return run_bench_serve(args)
     if args.suite == "report":
         from quickdraft.bench.report import load_report, summary_markdown, write_report
 
@@ -268,12 +351,40 @@ def run_bench(args) -> int:
     return 0
 
 
+def run_bench_serve(args) -> int:
+    from pathlib import Path
+
+    from quickdraft.bench.serving import (
+        ServingBenchOptions,
+        default_out_dir,
+        run_serving_bench,
+        summary_markdown,
+        write_report,
+    )
+
+    options = ServingBenchOptions(
+        speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
+        questions=Path(args.questions), model=args.model, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, concurrency=tuple(args.concurrency),
+        requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
+        time_limit_seconds=args.time_limit, max_num_seqs=args.max_num_seqs,
+    )
+    out_dir = Path(args.out) if args.out else default_out_dir()
+    report = run_serving_bench(options, command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
+                               log=lambda line: print(line, file=sys.stderr, flush=True))
+    written = write_report(report, out_dir)
+    print(summary_markdown(report))
+    print("written: " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def run_train_head(args) -> int:
     from quickdraft.train.heads import TrainHeadConfig, train_head
 
     config = TrainHeadConfig(
         out=args.out, method=args.method, target=args.target, dtype=args.dtype, device=args.device,
         num_prompts=args.num_prompts, prompt_mix=args.prompt_mix, extra_data=tuple(args.extra_data),
+        init_head=args.init_head, max_seq_len=args.max_seq_len,
         max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab_size,
         feature_layers=tuple(args.feature_layers) if args.feature_layers else None,
         train_depths=args.train_depths, medusa_heads=args.medusa_heads, exit_layer=args.exit_layer,
@@ -289,6 +400,22 @@ def run_train_head(args) -> int:
           f"{report.val_chain_acceptance_length:.2f} (of {len(report.val_accuracy_by_depth) + 1}); a draft token "
           f"reads {report.draft_token_cost:.1%} of the weights a target token does; "
           f"times {', '.join(f'{k} {v:.0f} s' for k, v in report.seconds.items())}")
+    return 0
+
+
+def run_serve(args) -> int:
+    from quickdraft.server import ServerConfig, run_server
+
+    if args.model_path is not None and args.model is not None and args.model_path != args.model:
+        raise ValueError(f"give the model once: MODEL {args.model_path!r} and --model {args.model!r} differ")
+    config = ServerConfig(
+        model=args.model_path or args.model, served_model_name=args.served_model_name, host=args.host,
+        port=args.port, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+        speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
+        shutdown_grace_seconds=args.shutdown_grace, log_level=args.log_level,
+    )
+    run_server(config)
     return 0
 
 
@@ -339,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"generate": run_generate, "bench": run_bench, "train-head": run_train_head}[args.command](args)
+        return {"generate": run_generate, "bench": run_bench, "train-head": run_train_head,
+                "serve": run_serve}[args.command](args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"quickdraft: error: {err}", file=sys.stderr)
         return 2

@@ -52,6 +52,12 @@ class SpeculativeConfig:
     # Per-request draft length that grows after a full accept and shrinks after an early
     # reject (between 1 and num_speculative_tokens). Off by default.
     dynamic_draft_length: bool = False
+    # Adaptive speculation: each step, every request's draft length (0..num_speculative_tokens,
+    # 0 = plain decoding) maximises the step's expected tokens per second, from the request's
+    # recent acceptance and a cost model of the step fitted online (quickdraft/engine/adaptive.py).
+    adaptive: bool = False
+    adaptive_prior: float = 0.5  # acceptance assumed before any draft was verified
+    adaptive_probe_every: int = 8  # a request decoding plainly this many steps drafts a short probe
     drafter_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +68,16 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 63], got {k!r}")
         if not isinstance(self.dynamic_draft_length, bool):
             raise ValueError(f"dynamic_draft_length must be true or false, got {self.dynamic_draft_length!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
+        if self.adaptive and self.dynamic_draft_length:
+            raise ValueError("adaptive and dynamic_draft_length both set the draft length: choose one")
+        probe = self.adaptive_probe_every
+        if isinstance(probe, bool) or not isinstance(probe, int) or probe < 1:
+            raise ValueError(f"adaptive_probe_every must be a positive integer, got {probe!r}")
+        prior = self.adaptive_prior
+        if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0.0 < prior < 1.0:
+            raise ValueError(f"adaptive_prior must be a number in (0, 1), got {prior!r}")
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
@@ -74,6 +90,7 @@ class SpeculativeConfig:
                 config = {**config, "method": "draft_model"}
             else:
                 raise ValueError("speculative_config needs a 'method' (e.g. ngram, suffix, draft_model)")
-        known = {"method", "num_speculative_tokens", "model", "dynamic_draft_length"}
+        known = {"method", "num_speculative_tokens", "model", "dynamic_draft_length", "adaptive", "adaptive_prior",
+                 "adaptive_probe_every"}
         options = {k: v for k, v in config.items() if k not in known}
         return cls(**{k: v for k, v in config.items() if k in known}, drafter_options=options)

@@ -58,6 +58,12 @@ class RequestMetrics(AcceptanceFigures):
     drafted_per_position: list[int] = field(default_factory=list)  # [k]: drafts reaching depth k+1
     draft_seconds: float = 0.0  # time of the drafting phases of the steps this request was in
     verify_seconds: float = 0.0  # time of the verifying forwards (and rejection) it was in
+    # Adaptive speculation: [k] = decoding steps for which it chose to draft k tokens (0: plain)
+    draft_length_choices: list[int] = field(default_factory=list)
+
+    def record_draft_length_choice(self, length: int) -> None:
+        self.draft_length_choices.extend([0] * (length + 1 - len(self.draft_length_choices)))
+        self.draft_length_choices[length] += 1
 
     def record_draft(self, *, depths: list[int], num_accepted: int) -> None:
         """One verified proposal: `depths` = depth of every draft node, num_accepted on the path."""
@@ -140,6 +146,7 @@ class EngineMetrics(AcceptanceFigures):
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    draft_length_choices: list[int] = field(default_factory=list)  # adaptive speculation's, summed
     draft_seconds: float = 0.0  # wall time of drafting phases, counted once per step
     verify_seconds: float = 0.0  # wall time of target forwards + rejection, once per step
     ttft_sum: float = 0.0
@@ -155,7 +162,8 @@ class EngineMetrics(AcceptanceFigures):
         self.num_draft_tokens += m.num_draft_tokens
         self.num_accepted_tokens += m.num_accepted_tokens
         for mine, theirs in ((self.accepted_per_position, m.accepted_per_position),
-                             (self.drafted_per_position, m.drafted_per_position)):
+                             (self.drafted_per_position, m.drafted_per_position),
+                             (self.draft_length_choices, m.draft_length_choices)):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, count in enumerate(theirs):
                 mine[i] += count

@@ -42,7 +42,9 @@ DRAFT_ENTRY_HEADROOM = 128  # head cache room past max_model_len for one step's 
 @dataclass
 class _HeadState:
     slot: int
-    pending: list[torch.Tensor] = field(default_factory=list)  # fused features [n, D] not yet fed
+    # Target features [n, L * D] not yet fed, kept unfused: fusing them once at catch-up keeps a
+    # step in which this request does not draft (adaptive speculation, busy batches) nearly free.
+    pending: list[torch.Tensor] = field(default_factory=list)
     num_true: int = 0  # true entries in the head cache
     num_features: int = 0  # target features observed (= tokens in the target's cache)
 
@@ -125,7 +127,7 @@ class EagleDrafter:
     def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
         # features [n, L * D] of the next n tokens entering the target's cache
         state = self._states[request.request_id]
-        state.pending.append(self.head.fuse_features(features.to(self.head.dtype)))
+        state.pending.append(features.to(self.head.dtype))
         state.num_features += features.shape[0]
 
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
@@ -188,7 +190,7 @@ class EagleDrafter:
     # ---- head forwards ------------------------------------------------------------------------
     def _catch_up(self, state: _HeadState, tokens: list[int]) -> torch.Tensor:
         """Feed the pending true pairs; returns the head's output after the root pair [D]."""
-        features = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]  # [n, D]
+        features = self.head.fuse_features(torch.cat(state.pending))  # [n, D]
         state.pending = []
         start = state.num_true
         count = features.shape[0]

@@ -211,6 +211,12 @@ class Engine:
                 tree_features = None if features is None else features[row_starts[i] : row_starts[i + 1]]
                 self._verify_and_commit(item.request, proposal, logits, tree_features)
         finished = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.observe_step(
+                num_requests=len(plan), num_tokens=row_starts[-1], forward_seconds=finished - drafted,
+                decode_only=all(item.num_new_tokens == 1 and item.completes_prompt for item in plan),
+                num_drafted_requests=len(proposals), draft_seconds=drafted - started,
+                num_draft_tokens=sum(p.num_draft_tokens for p in proposals.values()))
         if proposals:
             self.metrics.draft_seconds += drafted - started
             self.metrics.verify_seconds += finished - drafted

@@ -14,6 +14,15 @@ import torch
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.base import AcceptedPath, DraftRequest, Drafter, Proposal
+from quickdraft.engine.adaptive import (
+    PROBE_LENGTH,
+    AcceptanceEstimate,
+    ProbeSchedule,
+    StepCostModel,
+    choose_draft_lengths,
+    step_throughput,
+    worth_probing,
+)
 from quickdraft.engine.request import Request
 from quickdraft.models.attention import node_depths
 from quickdraft.verify.rejection import verify_greedy, verify_proposal
@@ -46,6 +55,11 @@ class Speculator:
                                         dynamic=config.dynamic_draft_length)
         self._draft_length: dict[str, int] = {}
         self._views: dict[str, DraftRequest] = {}
+        self.step_costs = StepCostModel()  # fed by the engine after every step; adaptive uses it
+        self._acceptance: dict[str, AcceptanceEstimate] = {}  # adaptive: per request
+        # adaptive: every request's drafts; new and idle requests start from / drift to its rate
+        self._all_acceptance = AcceptanceEstimate(prior=config.adaptive_prior, decay=0.98)
+        self._probes: dict[str, ProbeSchedule] = {}  # adaptive: per request
 
     # ---- lifecycle --------------------------------------------------------------------
     def view(self, request: Request) -> DraftRequest:
@@ -57,6 +71,8 @@ class Speculator:
                                 slot=request.slot)
             self._views[request.request_id] = view
             self._draft_length[request.request_id] = self.config.num_speculative_tokens
+            self._acceptance[request.request_id] = AcceptanceEstimate(prior=self._all_acceptance.rate)
+            self._probes[request.request_id] = ProbeSchedule(every=self.config.adaptive_probe_every)
             self.drafter.begin(view)
         return view
 
@@ -72,17 +88,25 @@ class Speculator:
     def finish(self, request_id: str) -> None:
         if self._views.pop(request_id, None) is not None:
             self._draft_length.pop(request_id, None)
+            self._acceptance.pop(request_id, None)
+            self._probes.pop(request_id, None)
             self.drafter.finish(request_id)
 
     # ---- propose ----------------------------------------------------------------------
     def propose(self, requests: list[Request], *, cache_room: dict[str, int]) -> dict[str, Proposal]:
         """Proposals for the requests worth drafting for; others decode plainly this step."""
-        views = []
+        limits = {}
         for request in requests:
             # Nodes are bounded by cache room; depth by the draft length and max_tokens.
             budget = min(cache_room[request.request_id] - 1, self.max_tree_nodes - 1)
             max_depth = min(self._draft_length.get(request.request_id, self.config.num_speculative_tokens),
                             request.remaining_output_tokens - 1)
+            limits[request.request_id] = (budget, max_depth)
+        if self.config.adaptive:
+            limits = self._adaptive_limits(requests, limits)
+        views = []
+        for request in requests:
+            budget, max_depth = limits[request.request_id]
             if budget < 1 or max_depth < 1:
                 continue
             view = self.view(request)
@@ -102,6 +126,39 @@ class Speculator:
                 raise RuntimeError(f"proposal root {proposal.token_ids[0]} is not the last committed token {last}")
             proposals[view.request_id] = proposal
         return proposals
+
+    def _adaptive_limits(self, requests: list[Request], limits: dict[str, tuple[int, int]]) -> dict:
+        """(budget, max_depth) per request, with the draft length adaptive speculation chooses:
+        a chain's worth of nodes (k), 0 for requests that decode plainly this step."""
+        for request in requests:
+            self.view(request)  # a new request gets its acceptance estimate
+        estimates = [self._acceptance[r.request_id] for r in requests]
+        for estimate in estimates:
+            estimate.prior = self._all_acceptance.rate
+        caps = [max(0, min(limits[r.request_id])) for r in requests]
+        rates, cost = [e.rate for e in estimates], self.step_costs.cost()
+        lengths = choose_draft_lengths(rates=rates, max_lengths=caps, cost=cost)
+        throughput = step_throughput(rates=rates, lengths=lengths, cost=cost)
+        chosen = {}
+        for request, estimate, cap, k in zip(requests, estimates, caps, lengths):
+            probes = self._probes[request.request_id]
+            if k == 0 and cap > 0 and probes.due and worth_probing(cost=cost, throughput=throughput, max_length=cap):
+                k = min(cap, PROBE_LENGTH)  # fresh evidence for an estimate that may have fallen too low
+            request.metrics.record_draft_length_choice(k)
+            probes.step(drafted=k > 0)
+            if k == 0:
+                estimate.idle()
+            chosen[request.request_id] = (k, k)
+        return chosen
+
+    def observe_step(self, *, num_requests: int, num_tokens: int, forward_seconds: float, decode_only: bool,
+                     num_drafted_requests: int, num_draft_tokens: int, draft_seconds: float) -> None:
+        """A finished step's size and timings, for the cost model of adaptive speculation."""
+        if decode_only:
+            self.step_costs.observe_forward(num_requests=num_requests, num_tokens=num_tokens,
+                                            seconds=forward_seconds)
+        self.step_costs.observe_drafting(num_requests=num_drafted_requests, num_draft_tokens=num_draft_tokens,
+                                         seconds=draft_seconds)
 
     # ---- verify -----------------------------------------------------------------------
     def verify(self, *, request: Request, proposal: Proposal, logits: torch.Tensor,
@@ -123,6 +180,10 @@ class Speculator:
         depths = node_depths(proposal.parents)[1:]
         request.metrics.record_draft(depths=depths, num_accepted=accepted.num_accepted)
         request_id = request.request_id
+        for estimate in (self._acceptance[request_id], self._all_acceptance):
+            estimate.record(drafted_depth=max(depths), num_accepted=accepted.num_accepted)
+        if self.config.adaptive:
+            self._probes[request_id].result(num_accepted=accepted.num_accepted)
         self._draft_length[request_id] = self.policy.next_length(
             self._draft_length[request_id], drafted=max(depths), accepted=accepted.num_accepted)
         if not request.is_finished:

@@ -81,21 +81,83 @@ def word_problem(rng: random.Random) -> str:
     return rng.choice(templates)
 
 
-PROMPT_MIXES = ("docs", "tasks")
+PROMPT_MIXES = ("docs", "tasks", "articles")
+MIXES_ON_TRANSCRIPTS = ("articles",)  # mixes built on earlier data's transcripts
 
 
-def build_prompts(count: int, *, seed: int, mix: str = "tasks") -> list[str]:
+def build_prompts(count: int, *, seed: int, mix: str = "tasks", transcripts: list[str] = ()) -> list[str]:
     """`count` transcript prompts.  "docs" (the first heads' data): task templates over the Python
     documentation.  "tasks": the shapes of common assistant benchmarks written over local text
     (German sentences from the system's gettext catalogues, passages from the Python docs,
-    templated questions and word problems, writing/roleplay/reasoning/coding requests)."""
+    templated questions and word problems, writing/roleplay/reasoning/coding requests).
+    "articles": long contexts and second turns built on `transcripts` (earlier "User: ...
+    Assistant: ..." sequences, the target's own answers): articles of several passages to
+    summarise or to answer a question about, and follow-up requests after a finished turn."""
     if mix not in PROMPT_MIXES:
         raise ValueError(f"unknown prompt mix {mix!r}; choose one of {list(PROMPT_MIXES)}")
     rng = random.Random(seed)
     paragraphs, sentences = text_snippets()
+    if mix == "articles":
+        return _article_prompts(count, rng=rng, transcripts=transcripts, paragraphs=paragraphs)
     makers = _docs_makers(rng, paragraphs, sentences) if mix == "docs" else \
         _task_makers(rng, paragraphs, sentences, german_sentences())
     return [f"User: {rng.choice(makers)()}\nAssistant:" for _ in range(count)]
+
+
+FOLLOW_UPS = ("Rewrite your previous answer in fewer words.", "Now explain it to a child.",
+              "Can you give an example?", "Summarize your answer in one sentence.",
+              "Translate your answer into French.", "What are the weaknesses of your answer?",
+              "Make it more formal.", "Now write it as a list of bullet points.",
+              "Add a title and a conclusion.", "Why is that so? Explain step by step.",
+              "Continue the text.", "Rewrite it from a different point of view.")
+
+
+def _article_prompts(count: int, *, rng: random.Random, transcripts: list[str], paragraphs: list[str]) -> list[str]:
+    answers = [a for a in (answer_text(t) for t in transcripts) if len(a) >= 200 and is_prose(a)]
+    finished = [t.rstrip() for t in transcripts if len(answer_text(t)) >= 40]
+    if not answers or not finished:
+        raise ValueError("the articles mix builds on earlier answers: give transcripts (train-head: --extra-data) "
+                         "with answers of at least 200 characters")
+
+    def passage() -> str:  # the target's own prose, or a documentation paragraph
+        return rng.choice(answers) if rng.random() < 0.6 else rng.choice(paragraphs)
+
+    def article() -> str:
+        return " ".join(passage() for _ in range(rng.randint(4, 8)))
+
+    def titled_passages() -> tuple[str, list[str]]:
+        chosen = [passage() for _ in range(rng.randint(4, 6))]
+        titles = [" ".join(p.split()[: rng.randint(2, 5)]).strip(".,:;") for p in chosen]
+        return " ".join(f"{t} {p}" for t, p in zip(titles, chosen)), titles
+
+    def question_over_passages() -> str:
+        text, titles = titled_passages()
+        question = rng.choice([f"What is {rng.choice(titles)}?", f"What does the text say about {rng.choice(titles)}?",
+                               f"Who or what is {rng.choice(titles)} according to the passage?",
+                               trivia_question(rng)])
+        return f"{text}\n{question}"
+
+    prompts = []
+    for _ in range(count):
+        kind = rng.choice(("summary", "summary", "passages", "passages", "second turn", "second turn"))
+        if kind == "second turn":
+            prompts.append(f"{rng.choice(finished)}\nUser: {rng.choice(FOLLOW_UPS)}\nAssistant:")
+        else:
+            body = f"Summarize: {article()}" if kind == "summary" else question_over_passages()
+            prompts.append(f"User: {body}\nAssistant:")
+    return prompts
+
+
+def is_prose(text: str) -> bool:
+    """Mostly letters and not looping: a passage worth reading (base models often repeat themselves)."""
+    words = text.split()
+    trigrams = list(zip(words, words[1:], words[2:]))
+    return sum(c.isalpha() for c in text) > 0.7 * len(text) and len(set(trigrams)) > 0.8 * len(trigrams)
+
+
+def answer_text(transcript: str) -> str:
+    """The last assistant answer of a "User: ...\nAssistant: ..." transcript."""
+    return " ".join(transcript.rsplit("Assistant:", 1)[-1].split())
 
 
 def _docs_makers(rng: random.Random, paragraphs: list[str], sentences: list[str]) -> list:

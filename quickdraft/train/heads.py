@@ -32,9 +32,11 @@ from quickdraft.models.heads import EagleHead, HeadConfig
 from quickdraft.models.mtp import MtpHead
 from quickdraft.models.medusa import LayerSkipHead, MedusaConfig, MedusaHeads
 from quickdraft.train.draft_model import DraftLM
-from quickdraft.train.data import PROMPT_MIXES, DataShard, Sequence, build_prompts, generate_shard
+from quickdraft.train.data import (MIXES_ON_TRANSCRIPTS, PROMPT_MIXES, DataShard, Sequence, build_prompts,
+                                   generate_shard)
 
 METHODS = ("eagle3", "medusa", "self", "draft", "mtp")
+RESUMABLE_HEADS = {"eagle3": EagleHead, "medusa": MedusaHeads, "self": LayerSkipHead}  # init_head can start them
 
 
 @dataclass
@@ -47,6 +49,7 @@ class TrainHeadConfig:
     num_prompts: int = 480
     prompt_mix: str = "tasks"  # see quickdraft.train.data.build_prompts
     extra_data: tuple[Path, ...] = ()  # data folders of earlier runs whose shards are trained on too
+    init_head: Path | None = None  # a trained head to start from (fine-tuning; its draft vocabulary is kept)
     shard_prompts: int = 32
     max_new_tokens: int = 256
     sampled_fraction: float = 0.25  # share of answers sampled (temperature 0.7) instead of greedy
@@ -71,6 +74,15 @@ class TrainHeadConfig:
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         self.extra_data = tuple(Path(d) for d in self.extra_data)
+        if self.prompt_mix in MIXES_ON_TRANSCRIPTS and self.num_prompts and not self.extra_data:
+            raise ValueError(f"prompt_mix {self.prompt_mix!r} builds on earlier answers: give extra_data")
+        if self.init_head is not None:
+            self.init_head = Path(self.init_head)
+            if self.method not in RESUMABLE_HEADS:
+                raise ValueError(f"init_head: a {self.method} head cannot be started from a trained one; "
+                                 f"these can: {list(RESUMABLE_HEADS)}")
+            if not self.init_head.is_dir():
+                raise ValueError(f"init_head {str(self.init_head)!r} is not a head folder")
         for folder in self.extra_data:
             if not sorted(folder.glob("shard-*.safetensors")):
                 raise ValueError(f"extra_data folder {str(folder)!r} holds no shard-*.safetensors files")
@@ -126,8 +138,10 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     llm = _load_target(config)
     target = llm.engine.model
     layers = config.feature_layers or default_feature_layers(target.config.num_layers)
-    shards = _build_data(config, llm, layers, progress=progress)
-    shards += [DataShard.load(path) for folder in config.extra_data for path in sorted(folder.glob("shard-*.safetensors"))]
+    extra = [DataShard.load(path) for folder in config.extra_data for path in sorted(folder.glob("shard-*.safetensors"))]
+    transcripts = [llm.tokenizer.decode(s.token_ids) for shard in extra for s in shard.sequences] \
+        if config.prompt_mix in MIXES_ON_TRANSCRIPTS else []
+    shards = _build_data(config, llm, layers, transcripts=transcripts, progress=progress) + extra
     report.seconds["data"] = time.perf_counter() - start
     sequences = [s for shard in shards for s in shard.sequences]
     random.Random(config.seed).shuffle(sequences)
@@ -135,14 +149,18 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
         raise ValueError(f"{len(sequences)} sequences of data: fewer than val_sequences ({config.val_sequences}) "
                          f"plus one to train on")
     val, train = sequences[: config.val_sequences], sequences[config.val_sequences:]
-    d2t, coverage = draft_vocabulary(train, config.draft_vocab_size, vocab_size=target.config.vocab_size)
+    max_len = config.max_seq_len + config.val_depths + 2
+    if config.init_head is None:
+        d2t, coverage = draft_vocabulary(train, config.draft_vocab_size, vocab_size=target.config.vocab_size)
+        head = new_head(target, method=config.method, layers=layers, draft_vocab_size=len(d2t),
+                        intermediate_size=config.intermediate_size, medusa_heads=config.medusa_heads,
+                        exit_layer=config.exit_layer, draft_layers=config.draft_layers, max_len=max_len)
+        head.set_draft_vocab(d2t)
+    else:
+        head = load_trained_head(config.method, config.init_head, max_len=max_len)
+        d2t, coverage = head.d2t.clone(), vocabulary_coverage(train, head.d2t)
     report.train_sequences, report.draft_vocab_coverage = len(train), coverage
     report.train_answer_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in train)
-    head = new_head(target, method=config.method, layers=layers, draft_vocab_size=len(d2t),
-                    intermediate_size=config.intermediate_size, medusa_heads=config.medusa_heads,
-                    exit_layer=config.exit_layer, draft_layers=config.draft_layers,
-                    max_len=config.max_seq_len + config.val_depths + 2)
-    head.set_draft_vocab(d2t)
     head.attach_target(target)
     target_dir = llm.engine.model_dir
     del llm
@@ -200,6 +218,19 @@ def new_head(target, *, method: str = "eagle3", layers, draft_vocab_size: int, i
     return EagleHead(config, max_len=max_len)
 
 
+def load_trained_head(method: str, directory: Path, *, max_len: int):
+    cls = RESUMABLE_HEADS[method]
+    options = {"max_len": max_len} if cls is EagleHead else {}
+    return cls.load(directory, dtype=torch.float32, **options)
+
+
+def vocabulary_coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
+    """Share of the answer tokens of `sequences` that the draft vocabulary `d2t` holds."""
+    vocabulary = set(d2t.tolist())
+    answers = [t for s in sequences for t in s.token_ids[s.num_prompt_tokens:]]
+    return sum(t in vocabulary for t in answers) / len(answers) if answers else 0.0
+
+
 def draft_vocabulary(sequences: list[Sequence], size: int, *, vocab_size: int) -> tuple[torch.Tensor, float]:
     """The `size` most frequent answer tokens (draft id order = frequency order) and the share of
     answer tokens they cover."""
@@ -253,12 +284,13 @@ def _load_target(config: TrainHeadConfig):
                max_model_len=config.max_seq_len, seed=config.seed)
 
 
-def _build_data(config: TrainHeadConfig, llm, layers, *, progress: bool) -> list[DataShard]:
+def _build_data(config: TrainHeadConfig, llm, layers, *, transcripts: list[str],
+                progress: bool) -> list[DataShard]:
     from tqdm import tqdm
 
     data_dir = config.out / "data"
     data_dir.mkdir(exist_ok=True)
-    prompts = _fitting_prompts(config, llm.tokenizer)
+    prompts = _fitting_prompts(config, llm.tokenizer, transcripts=transcripts)
     num_shards = math.ceil(config.num_prompts / config.shard_prompts)
     shards = []
     bar = tqdm(total=config.num_prompts, desc="target answers (data)", unit="prompt", disable=not progress)
@@ -278,10 +310,13 @@ def _build_data(config: TrainHeadConfig, llm, layers, *, progress: bool) -> list
     return shards
 
 
-def _fitting_prompts(config: TrainHeadConfig, tokenizer) -> list[str]:
+def _fitting_prompts(config: TrainHeadConfig, tokenizer, *, transcripts: list[str]) -> list[str]:
     """The first num_prompts generated prompts whose answer still fits max_seq_len."""
+    if not config.num_prompts:
+        return []
     limit = config.max_seq_len - config.max_new_tokens
-    candidates = build_prompts(4 * config.num_prompts, seed=config.seed, mix=config.prompt_mix)
+    candidates = build_prompts(4 * config.num_prompts, seed=config.seed, mix=config.prompt_mix,
+                               transcripts=transcripts)
     fitting = [p for p in candidates if len(tokenizer.encode(p)) <= limit][: config.num_prompts]
     if len(fitting) < config.num_prompts:
         raise ValueError(f"only {len(fitting)} prompts fit max_seq_len {config.max_seq_len} with "

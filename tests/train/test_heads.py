@@ -9,7 +9,7 @@ import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.models.heads import EagleHead
-from quickdraft.train.data import DataShard, Sequence, build_prompts
+from quickdraft.train.data import DataShard, Sequence, build_prompts, is_prose
 from quickdraft.train.heads import (
     TrainHeadConfig,
     draft_vocabulary,
@@ -105,6 +105,12 @@ def test_bad_options_are_clear_errors(tmp_path):
         TrainHeadConfig(out=tmp_path, extra_data=(tmp_path,))
     with pytest.raises(ValueError, match="unknown prompt_mix"):
         TrainHeadConfig(out=tmp_path, prompt_mix="wiki")
+    with pytest.raises(ValueError, match="builds on earlier answers"):
+        TrainHeadConfig(out=tmp_path, prompt_mix="articles")
+    with pytest.raises(ValueError, match="cannot be started from a trained one"):
+        TrainHeadConfig(out=tmp_path, method="draft", init_head=tmp_path)
+    with pytest.raises(ValueError, match="not a head folder"):
+        TrainHeadConfig(out=tmp_path, init_head=tmp_path / "missing")
 
 
 def test_prompt_mixes_cover_the_task_shapes():
@@ -113,6 +119,47 @@ def test_prompt_mixes_cover_the_task_shapes():
     assert any(p.startswith("User: Write a ") for p in prompts)
     docs = build_prompts(50, seed=3, mix="docs")
     assert docs != prompts[:50] and all(p.endswith("\nAssistant:") for p in docs)
+
+
+ANSWERS = ["The old lighthouse stood on the rocks above the harbour, and every night its keeper climbed "
+           "the stairs to light the lamp. Ships passing in the dark knew the coast by its beam, and the "
+           "village below slept soundly knowing that someone was watching over the sea.",
+           "Trains leave the central station every hour for the mountains. The journey takes three hours and "
+           "passes lakes, forests and small towns, where travellers often stop for lunch before continuing "
+           "to the ski resorts near the border."]
+
+
+def test_articles_mix_builds_long_contexts_and_second_turns_on_transcripts():
+    transcripts = [f"User: Write a story number {i}.\nAssistant: {ANSWERS[i % 2]}" for i in range(6)]
+    prompts = build_prompts(60, seed=4, mix="articles", transcripts=transcripts)
+    assert all(p.endswith("\nAssistant:") for p in prompts)
+    summaries = [p for p in prompts if p.startswith("User: Summarize: ")]
+    second_turns = [p for p in prompts if p.count("\nUser: ") == 1 and p.count("Assistant:") == 2]
+    questions = [p for p in prompts if p not in summaries and p not in second_turns]
+    assert summaries and second_turns and questions
+    assert all(len(p) > 4 * 200 for p in summaries)  # several passages each
+    assert all(p.split("\nUser: ")[0] in transcripts for p in second_turns)
+    with pytest.raises(ValueError, match="builds on earlier answers"):
+        build_prompts(5, seed=4, mix="articles", transcripts=["User: hi\nAssistant: no no no no no no no"])
+
+
+def test_looping_text_is_not_prose():
+    assert is_prose(ANSWERS[0])
+    assert not is_prose("I am not sure. " * 40)
+    assert not is_prose("0000 1111 2222 " * 30)
+
+
+def test_fine_tuning_starts_from_the_trained_head(trained, tiny_checkpoints, tmp_path):
+    """init_head: the run starts from the given head's weights and keeps its draft vocabulary
+    (a vanishing learning rate leaves the bf16 weights as they were)."""
+    out, _ = trained
+    config = TrainHeadConfig(out=tmp_path / "tuned", target=str(tiny_checkpoints["gemma3"]), init_head=out / "head",
+                             extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0, "epochs": 1,
+                                                            "learning_rate": 1e-12, "draft_vocab_size": 32})
+    train_head(config, progress=False)
+    before = EagleHead.load(out / "head", dtype=torch.float32).state_dict()
+    after = EagleHead.load(tmp_path / "tuned" / "head", dtype=torch.float32).state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_medusa_heads_train_on_earlier_data_and_draft_exactly(trained, tiny_checkpoints, tmp_path):

@@ -1,0 +1,234 @@
+"""Adaptive speculation: each step, how many tokens to draft for each request (0 = decode plainly).
+
+The choice maximises the expected tokens the whole step commits per second:
+
+    tokens_r(k)  = 1 + a_r + a_r^2 + ... + a_r^k      a chain whose tokens are each accepted with
+                                                      probability a_r (the request's recent acceptance)
+    step seconds = fixed + per_request * #requests + per_token * sum_r (1 + k_r)
+                 + draft_per_request * #{r: k_r > 0} + draft_per_token * sum_r k_r
+
+with the cost coefficients fitted online from the engine's own step timings, and a_r from the
+request's own drafts, starting from (and drifting back to, while it does not draft) the
+acceptance of all requests' drafts so far.  A request that has decoded plainly for
+`probe_every` steps drafts a short probe, so an estimate that fell too low can recover, but
+only where drafts accepted at PROBE_RATE would pay in that step (a probe of a drafter too
+costly for the batch is pure loss), and less often after probes that were rejected outright.  A busy batch
+makes every verified token cost a larger share of the step, so drafts shrink (down to 0 for a
+request whose drafts are rarely accepted); an idle engine with a well-predicted request drafts
+long.  The ratio is maximised with Dinkelbach iterations: for a throughput guess L each
+request's best k maximises tokens_r(k) - L * seconds_r(k) on its own, and L is then the
+throughput of those choices, until it stops improving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A request's per-token draft acceptance: accepted tokens / (accepted + rejections), over
+    exponentially decayed counts, starting from a prior worth `prior_weight` drafts."""
+
+    prior: float
+    prior_weight: float = 2.0
+    decay: float = 0.85  # per draft: about the last seven drafts count
+    idle_decay: float = 0.97  # per step without a draft: drift back to the prior, so it is tried again
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        accepted = self.accepted + self.prior * self.prior_weight
+        return accepted / (self.accepted + self.rejected + self.prior_weight)
+
+    def record(self, *, drafted_depth: int, num_accepted: int) -> None:
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.rejected = self.decay * self.rejected + (1.0 if num_accepted < drafted_depth else 0.0)
+
+    def idle(self) -> None:
+        self.accepted *= self.idle_decay
+        self.rejected *= self.idle_decay
+
+
+@dataclass
+class _DecayedFit:
+    """Least squares y = c . x over exponentially decayed sums, pulled gently towards a prior
+    direction: where the observations cannot tell two coefficients apart (every plain step
+    verifies one token per request, so a per-request and a per-token cost move together),
+    their split is the prior's and only their level is fitted."""
+
+    decay: float
+    num_features: int
+    sxx: list[list[float]] = field(init=False)
+    sxy: list[float] = field(init=False)
+    weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.sxx = [[0.0] * self.num_features for _ in range(self.num_features)]
+        self.sxy = [0.0] * self.num_features
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        for i in range(self.num_features):
+            self.sxy[i] = self.decay * self.sxy[i] + x[i] * y
+            for j in range(self.num_features):
+                self.sxx[i][j] = self.decay * self.sxx[i][j] + x[i] * x[j]
+        self.weight = self.decay * self.weight + 1.0
+
+    def solve(self, *, prior: tuple[float, ...], ridge: float = 1e-3) -> tuple[float, ...] | None:
+        """Coefficients (all >= 0), or None before any data."""
+        if self.weight == 0.0:
+            return None
+        n = self.num_features
+        prior_x = [sum(prior[i] * self.sxx[i][k] for i in range(n)) for k in range(n)]
+        denominator = sum(prior[k] * prior_x[k] for k in range(n))
+        if denominator <= 0.0:
+            return None
+        level = max(0.0, sum(prior[i] * self.sxy[i] for i in range(n)) / denominator)
+        anchor = [p * level for p in prior]  # the prior's direction at the data's level
+        strength = [ridge * self.sxx[i][i] for i in range(n)]  # scaled per feature: unit-free
+        matrix = [[self.sxx[i][j] + (strength[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
+        rhs = [self.sxy[i] + strength[i] * anchor[i] for i in range(n)]
+        solution = _solve_linear(matrix, rhs)
+        if solution is None or min(solution) < 0.0:
+            return tuple(anchor)
+        return tuple(solution)
+
+
+def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None for a singular system."""
+    n = len(rhs)
+    rows = [list(matrix[i]) + [rhs[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) < 1e-300:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            for c in range(col, n + 1):
+                rows[r][c] -= factor * rows[col][c]
+    solution = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        solution[r] = (rows[r][n] - sum(rows[r][c] * solution[c] for c in range(r + 1, n))) / rows[r][r]
+    return solution
+
+
+@dataclass
+class StepCost:
+    """Seconds of a step: the target forward (fixed + per request + per verified token) and the
+    drafting phase (per drafting request + per drafted token)."""
+
+    fixed: float
+    per_request: float
+    per_token: float
+    draft_per_request: float
+    draft_per_token: float
+
+    def seconds(self, lengths: list[int]) -> float:
+        drafting = [k for k in lengths if k]
+        return self.fixed + self.per_request * len(lengths) + self.per_token * sum(1 + k for k in lengths) + \
+            self.draft_per_request * len(drafting) + self.draft_per_token * sum(drafting)
+
+
+@dataclass
+class StepCostModel:
+    """The StepCost fitted online from the engine's step timings.
+
+    The priors only set ratios until the data separates the coefficients (the choice of draft
+    lengths depends on ratios, not on the unit): a request and a verified token each cost 5% of
+    a step's fixed part, a drafted token 1%.
+    """
+
+    decay: float = 0.98
+    prior_forward: tuple[float, float, float] = (1.0, 0.05, 0.05)  # fixed, per request, per verified token
+    prior_draft: tuple[float, float] = (0.0, 0.01)  # per drafting request, per drafted token
+    _forward: _DecayedFit = field(init=False)
+    _draft: _DecayedFit = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._forward = _DecayedFit(self.decay, num_features=3)
+        self._draft = _DecayedFit(self.decay, num_features=2)
+
+    def observe_forward(self, *, num_requests: int, num_tokens: int, seconds: float) -> None:
+        """A forward over decode/verify rows only (steps with prompt chunks are not fed)."""
+        self._forward.add((1.0, float(num_requests), float(num_tokens)), seconds)
+
+    def observe_drafting(self, *, num_requests: int, num_draft_tokens: int, seconds: float) -> None:
+        if num_requests > 0:
+            self._draft.add((float(num_requests), float(num_draft_tokens)), seconds)
+
+    def cost(self) -> StepCost:
+        forward = self._forward.solve(prior=self.prior_forward) or self.prior_forward
+        one_token_step = sum(forward)  # the prior draft costs are shares of it
+        draft = self._draft.solve(prior=self.prior_draft) or tuple(p * one_token_step for p in self.prior_draft)
+        return StepCost(*forward, *draft)
+
+
+def expected_tokens(rate: float, depth: int) -> float:
+    """Tokens a step commits for a chain of `depth` draft tokens each accepted with `rate`."""
+    if rate >= 1.0:
+        return depth + 1.0
+    return (1.0 - rate ** (depth + 1)) / (1.0 - rate)
+
+
+PROBE_RATE = 0.9  # the acceptance a probe hopes to find: a probe is drafted only where it would pay
+PROBE_LENGTH = 2  # draft tokens of a probe
+
+
+@dataclass
+class ProbeSchedule:
+    """When a request that decodes plainly drafts a probe: after `every` plain steps, doubled
+    (up to 8x) for each draft in a row that had no token accepted."""
+
+    every: int
+    plain_steps: int = 0
+    misses: int = 0
+
+    @property
+    def due(self) -> bool:
+        return self.plain_steps >= self.every << min(self.misses, 3)
+
+    def step(self, *, drafted: bool) -> None:
+        self.plain_steps = 0 if drafted else self.plain_steps + 1
+
+    def result(self, *, num_accepted: int) -> None:
+        self.misses = 0 if num_accepted else self.misses + 1
+
+
+def worth_probing(*, cost: StepCost, throughput: float, max_length: int) -> bool:
+    """Whether a request's drafts, if accepted at PROBE_RATE, would pay in a step of `throughput`."""
+    return _best_length(PROBE_RATE, max_length, throughput, cost.per_token + cost.draft_per_token,
+                        cost.draft_per_request) > 0
+
+
+def step_throughput(*, rates: list[float], lengths: list[int], cost: StepCost) -> float:
+    """Expected committed tokens per second of a step with these draft lengths."""
+    seconds = cost.seconds(lengths)
+    tokens = sum(expected_tokens(a, k) for a, k in zip(rates, lengths))
+    return tokens / seconds if seconds > 0 else float("inf")
+
+
+def choose_draft_lengths(*, rates: list[float], max_lengths: list[int], cost: StepCost,
+                         iterations: int = 8) -> list[int]:
+    """Draft lengths (0..max_lengths[r]) maximising expected committed tokens per second."""
+    lengths = [0] * len(rates)
+    best = step_throughput(rates=rates, lengths=lengths, cost=cost)
+    for _ in range(iterations):
+        proposal = [_best_length(rate, limit, best, cost.per_token + cost.draft_per_token, cost.draft_per_request)
+                    for rate, limit in zip(rates, max_lengths)]
+        value = step_throughput(rates=rates, lengths=proposal, cost=cost)
+        if value <= best * (1 + 1e-9):
+            break
+        lengths, best = proposal, value
+    return lengths
+
+
+def _best_length(rate: float, limit: int, throughput: float, per_token: float, per_request: float) -> int:
+    """argmax over k of tokens(k) - throughput * extra seconds(k), for one request."""
+    best_k, best_gain = 0, 0.0
+    for k in range(1, limit + 1):
+        gain = expected_tokens(rate, k) - 1.0 - throughput * (per_token * k + per_request)
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k

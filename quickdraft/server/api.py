@@ -1,0 +1,462 @@
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+A handler validates the body, renders and tokenizes the prompt, takes a place in the
+admission count (429 when full), submits the request to the engine loop and waits for it to
+be admitted (so an engine-side rejection is still a proper 400), then either collects the
+whole output or streams Server-Sent Events. A client that goes away aborts its request at
+once: non-streaming handlers watch for the disconnect while they wait, and the SSE response
+aborts when its connection closes, however it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quickdraft.outputs import RequestOutput
+from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
+from quickdraft.server.errors import APIError, bad_request
+from quickdraft.server.protocol import (
+    ChatCompletionRequest,
+    CompletionLogprobs,
+    CompletionRequest,
+    SamplingFields,
+    chat_logprobs_body,
+    now_seconds,
+    speculation_body,
+    usage_of,
+)
+from quickdraft.server.validation import validation_error_to_api_error
+
+if TYPE_CHECKING:
+    from quickdraft.sampling_params import SamplingParams
+    from quickdraft.server.server import QuickdraftServer
+
+SCENARIO_HEADER = "x-scenario"
+# HTTP status logged for a request whose client left before the answer (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+
+
+def create_app(server: QuickdraftServer) -> FastAPI:
+    app = FastAPI(title="quickdraft", summary="OpenAI-compatible API with lossless speculative decoding",
+                  lifespan=server.lifespan)
+    _install_error_handlers(app, server)
+    _add_info_routes(app, server)
+    _add_generation_routes(app, server)
+    return app
+
+
+# ---- errors ---------------------------------------------------------------------------------
+def _install_error_handlers(app: FastAPI, server: QuickdraftServer) -> None:
+    def respond(request: Request, err: APIError) -> JSONResponse:
+        server.metrics.record_rejection(scenario=_scenario_of(request, server), status=err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return respond(request, err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError):
+        # FastAPI answers 422 in its own shape; OpenAI clients expect a 400 in theirs.
+        return respond(request, validation_error_to_api_error(err.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        message = f"{err.detail}: {request.method} {request.url.path}"
+        return respond(request, APIError(status=err.status_code, message=message, code=None))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception):
+        return respond(request, APIError(status=500, message=f"internal error: {type(err).__name__}: {err}",
+                                         code="internal_error"))
+
+
+def _scenario_of(request: Request, server: QuickdraftServer) -> str:
+    scenario = getattr(request.state, "scenario", None)
+    return scenario if scenario is not None else server.scenarios.resolve(request.headers.get(SCENARIO_HEADER))
+
+
+# ---- /v1/models, /health, /metrics -----------------------------------------------------------
+def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "quickdraft",
+            "max_model_len": server.max_model_len, "speculative_method": server.method,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        stats = server.engine_loop.stats
+        if not server.admission.accepting:
+            status = "shutting_down"
+        elif not server.engine_loop.is_alive:
+            status = "engine_stopped"
+        else:
+            status = "ok"
+        body = {"status": status, "model": server.model_name, "method": server.method,
+                "in_flight": server.admission.in_flight, "max_queue": server.admission.max_in_flight,
+                "engine": asdict(stats)}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---- generation -----------------------------------------------------------------------------
+class Generation:
+    """One request's way through the engine loop, seen from its handler.
+
+    `close()` is idempotent and synchronous (it may run inside a cancelled task): it aborts
+    the request when it has not finished and gives back its admission place.
+    """
+
+    def __init__(self, *, server: QuickdraftServer, prompt_token_ids: list[int], params: SamplingParams,
+                 scenario: str, prompt_param: str, id_prefix: str):
+        self.server = server
+        self.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = now_seconds()
+        self._prompt_token_ids = prompt_token_ids
+        self._params = params
+        self._scenario = scenario
+        self._prompt_param = prompt_param  # "prompt" or "messages": the field a rejection names
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._admitted_place = False
+        self._submitted = False
+        self._done = False
+        self._closed = False
+
+    def _deliver(self, event) -> None:  # called on the engine loop thread
+        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    async def start(self) -> None:
+        """Take an admission place, submit, wait until the engine admitted the request."""
+        self.server.admission.enter()
+        self._admitted_place = True
+        submission = Submission(request_id=self.request_id, prompt_token_ids=self._prompt_token_ids,
+                                params=self._params, scenario=self._scenario, submitted_at=time.perf_counter(),
+                                deliver=self._deliver)
+        try:
+            self.server.engine_loop.submit(submission)
+        except LoopStopped as err:
+            raise APIError(status=503, message=str(err), code="shutting_down") from err
+        self._submitted = True
+        event = await self._events.get()
+        if isinstance(event, Rejected):
+            self._done = True
+            raise bad_request(f"{self._prompt_param}: {event.message}", param=self._prompt_param)
+        if isinstance(event, Failed):
+            self._done = True
+            raise APIError(status=event.status, message=event.message, code=event.code)
+        if not isinstance(event, Admitted):
+            raise APIError(status=500, message=f"unexpected engine event {type(event).__name__}", code="engine_error")
+
+    async def progress(self) -> AsyncIterator[Progress]:
+        """The request's progress events until it finishes; a failure raises APIError."""
+        while True:
+            event = await self._events.get()
+            if isinstance(event, Failed):
+                self._done = True
+                raise APIError(status=event.status, message=event.message, code=event.code)
+            if event.finished:
+                self._done = True
+            yield event
+            if event.finished:
+                return
+
+    async def collect(self) -> Progress:
+        """Wait for the end; the last event (with the full output)."""
+        async for event in self.progress():
+            if event.finished:
+                return event
+        raise APIError(status=500, message="the request ended without an output", code="engine_error")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._submitted and not self._done:
+            self.server.engine_loop.abort(self.request_id)
+        if self._admitted_place:
+            self.server.admission.leave()
+
+
+def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prepared = _prepare(server, request=request, body=body)
+        prompt = body.single_prompt()
+        prompt_token_ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        _check_prompt_length(server, prompt_token_ids, param="prompt")
+        generation = Generation(server=server, prompt_token_ids=prompt_token_ids, params=prepared.params,
+                                scenario=prepared.scenario, prompt_param="prompt", id_prefix="cmpl")
+        writer = CompletionWriter(server=server, generation=generation, include_usage=body.include_usage,
+                                  include_token_ids=body.return_token_ids)
+        return await _respond(generation, writer=writer, stream=body.stream, request=request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prepared = _prepare(server, request=request, body=body)
+        prompt_token_ids = _render_chat(server, body)
+        _check_prompt_length(server, prompt_token_ids, param="messages")
+        generation = Generation(server=server, prompt_token_ids=prompt_token_ids, params=prepared.params,
+                                scenario=prepared.scenario, prompt_param="messages", id_prefix="chatcmpl")
+        writer = ChatWriter(server=server, generation=generation, include_usage=body.include_usage,
+                                  include_token_ids=body.return_token_ids)
+        return await _respond(generation, writer=writer, stream=body.stream, request=request)
+
+
+class _Prepared:
+    def __init__(self, *, params: SamplingParams, scenario: str):
+        self.params = params
+        self.scenario = scenario
+
+
+def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields) -> _Prepared:
+    """Checks shared by both endpoints: scenario label, model, unsupported fields, sampling."""
+    # The body's metadata.scenario wins over the X-Scenario header.
+    raw_scenario = (body.metadata or {}).get("scenario") or request.headers.get(SCENARIO_HEADER)
+    scenario = server.scenarios.resolve(raw_scenario)
+    request.state.scenario = scenario
+    if body.model is not None and body.model != server.model_name:
+        raise APIError(status=404, param="model", code="model_not_found",
+                       message=f"model: {body.model!r} does not exist; this server serves {server.model_name!r}")
+    body.check_unsupported()
+    return _Prepared(params=body.sampling_params(), scenario=scenario)
+
+
+def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[int]:
+    tokenizer = server.tokenizer
+    if tokenizer.chat_template is None:
+        raise bad_request(f"messages: the model {server.model_name!r} has no chat template, so it cannot take "
+                          "chat messages; use /v1/completions with a prompt", param="messages",
+                          code="chat_template_missing")
+    try:
+        text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
+    except Exception as err:  # the template's own checks (roles must alternate, ...) raise
+        raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
+    # The template writes BOS itself (as LLM.chat does).
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_prompt_length(server: QuickdraftServer, prompt_token_ids: list[int], *, param: str) -> None:
+    if len(prompt_token_ids) >= server.max_model_len:
+        raise bad_request(f"{param}: the prompt has {len(prompt_token_ids)} tokens, but the model's context "
+                          f"(max_model_len) is {server.max_model_len}: no room to generate", param=param,
+                          code="context_length_exceeded")
+
+
+async def _respond(generation: Generation, *, writer: ResponseWriter, stream: bool, request: Request) -> Response:
+    handed_over = False
+    try:
+        await generation.start()
+        if stream:
+            response = ServerSentEvents(writer.events(), on_close=generation.close)
+            handed_over = True  # the response closes the generation when its connection ends
+            return response
+        final = await _collect_unless_disconnected(generation, request)
+        if final is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(writer.full_body(final))
+    finally:
+        if not handed_over:
+            generation.close()
+
+
+async def _collect_unless_disconnected(generation: Generation, request: Request) -> Progress | None:
+    """The final event, or None when the client disconnected first (the request is aborted)."""
+    collecting = asyncio.ensure_future(generation.collect())
+    disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({collecting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        if collecting.done():
+            return collecting.result()
+        return None
+    finally:
+        for task in (collecting, disconnected):
+            task.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next message the server sends the app is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ServerSentEvents(StreamingResponse):
+    """An SSE stream that runs `on_close` however it ends: done, client gone, or cancelled.
+
+    Starlette only watches for the disconnect on older ASGI spec versions and otherwise notices
+    it at the next write; this one always watches, so an abort frees the slot at once.
+    """
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tasks:
+
+                async def stream_then_stop() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-write
+                        await self.stream_response(send)
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                tasks.cancel_scope.cancel()
+        finally:
+            self._on_close()
+
+
+# ---- response bodies ------------------------------------------------------------------------
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+class ResponseWriter:
+    """Shapes one request's events into the endpoint's OpenAI bodies and SSE chunks."""
+
+    object_name: str  # "text_completion" / "chat.completion"
+    chunk_object_name: str
+
+    def __init__(self, *, server: QuickdraftServer, generation: Generation, include_usage: bool,
+                 include_token_ids: bool = False):
+        self.server = server
+        self.generation = generation
+        self.include_usage = include_usage
+        self.include_token_ids = include_token_ids  # vLLM's return_token_ids extension
+
+    def _with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        return {**choice, "token_ids": list(token_ids)} if self.include_token_ids else choice
+
+    def _has_new_tokens_to_send(self, event: Progress) -> bool:
+        # A token whose text is withheld (a possible stop string) still goes out with its id.
+        return self.include_token_ids and bool(event.token_ids)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.server.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.generation.request_id, "object": object_name, "created": self.generation.created,
+                "model": self.server.model_name}
+
+    def _speculation(self, output: RequestOutput) -> dict[str, Any]:
+        return speculation_body(output.metrics, method=self.server.method, adaptive=self.server.adaptive)
+
+    def full_body(self, final: Progress) -> dict[str, Any]:
+        output = final.output
+        return {**self._envelope(self.object_name), "choices": [self._full_choice(output)],
+                "usage": usage_of(output), "speculation": self._speculation(output)}
+
+    def _full_choice(self, output: RequestOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        body = {**self._envelope(self.chunk_object_name), "choices": choices}
+        if self.include_usage:
+            body["usage"] = None  # OpenAI: every chunk has usage null but the last one
+        return sse({**body, **extra})
+
+    async def events(self) -> AsyncIterator[str]:
+        """SSE chunks, the usage chunk when asked, then [DONE]; an engine failure is an error event."""
+        try:
+            for chunk in self._opening_chunks():
+                yield chunk
+            async for event in self.generation.progress():
+                chunk = self._progress_chunk(event)
+                if chunk is not None:
+                    yield chunk
+                if event.finished and self.include_usage:
+                    yield sse({**self._envelope(self.chunk_object_name), "choices": [],
+                               "usage": usage_of(event.output), "speculation": self._speculation(event.output)})
+        except APIError as err:
+            yield sse(err.body())
+        yield sse("[DONE]")
+
+    def _opening_chunks(self) -> list[str]:
+        return []
+
+    def _progress_chunk(self, event: Progress) -> str | None:
+        raise NotImplementedError
+
+
+class CompletionWriter(ResponseWriter):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._stream_logprobs = CompletionLogprobs(decode=self._decode_token)
+
+    def _full_choice(self, output: RequestOutput) -> dict[str, Any]:
+        completion = output.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = CompletionLogprobs(decode=self._decode_token).body(completion.logprobs)
+        return self._with_token_ids({"index": 0, "text": completion.text, "logprobs": logprobs,
+                                     "finish_reason": completion.finish_reason}, completion.token_ids)
+
+    def _progress_chunk(self, event: Progress) -> str | None:
+        if not (event.text or event.finished or event.logprobs or self._has_new_tokens_to_send(event)):
+            return None
+        logprobs = self._stream_logprobs.body(event.logprobs) if event.logprobs is not None else None
+        choice = self._with_token_ids({"index": 0, "text": event.text, "logprobs": logprobs,
+                                       "finish_reason": event.finish_reason}, event.token_ids)
+        if event.finished:
+            return self._chunk([choice], speculation=self._speculation(event.output))
+        return self._chunk([choice])
+
+
+class ChatWriter(ResponseWriter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _full_choice(self, output: RequestOutput) -> dict[str, Any]:
+        completion = output.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = chat_logprobs_body(completion.logprobs, decode=self._decode_token)
+        return self._with_token_ids({"index": 0, "message": {"role": "assistant", "content": completion.text},
+                                     "logprobs": logprobs, "finish_reason": completion.finish_reason},
+                                    completion.token_ids)
+
+    def _opening_chunks(self) -> list[str]:
+        # OpenAI's first chunk announces the role.
+        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])]
+
+    def _progress_chunk(self, event: Progress) -> str | None:
+        logprobs = chat_logprobs_body(event.logprobs, decode=self._decode_token) if event.logprobs else None
+        if event.text or logprobs or self._has_new_tokens_to_send(event):
+            content_chunk = self._chunk([self._with_token_ids({"index": 0, "delta": {"content": event.text},
+                                                               "logprobs": logprobs, "finish_reason": None},
+                                                              event.token_ids)])
+        else:
+            content_chunk = ""
+        if not event.finished:
+            return content_chunk or None
+        final = self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
+                            speculation=self._speculation(event.output))
+        return content_chunk + final

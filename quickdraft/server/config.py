@@ -1,0 +1,67 @@
+"""Validated configuration of `quickdraft serve`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from quickdraft.config import EngineConfig
+
+# The name the embedded Gemma 3 270M is served under when no --served-model-name is given.
+DEFAULT_SERVED_MODEL_NAME = "gemma-3-270m"
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the embedded Gemma 3 270M
+    served_model_name: str | None = None  # what clients put in "model" (default: derived from model)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_seqs: int = 8  # requests decoded together (KV cache slots)
+    max_num_batched_tokens: int = 512
+    seed: int = 0
+    speculative_config: dict | None = None
+    max_queue: int = 64  # requests waiting + running before new ones get 429
+    shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
+    max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_scenarios"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("port", self.port, allow_zero=True)
+        if self.port > 65535:
+            raise ValueError(f"port must be <= 65535, got {self.port!r}")
+        if not isinstance(self.shutdown_grace_seconds, (int, float)) or self.shutdown_grace_seconds < 0:
+            raise ValueError(f"shutdown_grace_seconds must be a number >= 0, got {self.shutdown_grace_seconds!r}")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise ValueError(f"served_model_name must be a non-empty string, got {self.served_model_name!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r}")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            seed=self.seed, speculative_config=self.speculative_config,
+        )
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in "model" and the `model` label of every metric."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        if self.model is None or self.model in ("default", "gemma3-270m", DEFAULT_SERVED_MODEL_NAME):
+            return DEFAULT_SERVED_MODEL_NAME
+        path = Path(self.model)
+        return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

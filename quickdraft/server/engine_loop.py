@@ -1,0 +1,343 @@
+"""One thread owns the engine; every connection talks to it through a thread-safe inbox.
+
+The engine is not thread-safe, so only the loop thread ever touches it. Handlers put
+commands (add, abort, call) in the inbox; the loop drains the inbox between steps, so
+requests join and leave between steps (continuous batching: the engine's scheduler batches
+whatever is running, with speculation). While work exists the loop steps; when idle it
+sleeps on the inbox. Each request's events go back through the `deliver` callable the
+handler gave (it hops onto the handler's event loop with `call_soon_threadsafe`).
+
+Nothing a request does may stop the loop: an error from `add_request` rejects that request
+only (a 400); an error inside `step()` fails the requests that were running (a 500; the
+state of every request in a step that raised is unknown, so none of them is kept) and the
+loop goes on with the rest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from quickdraft.engine.engine import Engine
+from quickdraft.engine.request import RequestStatus
+from quickdraft.outputs import RequestOutput, StreamDelta, TokenLogprobs
+from quickdraft.sampling_params import SamplingParams
+from quickdraft.server.metrics import FinishedRequest, ServerMetrics
+
+logger = logging.getLogger("quickdraft.server")
+
+
+# ---- events sent back to a handler -----------------------------------------------------
+@dataclass
+class Admitted:
+    """The engine took the request (it is waiting for or holding a cache slot)."""
+
+
+@dataclass
+class Rejected:
+    """`add_request` refused the request (bad prompt, too long): a 400 for it alone."""
+
+    message: str
+
+
+@dataclass
+class Progress:
+    """What one step added to the request; the last one has `finished` and the full `output`."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one per token in token_ids, when the request asked
+    finished: bool
+    finish_reason: str | None
+    output: RequestOutput | None
+
+
+@dataclass
+class Failed:
+    """The request was admitted but could not finish (engine error, shutdown)."""
+
+    status: int
+    message: str
+    code: str
+
+
+LoopEvent = Admitted | Rejected | Progress | Failed
+
+
+@dataclass
+class Submission:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    scenario: str
+    submitted_at: float  # time.perf_counter() in the handler
+    deliver: Callable[[LoopEvent], None]  # thread-safe: called from the loop thread
+
+
+@dataclass
+class LoopStats:
+    """A snapshot the loop publishes after every iteration (read by /health and tests)."""
+
+    running: int = 0
+    waiting: int = 0
+    free_slots: int = 0
+    num_slots: int = 0
+    tracked_requests: int = 0  # requests the loop still holds for a handler
+    steps: int = 0
+    failed_steps: int = 0
+    alive: bool = False
+
+
+class LoopStopped(RuntimeError):
+    """The loop no longer takes requests (the server is shutting down)."""
+
+
+# ---- commands in the inbox -------------------------------------------------------------
+@dataclass
+class _Add:
+    submission: Submission
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    function: Callable[[Engine], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class _Tracked:
+    submission: Submission
+    num_sent_tokens: int = 0  # tokens (and their logprobs) already delivered
+
+
+class EngineLoop:
+    def __init__(self, *, engine: Engine, metrics: ServerMetrics):
+        self._engine = engine
+        self._metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._thread = threading.Thread(target=self._run, name="quickdraft-engine-loop", daemon=True)
+        self._accepting = True
+        self._accept_lock = threading.Lock()  # orders "stop" against late submissions
+        self._steps = 0
+        self._failed_steps = 0
+        self.stats = LoopStats()
+
+    # ---- the handlers' side (any thread) ---------------------------------------------
+    def start(self) -> None:
+        self._publish_stats()
+        self._thread.start()
+
+    def submit(self, submission: Submission) -> None:
+        self._put(_Add(submission))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request and free its slot (no event is delivered for it any more)."""
+        try:
+            self._put(_Abort(request_id))
+        except LoopStopped:
+            pass  # the stopping loop aborts every request it still holds
+
+    def call(self, function: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """Run function(engine) on the loop thread between steps; for inspection and tests."""
+        command = _Call(function)
+        self._put(command)
+        return command.future
+
+    def stop(self, *, timeout: float | None = None) -> None:
+        """Abort every request still held (each gets a 503) and end the thread."""
+        with self._accept_lock:
+            if self._accepting:
+                self._accepting = False
+                self._inbox.put(_Stop())
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _put(self, command) -> None:
+        with self._accept_lock:
+            if not self._accepting:
+                raise LoopStopped("the server is shutting down")
+            self._inbox.put(command)
+
+    # ---- the loop thread -------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                if self._handle_commands(block=not self._engine.has_unfinished_requests()):
+                    return
+                if self._engine.has_unfinished_requests():
+                    self._step()
+                self._publish_stats()
+            except Exception:  # a bug in the loop itself must not end the service
+                logger.exception("engine loop iteration failed; continuing")
+                time.sleep(0.01)
+
+    def _handle_commands(self, *, block: bool) -> bool:
+        """Run the inbox's commands; True when the loop must stop."""
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for position, command in enumerate(commands):
+            if isinstance(command, _Stop):
+                self._shutdown(leftover=commands[position + 1 :])
+                return True
+            self._handle(command)
+        return False
+
+    def _handle(self, command) -> None:
+        if isinstance(command, _Add):
+            self._add(command.submission)
+        elif isinstance(command, _Abort):
+            self._abort(command.request_id, notify=None)
+        elif isinstance(command, _Call):
+            self._call(command)
+
+    def _add(self, submission: Submission) -> None:
+        try:
+            self._engine.add_request(prompt_token_ids=submission.prompt_token_ids, params=submission.params,
+                                     request_id=submission.request_id)
+        except (ValueError, TypeError) as err:
+            _deliver(submission, Rejected(message=str(err)))
+            return
+        except Exception as err:  # not the request's fault: say so with a 500
+            logger.exception("add_request failed")
+            _deliver(submission, Failed(status=500, message=f"could not queue the request: {err}",
+                                        code="engine_error"))
+            return
+        self._tracked[submission.request_id] = _Tracked(submission)
+        _deliver(submission, Admitted())
+
+    def _call(self, command: _Call) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return
+        try:
+            command.future.set_result(command.function(self._engine))
+        except Exception as err:
+            command.future.set_exception(err)
+
+    def _step(self) -> None:
+        try:
+            deltas = self._engine.step()
+        except Exception as err:
+            self._fail_running(err)
+            return
+        self._steps += 1
+        if deltas:
+            self._metrics.record_step(batch_size=len(deltas))
+        for delta in deltas:
+            self._dispatch(delta)
+
+    def _dispatch(self, delta: StreamDelta) -> None:
+        tracked = self._tracked.get(delta.request_id)
+        if tracked is None:  # not a request of ours; never leave it behind
+            if delta.finished:
+                self._engine.release(delta.request_id)
+            return
+        if not (delta.text or delta.token_ids or delta.finished):
+            return  # a prefill chunk that produced nothing yet
+        logprobs = self._new_logprobs(tracked, num_new=len(delta.token_ids))
+        tracked.num_sent_tokens += len(delta.token_ids)
+        if delta.finished:
+            self._forget(tracked, finish_reason=delta.finish_reason or "stop",
+                         metrics=delta.output.metrics)
+        _deliver(tracked.submission, Progress(text=delta.text, token_ids=list(delta.token_ids), logprobs=logprobs,
+                                              finished=delta.finished, finish_reason=delta.finish_reason,
+                                              output=delta.output))
+
+    def _new_logprobs(self, tracked: _Tracked, *, num_new: int) -> list[TokenLogprobs] | None:
+        if tracked.submission.params.logprobs is None:
+            return None
+        request = self._engine.get_request(tracked.submission.request_id)
+        return list(request.logprobs[tracked.num_sent_tokens : tracked.num_sent_tokens + num_new])
+
+    def _abort(self, request_id: str, *, notify: Failed | None, finish_reason: str = "abort") -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return  # finished (and released) before the abort arrived
+        try:
+            request = self._engine.get_request(request_id)
+            metrics = request.metrics
+            self._engine.abort_request(request_id)
+        except Exception:  # after a failed step the request's state may be inconsistent
+            logger.exception("aborting request %s failed", request_id)
+            metrics = None
+        self._forget(tracked, finish_reason=finish_reason, metrics=metrics)
+        if notify is not None:
+            _deliver(tracked.submission, notify)
+
+    def _forget(self, tracked: _Tracked, *, finish_reason: str, metrics) -> None:
+        """The request left the engine: count it, release it, stop tracking it."""
+        request_id = tracked.submission.request_id
+        self._tracked.pop(request_id, None)
+        self._engine.release(request_id)
+        if metrics is not None:
+            self._metrics.record_request(FinishedRequest(scenario=tracked.submission.scenario,
+                                                         submitted_at=tracked.submission.submitted_at,
+                                                         finish_reason=finish_reason, metrics=metrics))
+
+    def _fail_running(self, err: Exception) -> None:
+        """step() raised: fail the requests that were in it, keep the waiting ones."""
+        logger.error("engine step failed: %s", err, exc_info=err)
+        self._failed_steps += 1
+        self._metrics.record_failed_step()
+        failure = Failed(status=500, message=f"generation failed inside the engine: {type(err).__name__}: {err}",
+                         code="engine_error")
+        for request_id in list(self._tracked):
+            if self._was_running(request_id):
+                self._abort(request_id, notify=failure, finish_reason="error")
+
+    def _was_running(self, request_id: str) -> bool:
+        try:
+            return self._engine.get_request(request_id).status == RequestStatus.RUNNING
+        except KeyError:  # gone from the engine: it cannot be kept either
+            return True
+
+    def _shutdown(self, *, leftover: list) -> None:
+        failure = Failed(status=503, message="the server is shutting down", code="shutting_down")
+        for command in leftover:
+            if isinstance(command, _Add):
+                _deliver(command.submission, failure)
+            elif isinstance(command, _Call):
+                command.future.cancel()
+        for request_id in list(self._tracked):
+            self._abort(request_id, notify=failure)
+        self._publish_stats(alive=False)
+
+    def _publish_stats(self, *, alive: bool = True) -> None:
+        scheduler, cache = self._engine.scheduler, self._engine.cache
+        self.stats = LoopStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                               free_slots=cache.num_free_slots, num_slots=cache.num_slots,
+                               tracked_requests=len(self._tracked), steps=self._steps,
+                               failed_steps=self._failed_steps, alive=alive)
+        self._metrics.set_load(running=self.stats.running, waiting=self.stats.waiting,
+                               free_slots=self.stats.free_slots)
+
+
+def _deliver(submission: Submission, event: LoopEvent) -> None:
+    try:
+        submission.deliver(event)
+    except Exception:  # the handler's event loop is gone (server stopping): nothing to tell
+        logger.debug("could not deliver %s for %s", type(event).__name__, submission.request_id)

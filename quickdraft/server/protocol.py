@@ -1,0 +1,303 @@
+"""Request bodies (pydantic, strict) and response bodies of the OpenAI-compatible API.
+
+Requests are validated strictly: wrong types are errors (no "1" for 1), unknown fields are
+errors (a parameter the engine cannot honour is refused, never ignored), and OpenAI fields
+the engine does not support are accepted only at their default value.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quickdraft.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
+from quickdraft.server.errors import bad_request
+
+# Bounds beyond SamplingParams' own: they keep float32 logits finite inside the engine (a
+# temperature of 1e-40 divides logits into inf, and one request's NaN would fail its whole
+# step), and the seed must fit torch.Generator.manual_seed.
+MIN_POSITIVE_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_STOP_STRINGS = 16
+# Content parts are joined into one string for the chat template.
+TEXT_PART_TYPES = ("text", "input_text")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class TextPart(StrictModel):
+    type: Literal["text", "input_text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SamplingFields(StrictModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the served model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # Extensions (vLLM's names), all handled by SamplingParams.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # vLLM's extension: the generated token ids next to the text (a client can then compare
+    # outputs exactly, e.g. speculative against plain decoding).
+    return_token_ids: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_unsupported(self) -> None:
+        """OpenAI fields the engine cannot honour: a 400 naming the field unless left at default."""
+        if self.n != 1:
+            raise bad_request(f"n: only n=1 is supported, got {self.n}", param="n", code="unsupported_value")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", param="logit_bias",
+                              code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", param="stop")
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams keyword arguments of the fields set (defaults are SamplingParams')."""
+        kwargs: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "seed": self.seed, "stop": self.stop, "min_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        optional = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                    "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                    "frequency_penalty": self.frequency_penalty}
+        kwargs.update({name: value for name, value in optional.items() if value is not None})
+        return kwargs
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise bad_request("echo is not supported by this server", param="echo", code="unsupported_parameter")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise bad_request(f"best_of: only 1 is supported, got {self.best_of}", param="best_of",
+                              code="unsupported_value")
+
+    def sampling_params(self) -> SamplingParams:
+        kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
+        return build_sampling_params(kwargs, renamed={})
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request (a text or token ids); batches are refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request(f"prompt: one prompt per request is supported, got a list of {len(prompt)}",
+                                  param="prompt", code="unsupported_value")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise bad_request("prompt: the prompt is empty", param="prompt")
+        return prompt
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: until EOS or the end of the context
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    add_generation_prompt: bool = True
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise bad_request("tools (function calling) is not supported by this server", param="tools",
+                              code="unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported by this server", param="tool_choice",
+                              code="unsupported_parameter")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request("response_format: only {\"type\": \"text\"} is supported", param="response_format",
+                              code="unsupported_value")
+        if self.store:
+            raise bad_request("store is not supported by this server", param="store", code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_completion_tokens")
+
+    def sampling_params(self) -> SamplingParams:
+        use_new_name = self.max_completion_tokens is not None
+        max_tokens = self.max_completion_tokens if use_new_name else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        kwargs = self.sampling_kwargs() | {"max_tokens": max_tokens, "logprobs": logprobs}
+        renamed = {"logprobs": "top_logprobs"}
+        if use_new_name:
+            renamed["max_tokens"] = "max_completion_tokens"
+        return build_sampling_params(kwargs, renamed=renamed)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": message.role, "content": message.text()} for message in self.messages]
+
+
+def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> SamplingParams:
+    """SamplingParams from request fields; a ValueError becomes a 400 naming the request field."""
+    _check_server_bounds(kwargs, renamed=renamed)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as err:
+        # SamplingParams' messages start with the field name ("top_p must be ...").
+        field_name = str(err).split(" ", 1)[0].rstrip(":")
+        param = renamed.get(field_name, field_name if field_name in kwargs else None)
+        message = str(err)
+        if param is not None and param != field_name:
+            message = f"{param}{message[len(field_name):]}"
+        raise bad_request(message, param=param) from err
+
+
+def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> None:
+    temperature = kwargs["temperature"]
+    if temperature != 0 and not MIN_POSITIVE_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be 0 (greedy) or in [{MIN_POSITIVE_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                          f"got {temperature!r}", param="temperature")
+    penalty = kwargs.get("repetition_penalty")
+    low, high = REPETITION_PENALTY_RANGE
+    if penalty is not None and not low <= penalty <= high:
+        raise bad_request(f"repetition_penalty must be in [{low}, {high}], got {penalty!r}",
+                          param="repetition_penalty")
+    seed = kwargs.get("seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise bad_request(f"seed must fit in 64 bits, got {seed!r}", param="seed")
+    logprobs = kwargs.get("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        name = renamed.get("logprobs", "logprobs")
+        raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {logprobs!r}", param=name)
+
+
+# ---- responses ---------------------------------------------------------------------------
+def usage_body(*, num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def usage_of(output: RequestOutput) -> dict[str, int]:
+    return usage_body(num_prompt_tokens=len(output.prompt_token_ids),
+                      num_completion_tokens=len(output.outputs[0].token_ids))
+
+
+def speculation_body(metrics: RequestMetrics, *, method: str, adaptive: bool) -> dict[str, Any]:
+    """The request's own acceptance figures (an extension field next to `usage`).
+
+    `draft_length_choices[k]` counts the decoding steps for which adaptive speculation chose
+    to draft k tokens (0: plain decoding); empty when speculation is not adaptive.
+    """
+    return {
+        "method": method,
+        "adaptive": adaptive,
+        "drafts": metrics.num_drafts,
+        "draft_tokens": metrics.num_draft_tokens,
+        "accepted_tokens": metrics.num_accepted_tokens,
+        "target_forwards": metrics.num_target_forwards,
+        "acceptance_rate": metrics.acceptance_rate,
+        "acceptance_length": metrics.acceptance_length,
+        "accepted_per_position": list(metrics.accepted_per_position),
+        "drafted_per_position": list(metrics.drafted_per_position),
+        "draft_seconds": metrics.draft_seconds,
+        "verify_seconds": metrics.verify_seconds,
+        "draft_length_choices": list(metrics.draft_length_choices),
+    }
+
+
+class CompletionLogprobs:
+    """The legacy completions `logprobs` object, built incrementally (text offsets carry over)."""
+
+    def __init__(self, *, decode):
+        self._decode = decode  # token id -> its text (special tokens included)
+        self._offset = 0
+
+    def body(self, token_logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for entry in token_logprobs:
+            token = self._decode(entry.token_id)
+            tokens.append(token)
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [entry.logprob for entry in token_logprobs],
+            "top_logprobs": [{top.decoded or "": top.logprob for top in entry.top} for entry in token_logprobs],
+            "text_offset": offsets,
+        }
+
+
+def chat_logprobs_body(token_logprobs: list[TokenLogprobs], *, decode) -> dict[str, Any]:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for entry in token_logprobs:
+        token = decode(entry.token_id)
+        content.append({
+            "token": token, "logprob": entry.logprob, "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [{"token": top.decoded or "", "logprob": top.logprob,
+                              "bytes": list((top.decoded or "").encode("utf-8"))} for top in entry.top],
+        })
+    return {"content": content}
+
+
+def now_seconds() -> int:
+    return int(time.time())

@@ -1,0 +1,211 @@
+"""`quickdraft bench serve` end to end on a tiny random model: report structure, exactness, bounds."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from quickdraft.bench.serving import (
+    JSON_FILE,
+    MODES,
+    SUMMARY_FILE,
+    LevelResult,
+    RequestRecord,
+    ServingBenchOptions,
+    compare_outputs,
+    interleave_by_task,
+    percentile,
+    select_prompts,
+)
+from quickdraft.bench.specbench import Question
+from quickdraft.cli import main
+
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["abcabcabcabc abc", "again"]},
+    {"question_id": 82, "category": "writing", "turns": ["one two one two one two"]},
+    {"question_id": 7, "category": "qa", "turns": ["xyzxyzxyzxyz"]},
+    {"question_id": 9, "category": "rag", "turns": ["the cat sat; the cat sat; the cat"]},
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def questions_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("questions") / "questions.jsonl"
+    path.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    return path
+
+
+def run_bench(model, questions, out, *extra) -> int:
+    return main(["bench", "serve", "--model", str(model), "--questions", str(questions), "--max-model-len", "128",
+                 "--max-tokens", str(MAX_TOKENS), "--speculative-config", json.dumps(NGRAM), "--out", str(out),
+                 *extra])
+
+
+@pytest.fixture(scope="module")
+def report(tiny_checkpoints, questions_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve-bench")
+    threads_before = set(threading.enumerate())
+    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--concurrency", "1", "2") == 0
+    # Every mode's server (uvicorn thread, engine loop) is gone.
+    assert {t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()} == set()
+    return out, json.loads((out / JSON_FILE).read_text()), (out / SUMMARY_FILE).read_text()
+
+
+def levels_by_key(data) -> dict[tuple[str, int], dict]:
+    return {(level["mode"], level["concurrency"]): level for level in data["levels"]}
+
+
+def test_every_mode_runs_every_level_in_full(report):
+    _, data, _ = report
+    levels = levels_by_key(data)
+    assert set(levels) == {(mode, c) for mode in MODES for c in (1, 2)}
+    for (mode, concurrency), level in levels.items():
+        assert level["planned"] == concurrency * 2 and not level["stopped_by_time_limit"]
+        assert [r["index"] for r in level["requests"]] == list(range(concurrency * 2))
+        summary = level["summary"]
+        assert summary["requests_ok"] == concurrency * 2 and summary["errors"] == 0
+        assert summary["output_tokens"] == sum(len(r["token_ids"]) for r in level["requests"]) > 0
+        assert summary["tokens_per_second"] == pytest.approx(summary["output_tokens"] / level["wall_seconds"])
+        for request in level["requests"]:
+            assert 0 < len(request["token_ids"]) <= MAX_TOKENS and request["finish_reason"] in ("stop", "length")
+            assert request["ttft"] is not None and request["ttft"] <= request["seconds"]
+        assert summary["ttft_p50"] <= summary["ttft_p90"]
+
+
+def test_requests_cycle_through_interleaved_tasks(report):
+    _, data, _ = report
+    level = levels_by_key(data)[("off", 2)]
+    # Round robin over tasks (multi-turn, qa, rag), then the second writing question, cycled.
+    assert [r["question_id"] for r in level["requests"]] == [81, 7, 9, 82]
+    assert [r["task"] for r in level["requests"]] == ["multi-turn", "qa", "rag", "multi-turn"]
+
+
+def test_greedy_outputs_are_identical_in_every_mode(report, tiny_checkpoints):
+    from quickdraft import LLM
+    from quickdraft.bench.specbench import conversation_prompt
+    from quickdraft.sampling_params import SamplingParams
+
+    _, data, summary_md = report
+    levels = levels_by_key(data)
+    for mode in ("always-on", "adaptive"):
+        for concurrency in (1, 2):
+            summary = levels[(mode, concurrency)]["summary"]
+            assert summary["exact"] is True and summary["compared"] == concurrency * 2 and summary["differing"] == []
+        assert data["exact_vs_off"][mode] == "yes (6 requests)"
+        assert f"- {mode}: yes (6 requests)" in summary_md
+    # "off" itself answers as offline plain decoding does, so the comparison means something.
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128)
+    texts = {q["question_id"]: conversation_prompt(q["turns"][:1], []) for q in QUESTIONS}
+    off = levels[("off", 2)]["requests"]
+    expected = llm.generate([texts[r["question_id"]] for r in off], SamplingParams(max_tokens=MAX_TOKENS,
+                                                                                  temperature=0))
+    assert [r["token_ids"] for r in off] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_speculation_figures_come_from_the_server(report):
+    _, data, _ = report
+    levels = levels_by_key(data)
+    for concurrency in (1, 2):
+        off, always, adaptive = (levels[(mode, concurrency)] for mode in MODES)
+        assert off["summary"]["draft_tokens"] == 0 and off["summary"]["draft_length_choices"] == []
+        assert always["summary"]["draft_tokens"] > 0 and always["summary"]["draft_length_choices"] == []
+        assert all(r["speculation"]["method"] == "ngram" and not r["speculation"]["adaptive"]
+                   for r in always["requests"])
+        choices = adaptive["summary"]["draft_length_choices"]
+        assert sum(choices) == sum(sum(r["speculation"]["draft_length_choices"]) for r in adaptive["requests"]) > 0
+        assert len(choices) <= NGRAM["num_speculative_tokens"] + 1
+        assert adaptive["summary"]["plain_step_share"] == pytest.approx(choices[0] / sum(choices))
+        assert off["summary"]["throughput_vs_off"] is None
+        assert always["summary"]["throughput_vs_off"] == pytest.approx(
+            always["summary"]["tokens_per_second"] / off["summary"]["tokens_per_second"])
+
+
+def test_summary_has_command_machine_and_a_row_per_mode_and_level(report):
+    _, data, summary_md = report
+    lines = summary_md.splitlines()
+    assert lines[0].startswith("# Serving benchmark:")
+    assert "`quickdraft bench serve --model" in summary_md and data["command"].startswith("quickdraft bench serve")
+    assert any(line.startswith("Machine: ") and "CPUs" in line for line in lines) and data["machine"]
+    for mode in MODES:
+        for concurrency in (1, 2):
+            rows = [line for line in lines if line.startswith(f"| {concurrency} | {mode} |")]
+            assert len(rows) == (1 if mode == "off" else 2), (mode, concurrency)  # off has no speculation row
+    assert "## Notes" not in summary_md  # no time limit reached, no error, no question left out
+
+
+def test_time_limit_stops_new_requests_and_is_reported(tiny_checkpoints, questions_file, tmp_path):
+    out = tmp_path / "out"
+    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--concurrency", "2",
+                     "--requests-per-client", "3", "--time-limit", "0.000001") == 0
+    data = json.loads((out / JSON_FILE).read_text())
+    for level in data["levels"]:
+        assert level["stopped_by_time_limit"] and len(level["requests"]) == 2 and level["planned"] == 6
+    summary_md = (out / SUMMARY_FILE).read_text()
+    assert "time limit (1e-06 s per level) reached: adaptive at concurrency 2 sent 2 of 6 requests" in summary_md
+    assert "2/6 (time limit)" in summary_md
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--speculative-config", '{"method": "ngram", "adaptive": true}'], "without 'adaptive'"),
+    (["--speculative-config", '{"method": "ngram", "dynamic_draft_length": true}'], "choose one"),
+    (["--speculative-config", "[1]"], "must be a JSON object"),
+    (["--speculative-config", '{"method": "ngram"}', "--concurrency", "0"], "concurrency must be an integer >= 1"),
+    (["--speculative-config", '{"method": "ngram"}', "--concurrency", "2", "2"], "distinct"),
+    (["--speculative-config", '{"method": "ngram"}', "--time-limit", "0"], "time_limit_seconds must be"),
+    (["--speculative-config", '{"method": "ngram"}', "--questions", "/nonexistent.jsonl"], "not found"),
+])
+def test_bad_options_are_clear_errors(extra, message, capsys):
+    assert main(["bench", "serve", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_options_validate_without_the_cli():
+    with pytest.raises(ValueError, match="requests_per_client"):
+        ServingBenchOptions(speculative_config=NGRAM, requests_per_client=0)
+    with pytest.raises(ValueError, match="needs at least one level"):
+        ServingBenchOptions(speculative_config=NGRAM, concurrency=())
+    modes = ServingBenchOptions(speculative_config=NGRAM, concurrency=(3, 1)).mode_configs()
+    assert modes == {"off": None, "always-on": NGRAM, "adaptive": {**NGRAM, "adaptive": True}}
+
+
+def test_prompts_that_do_not_fit_are_left_out_and_named():
+    questions = [Question(question_id=1, category="qa", turns=["short"]),
+                 Question(question_id=2, category="rag", turns=["long " * 50])]
+    prompts, skipped = select_prompts(questions, count_tokens=len, max_model_len=100, max_tokens=10)
+    assert [p.question_id for p in prompts] == [1] and skipped == [2]
+    with pytest.raises(ValueError, match="no question's first turn fits max_model_len 10"):
+        select_prompts(questions, count_tokens=len, max_model_len=10, max_tokens=10)
+
+
+def test_interleave_by_task_takes_turns_in_spec_bench_order():
+    questions = [Question(question_id=i, category=c, turns=["t"])
+                 for i, c in enumerate(["rag", "rag", "coding", "writing", "qa", "translation"])]
+    assert [q.question_id for q in interleave_by_task(questions)] == [2, 5, 4, 0, 3, 1]
+
+
+def test_compare_outputs_finds_a_differing_request():
+    def level(mode, outputs):
+        return LevelResult(mode=mode, concurrency=1, planned=len(outputs), wall_seconds=1.0,
+                           stopped_by_time_limit=False,
+                           requests=[RequestRecord(index=i, question_id=i, task="qa", token_ids=tokens,
+                                                   finish_reason="length") for i, tokens in enumerate(outputs)])
+
+    baseline = level("off", [[1, 2], [3, 4], [5]])
+    assert compare_outputs(level("adaptive", [[1, 2], [3, 4], [5]]), baseline=baseline) == dict(
+        exact=True, compared=3, differing=[])
+    assert compare_outputs(level("adaptive", [[1, 2], [3, 9], [5]]), baseline=baseline) == dict(
+        exact=False, compared=3, differing=[1])
+    assert compare_outputs(level("off", []), baseline=None)["exact"] is None
+
+
+def test_percentile_interpolates_like_numpy():
+    import numpy
+
+    values = [0.3, 0.1, 0.7, 0.2, 0.9]
+    for fraction in (0.0, 0.5, 0.9, 1.0):
+        assert percentile(values, fraction) == pytest.approx(numpy.percentile(values, fraction * 100))
+    assert percentile([], 0.5) is None and percentile([4.0], 0.9) == 4.0

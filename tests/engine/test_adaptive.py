@@ -1,0 +1,159 @@
+"""Adaptive speculation: the estimates, the cost fit, the choice of draft lengths, and the engine
+keeping greedy output exact while it drafts less for garbage and more for good drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine.adaptive import (
+    AcceptanceEstimate,
+    ProbeSchedule,
+    StepCost,
+    StepCostModel,
+    _DecayedFit,
+    choose_draft_lengths,
+    expected_tokens,
+    worth_probing,
+)
+from tests.engine.test_speculative import GREEDY, GarbageDrafter, OracleDrafter, repetitive_prompts
+
+COSTS = StepCost(fixed=1.0, per_request=0.0, per_token=0.05, draft_per_request=0.0, draft_per_token=0.01)
+
+
+@pytest.mark.parametrize("rate, depth, tokens", [(0.5, 0, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75),
+                                                 (0.0, 4, 1.0), (1.0, 4, 5.0), (0.9, 3, 3.439)])
+def test_expected_tokens_of_a_chain(rate, depth, tokens):
+    assert expected_tokens(rate, depth) == pytest.approx(tokens)
+
+
+def test_good_drafts_get_long_chains_and_garbage_none():
+    assert choose_draft_lengths(rates=[0.95], max_lengths=[8], cost=COSTS) == [8]
+    assert choose_draft_lengths(rates=[0.02], max_lengths=[8], cost=COSTS) == [0]
+    assert choose_draft_lengths(rates=[0.95, 0.02], max_lengths=[8, 8], cost=COSTS) == [8, 0]
+    assert choose_draft_lengths(rates=[0.9], max_lengths=[3], cost=COSTS) == [3]  # capped
+
+
+def test_busier_batches_draft_less():
+    """The same acceptance with more requests: each verified token is a larger share of the step."""
+    lengths = [choose_draft_lengths(rates=[0.6] * batch, max_lengths=[8] * batch, cost=COSTS)[0]
+               for batch in (1, 4, 16, 32)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+    costly = StepCost(fixed=1.0, per_request=0.0, per_token=0.5, draft_per_request=0.0, draft_per_token=0.1)
+    assert choose_draft_lengths(rates=[0.6] * 32, max_lengths=[8] * 32, cost=costly) == [0] * 32
+
+
+def test_choice_beats_every_uniform_length():
+    rates = [0.3, 0.7, 0.9]
+    cost = StepCost(fixed=1.0, per_request=0.2, per_token=0.1, draft_per_request=0.05, draft_per_token=0.02)
+
+    def throughput(lengths):
+        seconds = 1.0 + 0.2 * 3 + 0.1 * sum(1 + k for k in lengths) + 0.05 * sum(1 for k in lengths if k) \
+            + 0.02 * sum(lengths)
+        return sum(expected_tokens(a, k) for a, k in zip(rates, lengths)) / seconds
+
+    assert cost.seconds([0, 2, 5]) == pytest.approx(1.0 + 0.6 + 0.1 * 10 + 0.05 * 2 + 0.02 * 7)
+    chosen = choose_draft_lengths(rates=rates, max_lengths=[8] * 3, cost=cost)
+    assert all(throughput(chosen) >= throughput([k] * 3) for k in range(9))
+
+
+def test_acceptance_estimate_follows_recent_drafts():
+    estimate = AcceptanceEstimate(prior=0.5)
+    assert estimate.rate == pytest.approx(0.5)
+    for _ in range(20):
+        estimate.record(drafted_depth=4, num_accepted=4)
+    assert estimate.rate > 0.9
+    for _ in range(20):
+        estimate.record(drafted_depth=4, num_accepted=0)
+    assert estimate.rate < 0.25
+    low = estimate.rate
+    for _ in range(200):
+        estimate.idle()
+    assert low < estimate.rate == pytest.approx(0.5, abs=0.01)  # drifts back: it gets tried again
+
+
+def test_cost_fit_recovers_the_step_costs_and_falls_back_to_the_prior_split():
+    fit = _DecayedFit(decay=1.0, num_features=3)
+    for requests, tokens in ((1, 1), (1, 5), (4, 4), (4, 20), (16, 16), (16, 70), (32, 32), (32, 150)):
+        fit.add((1.0, float(requests), float(tokens)), 0.038 + 0.0044 * requests + 0.0063 * tokens)
+    assert fit.solve(prior=(1.0, 0.05, 0.05)) == pytest.approx((0.038, 0.0044, 0.0063), rel=1e-2)
+    plain = _DecayedFit(decay=1.0, num_features=3)
+    for requests in (1, 4, 16, 32):  # plain decoding: one token per request, the two costs move together
+        plain.add((1.0, float(requests), float(requests)), 0.04 + 0.01 * requests)
+    fixed, per_request, per_token = plain.solve(prior=(1.0, 0.05, 0.05))
+    assert fixed == pytest.approx(0.04, rel=0.02) and per_request + per_token == pytest.approx(0.01, rel=0.02)
+    assert per_request == pytest.approx(per_token, rel=0.02)  # the prior's split
+    assert _DecayedFit(decay=1.0, num_features=2).solve(prior=(1.0, 0.05)) is None
+    model = StepCostModel()
+    assert model.cost() == StepCost(fixed=1.0, per_request=0.05, per_token=0.05, draft_per_request=0.0,
+                                    draft_per_token=pytest.approx(0.011))
+    model.observe_forward(num_requests=2, num_tokens=2, seconds=0.5)
+    assert model.cost().seconds([0, 0]) == pytest.approx(0.5)
+
+
+def test_adaptive_config_is_validated():
+    assert SpeculativeConfig.from_dict({"method": "ngram", "adaptive": True}).adaptive
+    with pytest.raises(ValueError, match="adaptive must be true or false"):
+        SpeculativeConfig.from_dict({"method": "ngram", "adaptive": "yes"})
+    with pytest.raises(ValueError, match="choose one"):
+        SpeculativeConfig.from_dict({"method": "ngram", "adaptive": True, "dynamic_draft_length": True})
+    with pytest.raises(ValueError, match="adaptive_prior"):
+        SpeculativeConfig.from_dict({"method": "ngram", "adaptive": True, "adaptive_prior": 1.5})
+    with pytest.raises(ValueError, match="adaptive_probe_every"):
+        SpeculativeConfig.from_dict({"method": "ngram", "adaptive": True, "adaptive_probe_every": 0})
+
+
+def _adaptive_llm(tiny_checkpoints, drafter) -> LLM:
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 6, "adaptive": True})
+    llm.engine.speculator.drafter = drafter
+    return llm
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=4)
+    return [o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), SamplingParams(max_tokens=60, **GREEDY))]
+
+
+def test_garbage_drafts_fade_out_and_output_stays_exact(tiny_checkpoints, plain):
+    llm = _adaptive_llm(tiny_checkpoints, GarbageDrafter(vocab_size=320, tree=False))
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=60, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    choices = llm.get_metrics().draft_length_choices
+    assert sum(choices) > 100 and choices[0] > 0.6 * sum(choices)  # mostly plain decoding (and probes)
+    assert max(k for k, count in enumerate(choices) if count) <= 2 or choices[0] > 0.8 * sum(choices)
+
+
+def test_good_drafts_keep_long_chains_and_output_stays_exact(tiny_checkpoints, plain):
+    continuations = {tuple(p): out for p, out in zip(repetitive_prompts(), plain)}
+    llm = _adaptive_llm(tiny_checkpoints, OracleDrafter(continuations=continuations, corrupt=0.02))
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=60, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    choices = llm.get_metrics().draft_length_choices
+    long = sum(choices[4:])
+    assert long > 0.5 * sum(choices) and all(o.metrics.acceptance_length > 3 for o in outs)
+    assert llm.engine.cache.num_free_slots == 4
+
+
+def test_probes_back_off_after_misses_and_skip_drafters_that_cannot_pay():
+    schedule = ProbeSchedule(every=4)
+    for _ in range(3):
+        schedule.step(drafted=False)
+    assert not schedule.due
+    schedule.step(drafted=False)
+    assert schedule.due
+    schedule.step(drafted=True)
+    schedule.result(num_accepted=0)
+    for _ in range(7):
+        schedule.step(drafted=False)
+    assert not schedule.due  # one miss: twice as long
+    schedule.step(drafted=False)
+    assert schedule.due
+    schedule.result(num_accepted=2)
+    assert schedule.due  # an accept resets the back-off
+    cheap = StepCost(fixed=0.04, per_request=0.004, per_token=0.006, draft_per_request=0.0005, draft_per_token=0.0001)
+    costly = StepCost(fixed=0.04, per_request=0.004, per_token=0.006, draft_per_request=0.02, draft_per_token=0.003)
+    assert worth_probing(cost=cheap, throughput=90.0, max_length=5)
+    assert not worth_probing(cost=costly, throughput=90.0, max_length=5)  # even 0.9 acceptance would not pay

@@ -1,0 +1,86 @@
+"""The engine loop without HTTP: admission, rejection, abort, stop."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from quickdraft.config import EngineConfig
+from quickdraft.engine.engine import Engine
+from quickdraft.sampling_params import SamplingParams
+from quickdraft.server.engine_loop import Admitted, EngineLoop, Failed, LoopStopped, Progress, Rejected, Submission
+from quickdraft.server.metrics import ServerMetrics
+
+TIMEOUT = 20.0
+
+
+@pytest.fixture
+def loop(tiny_checkpoints):
+    engine = Engine(EngineConfig(model=str(tiny_checkpoints["llama"]), max_model_len=64, max_num_seqs=2))
+    engine_loop = EngineLoop(engine=engine, metrics=ServerMetrics(model="m", method="none"))
+    engine_loop.start()
+    yield engine_loop
+    engine_loop.stop(timeout=TIMEOUT)
+
+
+def submit(loop, request_id, *, prompt_token_ids=(5, 6, 7), **params) -> queue.Queue:
+    events: queue.Queue = queue.Queue()
+    loop.submit(Submission(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                           params=SamplingParams(temperature=0, **params), scenario="default", submitted_at=0.0,
+                           deliver=events.put))
+    return events
+
+
+def drain_until_finished(events: queue.Queue) -> list:
+    received = [events.get(timeout=TIMEOUT)]
+    while not (isinstance(received[-1], Progress) and received[-1].finished) and not isinstance(
+            received[-1], (Rejected, Failed)):
+        received.append(events.get(timeout=TIMEOUT))
+    return received
+
+
+def slow_down(engine) -> None:
+    forward = engine.runner.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    engine.runner.forward = slow_forward
+
+
+def test_requests_are_admitted_streamed_and_released(loop):
+    streams = [submit(loop, f"r{i}", max_tokens=6) for i in range(4)]  # 4 requests, 2 slots
+    for events in streams:
+        received = drain_until_finished(events)
+        assert isinstance(received[0], Admitted)
+        tokens = [t for event in received[1:] for t in event.token_ids]
+        assert tokens == received[-1].output.outputs[0].token_ids and len(tokens) == 6
+    assert loop.call(lambda engine: (len(engine._requests), engine.cache.num_free_slots)).result(TIMEOUT) == (0, 2)
+
+
+def test_a_bad_prompt_is_rejected_alone(loop):
+    bad = submit(loop, "bad", prompt_token_ids=[1, 10**9])
+    good = submit(loop, "good", max_tokens=3)
+    assert isinstance(bad.get(timeout=TIMEOUT), Rejected)
+    assert drain_until_finished(good)[-1].finish_reason == "length"
+
+
+def test_abort_frees_the_slot_and_stop_fails_the_rest(loop):
+    first = submit(loop, "long", max_tokens=50, ignore_eos=True)
+    assert isinstance(first.get(timeout=TIMEOUT), Admitted)
+    loop.abort("long")
+    assert loop.call(lambda engine: engine.cache.num_free_slots).result(TIMEOUT) == 2
+    loop.call(slow_down).result(TIMEOUT)  # so "cut" is surely still running when the loop stops
+    waiting = submit(loop, "cut", max_tokens=50, ignore_eos=True)
+    assert isinstance(waiting.get(timeout=TIMEOUT), Admitted)
+    loop.stop(timeout=TIMEOUT)
+    assert not loop.is_alive
+    events = []
+    while not waiting.empty():
+        events.append(waiting.get())
+    assert events and isinstance(events[-1], Failed) and events[-1].status == 503
+    with pytest.raises(LoopStopped):
+        submit(loop, "late")

@@ -1,0 +1,183 @@
+"""Bad input gets an OpenAI-style 4xx naming the field; nothing a client sends causes a 5xx."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import httpx
+import openai
+import pytest
+
+COMPLETION = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0}
+
+
+def post(server, path, body, **kwargs):
+    return httpx.post(f"{server.api_url}{path}", json=body, timeout=30, **kwargs)
+
+
+def assert_openai_error(response, *, status, param):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    if param is not None:
+        assert param.split(".")[0] in error["message"], error
+    assert error["type"] == ("invalid_request_error" if status < 429 else error["type"])
+    return error
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"n": 2}, "n"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": 1e-30}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -5}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"seed": 2**70}, "seed"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"stop": [""]}, "stop"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"echo": True}, "echo"),
+    ({"suffix": "tail"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [5, 10_000_000]}, "prompt"),  # out of the vocabulary: refused by the engine itself
+    ({"prompt": "word " * 200}, "prompt"),  # over max_model_len (128)
+    ({"temperature": "hot"}, "temperature"),
+    ({"stream": "yes"}, "stream"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": 3}, "prompt"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"metadata": {"scenario": 5}}, "metadata.scenario"),
+])
+def test_completion_errors_name_the_field(plain_server, change, param):
+    assert_openai_error(post(plain_server, "/completions", {**COMPLETION, **change}), status=400, param=param)
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "word " * 200}]}, "messages"),
+    ({"max_completion_tokens": 0, "max_tokens": None}, "max_completion_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 3}, "n"),
+])
+def test_chat_errors_name_the_field(ngram_server, change, param):
+    assert_openai_error(post(ngram_server, "/chat/completions", {**CHAT, **change}), status=400, param=param)
+
+
+def test_unknown_model_is_404_naming_model(plain_server):
+    with pytest.raises(openai.NotFoundError) as caught:
+        plain_server.openai_client().completions.create(model="gpt-17", prompt="x", max_tokens=2)
+    assert caught.value.body["param"] == "model" and "gpt-17" in caught.value.body["message"]
+
+
+def test_chat_without_template_is_a_clear_400(plain_server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        plain_server.openai_client().chat.completions.create(
+            model=plain_server.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert caught.value.body["code"] == "chat_template_missing"
+    assert "chat template" in caught.value.body["message"]
+
+
+def test_malformed_and_non_object_bodies(plain_server):
+    url = f"{plain_server.api_url}/completions"
+    malformed = httpx.post(url, content=b'{"prompt": "x",', headers={"Content-Type": "application/json"})
+    assert assert_openai_error(malformed, status=400, param=None)["code"] == "invalid_json"
+    not_an_object = httpx.post(url, json=[1, 2])
+    assert "JSON object" in assert_openai_error(not_an_object, status=400, param=None)["message"]
+    form = httpx.post(url, content=b"prompt=x", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert_openai_error(form, status=400, param=None)
+    missing = httpx.post(url, json={"max_tokens": 2})
+    assert_openai_error(missing, status=400, param="prompt")
+
+
+def test_unknown_route_and_method_use_the_openai_shape(plain_server):
+    assert httpx.get(f"{plain_server.api_url}/nothing").json()["error"]["message"].startswith("Not Found")
+    wrong_method = httpx.get(f"{plain_server.api_url}/completions")
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+# ---- fuzzing ---------------------------------------------------------------------------
+FUZZ_VALUES = [None, True, False, 0, -1, 1, 2, 7, 1e308, -1e308, 0.5, 1e-9, 2**64, -(2**63) - 1, "", "x",
+               "\u0000\ud7ff", "🙂" * 3, [], [1], [-1], [[1, 2]], ["a", 1], {}, {"a": 1}, {"include_usage": "y"},
+               [{"role": "user"}], [{"role": "user", "content": None}], [{"role": "user", "content": [
+                   {"type": "text", "text": "hi"}]}], [{"role": "tool", "content": "x"}], "NaN"]
+FUZZ_KEYS = ["prompt", "messages", "model", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens",
+             "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "stream", "stream_options", "metadata", "logit_bias",
+             "stop_token_ids", "min_tokens", "ignore_eos", "echo", "best_of", "suffix", "tools", "user",
+             "include_stop_str_in_output", "skip_special_tokens", "response_format", "zzz"]
+# Generation lengths stay small so hundreds of requests take seconds.
+MAX_FUZZ_TOKENS = 3
+
+
+def mutate(body: dict, rng: random.Random) -> dict:
+    body = copy.deepcopy(body)
+    for _ in range(rng.randint(1, 4)):
+        action = rng.random()
+        key = rng.choice(FUZZ_KEYS)
+        if action < 0.6:
+            body[key] = copy.deepcopy(rng.choice(FUZZ_VALUES))
+        elif action < 0.8:
+            body.pop(rng.choice(list(body) or ["prompt"]), None)
+        else:
+            body[key] = rng.uniform(-3, 3) if rng.random() < 0.5 else rng.randint(-3, 40)
+    return bound_generation(body)
+
+
+def bound_generation(body: dict) -> dict:
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_FUZZ_TOKENS:
+            body[key] = MAX_FUZZ_TOKENS
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_FUZZ_TOKENS
+    return body
+
+
+def raw_bodies(rng: random.Random) -> list[bytes]:
+    """Byte-level damage: truncations, flipped bytes, other JSON types, deep nesting."""
+    good = json.dumps(COMPLETION).encode()
+    bodies = [good[: rng.randint(0, len(good) - 1)] for _ in range(10)]
+    for _ in range(10):
+        damaged = bytearray(good)
+        damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        bodies.append(bytes(damaged))
+    return bodies + [b"null", b"42", b'"text"', b"[" * 5000 + b"]" * 5000, b"\xff\xfe", b'{"prompt": NaN}']
+
+
+def test_fuzzed_bodies_never_get_a_5xx(plain_server, ngram_server):
+    rng = random.Random(1234)
+    statuses = []
+    with httpx.Client(timeout=30) as client:
+        for i in range(300):
+            server, path, base = ((plain_server, "/completions", COMPLETION) if i % 2 == 0
+                                  else (ngram_server, "/chat/completions", CHAT))
+            body = mutate(base, rng)
+            if body.get("stream") is True:
+                with client.stream("POST", f"{server.api_url}{path}", json=body) as response:
+                    response.read()
+            else:
+                response = client.post(f"{server.api_url}{path}", json=body)
+            assert response.status_code < 500, (body, response.text)
+            if response.status_code >= 400:
+                assert "error" in response.json(), response.text
+            statuses.append(response.status_code)
+        for raw in raw_bodies(rng):
+            response = client.post(f"{plain_server.api_url}/completions", content=raw,
+                                   headers={"Content-Type": "application/json"})
+            # A flipped byte can leave valid JSON (a 200); anything else is the client's error.
+            assert response.status_code == 200 or 400 <= response.status_code < 500, (raw[:80], response.text)
+    # The fuzzing reached both sides: accepted requests and refusals.
+    assert statuses.count(200) > 20 and sum(400 <= s < 500 for s in statuses) > 100
