@@ -203,23 +203,26 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         prepared = _prepare(server, request=request, body=body)
         prompt = body.single_prompt()
         prompt_token_ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        _check_prompt_length(server, prompt_token_ids, param="prompt")
-        generation = Generation(server=server, prompt_token_ids=prompt_token_ids, params=prepared.params,
-                                scenario=prepared.scenario, prompt_param="prompt", id_prefix="cmpl")
-        writer = CompletionWriter(server=server, generation=generation, include_usage=body.include_usage,
-                                  include_token_ids=body.return_token_ids)
-        return await _respond(generation, writer=writer, stream=body.stream, request=request)
+        return await _generate(server, body=body, request=request, prepared=prepared, prompt_token_ids=prompt_token_ids,
+                               prompt_param="prompt", id_prefix="cmpl", writer_class=CompletionWriter)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prepared = _prepare(server, request=request, body=body)
-        prompt_token_ids = _render_chat(server, body)
-        _check_prompt_length(server, prompt_token_ids, param="messages")
-        generation = Generation(server=server, prompt_token_ids=prompt_token_ids, params=prepared.params,
-                                scenario=prepared.scenario, prompt_param="messages", id_prefix="chatcmpl")
-        writer = ChatWriter(server=server, generation=generation, include_usage=body.include_usage,
-                                  include_token_ids=body.return_token_ids)
-        return await _respond(generation, writer=writer, stream=body.stream, request=request)
+        return await _generate(server, body=body, request=request, prepared=prepared,
+                               prompt_token_ids=_render_chat(server, body), prompt_param="messages",
+                               id_prefix="chatcmpl", writer_class=ChatWriter)
+
+
+async def _generate(server: QuickdraftServer, *, body, request: Request, prepared, prompt_token_ids: list[int],
+                    prompt_param: str, id_prefix: str, writer_class):
+    """Check the prompt's length, run it through the engine loop, answer (streamed or whole)."""
+    _check_prompt_length(server, prompt_token_ids, param=prompt_param)
+    generation = Generation(server=server, prompt_token_ids=prompt_token_ids, params=prepared.params,
+                            scenario=prepared.scenario, prompt_param=prompt_param, id_prefix=id_prefix)
+    writer = writer_class(server=server, generation=generation, include_usage=body.include_usage,
+                          include_token_ids=body.return_token_ids)
+    return await _respond(generation, writer=writer, stream=body.stream, request=request)
 
 
 class _Prepared:
