@@ -55,7 +55,7 @@ class Speculator:
                                         dynamic=config.dynamic_draft_length)
         self._draft_length: dict[str, int] = {}
         self._views: dict[str, DraftRequest] = {}
-        self.step_costs = StepCostModel()  # fed by the engine after every step; adaptive uses it
+        self.step_costs = StepCostModel()  # adaptive: fed by the engine after every step
         self._acceptance: dict[str, AcceptanceEstimate] = {}  # adaptive: per request
         # adaptive: every request's drafts; new and idle requests start from / drift to its rate
         self._all_acceptance = AcceptanceEstimate(prior=config.adaptive_prior, decay=0.98)
@@ -154,6 +154,8 @@ class Speculator:
     def observe_step(self, *, num_requests: int, num_tokens: int, forward_seconds: float, decode_only: bool,
                      num_drafted_requests: int, num_draft_tokens: int, draft_seconds: float) -> None:
         """A finished step's size and timings, for the cost model of adaptive speculation."""
+        if not self.config.adaptive:
+            return  # nothing else reads the cost model
         if decode_only:
             self.step_costs.observe_forward(num_requests=num_requests, num_tokens=num_tokens,
                                             seconds=forward_seconds)
@@ -180,9 +182,9 @@ class Speculator:
         depths = node_depths(proposal.parents)[1:]
         request.metrics.record_draft(depths=depths, num_accepted=accepted.num_accepted)
         request_id = request.request_id
-        for estimate in (self._acceptance[request_id], self._all_acceptance):
-            estimate.record(drafted_depth=max(depths), num_accepted=accepted.num_accepted)
         if self.config.adaptive:
+            for estimate in (self._acceptance[request_id], self._all_acceptance):
+                estimate.record(drafted_depth=max(depths), num_accepted=accepted.num_accepted)
             self._probes[request_id].result(num_accepted=accepted.num_accepted)
         self._draft_length[request_id] = self.policy.next_length(
             self._draft_length[request_id], drafted=max(depths), accepted=accepted.num_accepted)
