@@ -238,6 +238,9 @@ def _add_bench_serve_parser(suites) -> None:
                        help="concurrent clients per level (default: 1 4 16 32)")
     serve.add_argument("--requests-per-client", type=int, default=2, metavar="N",
                        help="requests each client sends, one after another (default: 2)")
+    serve.add_argument("--modes", nargs="+", default=["off", "always-on", "adaptive"], metavar="MODE",
+                       help="which of off, always-on, adaptive to run; off always runs, every figure is a ratio "
+                            "to it (default: all three)")
     serve.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: 128)")
     serve.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
                        help="per level: after this long, clients send no further request (each still sends "
@@ -366,7 +369,7 @@ def run_bench_serve(args) -> int:
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
         questions=Path(args.questions), model=args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, concurrency=tuple(args.concurrency),
-        requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
+        requests_per_client=args.requests_per_client, max_tokens=args.max_tokens, modes=tuple(args.modes),
         time_limit_seconds=args.time_limit, max_num_seqs=args.max_num_seqs,
     )
     out_dir = Path(args.out) if args.out else default_out_dir()

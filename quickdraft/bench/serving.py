@@ -59,10 +59,17 @@ class ServingBenchOptions:
     time_limit_seconds: float = 300.0  # per level: no client starts another request after it
     max_num_seqs: int | None = None  # None: the largest concurrency, so no level queues for a slot
     request_timeout_seconds: float = 600.0
+    modes: tuple[str, ...] = MODES  # which to run; off (the baseline) always runs
 
     def __post_init__(self) -> None:
         self.questions = Path(self.questions)
         self.concurrency = tuple(self.concurrency)
+        self.modes = tuple(self.modes)
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes must be distinct names from {list(MODES)}, got {list(self.modes)}")
+        if BASELINE_MODE not in self.modes:
+            raise ValueError(f"modes must include {BASELINE_MODE!r}: every figure is a ratio to it")
         _check_speculative_config(self.speculative_config)
         if not self.concurrency:
             raise ValueError("concurrency needs at least one level")
@@ -84,9 +91,10 @@ class ServingBenchOptions:
         return self.max_num_seqs if self.max_num_seqs is not None else max(self.concurrency)
 
     def mode_configs(self) -> dict[str, dict | None]:
-        """The speculative config of each mode, in the order they run."""
-        return {"off": None, "always-on": dict(self.speculative_config),
-                "adaptive": {**self.speculative_config, "adaptive": True}}
+        """The speculative config of each chosen mode, in the order they run."""
+        configs = {"off": None, "always-on": dict(self.speculative_config),
+                   "adaptive": {**self.speculative_config, "adaptive": True}}
+        return {mode: config for mode, config in configs.items() if mode in self.modes}
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -503,7 +511,7 @@ def summary_markdown(report: ServingBenchReport) -> str:
         "plain-decoding steps and mean draft length: adaptive speculation's choices per decoding step "
         "(zeros included in the mean); always-on drafts every step it can.",
         "## Exact vs off, per mode",
-        "\n".join(f"- {mode}: {mode_exactness(report, mode)}" for mode in MODES if mode != BASELINE_MODE),
+        "\n".join(f"- {mode}: {mode_exactness(report, mode)}" for mode in report.options.modes if mode != BASELINE_MODE),
     ]
     notes = _notes(report)
     if notes:
@@ -535,7 +543,7 @@ def report_json(report: ServingBenchReport) -> dict:
     return dict(
         header=report.header, command=report.command, machine=report.machine, options=options,
         prompts=report.prompts, skipped_question_ids=report.skipped_question_ids,
-        exact_vs_off={mode: mode_exactness(report, mode) for mode in MODES if mode != BASELINE_MODE},
+        exact_vs_off={mode: mode_exactness(report, mode) for mode in report.options.modes if mode != BASELINE_MODE},
         levels=[dict(mode=x.mode, concurrency=x.concurrency, planned=x.planned, wall_seconds=x.wall_seconds,
                      stopped_by_time_limit=x.stopped_by_time_limit, summary=x.summary,
                      requests=[asdict(r) for r in x.requests]) for x in report.levels],

@@ -9,6 +9,13 @@ with the node's token, attending to the true entries and to their own ancestors'
 entries, which are written past the true entries and forgotten after verification: the
 rollback is just the true length.
 
+``catch_up_window`` bounds a catch-up: after a long stretch without drafts (the prompt, or
+plain steps chosen by adaptive speculation) only the last that many features are fed, and
+the head's context restarts there.  The head reads little beyond its last few dozen entries,
+so this costs almost no acceptance, while a catch-up over a whole prompt or a long plain
+stretch costs more than the draft it serves.  Pending features beyond the window are dropped
+as they arrive, so a request that never drafts holds at most a window of them.
+
 ``min_draft_prob`` stops a path where its cumulative draft probability falls below it (no
 draft at all when even the best first token is that unsure).
 
@@ -45,7 +52,9 @@ class _HeadState:
     # Target features [n, L * D] not yet fed, kept unfused: fusing them once at catch-up keeps a
     # step in which this request does not draft (adaptive speculation, busy batches) nearly free.
     pending: list[torch.Tensor] = field(default_factory=list)
-    num_true: int = 0  # true entries in the head cache
+    num_pending: int = 0  # rows in pending
+    first_true: int = 0  # the head attends to true entries first_true..num_true-1 (a window restarts it)
+    num_true: int = 0  # true entries in the head cache (index = token position)
     num_features: int = 0  # target features observed (= tokens in the target's cache)
 
 
@@ -54,13 +63,17 @@ class EagleDrafter:
 
     def __init__(self, *, target: TargetInfo, head: FeatureHead, num_speculative_tokens: int = 5,
                  tree: str | list = "dynamic", top_k: int = 4, max_draft_tokens: int = 16,
-                 min_draft_prob: float = 0.0):
+                 min_draft_prob: float = 0.0, catch_up_window: int | None = 64):
         if target.model is None:
             raise ValueError("the eagle drafter needs the target model (TargetInfo.model)")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
         if not isinstance(max_draft_tokens, int) or isinstance(max_draft_tokens, bool) or max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be a positive integer, got {max_draft_tokens!r}")
+        if catch_up_window is not None and (not isinstance(catch_up_window, int) or isinstance(catch_up_window, bool)
+                                            or catch_up_window < 1):
+            raise ValueError(f"catch_up_window must be a positive integer or null, got {catch_up_window!r}")
+        self.catch_up_window = catch_up_window
         self.depth = num_speculative_tokens
         self.top_k = top_k
         self.max_draft_tokens = max_draft_tokens
@@ -128,7 +141,11 @@ class EagleDrafter:
         # features [n, L * D] of the next n tokens entering the target's cache
         state = self._states[request.request_id]
         state.pending.append(features.to(self.head.dtype))
+        state.num_pending += features.shape[0]
         state.num_features += features.shape[0]
+        window = self.catch_up_window
+        while window is not None and state.num_pending - state.pending[0].shape[0] >= window:
+            state.num_pending -= state.pending.pop(0).shape[0]  # older than any catch-up will feed
 
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         pass  # draft entries sit past num_true: they are overwritten next step
@@ -190,14 +207,18 @@ class EagleDrafter:
     # ---- head forwards ------------------------------------------------------------------------
     def _catch_up(self, state: _HeadState, tokens: list[int]) -> torch.Tensor:
         """Feed the pending true pairs; returns the head's output after the root pair [D]."""
-        features = self.head.fuse_features(torch.cat(state.pending))  # [n, D]
-        state.pending = []
-        start = state.num_true
-        count = features.shape[0]
+        pending = torch.cat(state.pending)  # [num_pending, L * D]
+        count = state.num_features - state.num_true  # entries owed
+        if self.catch_up_window is not None and count > self.catch_up_window:
+            count = self.catch_up_window
+            state.first_true = state.num_features - count  # older entries would only be a gap: restart
+        features = self.head.fuse_features(pending[pending.shape[0] - count:])  # [count, D]
+        state.pending, state.num_pending = [], 0
+        start = state.num_features - count
         next_tokens = torch.tensor(tokens[start + 1 : start + 1 + count], device=self.device)
         positions = torch.arange(start + 1, start + 1 + count, device=self.device)
-        mask = torch.ones(count, start + count, dtype=torch.bool, device=self.device)
-        mask[:, start:] = torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()
+        mask = torch.ones(count, start + count - state.first_true, dtype=torch.bool, device=self.device)
+        mask[:, start - state.first_true:] = torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()
         out = self._forward(state, next_tokens, features, positions,
                             store=list(range(start, start + count)), mask=mask)
         state.num_true = start + count
@@ -207,14 +228,14 @@ class EagleDrafter:
         """Draft entries for `nodes` (their parents' outputs + their tokens); fills hidden/entry."""
         first_free = state.num_true + sum(1 for e in entry.values() if e is not None)
         store = list(range(first_free, first_free + len(nodes)))
-        kv_len = first_free + len(nodes)
-        mask = torch.zeros(len(nodes), kv_len, dtype=torch.bool)
-        mask[:, : state.num_true] = True
+        first = state.first_true
+        mask = torch.zeros(len(nodes), first_free + len(nodes) - first, dtype=torch.bool)  # columns from first
+        mask[:, : state.num_true - first] = True
         for row, node in enumerate(nodes):
             entry[node] = store[row]
             ancestor = node
             while ancestor > 0:
-                mask[row, entry[ancestor]] = True
+                mask[row, entry[ancestor] - first] = True
                 ancestor = tree.parents[ancestor]
         token_ids = torch.tensor([tree.token_ids[n] for n in nodes], device=self.device)
         features = torch.stack([hidden[tree.parents[n]] for n in nodes])  # [m, D]
@@ -225,14 +246,15 @@ class EagleDrafter:
 
     def _forward(self, state: _HeadState, token_ids: torch.Tensor, features: torch.Tensor,
                  positions: torch.Tensor, *, store: list[int], mask: torch.Tensor) -> torch.Tensor:
-        # token_ids [m], features [m, D], positions [m], mask [m, kv_len] -> head outputs [m, D]
+        # token_ids [m], features [m, D], positions [m], mask [m, kv_len - first_true] -> outputs [m, D]
         head = self.head
         hidden = head.input_hidden(token_ids, features)
         q, k, v = head.attention_inputs(hidden, positions)
         store_index = torch.tensor(store, device=self.device)
         self.cache.write(0, keys=k, values=v, slot_index=torch.full_like(store_index, state.slot),
                          store_index=store_index)
-        keys, values = self.cache.read(0, slot=state.slot, start=0, end=mask.shape[1])
+        keys, values = self.cache.read(0, slot=state.slot, start=state.first_true,
+                                       end=state.first_true + mask.shape[1])
         attended = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=head.attn_scale,
             enable_gqa=head.config.num_kv_heads != head.config.num_heads)  # [1, H, m, hd]

@@ -29,6 +29,7 @@ from quickdraft.verify.sampler import (
     compute_logprobs,
     logits_to_probs,
     make_generator,
+    modifies_logits,
     sample_from_probs,
 )
 
@@ -271,10 +272,15 @@ class Engine:
 
     def _sample_and_commit(self, requests: list[Request], logits: torch.Tensor) -> None:
         # logits [len(requests), V]: one row per request that completed its known tokens
-        rows = [RowContext(params=r.params, prompt_token_ids=r.prompt_token_ids,
-                           output_token_ids=r.output_token_ids) for r in requests]
-        probs = logits_to_probs(logits, rows, eos_token_ids=self.eos_token_ids)
-        tokens = sample_from_probs(probs, [r.generator for r in requests]).tolist()
+        if all(r.params.is_greedy and not modifies_logits(r.params, num_output_tokens=len(r.output_token_ids))
+               for r in requests):
+            # The distribution would be one-hots of these argmaxes: skip building [R, V] of them.
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            rows = [RowContext(params=r.params, prompt_token_ids=r.prompt_token_ids,
+                               output_token_ids=r.output_token_ids) for r in requests]
+            probs = logits_to_probs(logits, rows, eos_token_ids=self.eos_token_ids)
+            tokens = sample_from_probs(probs, [r.generator for r in requests]).tolist()
         logprob_rows = self._logprobs(requests, logits, tokens)
         now = time.perf_counter()
         for req, token, token_logprobs in zip(requests, tokens, logprob_rows):

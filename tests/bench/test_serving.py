@@ -140,8 +140,9 @@ def test_summary_has_command_machine_and_a_row_per_mode_and_level(report):
 def test_time_limit_stops_new_requests_and_is_reported(tiny_checkpoints, questions_file, tmp_path):
     out = tmp_path / "out"
     assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--concurrency", "2",
-                     "--requests-per-client", "3", "--time-limit", "0.000001") == 0
+                     "--requests-per-client", "3", "--time-limit", "0.000001", "--modes", "off", "adaptive") == 0
     data = json.loads((out / JSON_FILE).read_text())
+    assert [level["mode"] for level in data["levels"]] == ["off", "adaptive"]
     for level in data["levels"]:
         assert level["stopped_by_time_limit"] and len(level["requests"]) == 2 and level["planned"] == 6
     summary_md = (out / SUMMARY_FILE).read_text()
@@ -157,6 +158,8 @@ def test_time_limit_stops_new_requests_and_is_reported(tiny_checkpoints, questio
     (["--speculative-config", '{"method": "ngram"}', "--concurrency", "2", "2"], "distinct"),
     (["--speculative-config", '{"method": "ngram"}', "--time-limit", "0"], "time_limit_seconds must be"),
     (["--speculative-config", '{"method": "ngram"}', "--questions", "/nonexistent.jsonl"], "not found"),
+    (["--speculative-config", '{"method": "ngram"}', "--modes", "adaptive"], "must include 'off'"),
+    (["--speculative-config", '{"method": "ngram"}', "--modes", "off", "fast"], "modes must be distinct names"),
 ])
 def test_bad_options_are_clear_errors(extra, message, capsys):
     assert main(["bench", "serve", *extra]) == 2
@@ -170,6 +173,8 @@ def test_options_validate_without_the_cli():
         ServingBenchOptions(speculative_config=NGRAM, concurrency=())
     modes = ServingBenchOptions(speculative_config=NGRAM, concurrency=(3, 1)).mode_configs()
     assert modes == {"off": None, "always-on": NGRAM, "adaptive": {**NGRAM, "adaptive": True}}
+    chosen = ServingBenchOptions(speculative_config=NGRAM, modes=("adaptive", "off")).mode_configs()
+    assert list(chosen) == ["off", "adaptive"]  # off runs first whatever the order given
 
 
 def test_prompts_that_do_not_fit_are_left_out_and_named():

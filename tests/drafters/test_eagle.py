@@ -49,6 +49,7 @@ def plain(tiny_checkpoints):
     dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),  # static tree
     dict(top_k=2, min_draft_prob=0.004),  # unsure paths cut short (this random head is flat: ~1/200)
     dict(top_k=2, head_dtype="bfloat16"),  # the head computes in bf16, the target in fp32
+    dict(top_k=2, catch_up_window=3),  # the head's context restarts at almost every catch-up
 ])
 def test_greedy_equals_plain(tiny_checkpoints, head_dir, plain, arch, shape):
     llm = LLM(str(tiny_checkpoints[arch]), max_model_len=256, max_num_seqs=4,
@@ -132,6 +133,35 @@ def test_training_forward_matches_drafting(tiny_checkpoints, head_dir):
     drafter.finish("r")
 
 
+def test_catch_up_window_feeds_only_the_last_tokens(tiny_checkpoints, head_dir):
+    """A catch-up over more than the window restarts the head's context there: its root logits are
+    the unrolled head's over the window's tokens alone (RoPE is relative, so positions may shift),
+    and a request that does not draft holds at most a window of pending features (plus one chunk)."""
+    window = 4
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
+              speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 1,
+                                  "catch_up_window": window})
+    drafter = llm.engine.speculator.drafter
+    torch.manual_seed(2)
+    tokens = torch.randint(3, 320, (12,))
+    features = torch.randn(11, 3 * 64)
+    from quickdraft.drafters.base import DraftRequest
+
+    request = DraftRequest(request_id="r", prompt_token_ids=tokens.tolist(), output_token_ids=[], budget=8)
+    drafter.begin(request)
+    for chunk in features.split(2):  # 2+2+2+2+2+1 features, as plain steps would bring them
+        drafter.observe(request, chunk)
+        state = drafter._states["r"]
+        assert state.num_pending < window + 2
+    with torch.inference_mode():
+        root_hidden = drafter._catch_up(state, request.token_ids)
+        head = drafter.head
+        expected = head.unrolled_logits(tokens[11 - window:], features[11 - window:], depths=1)[0][-1]
+        torch.testing.assert_close(head.draft_logits(root_hidden), expected, rtol=1e-4, atol=1e-4)
+    assert (state.first_true, state.num_true, state.num_pending) == (11 - window, 11, 0)
+    drafter.finish("r")
+
+
 def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, head_dir):
     assert_speculation_keeps_sampling(
         str(tiny_checkpoints["gemma3"]), {"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 2,
@@ -149,6 +179,8 @@ def test_bad_heads_are_clear_errors(tiny_checkpoints, head_dir, tmp_path):
         LLM(path, speculative_config={"method": "eagle3", "head": str(head_dir), "min_draft_prob": 1.5})
     with pytest.raises(ValueError, match="top_k"):
         LLM(path, speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 0})
+    with pytest.raises(ValueError, match="catch_up_window"):
+        LLM(path, speculative_config={"method": "eagle3", "head": str(head_dir), "catch_up_window": 0})
     with pytest.raises(ValueError, match="no parent path"):
         LLM(path, speculative_config={"method": "eagle3", "head": str(head_dir), "tree": [[0, 1]]})
     wide = random_head(tmp_path / "wide", hidden=32)
