@@ -139,6 +139,10 @@ def _add_train_head_parser(commands) -> None:
     train.add_argument("--init-head", default=None, metavar="DIR",
                        help="start from this trained head (eagle3, medusa, self) instead of a new one; its draft "
                             "vocabulary is kept")
+    train.add_argument("--copy-dim", type=int, default=0, metavar="N",
+                       help="eagle3: give the head a learned copy path (queries and keys of width N) that "
+                            "copies tokens from the context, mixed with its vocabulary by a learned gate; with "
+                            "--init-head, the loaded head gains a fresh one (default: 0, none)")
     train.add_argument("--max-seq-len", type=int, default=1024,
                        help="longest sequence (prompt + answer) generated and trained on (default: 1024)")
     train.add_argument("--extra-data", nargs="+", default=(), metavar="DIR",
@@ -387,7 +391,7 @@ def run_train_head(args) -> int:
     config = TrainHeadConfig(
         out=args.out, method=args.method, target=args.target, dtype=args.dtype, device=args.device,
         num_prompts=args.num_prompts, prompt_mix=args.prompt_mix, extra_data=tuple(args.extra_data),
-        init_head=args.init_head, max_seq_len=args.max_seq_len,
+        init_head=args.init_head, copy_dim=args.copy_dim, max_seq_len=args.max_seq_len,
         max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab_size,
         feature_layers=tuple(args.feature_layers) if args.feature_layers else None,
         train_depths=args.train_depths, medusa_heads=args.medusa_heads, exit_layer=args.exit_layer,

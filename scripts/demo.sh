@@ -7,4 +7,4 @@ bash scripts/setup.sh
 # Speculative generation (hybrid: suffix-tree retrieval, and where it finds no match the EAGLE-3
 # head shipped for the embedded model), then the same prompt decoded plainly for the speedup.
 quickdraft generate "${1:-Summarize in one sentence: The quick brown fox jumps over the lazy dog. The quick brown fox is fast and the lazy dog sleeps all day. Summary:}" \
-  --max-tokens "${2:-128}" --speculative-config '{"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1, "head_dtype": "bfloat16"}], "skip_after": 2, "max_draft_tokens": 12}' --compare-plain
+  --max-tokens "${2:-128}" --speculative-config '{"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "head": "eagle3-nocopy", "top_k": 1, "head_dtype": "bfloat16"}], "skip_after": 2, "max_draft_tokens": 12}' --compare-plain

@@ -14,7 +14,9 @@ plain steps chosen by adaptive speculation) only the last that many features are
 the head's context restarts there.  The head reads little beyond its last few dozen entries,
 so this costs almost no acceptance, while a catch-up over a whole prompt or a long plain
 stretch costs more than the draft it serves.  Pending features beyond the window are dropped
-as they arrive, so a request that never drafts holds at most a window of them.
+as they arrive, so a request that never drafts holds at most a window of them; except for a
+head with a copy path, which copies from the whole context: the skipped entries still get
+their copy keys (the fusion and input projection only, a fraction of a full catch-up).
 
 ``min_draft_prob`` stops a path where its cumulative draft probability falls below it (no
 draft at all when even the best first token is that unsure).
@@ -24,6 +26,11 @@ cumulative draft probability at each depth, keep the best ``max_draft_tokens`` o
 a list of paths (Medusa's ``medusa_choices`` form) gives a static tree; ``top_k=1`` is a
 chain.  Children are top-k picks, so proposals are point masses (``draft_probs=None``),
 exact for greedy and sampled requests alike.
+
+A head with a copy path (``copy_dim`` > 0) also keeps, per slot, the copy key of every true
+entry (written at catch-up); a node's children are then the top k of the mixture of the
+vocabulary and the copy distribution over the true entries before the root's (see
+``quickdraft.models.heads.CopyMixture``), possibly tokens outside the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -100,6 +107,9 @@ class EagleDrafter:
         self.cache = KVCache(num_layers=1, num_slots=target.max_num_seqs, num_kv_heads=c.num_kv_heads,
                              head_dim=c.head_dim, max_len=head_max_len(target),
                              dtype=head.dtype, device=target.device)
+        # [num_slots, max_len, C]: copy keys of the true entries, by entry index (heads with a copy path)
+        self.copy_key_cache = torch.zeros(target.max_num_seqs, head_max_len(target), c.copy_dim, dtype=head.dtype,
+                                          device=target.device) if c.copy_dim else None
         self._states: dict[str, _HeadState] = {}
 
     @classmethod
@@ -143,7 +153,7 @@ class EagleDrafter:
         state.pending.append(features.to(self.head.dtype))
         state.num_pending += features.shape[0]
         state.num_features += features.shape[0]
-        window = self.catch_up_window
+        window = None if self.copy_key_cache is not None else self.catch_up_window  # copy keys need them all
         while window is not None and state.num_pending - state.pending[0].shape[0] >= window:
             state.num_pending -= state.pending.pop(0).shape[0]  # older than any catch-up will feed
 
@@ -161,6 +171,7 @@ class EagleDrafter:
         if not state.pending or state.num_features != len(tokens) - 1:
             return None  # no new features, or out of step with the tokens: no draft this step
         root_hidden = self._catch_up(state, tokens)  # [D]
+        copy_sources = self._copy_sources(state, tokens)
         max_depth = min(self.depth, request.max_depth)
         budget = min(self.max_draft_tokens, request.budget)
         tree = DynamicTree(root_token=tokens[-1])
@@ -174,20 +185,53 @@ class EagleDrafter:
             if depth > 1:  # depth-1 children come from the catch-up's last row
                 self._feed_nodes(state, tree, expand, hidden, entry)
             frontier = []
-            logits = self.head.draft_logits(torch.stack([hidden[n] for n in expand]))  # [m, Vd]
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            for row, node in enumerate(expand):
-                ranks = self._child_ranks(tree, node)
-                top = torch.topk(log_probs[row], max(ranks) + 1)
-                picked_log_probs = top.values[ranks].tolist()
+            ranks_per_node = [self._child_ranks(tree, node) for node in expand]
+            picks = self._pick_children(torch.stack([hidden[n] for n in expand]), ranks_per_node, copy_sources)
+            for node, ranks, (picked_ids, picked_log_probs) in zip(expand, ranks_per_node, picks):
                 keep = [i for i, lp in enumerate(picked_log_probs) if tree.scores[node] + lp >= self.min_log_prob]
-                picked_ids = self.head.d2t[top.indices[ranks]].tolist()
                 frontier += tree.add_children(node, [picked_ids[i] for i in keep], [picked_log_probs[i] for i in keep],
                                               [ranks[i] for i in keep])
         if len(tree.token_ids) == 1:
             return None
         token_ids, parents = tree.pruned(budget)
         return Proposal(token_ids=token_ids, parents=parents)
+
+    def _pick_children(self, features: torch.Tensor, ranks_per_node: list[list[int]],
+                       copy_sources: dict | None) -> list[tuple[list[int], list[float]]]:
+        """Per node (head output `features` [m, D]): the target ids and log-probabilities of its
+        candidates of the given ranks (0 = most likely)."""
+        if copy_sources is None:
+            logits = self.head.draft_logits(features)  # [m, Vd]
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            picks = []
+            for row, ranks in enumerate(ranks_per_node):
+                top = torch.topk(log_probs[row], max(ranks) + 1)
+                picks.append((self.head.d2t[top.indices[ranks]].tolist(), top.values[ranks].tolist()))
+            return picks
+        eligible = torch.ones(features.shape[0], copy_sources["values"].shape[0], dtype=torch.bool,
+                              device=self.device)  # every node copies from the same true entries
+        mixture = self.head.mixture(features, eligible=eligible, **copy_sources)
+        ids, log_probs = mixture.top_k(max(max(ranks) for ranks in ranks_per_node) + 1)  # [m, k]
+        return [(ids[row, ranks].tolist(), log_probs[row, ranks].tolist()) for row, ranks in enumerate(ranks_per_node)]
+
+    def _copy_sources(self, state: _HeadState, tokens: list[int]) -> dict | None:
+        """Copy keys [n, C] and values [n] of the true entries every node of this step copies
+        from: 0..root's entry - 1, the whole context even where a catch-up window restarted the
+        head's attention (entry i copies token i + 2; the root's own is the token being drafted).
+        None without a copy path or with nothing to copy yet."""
+        if self.copy_key_cache is None or state.num_true < 2:
+            return None
+        keys = self.copy_key_cache[state.slot, : state.num_true - 1]
+        values = torch.tensor(tokens[2 : state.num_true + 1], device=self.device)
+        return {"keys": keys, "values": values}
+
+    def _write_copy_keys(self, state: _HeadState, tokens: list[int], features: torch.Tensor, *, start: int) -> None:
+        """Copy keys of true entries start.. from their target features [n, L * D], without running
+        the head's block over them (entries a catch-up window skips)."""
+        count = features.shape[0]
+        next_tokens = torch.tensor(tokens[start + 1 : start + 1 + count], device=self.device)
+        hidden = self.head.input_hidden(next_tokens, self.head.fuse_features(features))  # [n, D]
+        self.copy_key_cache[state.slot, start : start + count] = self.head.copy_keys(hidden)
 
     # ---- tree shape -------------------------------------------------------------------------
     def _nodes_to_expand(self, tree: DynamicTree, frontier: list[int], depth: int) -> list[int]:
@@ -211,6 +255,8 @@ class EagleDrafter:
         count = state.num_features - state.num_true  # entries owed
         if self.catch_up_window is not None and count > self.catch_up_window:
             count = self.catch_up_window
+            if self.copy_key_cache is not None:  # pending holds every owed entry: key the skipped ones
+                self._write_copy_keys(state, tokens, pending[: pending.shape[0] - count], start=state.num_true)
             state.first_true = state.num_features - count  # older entries would only be a gap: restart
         features = self.head.fuse_features(pending[pending.shape[0] - count:])  # [count, D]
         state.pending, state.num_pending = [], 0
@@ -220,7 +266,7 @@ class EagleDrafter:
         mask = torch.ones(count, start + count - state.first_true, dtype=torch.bool, device=self.device)
         mask[:, start - state.first_true:] = torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()
         out = self._forward(state, next_tokens, features, positions,
-                            store=list(range(start, start + count)), mask=mask)
+                            store=list(range(start, start + count)), mask=mask, true_entries=True)
         state.num_true = start + count
         return out[-1]
 
@@ -245,12 +291,15 @@ class EagleDrafter:
             hidden[node] = out[row]
 
     def _forward(self, state: _HeadState, token_ids: torch.Tensor, features: torch.Tensor,
-                 positions: torch.Tensor, *, store: list[int], mask: torch.Tensor) -> torch.Tensor:
+                 positions: torch.Tensor, *, store: list[int], mask: torch.Tensor,
+                 true_entries: bool = False) -> torch.Tensor:
         # token_ids [m], features [m, D], positions [m], mask [m, kv_len - first_true] -> outputs [m, D]
         head = self.head
         hidden = head.input_hidden(token_ids, features)
         q, k, v = head.attention_inputs(hidden, positions)
         store_index = torch.tensor(store, device=self.device)
+        if true_entries and self.copy_key_cache is not None:  # only true entries are copied from
+            self.copy_key_cache[state.slot, store_index] = head.copy_keys(hidden)
         self.cache.write(0, keys=k, values=v, slot_index=torch.full_like(store_index, state.slot),
                          store_index=store_index)
         keys, values = self.cache.read(0, slot=state.slot, start=state.first_true,

@@ -9,11 +9,20 @@ draft depth, so drafting runs autoregressively at feature level.
 It borrows two tensors from the target instead of storing them: the token embedding and
 the LM-head rows of the draft vocabulary (``d2t`` maps draft ids to target ids), so a
 shipped head holds only its block and the fusion map.
+
+An optional copy path (``copy_dim`` > 0, pointer-generator style) lets the head copy from the
+context: each true entry i offers the token that followed its input token (x_{i+2}) under a
+key computed from its input; a row's output feature queries those keys, and a learned gate
+mixes the copy distribution with the vocabulary distribution over *target* ids (so copying
+can propose tokens outside the draft vocabulary).  ``CopyMixture`` holds that mixture; both
+training and drafting read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +34,10 @@ from quickdraft.models.layers import RotaryTable, apply_rotary
 
 HEAD_CONFIG_FILE = "head_config.json"
 HEAD_WEIGHTS_FILE = "head.safetensors"
+COPY_PARAMETERS = ("copy_query", "copy_key", "copy_gate")
+# Stands in for log(0) where gradients flow: exp() of it is exactly 0 in float32, and unlike -inf
+# it keeps logsumexp/logaddexp gradients finite on rows where every term is "impossible".
+NEG_LOG = -1e4
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class HeadConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     activation: str = "gelu_tanh"  # "gelu_tanh" | "silu"
+    copy_dim: int = 0  # width of the copy path's queries and keys; 0: no copy path
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
@@ -53,6 +67,8 @@ class HeadConfig:
             raise ValueError("head config needs at least one feature layer")
         if self.activation not in ("gelu_tanh", "silu"):
             raise ValueError(f"unsupported head activation {self.activation!r}")
+        if not isinstance(self.copy_dim, int) or isinstance(self.copy_dim, bool) or self.copy_dim < 0:
+            raise ValueError(f"head config copy_dim must be a non-negative integer, got {self.copy_dim!r}")
 
     @classmethod
     def from_dict(cls, data: dict) -> HeadConfig:
@@ -100,35 +116,43 @@ class FeatureHead(torch.nn.Module):
         """Draft logits for draft depths 1..depths at anchors first_anchor..T-2 (training-time test).
 
         token_ids [T], features [T - 1, L * D] of one sequence (every token but the last).
+        Returns [T - 1 - first_anchor, Vd] per depth; depth k's row for anchor j predicts
+        token j + k + 1 (rows past the sequence end predict nothing).
+        """
+        _, outputs = self.unrolled_features(token_ids, features, depths=depths, first_anchor=first_anchor)
+        return [self.draft_logits(output) for output in outputs]
+
+    def unrolled_features(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
+                          first_anchor: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The true entries' input hidden states [T - 1, D] and the head's output features
+        [T - 1 - first_anchor, D] per draft depth 1..depths (what `draft_logits` reads).
+
+        token_ids [T], features [T - 1, L * D] of one sequence (every token but the last).
         Anchor j is the pair (feature j, token j+1); depth k feeds the head's own depth k-1
         output with token j+k at position j+k, attending to the true entries up to anchor j
         and to its own deeper entries, exactly what drafting sees.  Every anchor's true entry
         is computed (later anchors attend to it); outputs only from `first_anchor` on.
-        Returns [T - 1 - first_anchor, Vd] per depth; depth k's row for anchor j predicts
-        token j + k + 1 (rows past the sequence end predict nothing).
         """
         n = token_ids.shape[0] - 1
         padded = torch.cat([token_ids, token_ids.new_zeros(depths)])
         anchors = torch.arange(n, device=token_ids.device)
         rows = anchors[first_anchor:]
         causal = anchors[None, :] <= rows[:, None]  # [m, n]
-        hidden = self.input_hidden(padded[1 : n + 1], self.fuse_features(features[:n]))  # [n, D]
-        q, k, v = self.attention_inputs(hidden, anchors + 1)
+        entry_hidden = self.input_hidden(padded[1 : n + 1], self.fuse_features(features[:n]))  # [n, D]
+        q, k, v = self.attention_inputs(entry_hidden, anchors + 1)
         keys, values = [k], [v]
-        queries, hidden = q[first_anchor:], hidden[first_anchor:]
+        queries, hidden = q[first_anchor:], entry_hidden[first_anchor:]
         outputs = []
         for depth in range(1, depths + 1):
             if depth > 1:
-                hidden = self.input_hidden(padded[rows + depth], feature)  # [m, D]
+                hidden = self.input_hidden(padded[rows + depth], outputs[-1])  # [m, D]
                 queries, k, v = self.attention_inputs(hidden, rows + depth)
                 keys.append(k)
                 values.append(v)
             attended = _unrolled_attention(queries, keys, values, causal=causal, first_anchor=first_anchor,
                                            scale=self.attn_scale)
-            feature = self.block_output(hidden, attended.reshape(hidden.shape[0], -1))
-            outputs.append(self.draft_logits(feature))
-        return outputs
-
+            outputs.append(self.block_output(hidden, attended.reshape(hidden.shape[0], -1)))
+        return entry_hidden, outputs
 
 
 class EagleHead(FeatureHead):
@@ -155,12 +179,19 @@ class EagleHead(FeatureHead):
         self.final_norm = norm()
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # [Vd] target ids
         # max_len: the longest head position used (sequence length plus draft depth).
+        self.max_len = max_len
         self.rotary = RotaryTable(RopeConfig(theta=c.rope_theta), head_dim=c.head_dim, max_len=max_len, dtype=dtype)
+        if c.copy_dim:
+            self.copy_query = linear(D, c.copy_dim)
+            self.copy_key = linear(D, c.copy_dim)
+            self.copy_gate = torch.nn.Linear(D, 1, bias=True, dtype=dtype)
+            self.reset_copy_path()
         # Borrowed from the target by attach_target (not saved with the head).
         self.embed_tokens: torch.Tensor | None = None  # [V, D]
         self.embed_scale: float | None = None
         self.lm_rows: torch.Tensor | None = None  # [Vd, D] target LM-head rows of the draft vocabulary
         self.logit_softcap: float | None = None
+        self.t2d: torch.Tensor | None = None  # [V] draft id of each target id, -1 outside (copy path only)
 
     @property
     def attn_scale(self) -> float:
@@ -174,6 +205,9 @@ class EagleHead(FeatureHead):
         self.embed_scale = target.embed_scale
         self.lm_rows = target.lm_head_weight.detach()[self.d2t].to(dtype)
         self.logit_softcap = target.config.final_logit_softcapping
+        if self.config.copy_dim:
+            self.t2d = torch.full((self.embed_tokens.shape[0],), -1, dtype=torch.long, device=self.d2t.device)
+            self.t2d[self.d2t] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
 
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:  # d2t [Vd]
         if d2t.shape != self.d2t.shape:
@@ -214,6 +248,63 @@ class EagleHead(FeatureHead):
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
+    # ---- the copy path ---------------------------------------------------------------------
+    def reset_copy_path(self) -> None:
+        """Fresh copy parameters: small random queries and keys, and a gate that starts mostly
+        shut (sigmoid(-2) = 0.12), so a new copy path barely moves the vocabulary distribution."""
+        with torch.no_grad():
+            self.copy_query.weight.normal_(0.0, 0.02)
+            self.copy_key.weight.normal_(0.0, 0.02)
+            self.copy_gate.weight.zero_()
+            self.copy_gate.bias.fill_(-2.0)
+
+    def with_fresh_copy_path(self, copy_dim: int) -> EagleHead:
+        """This head's weights and draft vocabulary in a head with a new copy path of width
+        `copy_dim` (fine-tuning a trained head into a copying one)."""
+        head = EagleHead(dataclasses.replace(self.config, copy_dim=copy_dim), dtype=self.dtype, max_len=self.max_len)
+        kept = {name: tensor for name, tensor in self.state_dict().items() if not name.startswith(COPY_PARAMETERS)}
+        missing, unexpected = head.load_state_dict(kept, strict=False)
+        assert not unexpected and all(name.startswith(COPY_PARAMETERS) for name in missing), (missing, unexpected)
+        return head.to(self.d2t.device)
+
+    def copy_keys(self, entry_hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C]
+        """Copy keys of true entries from their input hidden states (`input_hidden`)."""
+        return self.linear(_unit_rms(entry_hidden, eps=self.config.rms_norm_eps), self.copy_key.weight, None)
+
+    def mixture(self, feature: torch.Tensor, *, keys: torch.Tensor, values: torch.Tensor,
+                eligible: torch.Tensor) -> CopyMixture:
+        """The draft distribution of rows whose head output is `feature` [m, D] (what
+        `draft_logits` reads), copying from sources with copy keys `keys` [n, C] and values
+        (target ids) `values` [n]; row r reads the sources where `eligible` [m, n] is true.
+
+        The gate reads the normalised output like the query does: the raw residual stream's
+        scale would otherwise set the gate's temperature.
+        """
+        normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
+        query = self.linear(normed, self.copy_query.weight, None)  # [m, C]
+        gate_logit = self.linear(normed, self.copy_gate.weight, self.copy_gate.bias)[:, 0].float()  # [m]
+        scores = query.float() @ keys.float().T * self.config.copy_dim ** -0.5  # [m, n]
+        has_source = eligible.any(dim=-1)  # [m]: a row with nothing to copy keeps the vocabulary only
+        return CopyMixture(
+            vocab_log_probs=torch.log_softmax(self.draft_logits(feature).float(), dim=-1),
+            log_keep=F.logsigmoid(-gate_logit).masked_fill(~has_source, 0.0),
+            log_gate=F.logsigmoid(gate_logit).masked_fill(~has_source, -math.inf),
+            copy_log_weights=torch.log_softmax(scores.masked_fill(~eligible, NEG_LOG), dim=-1),
+            copy_values=values, eligible=eligible, d2t=self.d2t, t2d=self.t2d)
+
+    def unrolled_mixtures(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
+                          first_anchor: int = 0) -> list[CopyMixture]:
+        """The training forward of a head with a copy path: per draft depth, the mixture of the
+        rows `unrolled_logits` returns.  Entry i copies x_{i+2}; a row at anchor j (any depth)
+        copies from the true entries 0..j-1, whose values are all known there."""
+        entry_hidden, outputs = self.unrolled_features(token_ids, features, depths=depths, first_anchor=first_anchor)
+        n = entry_hidden.shape[0]
+        keys = self.copy_keys(entry_hidden)  # [n, C]
+        values = torch.cat([token_ids[2:], token_ids.new_full((1,), -1)])  # [n]: the last entry's is unknown
+        anchors = torch.arange(n, device=token_ids.device)
+        eligible = anchors[None, :] < anchors[first_anchor:, None]  # [m, n]
+        return [self.mixture(output, keys=keys, values=values, eligible=eligible) for output in outputs]
+
     # ---- files ---------------------------------------------------------------------------
     def save(self, directory: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> None:
         from safetensors.torch import save_file
@@ -242,6 +333,72 @@ class EagleHead(FeatureHead):
             raise ValueError(f"head weights in {directory} do not match its config: missing {missing}, "
                              f"unexpected {unexpected}")
         return head.to(device).eval()
+
+
+@dataclass
+class CopyMixture:
+    """p(v) = (1 - g) * p_vocab(v) + g * p_copy(v) over target ids v, for m rows.
+
+    p_vocab is the softmax of the draft logits, 0 outside the draft vocabulary; p_copy(v) sums
+    the copy attention weights of the eligible sources whose value is v; g is the copy gate (0 on
+    rows with no eligible source).  Never materialised over the target vocabulary.
+    """
+
+    vocab_log_probs: torch.Tensor  # [m, Vd]
+    log_keep: torch.Tensor  # [m] log(1 - g)
+    log_gate: torch.Tensor  # [m] log g (-inf on rows without a source)
+    copy_log_weights: torch.Tensor  # [m, n] log copy attention weights (meaningless where not eligible)
+    copy_values: torch.Tensor  # [n] target id each source copies (-1: unknown, never eligible)
+    eligible: torch.Tensor  # [m, n] bool: sources each row copies from
+    d2t: torch.Tensor  # [Vd] target id of each draft id
+    t2d: torch.Tensor  # [V] draft id of each target id, -1 outside the draft vocabulary
+
+    def log_prob(self, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(target_ids) [m] (differentiable) and whether it can be above 0 [m] (the token is
+        in the draft vocabulary or an eligible source copies it); `target_ids` [m] >= 0."""
+        draft_ids = self.t2d[target_ids]  # [m]
+        in_vocab = draft_ids >= 0
+        vocab_part = self.vocab_log_probs.gather(1, draft_ids.clamp_min(0)[:, None])[:, 0]
+        vocab_part = vocab_part.masked_fill(~in_vocab, NEG_LOG)
+        copies = self.eligible & (self.copy_values[None, :] == target_ids[:, None])  # [m, n]
+        copy_part = torch.logsumexp(self.copy_log_weights.masked_fill(~copies, NEG_LOG), dim=-1)
+        log_probs = torch.logaddexp(self.log_keep + vocab_part, self.log_gate + copy_part)
+        return log_probs, in_vocab | copies.any(dim=-1)
+
+    def top_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely target ids of each row and their log-probabilities, best first:
+        ids [m, k], log_probs [m, k].
+
+        Only the vocabulary's own top k and the copied tokens can be among them (any other
+        token has less mass than each of the vocabulary's top k), so those are the candidates,
+        each distinct token once, scored with its whole mixture probability.
+        """
+        m, n = self.eligible.shape
+        vocab_top = self.vocab_log_probs.topk(k, dim=-1)
+        vocab_ids = self.d2t[vocab_top.indices]  # [m, k]
+        # Copy mass per distinct copied token: O(m * n), where comparing sources pairwise would be O(n^2).
+        distinct, inverse = torch.unique(self.copy_values, return_inverse=True)  # [U], [n]
+        eligible = self.eligible.to(self.copy_log_weights.dtype)  # [m, n]
+        weights = self.copy_log_weights.exp() * eligible  # [m, n]
+        index = inverse.expand(m, n)
+        copied = weights.new_zeros(m, distinct.shape[0]).scatter_add_(1, index, weights)  # [m, U]
+        copyable = weights.new_zeros(m, distinct.shape[0]).scatter_add_(1, index, eligible) > 0  # [m, U]
+        is_vocab_id = vocab_ids[:, :, None] == distinct[None, None, :]  # [m, k, U]
+        vocab_copied = (copied[:, None, :] * is_vocab_id).sum(dim=-1)  # [m, k]
+        draft_of_distinct = self.t2d[distinct.clamp_min(0)]  # [U]
+        distinct_vocab = self.vocab_log_probs.gather(1, draft_of_distinct.clamp_min(0).expand(m, -1))
+        distinct_vocab = distinct_vocab.masked_fill(draft_of_distinct < 0, -math.inf)  # [m, U]
+        dropped = ~copyable | is_vocab_id.any(dim=1) | (distinct < 0)  # each candidate token once
+        log_gate, log_keep = self.log_gate[:, None], self.log_keep[:, None]
+        vocab_scores = torch.logaddexp(log_keep + vocab_top.values, log_gate + vocab_copied.log())
+        copy_scores = torch.logaddexp(log_keep + distinct_vocab, log_gate + copied.log()).masked_fill(dropped, -math.inf)
+        top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
+        ids = torch.cat([vocab_ids, distinct.expand(m, -1)], dim=1).gather(1, top.indices)
+        return ids, top.values
+
+
+def _unit_rms(x: torch.Tensor, *, eps: float) -> torch.Tensor:  # [..., D] -> [..., D], no learned scale
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *,

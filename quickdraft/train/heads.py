@@ -7,7 +7,8 @@ Stages, each resumable from the output folder:
 2. draft vocabulary: the most frequent answer tokens (``draft_vocab_size`` of them);
 3. training: an eagle3 head is unrolled over ``train_depths`` draft depths per anchor
    (training-time test); medusa heads predict depth k from the last layer; self and draft heads the
-   next token; cross-entropy on the target's tokens, AdamW with warm-up and
+   next token; cross-entropy on the target's tokens (an eagle3 head with a copy path,
+   ``copy_dim`` > 0: -log of its vocabulary/copy mixture), AdamW with warm-up and
    cosine decay; ``checkpoint.pt`` after every epoch and every ``checkpoint_every`` steps;
 4. validation on held-out sequences: per-depth top-1 accuracy and the chain acceptance
    length a greedy chain of ``val_depths`` draft tokens would reach (teacher forcing with
@@ -50,6 +51,7 @@ class TrainHeadConfig:
     prompt_mix: str = "tasks"  # see quickdraft.train.data.build_prompts
     extra_data: tuple[Path, ...] = ()  # data folders of earlier runs whose shards are trained on too
     init_head: Path | None = None  # a trained head to start from (fine-tuning; its draft vocabulary is kept)
+    copy_dim: int = 0  # eagle3: width of a learned copy path (0: none); with init_head, a fresh one is added
     shard_prompts: int = 32
     max_new_tokens: int = 256
     sampled_fraction: float = 0.25  # share of answers sampled (temperature 0.7) instead of greedy
@@ -103,6 +105,10 @@ class TrainHeadConfig:
             raise ValueError(f"exit_layer must be a positive integer, got {self.exit_layer!r}")
         if not isinstance(self.val_sequences, int) or self.val_sequences < 1:
             raise ValueError(f"val_sequences must be a positive integer, got {self.val_sequences!r}")
+        if not isinstance(self.copy_dim, int) or isinstance(self.copy_dim, bool) or self.copy_dim < 0:
+            raise ValueError(f"copy_dim must be a non-negative integer, got {self.copy_dim!r}")
+        if self.copy_dim and self.method != "eagle3":
+            raise ValueError(f"copy_dim: only eagle3 heads have a copy path, not {self.method}")
 
     @property
     def depths(self) -> int:
@@ -154,10 +160,11 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
         d2t, coverage = draft_vocabulary(train, config.draft_vocab_size, vocab_size=target.config.vocab_size)
         head = new_head(target, method=config.method, layers=layers, draft_vocab_size=len(d2t),
                         intermediate_size=config.intermediate_size, medusa_heads=config.medusa_heads,
-                        exit_layer=config.exit_layer, draft_layers=config.draft_layers, max_len=max_len)
+                        exit_layer=config.exit_layer, draft_layers=config.draft_layers, max_len=max_len,
+                        copy_dim=config.copy_dim)
         head.set_draft_vocab(d2t)
     else:
-        head = load_trained_head(config.method, config.init_head, max_len=max_len)
+        head = load_trained_head(config.method, config.init_head, max_len=max_len, copy_dim=config.copy_dim)
         d2t, coverage = head.d2t.clone(), vocabulary_coverage(train, head.d2t)
     report.train_sequences, report.draft_vocab_coverage = len(train), coverage
     report.train_answer_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in train)
@@ -194,7 +201,8 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def new_head(target, *, method: str = "eagle3", layers, draft_vocab_size: int, intermediate_size: int | None,
-             max_len: int, medusa_heads: int = 4, exit_layer: int | None = None, draft_layers: int = 2):
+             max_len: int, medusa_heads: int = 4, exit_layer: int | None = None, draft_layers: int = 2,
+             copy_dim: int = 0):
     c = target.config
     if method == "mtp":
         head = MtpHead(c, draft_vocab_size=draft_vocab_size, max_len=max_len)
@@ -214,14 +222,26 @@ def new_head(target, *, method: str = "eagle3", layers, draft_vocab_size: int, i
     config = HeadConfig(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                         head_dim=c.head_dim, intermediate_size=intermediate_size or c.intermediate_size,
                         feature_layers=tuple(layers), draft_vocab_size=draft_vocab_size,
-                        rms_norm_eps=c.rms_norm_eps, activation=c.activation)
+                        rms_norm_eps=c.rms_norm_eps, activation=c.activation, copy_dim=copy_dim)
     return EagleHead(config, max_len=max_len)
 
 
-def load_trained_head(method: str, directory: Path, *, max_len: int):
+def load_trained_head(method: str, directory: Path, *, max_len: int, copy_dim: int = 0):
+    """The head in `directory`, to fine-tune; `copy_dim` > 0 gives an eagle3 head that has no copy
+    path a fresh one (a head that has one keeps it: leave copy_dim at 0)."""
     cls = RESUMABLE_HEADS[method]
     options = {"max_len": max_len} if cls is EagleHead else {}
-    return cls.load(directory, dtype=torch.float32, **options)
+    head = cls.load(directory, dtype=torch.float32, **options)
+    if copy_dim:
+        if head.config.copy_dim:
+            raise ValueError(f"init_head {str(directory)!r} already has a copy path (copy_dim "
+                             f"{head.config.copy_dim}); leave copy_dim at 0 to go on training it")
+        head = head.with_fresh_copy_path(copy_dim)
+    return head
+
+
+def has_copy_path(head) -> bool:
+    return isinstance(head, EagleHead) and head.config.copy_dim > 0
 
 
 def vocabulary_coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
@@ -328,9 +348,11 @@ def _sequence_loss(head: EagleHead, seq: Sequence, t2d: torch.Tensor, *, depths:
     tokens = torch.tensor(seq.token_ids[:max_seq_len])
     # Anchors before this one predict only prompt tokens at every depth: no logits for them.
     first_anchor = max(0, min(seq.num_prompt_tokens - depths - 1, len(tokens) - 2))
+    anchors = torch.arange(first_anchor, len(tokens) - 1)
+    if has_copy_path(head):
+        return _copy_sequence_loss(head, tokens, seq, first_anchor=first_anchor, depths=depths)
     logits = head.training_logits(tokens, seq.features[: len(tokens) - 1].float(), depths=depths,
                                   first_anchor=first_anchor)
-    anchors = torch.arange(first_anchor, len(tokens) - 1)
     total, count = 0.0, 0
     for depth, depth_logits in enumerate(logits, start=1):
         labels, inside = depth_labels(tokens, anchors, depth=depth, t2d=t2d, first_target=seq.num_prompt_tokens)
@@ -343,15 +365,43 @@ def _sequence_loss(head: EagleHead, seq: Sequence, t2d: torch.Tensor, *, depths:
     return total, count
 
 
+def _copy_sequence_loss(head: EagleHead, tokens: torch.Tensor, seq: Sequence, *, first_anchor: int, depths: int):
+    """_sequence_loss of a head with a copy path: -log of the mixture's probability of the true
+    token, which now also counts tokens outside the draft vocabulary that the context holds."""
+    mixtures = head.unrolled_mixtures(tokens, seq.features[: len(tokens) - 1].float(), depths=depths,
+                                      first_anchor=first_anchor)
+    anchors = torch.arange(first_anchor, len(tokens) - 1)
+    total, count = 0.0, 0
+    for depth, mixture in enumerate(mixtures, start=1):
+        targets, inside = depth_targets(tokens, anchors, depth=depth, first_target=seq.num_prompt_tokens)
+        log_probs, possible = mixture.log_prob(targets)
+        counted = inside & possible
+        if not counted.any():
+            continue
+        total = total - 0.8 ** (depth - 1) * log_probs[counted].sum()
+        count += int(counted.sum())
+    return total, count
+
+
+def depth_targets(tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int,
+                  first_target: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target ids of depth `depth` at `anchors` (0 where there is none) and the mask of anchors
+    whose target exists and is at or past `first_target` (see depth_labels)."""
+    target_index = anchors + depth + 1
+    inside = (target_index < len(tokens)) & (target_index >= first_target)
+    targets = torch.zeros(anchors.shape, dtype=torch.long)
+    targets[inside] = tokens[target_index[inside]]
+    return targets, inside
+
+
 def depth_labels(tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int, t2d: torch.Tensor,
                  first_target: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft-vocabulary labels of depth `depth` at `anchors` (depth k at anchor j predicts token
     j + k + 1) and the mask of anchors whose target exists and is at or past `first_target`.
     Labels are -100 outside the mask and for tokens outside the draft vocabulary."""
-    target_index = anchors + depth + 1
-    inside = (target_index < len(tokens)) & (target_index >= first_target)
+    targets, inside = depth_targets(tokens, anchors, depth=depth, first_target=first_target)
     labels = torch.full(anchors.shape, -100, dtype=torch.long)
-    labels[inside] = t2d[tokens[target_index[inside]]]
+    labels[inside] = t2d[targets[inside]]
     return labels, inside
 
 
@@ -415,7 +465,8 @@ def _train(config: TrainHeadConfig, head, train: list[Sequence], t2d: torch.Tens
 def validate(head, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
              max_seq_len: int) -> tuple[list[float], float]:
     """Per-depth top-1 accuracy over answer positions, and the acceptance length a greedy chain
-    of `depths` draft tokens reaches when it decodes the answers step by step.
+    of `depths` draft tokens reaches when it decodes the answers step by step (a head with a copy
+    path: top-1 of its vocabulary/copy mixture over target ids).
 
     Teacher forcing with the target's own tokens is exact for a greedy chain (a chain goes on
     only while it is right).  The acceptance length is simulated per step, as decoding
@@ -429,11 +480,10 @@ def validate(head, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
         tokens = torch.tensor(seq.token_ids[:max_seq_len])
         n = len(tokens) - 1
         first = max(0, min(seq.num_prompt_tokens - 1, n - 1))  # anchor whose root is the first answer token
-        logits = head.training_logits(tokens, seq.features[:n].float(), depths=depths, first_anchor=first)
         hits = torch.zeros(n - first, depths, dtype=torch.bool)
-        for depth, depth_logits in enumerate(logits, start=1):
-            labels, inside = depth_labels(tokens, torch.arange(first, n), depth=depth, t2d=t2d, first_target=0)
-            hits[:, depth - 1] = (depth_logits.argmax(-1) == labels) & inside
+        for depth, depth_hits, inside in _top1_hits(head, tokens, seq.features[:n].float(), t2d, depths=depths,
+                                                    first_anchor=first):
+            hits[:, depth - 1] = depth_hits
             correct[depth - 1] += int(hits[inside, depth - 1].sum())
             total[depth - 1] += int(inside.sum())
         anchor = 0  # decode the answer: each step commits the accepted run plus one token
@@ -446,6 +496,24 @@ def validate(head, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
             anchor += run + 1
     accuracy = [c / t if t else 0.0 for c, t in zip(correct, total)]
     return accuracy, committed / steps if steps else 0.0
+
+
+def _top1_hits(head, tokens: torch.Tensor, features: torch.Tensor, t2d: torch.Tensor, *, depths: int,
+               first_anchor: int):
+    """Per depth: (depth, whether the head's most likely token is the true one [m], which rows
+    have a true token [m]), at anchors first_anchor..T-2.  A head with a copy path is judged by
+    its mixture over target ids, the others by their draft logits."""
+    anchors = torch.arange(first_anchor, len(tokens) - 1)
+    if has_copy_path(head):
+        mixtures = head.unrolled_mixtures(tokens, features, depths=depths, first_anchor=first_anchor)
+        for depth, mixture in enumerate(mixtures, start=1):
+            targets, inside = depth_targets(tokens, anchors, depth=depth, first_target=0)
+            yield depth, (mixture.top_k(1)[0][:, 0] == targets) & inside, inside
+        return
+    logits = head.training_logits(tokens, features, depths=depths, first_anchor=first_anchor)
+    for depth, depth_logits in enumerate(logits, start=1):
+        labels, inside = depth_labels(tokens, anchors, depth=depth, t2d=t2d, first_target=0)
+        yield depth, (depth_logits.argmax(-1) == labels) & inside, inside
 
 
 def _jsonable(value):

@@ -14,14 +14,19 @@ from tests.stats_checks import assert_speculation_keeps_sampling
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def random_head(directory, *, feature_layers=(0, 1, 3), draft_vocab=200, seed=0, hidden=64, vocab_size=320):
+def random_head(directory, *, feature_layers=(0, 1, 3), draft_vocab=200, seed=0, hidden=64, vocab_size=320,
+                copy_dim=0, copy_gate_bias=None):
+    """A random head saved to `directory`; copy_dim > 0 gives it a random copy path whose gate's
+    bias is `copy_gate_bias` (a large one makes the copy distribution dominate)."""
     torch.manual_seed(seed)
     config = HeadConfig(hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
-                        feature_layers=feature_layers, draft_vocab_size=draft_vocab)
+                        feature_layers=feature_layers, draft_vocab_size=draft_vocab, copy_dim=copy_dim)
     head = EagleHead(config)
     with torch.no_grad():
         for param in head.parameters():
             param.normal_(0.0, 0.2)
+        if copy_gate_bias is not None:
+            head.copy_gate.bias.fill_(copy_gate_bias)
         head.set_draft_vocab(torch.randperm(vocab_size)[:draft_vocab])
     head.save(directory, dtype=torch.float32)
     return directory
@@ -30,6 +35,12 @@ def random_head(directory, *, feature_layers=(0, 1, 3), draft_vocab=200, seed=0,
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory):
     return random_head(tmp_path_factory.mktemp("head") / "eagle3")
+
+
+@pytest.fixture(scope="module")
+def copy_head_dir(tmp_path_factory):
+    """A random head with a copy path that copies most of the time (gate sigmoid(1.5) = 0.82)."""
+    return random_head(tmp_path_factory.mktemp("copy_head") / "eagle3", copy_dim=16, copy_gate_bias=1.5)
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +208,167 @@ def test_min_draft_prob_drafts_only_confident_paths(tiny_checkpoints, head_dir):
                                   "num_speculative_tokens": 4, "min_draft_prob": 0.999})
     llm.generate(repetitive_prompts()[:2], SamplingParams(max_tokens=20, **GREEDY))
     assert llm.get_metrics().num_draft_tokens == 0  # a random head is never that sure
+
+
+# ---- heads with a copy path ------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+@pytest.mark.parametrize("shape", [
+    dict(top_k=1),  # a chain
+    dict(top_k=3, max_draft_tokens=10),  # EAGLE-2 dynamic tree
+    dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),  # static tree
+    dict(top_k=2, catch_up_window=3),  # the copy sources restart with the head's context
+    dict(top_k=2, head_dtype="bfloat16"),  # copy keys kept in bf16
+])
+def test_copy_head_greedy_equals_plain(tiny_checkpoints, copy_head_dir, plain, arch, shape):
+    llm = LLM(str(tiny_checkpoints[arch]), max_model_len=256, max_num_seqs=4,
+              speculative_config={"method": "eagle3", "head": str(copy_head_dir), "num_speculative_tokens": 4,
+                                  **shape})
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain[arch]
+    metrics = llm.get_metrics()
+    assert metrics.num_drafts > 20 and metrics.num_draft_tokens > metrics.num_drafts
+    assert llm.engine.speculator.drafter.copy_key_cache is not None
+
+
+def test_copy_sources_cover_the_whole_context_past_a_catch_up_window(tiny_checkpoints, copy_head_dir):
+    """A catch-up window restarts the head's attention, but a copy head still copies from every
+    entry: the skipped ones get the same copy keys the training forward computes."""
+    window = 4
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
+              speculative_config={"method": "eagle3", "head": str(copy_head_dir), "top_k": 1,
+                                  "catch_up_window": window})
+    drafter = llm.engine.speculator.drafter
+    torch.manual_seed(3)
+    tokens = torch.randint(3, 320, (12,))
+    features = torch.randn(11, 3 * 64)
+    from quickdraft.drafters.base import DraftRequest
+
+    request = DraftRequest(request_id="r", prompt_token_ids=tokens.tolist(), output_token_ids=[], budget=8)
+    drafter.begin(request)
+    for chunk in features.split(2):
+        drafter.observe(request, chunk)
+    state = drafter._states["r"]
+    assert state.num_pending == 11  # nothing dropped: the skipped entries need their copy keys
+    with torch.inference_mode():
+        drafter._catch_up(state, request.token_ids)
+        sources = drafter._copy_sources(state, request.token_ids)
+        head = drafter.head
+        entry_hidden, _ = head.unrolled_features(tokens, features, depths=1)
+        expected_keys = head.copy_keys(entry_hidden)
+    assert state.first_true == 11 - window
+    torch.testing.assert_close(sources["keys"], expected_keys[:10], rtol=1e-4, atol=1e-4)
+    assert sources["values"].tolist() == tokens[2:].tolist()
+    drafter.finish("r")
+
+
+def test_copy_head_sampled_tokens_have_the_target_distribution(tiny_checkpoints, copy_head_dir):
+    assert_speculation_keeps_sampling(
+        str(tiny_checkpoints["gemma3"]), {"method": "eagle3", "head": str(copy_head_dir), "num_speculative_tokens": 2,
+                                          "top_k": 3, "max_draft_tokens": 6}, prompt=repetitive_prompts()[1][:5],
+        require_accepts=False)
+
+
+def _one_row(mixture, row: int, *, repeat: int):
+    """Row `row` of a CopyMixture, repeated `repeat` times (to ask its probability of many ids)."""
+    import dataclasses
+
+    def pick(t):
+        return t[row : row + 1].expand(repeat, *t.shape[1:])
+
+    return dataclasses.replace(mixture, vocab_log_probs=pick(mixture.vocab_log_probs), log_keep=pick(mixture.log_keep),
+                               log_gate=pick(mixture.log_gate), copy_log_weights=pick(mixture.copy_log_weights),
+                               eligible=pick(mixture.eligible))
+
+
+def _distribution(mixture, row: int, *, vocab_size: int = 320) -> torch.Tensor:  # [V] probabilities of one row
+    log_probs, _ = _one_row(mixture, row, repeat=vocab_size).log_prob(torch.arange(vocab_size))
+    return log_probs.exp()
+
+
+def test_copy_head_drafting_matches_training(tiny_checkpoints, copy_head_dir):
+    """The mixture the drafter computes at the root (depth 1) and at a depth-2 node equals the
+    unrolled training forward's for the same tokens and features, over every target id; it is a
+    distribution; and the drafter's children are its top ids with their log-probabilities."""
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
+              speculative_config={"method": "eagle3", "head": str(copy_head_dir), "top_k": 3})
+    drafter = llm.engine.speculator.drafter
+    head = drafter.head
+    torch.manual_seed(1)
+    tokens = torch.randint(3, 320, (4,)).repeat(3)[:9]  # repeats: the copy distribution has something to say
+    features = torch.randn(9, 3 * 64)
+    with torch.no_grad():
+        unrolled = head.unrolled_mixtures(tokens, features[:8], depths=2)
+        from_anchor_3 = head.unrolled_mixtures(tokens, features[:8], depths=2, first_anchor=3)
+    for full, partial in zip(unrolled, from_anchor_3):
+        torch.testing.assert_close(_distribution(partial, 2), _distribution(full, 5), rtol=1e-4, atol=1e-5)
+    from quickdraft.drafters.base import DraftRequest
+    from quickdraft.drafters.tree import DynamicTree
+
+    request = DraftRequest(request_id="r", prompt_token_ids=tokens[:7].tolist(), output_token_ids=[], budget=8)
+    drafter.begin(request)
+    drafter.observe(request, features[:6])
+    state = drafter._states["r"]
+    with torch.inference_mode():
+        root_hidden = drafter._catch_up(state, request.token_ids)  # pairs 0..5: row 5 = (f5, x6)
+        sources = drafter._copy_sources(state, request.token_ids)  # entries 0..4, copying x2..x6
+        assert sources["values"].tolist() == tokens[2:7].tolist()
+        root = head.mixture(root_hidden[None], eligible=torch.ones(1, 5, dtype=torch.bool), **sources)
+        expected = _distribution(unrolled[0], 5)
+        torch.testing.assert_close(_distribution(root, 0), expected, rtol=1e-4, atol=1e-5)
+        assert float(expected.sum()) == pytest.approx(1.0, abs=1e-5)
+        (ids, log_probs), = drafter._pick_children(root_hidden[None], [[0, 1, 2]], sources)
+        assert ids == expected.topk(3).indices.tolist()
+        assert log_probs == pytest.approx(expected.topk(3).values.log().tolist(), abs=1e-4)
+        tree = DynamicTree(root_token=int(tokens[6]))
+        child, = tree.add_children(0, [int(tokens[7])], [0.0])
+        hidden, entry = {0: root_hidden}, {0: None}
+        drafter._feed_nodes(state, tree, [child], hidden, entry)
+        deeper = head.mixture(hidden[child][None], eligible=torch.ones(1, 5, dtype=torch.bool), **sources)
+        torch.testing.assert_close(_distribution(deeper, 0), _distribution(unrolled[1], 5), rtol=1e-4, atol=1e-5)
+    drafter.finish("r")
+
+
+def copying_head(directory, *, draft_vocab: torch.Tensor):
+    """A head that only copies: its output is its input (no attention or MLP update), its input is
+    the normalised embedding of its token (features ignored), copy queries and keys are that
+    embedding scaled, so a row attends to the earlier entries with its own token, and the gate is
+    ~1.  It proposes what followed the last occurrences of the current token."""
+    config = HeadConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                        feature_layers=(0, 1, 3), draft_vocab_size=draft_vocab.shape[0], copy_dim=64)
+    head = EagleHead(config)
+    with torch.no_grad():
+        head.o_proj.weight.zero_()
+        head.down_proj.weight.zero_()
+        head.in_proj.weight.zero_()
+        head.in_proj.weight[:, :64] = torch.eye(64)  # the token half only
+        head.copy_query.weight.copy_(2.0 * torch.eye(64))
+        head.copy_key.weight.copy_(2.0 * torch.eye(64))
+        head.copy_gate.bias.fill_(10.0)
+        head.set_draft_vocab(draft_vocab)
+    head.save(directory, dtype=torch.float32)
+    return directory
+
+
+def test_copy_head_drafts_the_repeated_continuation(tiny_checkpoints, tmp_path):
+    """On a repeated passage the copying head drafts what followed the previous occurrence, the
+    first token of it outside the draft vocabulary (which the vocabulary could never propose)."""
+    torch.manual_seed(3)
+    order = torch.randperm(320)
+    draft_vocab, outside = order[:200], order[200:]
+    passage = [int(outside[0]), *order[:5].tolist()]  # the first token is outside the draft vocabulary
+    tokens = [int(order[5])] + passage * 2  # root: the passage's last token, seen once before
+    head_dir = copying_head(tmp_path / "copying", draft_vocab=draft_vocab)
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
+              speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 1,
+                                  "num_speculative_tokens": 4})
+    drafter = llm.engine.speculator.drafter
+    from quickdraft.drafters.base import DraftRequest
+
+    request = DraftRequest(request_id="r", prompt_token_ids=tokens, output_token_ids=[], budget=8)
+    drafter.begin(request)
+    drafter.observe(request, torch.randn(len(tokens) - 1, 3 * 64))
+    proposal = drafter.propose([request])[0]
+    assert proposal.token_ids == [passage[-1], *passage[:4]] and proposal.parents == [-1, 0, 1, 2, 3]
+    assert proposal.draft_probs is None
+    drafter.finish("r")

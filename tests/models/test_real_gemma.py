@@ -125,8 +125,13 @@ def test_medusa_and_self_heads_greedy_equal_plain(tmp_path, kind):
     assert speculative_metrics_if_exact(spec, max_tokens=24).num_drafts > 0
 
 
-def test_shipped_eagle3_head_loads_by_name_and_drafts_usefully():
-    """{"method": "eagle3"} finds the head shipped for the embedded model; output stays exact."""
-    metrics = speculative_metrics_if_exact({"method": "eagle3", "top_k": 1, "num_speculative_tokens": 4,
-                                            "head_dtype": "bfloat16"}, max_tokens=48)
+@pytest.mark.parametrize("options", [
+    {"top_k": 1},  # the default head (with a copy path), a chain
+    {"top_k": 3, "max_draft_tokens": 10},  # its mixture's top-k children in a dynamic tree
+    {"head": "eagle3-nocopy", "top_k": 1},  # the head without a copy path, by its name
+])
+def test_shipped_eagle3_heads_load_by_name_and_draft_usefully(options):
+    """{"method": "eagle3"} finds the heads shipped for the embedded model; output stays exact."""
+    metrics = speculative_metrics_if_exact({"method": "eagle3", "num_speculative_tokens": 4, "head_dtype": "bfloat16",
+                                            **options}, max_tokens=48)
     assert metrics.acceptance_length > 1.3  # an untrained head stays near 1.0

@@ -162,6 +162,31 @@ def test_fine_tuning_starts_from_the_trained_head(trained, tiny_checkpoints, tmp
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_fine_tuning_with_copy_dim_trains_a_copy_path_and_drafts_exactly(trained, tiny_checkpoints, tmp_path):
+    """init_head + copy_dim: the trained head gains a fresh copy path (its other weights and draft
+    vocabulary kept), trains with the mixture loss, validates, and drafts exactly."""
+    out, _ = trained
+    target = str(tiny_checkpoints["gemma3"])
+    config = TrainHeadConfig(out=tmp_path / "copy", target=target, init_head=out / "head", copy_dim=16,
+                             extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0, "epochs": 1})
+    report = train_head(config, progress=False)
+    assert len(report.val_accuracy_by_depth) == 3 and report.val_chain_acceptance_length >= 1.0
+    before = EagleHead.load(out / "head", dtype=torch.float32)
+    after = EagleHead.load(tmp_path / "copy" / "head", dtype=torch.float32)
+    assert after.config.copy_dim == 16 and torch.equal(after.d2t, before.d2t)
+    assert set(after.state_dict()) - set(before.state_dict()) == {"copy_query.weight", "copy_key.weight",
+                                                                  "copy_gate.weight", "copy_gate.bias"}
+    manifest = json.loads((tmp_path / "copy" / "head" / "manifest.json").read_text())
+    assert manifest["options"]["copy_dim"] == 16
+    prompts = [build_prompts(1, seed=5)[0][:60]]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = LLM(target, max_model_len=160).generate(prompts, params)
+    spec = {"method": "eagle3", "head": str(tmp_path / "copy" / "head"), "num_speculative_tokens": 3, "top_k": 2}
+    llm = LLM(target, max_model_len=160, speculative_config=spec)
+    assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.get_metrics().num_drafts > 0
+
+
 def test_medusa_heads_train_on_earlier_data_and_draft_exactly(trained, tiny_checkpoints, tmp_path):
     """--method medusa with no new prompts, on the eagle run's data (its last-layer columns)."""
     out, _ = trained
