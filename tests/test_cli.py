@@ -75,3 +75,10 @@ def test_train_head_options_reach_the_config_and_errors_are_clear(tmp_path, caps
     assert config.command.startswith("quickdraft train-head --method self")
     assert main(["train-head", "--out", str(tmp_path / "o"), "--extra-data", str(tmp_path)]) == 2
     assert "holds no shard" in capsys.readouterr().err
+    from tests.drafters.test_eagle import random_head
+
+    random_head(tmp_path / "trained")
+    code = main(["train-head", "--out", str(tmp_path / "o"), "--init-head", str(tmp_path / "trained"),
+                 "--copy-dim", "32", "--no-progress"])
+    assert code == 2 and "stop here" in capsys.readouterr().err
+    assert seen["config"].copy_dim == 32 and seen["config"].init_head == tmp_path / "trained"

@@ -144,26 +144,36 @@ def test_training_forward_matches_drafting(tiny_checkpoints, head_dir):
     drafter.finish("r")
 
 
+def observed_with_window(checkpoint, head, *, window: int, seed: int):
+    """A drafter with catch-up window `window` that observed 11 random features of a 12-token
+    request in chunks of 2 (as plain steps would bring them): (drafter, request, tokens, features,
+    pending rows after each chunk)."""
+    from quickdraft.drafters.base import DraftRequest
+
+    llm = LLM(str(checkpoint), max_model_len=128,
+              speculative_config={"method": "eagle3", "head": str(head), "top_k": 1, "catch_up_window": window})
+    drafter = llm.engine.speculator.drafter
+    torch.manual_seed(seed)
+    tokens = torch.randint(3, 320, (12,))
+    features = torch.randn(11, 3 * 64)
+    request = DraftRequest(request_id="r", prompt_token_ids=tokens.tolist(), output_token_ids=[], budget=8)
+    drafter.begin(request)
+    pending = []
+    for chunk in features.split(2):
+        drafter.observe(request, chunk)
+        pending.append(drafter._states["r"].num_pending)
+    return drafter, request, tokens, features, pending
+
+
 def test_catch_up_window_feeds_only_the_last_tokens(tiny_checkpoints, head_dir):
     """A catch-up over more than the window restarts the head's context there: its root logits are
     the unrolled head's over the window's tokens alone (RoPE is relative, so positions may shift),
     and a request that does not draft holds at most a window of pending features (plus one chunk)."""
     window = 4
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
-              speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 1,
-                                  "catch_up_window": window})
-    drafter = llm.engine.speculator.drafter
-    torch.manual_seed(2)
-    tokens = torch.randint(3, 320, (12,))
-    features = torch.randn(11, 3 * 64)
-    from quickdraft.drafters.base import DraftRequest
-
-    request = DraftRequest(request_id="r", prompt_token_ids=tokens.tolist(), output_token_ids=[], budget=8)
-    drafter.begin(request)
-    for chunk in features.split(2):  # 2+2+2+2+2+1 features, as plain steps would bring them
-        drafter.observe(request, chunk)
-        state = drafter._states["r"]
-        assert state.num_pending < window + 2
+    drafter, request, tokens, features, pending = observed_with_window(tiny_checkpoints["gemma3"], head_dir,
+                                                                       window=window, seed=2)
+    assert max(pending) < window + 2
+    state = drafter._states["r"]
     with torch.inference_mode():
         root_hidden = drafter._catch_up(state, request.token_ids)
         head = drafter.head
@@ -173,9 +183,11 @@ def test_catch_up_window_feeds_only_the_last_tokens(tiny_checkpoints, head_dir):
     drafter.finish("r")
 
 
-def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, head_dir):
+@pytest.mark.parametrize("head_fixture", ["head_dir", "copy_head_dir"])
+def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, head_fixture, request):
+    head = request.getfixturevalue(head_fixture)
     assert_speculation_keeps_sampling(
-        str(tiny_checkpoints["gemma3"]), {"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 2,
+        str(tiny_checkpoints["gemma3"]), {"method": "eagle3", "head": str(head), "num_speculative_tokens": 2,
                                           "top_k": 3, "max_draft_tokens": 6}, prompt=repetitive_prompts()[1][:5],
         require_accepts=False)
 
@@ -235,21 +247,10 @@ def test_copy_sources_cover_the_whole_context_past_a_catch_up_window(tiny_checkp
     """A catch-up window restarts the head's attention, but a copy head still copies from every
     entry: the skipped ones get the same copy keys the training forward computes."""
     window = 4
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
-              speculative_config={"method": "eagle3", "head": str(copy_head_dir), "top_k": 1,
-                                  "catch_up_window": window})
-    drafter = llm.engine.speculator.drafter
-    torch.manual_seed(3)
-    tokens = torch.randint(3, 320, (12,))
-    features = torch.randn(11, 3 * 64)
-    from quickdraft.drafters.base import DraftRequest
-
-    request = DraftRequest(request_id="r", prompt_token_ids=tokens.tolist(), output_token_ids=[], budget=8)
-    drafter.begin(request)
-    for chunk in features.split(2):
-        drafter.observe(request, chunk)
+    drafter, request, tokens, features, pending = observed_with_window(tiny_checkpoints["gemma3"], copy_head_dir,
+                                                                       window=window, seed=3)
+    assert pending[-1] == 11  # nothing dropped: the skipped entries need their copy keys
     state = drafter._states["r"]
-    assert state.num_pending == 11  # nothing dropped: the skipped entries need their copy keys
     with torch.inference_mode():
         drafter._catch_up(state, request.token_ids)
         sources = drafter._copy_sources(state, request.token_ids)
@@ -260,13 +261,6 @@ def test_copy_sources_cover_the_whole_context_past_a_catch_up_window(tiny_checkp
     torch.testing.assert_close(sources["keys"], expected_keys[:10], rtol=1e-4, atol=1e-4)
     assert sources["values"].tolist() == tokens[2:].tolist()
     drafter.finish("r")
-
-
-def test_copy_head_sampled_tokens_have_the_target_distribution(tiny_checkpoints, copy_head_dir):
-    assert_speculation_keeps_sampling(
-        str(tiny_checkpoints["gemma3"]), {"method": "eagle3", "head": str(copy_head_dir), "num_speculative_tokens": 2,
-                                          "top_k": 3, "max_draft_tokens": 6}, prompt=repetitive_prompts()[1][:5],
-        require_accepts=False)
 
 
 def _one_row(mixture, row: int, *, repeat: int):

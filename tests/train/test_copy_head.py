@@ -139,24 +139,6 @@ def test_init_head_gains_a_fresh_copy_path(tmp_path):
     assert load_trained_head("eagle3", tmp_path / "copying", max_len=100).config.copy_dim == 4
 
 
-def test_cli_passes_copy_dim(tmp_path, monkeypatch, capsys):
-    import quickdraft.train.heads as heads
-    from quickdraft.cli import main
-
-    seen = {}
-
-    def fake_train(config, *, progress):
-        seen["config"] = config
-        raise ValueError("stop here")
-
-    monkeypatch.setattr(heads, "train_head", fake_train)
-    random_head(tmp_path / "trained")
-    code = main(["train-head", "--out", str(tmp_path / "o"), "--init-head", str(tmp_path / "trained"),
-                 "--copy-dim", "32", "--no-progress"])
-    assert code == 2 and "stop here" in capsys.readouterr().err
-    assert seen["config"].copy_dim == 32 and seen["config"].init_head == tmp_path / "trained"
-
-
 def test_mixture_top_k_is_the_brute_force_top_k():
     """CopyMixture.top_k against the whole mixture over the target vocabulary, with repeated copied
     tokens, copied tokens inside and outside the draft vocabulary, and rows that may copy from
