@@ -29,8 +29,8 @@ from quickdraft.verify.sampler import (
     compute_logprobs,
     logits_to_probs,
     make_generator,
-    modifies_logits,
     sample_from_probs,
+    samples_by_argmax,
 )
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -272,8 +272,7 @@ class Engine:
 
     def _sample_and_commit(self, requests: list[Request], logits: torch.Tensor) -> None:
         # logits [len(requests), V]: one row per request that completed its known tokens
-        if all(r.params.is_greedy and not modifies_logits(r.params, num_output_tokens=len(r.output_token_ids))
-               for r in requests):
+        if all(samples_by_argmax(r.params, num_output_tokens=len(r.output_token_ids)) for r in requests):
             # The distribution would be one-hots of these argmaxes: skip building [R, V] of them.
             tokens = logits.argmax(dim=-1).tolist()
         else:

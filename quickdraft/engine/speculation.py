@@ -26,7 +26,7 @@ from quickdraft.engine.adaptive import (
 from quickdraft.engine.request import Request
 from quickdraft.models.attention import node_depths
 from quickdraft.verify.rejection import verify_greedy, verify_proposal
-from quickdraft.verify.sampler import RowContext, logits_to_probs, modifies_logits
+from quickdraft.verify.sampler import RowContext, logits_to_probs, samples_by_argmax
 
 
 @dataclass
@@ -166,8 +166,7 @@ class Speculator:
     def verify(self, *, request: Request, proposal: Proposal, logits: torch.Tensor,
                eos_token_ids: list[int]) -> AcceptedPath:
         """logits [num_nodes, V]: the target's logits after each tree node."""
-        if request.params.is_greedy and not modifies_logits(
-                request.params, num_output_tokens=len(request.output_token_ids)):
+        if samples_by_argmax(request.params, num_output_tokens=len(request.output_token_ids)):
             # Greedy without penalties: target_probs would be one-hots of these argmaxes.
             return verify_greedy(proposal=proposal, target_argmax=logits.argmax(dim=-1).tolist(),
                                  max_new_tokens=request.remaining_output_tokens)

@@ -140,6 +140,12 @@ def modifies_logits(params: SamplingParams, *, num_output_tokens: int) -> bool:
                                        output_token_ids=range(num_output_tokens)))
 
 
+def samples_by_argmax(params: SamplingParams, *, num_output_tokens: int) -> bool:
+    """Greedy with raw logits: the row's distribution is a one-hot of ``logits.argmax()``, so
+    callers may take the argmax without building it."""
+    return params.is_greedy and not modifies_logits(params, num_output_tokens=num_output_tokens)
+
+
 def _flat_keys(
     per_row_ids: Sequence[tuple[int, Sequence[int]]],  # (row, token ids) pairs
     vocab: int,
