@@ -206,6 +206,10 @@ def _add_bench_parser(commands) -> None:
     spec.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs")
     spec.add_argument("--out", default=None, metavar="DIR",
                       help="results folder (default: results/specbench-DATE-TIME)")
+    spec.add_argument("--interleave", action="store_true",
+                      help="quickdraft's runs answer each question in turn (not one whole run after another), "
+                           "so that the machine's drift over the benchmark falls on every run alike; "
+                           "memory is then not measured per run")
     spec.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_options(spec)
     redo = suites.add_parser("report", help="rewrite a results folder's tables and plots from its results.json",
@@ -342,7 +346,7 @@ def run_bench(args) -> int:
         peers=tuple(args.peers), peer_draft_tokens=args.peer_draft_tokens,
         sampling=BenchSampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_p=args.top_p, top_k=args.top_k, seed=args.seed),
-        progress=not args.no_progress,
+        progress=not args.no_progress, interleave=args.interleave,
     )
     out_dir = Path(args.out) if args.out else default_out_dir()
     report = run_specbench(options, command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv))

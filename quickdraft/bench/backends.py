@@ -53,9 +53,15 @@ class QuickdraftBackend:
         self.speculative_config = speculative_config
         self.reference = reference
         self.setting = f"quickdraft {llm.config.dtype}"
+        self._speculator = None  # built by open()
 
     def open(self) -> None:
         self.llm.engine.set_speculative_config(self.speculative_config)
+        self._speculator = self.llm.engine.speculator
+
+    def activate(self) -> None:
+        """Make this run's speculator the engine's again (runs interleaved question by question)."""
+        self.llm.engine.set_speculator(self._speculator)
 
     def generate(self, prompt_ids: list[int], *, sampling: BenchSampling, seed: int) -> TurnRecord:
         from quickdraft.sampling_params import SamplingParams

@@ -52,6 +52,10 @@ class BenchOptions:
     sampling: BenchSampling = field(default_factory=BenchSampling)
     warmup: bool = True
     progress: bool = True
+    # quickdraft's runs answer each question in turn (the first to answer rotates) instead of
+    # one whole run after another: the machine's drift over a long benchmark then falls on every
+    # run alike, so their ratios are steadier; memory is not told apart per run then.
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.peers if p not in PEERS]
@@ -117,8 +121,12 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
     peer_specs = _peer_specs(options, llm)
     progress = _progress(total=len(questions) * (len(quickdraft_runs) + len(peer_specs)),
                          enabled=options.progress)
-    runs = [_run(backend, questions, tokenizer=tokenizer, options=options, progress=progress,
-                 memory_base=baseline_rss) for backend in quickdraft_runs]
+    if options.interleave:
+        runs = _run_interleaved(quickdraft_runs, questions, tokenizer=tokenizer, options=options,
+                                progress=progress, memory_base=baseline_rss)
+    else:
+        runs = [_run(backend, questions, tokenizer=tokenizer, options=options, progress=progress,
+                     memory_base=baseline_rss) for backend in quickdraft_runs]
     del llm, quickdraft_runs
     gc.collect()
     for name, make in peer_specs:
@@ -146,10 +154,7 @@ def _run(backend, questions: list[Question], *, tokenizer, options: BenchOptions
     done = 0
     try:
         with PeakMemory(options.device) as memory:
-            backend.open()
-            if options.warmup:  # one-time costs (kernel builds, allocator growth) are not decoding
-                backend.generate(tokenizer.encode(conversation_prompt(questions[0].turns[:1], [])),
-                                 sampling=BenchSampling(max_new_tokens=8), seed=0)
+            _open(backend, questions, tokenizer=tokenizer, options=options)
             report.results = []
             for index, question in enumerate(questions):
                 report.results.append(_answer(backend, question, index=index, tokenizer=tokenizer,
@@ -159,12 +164,54 @@ def _run(backend, questions: list[Question], *, tokenizer, options: BenchOptions
             backend.close()
         report.peak_memory_bytes = memory.peak_bytes
     except Exception as err:  # a failing run is reported with its error, the others go on
-        report.error = f"{type(err).__name__}: {err}"
-        report.results = None
+        _fail(report, err)
         progress.update(len(questions) - done)
         _close_quietly(backend)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _run_interleaved(backends: list, questions: list[Question], *, tokenizer, options: BenchOptions, progress,
+                     memory_base: int) -> list[RunReport]:
+    """Each question answered by every run before the next question; the run answering first
+    moves on by one each question, so no run always follows the same other run."""
+    reports = [RunReport(name=b.name, engine=b.engine, setting=b.setting, reference=b.reference,
+                         memory_base_bytes=memory_base, results=[]) for b in backends]
+    progress.set_description("quickdraft runs, interleaved")
+    for backend, report in zip(backends, reports):
+        try:
+            _open(backend, questions, tokenizer=tokenizer, options=options)
+        except Exception as err:  # that run is reported with its error, the others go on
+            _fail(report, err)
+    for index, question in enumerate(questions):
+        first = index % len(backends)
+        for k in [*range(first, len(backends)), *range(first)]:
+            backend, report = backends[k], reports[k]
+            if report.error is None:
+                start = time.perf_counter()
+                try:
+                    backend.activate()
+                    report.results.append(_answer(backend, question, index=index, tokenizer=tokenizer,
+                                                  sampling=options.sampling))
+                except Exception as err:
+                    _fail(report, err)
+                report.seconds += time.perf_counter() - start
+            progress.update(1)
+    for backend in backends:
+        _close_quietly(backend)
+    return reports
+
+
+def _open(backend, questions: list[Question], *, tokenizer, options: BenchOptions) -> None:
+    backend.open()
+    if options.warmup:  # one-time costs (kernel builds, allocator growth) are not decoding
+        backend.generate(tokenizer.encode(conversation_prompt(questions[0].turns[:1], [])),
+                         sampling=BenchSampling(max_new_tokens=8), seed=0)
+
+
+def _fail(report: RunReport, err: Exception) -> None:
+    report.error = f"{type(err).__name__}: {err}"
+    report.results = None
 
 
 def _close_quietly(backend) -> None:
@@ -248,7 +295,8 @@ def _header(options: BenchOptions, questions: list[Question], llm) -> str:
     mode = "greedy" if s.greedy else f"temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}"
     return (f"Spec-Bench: {len(questions)} questions from {Path(options.questions).name}, "
             f"model {options.model or 'embedded Gemma 3 270M (GGUF Q4_K_M, dequantized)'}, {options.dtype}, "
-            f"{options.device}, {mode}, {s.max_new_tokens} new tokens, batch 1; "
+            f"{options.device}, {mode}, {s.max_new_tokens} new tokens, batch 1"
+            f"{', quickdraft runs interleaved question by question' if options.interleave else ''}; "
             f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
             f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}")
 

@@ -72,17 +72,25 @@ class Engine:
 
     def set_speculative_config(self, spec: "SpeculativeConfig | dict | None") -> None:
         """Switch drafting method (or turn speculation off) between requests."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("cannot change the speculative config while requests are running")
+        self._check_idle("the speculative config")
         self.speculator = self._make_speculator(
             SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec)
 
     def set_drafter(self, drafter, *, num_speculative_tokens: int = 1) -> None:
         """Speculate with a drafter object of your own (anything with the Drafter interface)."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("cannot change the drafter while requests are running")
+        self._check_idle("the drafter")
         config = SpeculativeConfig(method=type(drafter).__name__, num_speculative_tokens=num_speculative_tokens)
         self.speculator = Speculator(config=config, drafter=drafter, max_tree_nodes=CACHE_HEADROOM)
+
+    def set_speculator(self, speculator: Speculator | None) -> None:
+        """Put back a speculator taken earlier from `self.speculator` (its drafter keeps what it
+        learned across requests, e.g. suffix's cache of earlier outputs); None turns speculation off."""
+        self._check_idle("the speculator")
+        self.speculator = speculator
+
+    def _check_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"cannot change {what} while requests are running")
 
     def _make_speculator(self, spec) -> Speculator | None:
         if spec is None:

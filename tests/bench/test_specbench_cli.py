@@ -182,3 +182,20 @@ def test_draft_model_config_adds_the_transformers_assistant_peer(tiny_checkpoint
     assert "assistant_model" in assistant["setting"]
     assert assistant["summary"]["overall"]["mean_accepted_tokens"] > 1.0
     assert runs['quickdraft draft_model {"model": "%s", "num_speculative_tokens": 3}' % draft]["error"] is None
+
+
+def test_interleaved_runs_answer_the_same_and_stay_exact(tiny_checkpoints, questions_file, tmp_path):
+    out = tmp_path / "interleaved"
+    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--speculative-config", NGRAM,
+                     "--speculative-config", '{"method": "suffix"}', "--interleave") == 0
+    data = json.loads((out / JSON_FILE).read_text())
+    assert "interleaved question by question" in data["header"]
+    runs = runs_by_name(data)
+    plain = runs["quickdraft plain"]
+    for name in ('quickdraft ngram {"num_speculative_tokens": 4}', "quickdraft suffix"):
+        run = runs[name]
+        assert run["error"] is None
+        assert [q["question_id"] for q in run["questions"]] == [q["question_id"] for q in plain["questions"]]
+        assert run["summary"]["overall"]["exact_match"] == 1.0
+        assert run["summary"]["overall"]["mean_accepted_tokens"] > 1.0
+        assert run["peak_memory_bytes"] is None  # not told apart per run when interleaved
