@@ -135,3 +135,11 @@ def test_shipped_eagle3_heads_load_by_name_and_draft_usefully(options):
     metrics = speculative_metrics_if_exact({"method": "eagle3", "num_speculative_tokens": 4, "head_dtype": "bfloat16",
                                             **options}, max_tokens=48)
     assert metrics.acceptance_length > 1.3  # an untrained head stays near 1.0
+
+
+def test_shipped_hybrid_of_the_demo_is_exact():
+    """The demo's hybrid (suffix, then the shipped copy head where retrieval drafts under 2 tokens,
+    its paths cut below probability 0.2) keeps the output exact and drafts."""
+    spec = {"method": "hybrid", "skip_after": 2, "max_draft_tokens": 12, "drafters": [
+        {"method": "suffix"}, {"method": "eagle3", "top_k": 1, "head_dtype": "bfloat16", "min_draft_prob": 0.2}]}
+    assert speculative_metrics_if_exact(spec, max_tokens=48).acceptance_length > 1.3
