@@ -126,15 +126,10 @@ def test_training_forward_matches_drafting(tiny_checkpoints, head_dir):
         from_anchor_3 = head.unrolled_logits(tokens, features[:8], depths=2, first_anchor=3)
     for full, partial in zip(unrolled, from_anchor_3):
         torch.testing.assert_close(partial, full[3:], rtol=1e-4, atol=1e-4)
-    from quickdraft.drafters.base import DraftRequest
     from quickdraft.drafters.tree import DynamicTree
 
-    request = DraftRequest(request_id="r", prompt_token_ids=tokens[:7].tolist(), output_token_ids=[], budget=8)
-    drafter.begin(request)
-    drafter.observe(request, features[:6])
-    state = drafter._states["r"]
+    request, state, root_hidden = _caught_up_on_six_pairs(drafter, tokens, features)
     with torch.inference_mode():
-        root_hidden = drafter._catch_up(state, request.token_ids)  # pairs 0..5: row 5 = (f5, x6)
         torch.testing.assert_close(head.draft_logits(root_hidden), unrolled[0][5], rtol=1e-4, atol=1e-4)
         tree = DynamicTree(root_token=int(tokens[6]))
         child, = tree.add_children(0, [int(tokens[7])], [0.0])
@@ -296,15 +291,10 @@ def test_copy_head_drafting_matches_training(tiny_checkpoints, copy_head_dir):
         from_anchor_3 = head.unrolled_mixtures(tokens, features[:8], depths=2, first_anchor=3)
     for full, partial in zip(unrolled, from_anchor_3):
         torch.testing.assert_close(_distribution(partial, 2), _distribution(full, 5), rtol=1e-4, atol=1e-5)
-    from quickdraft.drafters.base import DraftRequest
     from quickdraft.drafters.tree import DynamicTree
 
-    request = DraftRequest(request_id="r", prompt_token_ids=tokens[:7].tolist(), output_token_ids=[], budget=8)
-    drafter.begin(request)
-    drafter.observe(request, features[:6])
-    state = drafter._states["r"]
+    request, state, root_hidden = _caught_up_on_six_pairs(drafter, tokens, features)
     with torch.inference_mode():
-        root_hidden = drafter._catch_up(state, request.token_ids)  # pairs 0..5: row 5 = (f5, x6)
         sources = drafter._copy_sources(state, request.token_ids)  # entries 0..4, copying x2..x6
         assert sources["values"].tolist() == tokens[2:7].tolist()
         root = head.mixture(root_hidden[None], eligible=torch.ones(1, 5, dtype=torch.bool), **sources)
@@ -366,3 +356,16 @@ def test_copy_head_drafts_the_repeated_continuation(tiny_checkpoints, tmp_path):
     assert proposal.token_ids == [passage[-1], *passage[:4]] and proposal.parents == [-1, 0, 1, 2, 3]
     assert proposal.draft_probs is None
     drafter.finish("r")
+
+
+def _caught_up_on_six_pairs(drafter, tokens, features):
+    """A request of tokens[:7] whose first 6 features the drafter observed, caught up: (request,
+    its head state, the head's output after pair 5 = (f5, x6))."""
+    from quickdraft.drafters.base import DraftRequest
+
+    request = DraftRequest(request_id="r", prompt_token_ids=tokens[:7].tolist(), output_token_ids=[], budget=8)
+    drafter.begin(request)
+    drafter.observe(request, features[:6])
+    state = drafter._states["r"]
+    with torch.inference_mode():
+        return request, state, drafter._catch_up(state, request.token_ids)
