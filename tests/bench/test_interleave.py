@@ -30,7 +30,6 @@ class FakeBackend:
 
     def __init__(self, name: str, log: list, *, fail_on_question: int | None = None):
         self.name, self.log, self.fail_on_question = name, log, fail_on_question
-        self.question = None
 
     def open(self) -> None:
         self.log.append(("open", self.name))
