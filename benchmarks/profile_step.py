@@ -16,20 +16,24 @@ import time
 import torch
 
 
-def categorize(weight: torch.Tensor, model) -> str:
-    if weight.data_ptr() == model.lm_head_weight.data_ptr():
+def categorize(weight, model) -> str:
+    if weight is model.lm_head_weight:
         return "lm_head"
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            if getattr(layer, name).data_ptr() == weight.data_ptr():
+            if getattr(layer, name) is weight:
                 return name
     return "other"
+
+
+def weight_bytes(weight) -> int:
+    return weight.nbytes if hasattr(weight, "parts") else weight.numel() * weight.element_size()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="auto: the GGUF weights as stored (default)")
     parser.add_argument("--steps", type=int, default=48)
     args = parser.parse_args()
 
@@ -43,11 +47,11 @@ def main() -> None:
     names: dict[int, str] = {}
 
     def timed_linear(x, weight, bias=None):
-        key = names.setdefault(weight.data_ptr(), categorize(weight, model))
+        key = names.setdefault(id(weight), categorize(weight, model))
         start = time.perf_counter()
         out = inner_linear(x, weight, bias)
         seconds[key] += time.perf_counter() - start
-        bytes_read[key] += weight.numel() * weight.element_size()
+        bytes_read[key] += weight_bytes(weight)
         return out
 
     forward_seconds = [0.0]

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the embedded Gemma 3 270M
-    dtype: str = "float32"
+    # "auto": float32 compute, a GGUF model's weights kept as stored (see quantization);
+    # "float32" / "bfloat16": float weights of that dtype (a GGUF model dequantized).
+    dtype: str = "auto"
+    # None / "auto", "none", "gguf" (as stored in the .gguf) or "q8_0" (quantized at load).
+    quantization: str | None = None
     device: str = "cpu"
     max_model_len: int | None = None  # default: min(model's context, 4096)
     max_num_seqs: int = 8  # requests decoded together (KV cache slots)

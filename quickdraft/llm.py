@@ -16,7 +16,7 @@ PromptType = str | list[int] | dict[str, Any]
 class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
-    >>> llm = LLM()                      # the embedded Gemma 3 270M (GGUF Q4_K_M, dequantized)
+    >>> llm = LLM()                      # the embedded Gemma 3 270M (GGUF Q4_K_M, run as stored)
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     >>> out[0].outputs[0].text
     """
@@ -25,7 +25,8 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
+        quantization: str | None = None,
         device: str = "cpu",
         max_model_len: int | None = None,
         max_num_seqs: int = 8,
@@ -38,7 +39,7 @@ class LLM:
         speculative_config = _merge_speculative_args(speculative_config, speculative_model,
                                                      num_speculative_tokens)
         self.config = EngineConfig(
-            model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+            model=model, dtype=dtype, quantization=quantization, device=device, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
             speculative_config=speculative_config,
         )

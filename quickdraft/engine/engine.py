@@ -20,7 +20,14 @@ from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
 from quickdraft.kv.cache import KVCache
-from quickdraft.models.loader import load_decoder, resolve_device, resolve_dtype, resolve_model_dir
+from quickdraft.models.loader import (
+    load_decoder,
+    resolve_device,
+    resolve_dtype,
+    resolve_gguf_path,
+    resolve_model_dir,
+    resolve_quantization,
+)
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta
 from quickdraft.sampling_params import SamplingParams
@@ -45,6 +52,9 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         self.model_dir = model_dir = resolve_model_dir(config.model)
+        gguf_path = resolve_gguf_path(config.model)
+        self.quantization = resolve_quantization(config.quantization, dtype=config.dtype, gguf_path=gguf_path,
+                                                 device=self.device)
         probe = _read_max_positions(model_dir)  # reads config.json first: the clearest error
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = config.max_model_len or min(probe, DEFAULT_MAX_MODEL_LEN)
@@ -52,7 +62,8 @@ class Engine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context {probe}")
         cache_len = self.max_model_len + CACHE_HEADROOM
         self.model, self.model_config = load_decoder(model_dir, dtype=self.dtype, device=self.device,
-                                                     max_len=cache_len)
+                                                     max_len=cache_len, quantization=self.quantization,
+                                                     gguf_path=gguf_path)
         self.cache = KVCache(
             num_layers=self.model_config.num_layers, num_slots=config.max_num_seqs,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim,

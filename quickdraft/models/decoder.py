@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from quickdraft.kernels.attention import attention
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch
 from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from quickdraft.models.layers import LinearFn, RMSNorm, RotaryTable, apply_rotary
+from quickdraft.models.quantized import QuantizedWeight
 
 
 @dataclass
@@ -121,12 +123,8 @@ class DecoderLayer(torch.nn.Module):
             kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
             mask = seq.sliding_mask if self.is_sliding else seq.full_mask
             keys, values = cache.read(self.layer_index, slot=seq.slot, start=kv_start, end=seq.kv_end)
-            query = q[seq.row_start : seq.row_end].transpose(0, 1)[None]  # [1, H, T, hd]
-            attended = F.scaled_dot_product_attention(
-                query, keys[None], values[None], attn_mask=mask, scale=self.attn_scale,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )  # [1, H, T, hd]
-            out[seq.row_start : seq.row_end] = attended[0].transpose(0, 1)
+            out[seq.row_start : seq.row_end] = attention(q[seq.row_start : seq.row_end], keys, values, mask=mask,
+                                                         scale=self.attn_scale)
         return out.view(num_tokens, self.q_size)
 
 
@@ -158,11 +156,14 @@ class Decoder(torch.nn.Module):
         self.linear: LinearFn = F.linear
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:  # [V, D]
+    def lm_head_weight(self) -> "torch.Tensor | QuantizedWeight":  # [V, D]
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, D]
-        hidden = F.embedding(token_ids, self.embed_tokens)
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            hidden = self.embed_tokens.rows(token_ids)
+        else:
+            hidden = F.embedding(token_ids, self.embed_tokens)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         return hidden

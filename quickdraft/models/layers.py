@@ -14,14 +14,23 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 
 
 def default_linear_fn(device: torch.device) -> LinearFn:
-    """The fastest exact linear for the device: our skinny kernel on CPU, torch elsewhere."""
-    if device.type != "cpu":
-        return F.linear
-    try:
+    """The fastest exact linear for the device: the quantized kernels for quantized weights, our
+    skinny kernel for float weights on CPU, torch elsewhere."""
+    from quickdraft.kernels.quant_linear import quant_linear
+    from quickdraft.models.quantized import QuantizedWeight
+
+    float_linear: LinearFn = F.linear
+    if device.type == "cpu":
         from quickdraft.kernels.cpu_linear import skinny_linear
-    except ImportError:
-        return F.linear
-    return skinny_linear
+
+        float_linear = skinny_linear
+
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return quant_linear(x, weight, bias)
+        return float_linear(x, weight, bias)
+
+    return linear
 
 
 class RMSNorm(torch.nn.Module):

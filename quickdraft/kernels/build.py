@@ -1,0 +1,40 @@
+"""Building the C++ kernels: on first use, with torch.utils.cpp_extension, cached in torch's
+extensions directory (``TORCH_EXTENSIONS_DIR`` if set).  A kernel that cannot be built or whose
+CPU check fails is None, and its caller runs portable torch code instead (logged once)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), what: str) -> ModuleType | None:
+    """The compiled module `name` built from csrc/`source`, or None (disabled, no compiler,
+    build error, or `module.cpu_supported()` false).  `what` names the fallback in the log."""
+    if os.environ.get("QUICKDRAFT_DISABLE_CPU_KERNEL", "0") not in ("", "0"):
+        logger.info("%s: disabled by QUICKDRAFT_DISABLE_CPU_KERNEL, using %s", name, what)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        # The torch version is part of the name: an in-place torch upgrade would not rebuild.
+        module = load(name=f"quickdraft_{name}_torch" + re.sub(r"\W", "_", torch.__version__),
+                      sources=[str(CSRC / source)],
+                      extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *extra_cflags],
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, build error, import error, ...
+        logger.warning("%s: building the C++ kernel failed, using %s: %s", name, what, exc)
+        return None
+    if not module.cpu_supported():
+        logger.warning("%s: this CPU lacks the instructions of the C++ kernel, using %s", name, what)
+        return None
+    return module

@@ -1,0 +1,125 @@
+// Batch-invariant attention for CPU decoding and tree verification.
+//
+// out[t, h] = softmax(scale * q[t, h] . k[g, s] over the keys s that query t may see) @ v[g, s]
+// with g = h / (H / Hkv).  Every (query, head) pair is computed on its own, by the same
+// instructions, whatever the number of queries, the mask or the threads: the scores in key
+// order (a dot product over D in 16 fp32 lanes, then one fixed horizontal sum), the max, exp and
+// sum in key order, and the weighted values added key after key.  So a token's attention output
+// is bit-identical whether it is decoded alone or verified inside a tree beside other requests,
+// which torch's scaled_dot_product_attention does not promise (its CPU kernels block the keys
+// and queries differently for one query and for many).
+//
+// Compiled for the baseline ISA; the kernel is AVX-512F code behind `#pragma GCC target` and
+// a CPUID check.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace qd_attention {
+
+inline bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+
+// Fixed-order dot product of two rows of D floats (D % 16 == 0).
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// One query row of one head against S keys.
+void attend_row(const float* q, const float* k, const float* v, int64_t key_stride, int64_t S, int64_t D,
+                const bool* visible, float scale, float* scores, float* out) {
+  float max_score = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < S; ++s) {
+    if (visible != nullptr && !visible[s]) {
+      scores[s] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    scores[s] = dot(q, k + s * key_stride, D) * scale;
+    max_score = std::max(max_score, scores[s]);
+  }
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_setzero_ps());
+  if (max_score == -std::numeric_limits<float>::infinity()) return;  // sees nothing: zeros
+  float total = 0.0f;
+  for (int64_t s = 0; s < S; ++s) {
+    if (visible != nullptr && !visible[s]) continue;
+    const float p = std::exp(scores[s] - max_score);
+    total += p;
+    const __m512 pv = _mm512_set1_ps(p);
+    const float* vs = v + s * key_stride;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(out + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(vs + d), _mm512_loadu_ps(out + d)));
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_loadu_ps(out + d), inv));
+}
+
+#pragma GCC pop_options
+
+// q [T, H, D]; k, v [Hkv, S, D] with unit stride over D and D between keys (a cache slot's
+// range); mask [T, S] bool or None (every key visible).  Returns [T, H, D] float32.
+at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& mask_opt, double scale) {
+  TORCH_CHECK(cpu_supported(), "attention: this CPU lacks AVX-512");
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attention: q [T, H, D], k and v [Hkv, S, D]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attention: float32 only");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+  TORCH_CHECK(D % 16 == 0, "attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(k.size(2) == D && v.size(0) == Hkv && v.size(1) == S && v.size(2) == D && H % Hkv == 0,
+              "attention: shapes of q, k and v do not match");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == D && v.stride(1) == D &&
+                  k.stride(0) == v.stride(0), "attention: k and v must be cache views with rows of D");
+  const bool* mask = nullptr;
+  at::Tensor mask_c;
+  if (mask_opt.has_value() && mask_opt->defined()) {
+    mask_c = mask_opt->contiguous();
+    TORCH_CHECK(mask_c.scalar_type() == at::kBool && mask_c.dim() == 2 && mask_c.size(0) == T &&
+                    mask_c.size(1) == S, "attention: mask must be bool [T, S]");
+    mask = mask_c.const_data_ptr<bool>();
+  }
+  at::Tensor out = at::empty({T, H, D}, q.options());
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = k.const_data_ptr<float>();
+  const float* vp = v.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t head_stride = k.stride(0), group = H / Hkv;
+  const float fscale = static_cast<float>(scale);
+  // Small problems (one decode token) stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * D));
+  at::parallel_for(0, T * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(static_cast<size_t>(S));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H, g = h / group;
+      attend_row(qp + (t * H + h) * D, kp + g * head_stride, vp + g * head_stride, D, S, D,
+                 mask ? mask + t * S : nullptr, fscale, scores.data(), op + (t * H + h) * D);
+    }
+  });
+  return out;
+}
+
+}  // namespace qd_attention
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("attention", &qd_attention::attention, "batch-invariant attention: q [T, H, D], k/v [Hkv, S, D]",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_supported", &qd_attention::cpu_supported);
+}

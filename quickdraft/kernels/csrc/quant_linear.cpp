@@ -1,0 +1,350 @@
+// Batch-invariant linear layers on GGUF-quantized weights (CPU, AVX-512 VNNI).
+//
+// y[M, N] = x[M, K] @ W[N, K]^T where W is stored quantized (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K,
+// Q6_K), repacked at load time by quickdraft/models/quant_formats.py into tiles of 16 weight
+// rows (the packed layouts are documented there; this file only reads them).
+//
+// Numerics (the same for every M, so a row's result never depends on the other rows):
+//  - each row of x is quantized to int8 per 32 values: dx = amax / 127, q = round(x * 127 / amax)
+//    (round half to even), plus the integer sum of every 16 quants (bsum16);
+//  - each 32-wide block's dot product of quants is an exact int32 (vpdpbusd: unsigned weight
+//    quants times signed activation quants; the weights' offsets are folded in as -offset * bsum);
+//  - one fp32 accumulator per output, added block after block in K order:
+//        acc = acc + (scale_w * dx) * float(idot)        (Q4_K/Q5_K subtract (min_w * dx) * bsum)
+//    with separate multiplies and adds (built with -ffp-contract=off), so that
+//    quickdraft/kernels/quant_linear.py's torch reference computes the very same bits.
+// Vectors run across 16 output rows (one lane per output), never across K: no horizontal sums,
+// no order that depends on how the work is tiled or threaded.
+//
+// The translation unit is compiled for the baseline ISA so the module imports anywhere; the
+// kernels carry `#pragma GCC target` and only run after a CPUID check.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace qd_quant {
+
+enum Format : int { Q8_0 = 0, Q4_0 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+
+// Weight quants covered by one tile (per 16 rows) and the tile's size in bytes.
+constexpr int kTileK[] = {32, 32, 32, 256, 256, 256};
+constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360};
+
+inline bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+// Activation rows quantized for the kernels.
+struct QRows {
+  const int8_t* q;       // [M, K]
+  const float* dx;       // [M, K / 32]
+  const int32_t* bsum;   // [M, K / 16]
+  int64_t K;
+};
+
+// Scalar on purpose: x * inv in fp32 and round-half-even, exactly as the torch reference.
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    dx[b] = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sums[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) {
+      float v = std::nearbyint(xb[i] * inv);
+      v = std::min(127.0f, std::max(-127.0f, v));
+      q[32 * b + i] = static_cast<int8_t>(v);
+      sums[i / 16] += static_cast<int32_t>(v);
+    }
+    bsum[2 * b] = sums[0];
+    bsum[2 * b + 1] = sums[1];
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
+
+#define QD_INLINE __attribute__((always_inline)) inline
+#define QD_UNROLL _Pragma("GCC unroll 16")
+
+QD_INLINE __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+QD_INLINE __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+QD_INLINE __m512 u8x16_to_f32(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+QD_INLINE __m512i i8x16_to_i32(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Step s of a nibble section holds k = 4s..4s+3 (low nibbles, s < 4) or 16 + 4(s-4).. (high).
+QD_INLINE void nibbles(const uint8_t* p, int s, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_loadu_si512(p + 64 * s);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(v, m4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+}
+
+// Adds `bit` to the quants whose bit is set in the 64-bit mask of step s.
+QD_INLINE __m512i high_bits(__m512i w, const uint8_t* masks, int s, char bit) {
+  uint64_t bits;
+  std::memcpy(&bits, masks + 8 * s, 8);
+  return _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8(bit));
+}
+
+template <int MB>
+QD_INLINE void dp(__m512i* idot, __m512i w, const int8_t* const* xq, int64_t k) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) idot[m] = _mm512_dpbusd_epi32(idot[m], w, bcast4(xq[m] + k));
+}
+
+// acc = acc + (scale * dx) * float(idot): the per-block epilogue of every format but the
+// K-quants with mins.
+template <int MB>
+QD_INLINE void add_scaled(__m512* acc, __m512 scale, const __m512i* idot, const float* const* dx, int64_t b) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m)
+    acc[m] = _mm512_add_ps(
+        acc[m], _mm512_mul_ps(_mm512_mul_ps(scale, _mm512_set1_ps(dx[m][b])), _mm512_cvtepi32_ps(idot[m])));
+}
+
+template <int MB>
+QD_INLINE void init_offset(__m512i* idot, const int32_t* const* bsum, int64_t b, int32_t offset) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) idot[m] = _mm512_set1_epi32(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
+}
+
+struct Rows {
+  const int8_t* xq[8];
+  const float* dx[8];
+  const int32_t* bsum[8];
+};
+
+// One tile (16 weight rows x kTileK values starting at k0) into the accumulators.
+template <int FMT, int MB>
+QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, __m512* acc) {
+  __m512i idot[MB];
+  const int64_t b = k0 / 32;
+  if constexpr (FMT == Q8_0) {
+    init_offset<MB>(idot, r.bsum, b, 128);
+    QD_UNROLL
+    for (int s = 0; s < 8; ++s) dp<MB>(idot, _mm512_loadu_si512(t + 64 * s), r.xq, k0 + 4 * s);
+    add_scaled<MB>(acc, half16(t + 512), idot, r.dx, b);
+  } else if constexpr (FMT == Q4_0 || FMT == Q5_0) {
+    init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
+    QD_UNROLL
+    for (int s = 0; s < 4; ++s) {
+      __m512i lo, hi;
+      nibbles(t, s, lo, hi);
+      if constexpr (FMT == Q5_0) {
+        lo = high_bits(lo, t + 256, s, 0x10);
+        hi = high_bits(hi, t + 256, s + 4, 0x10);
+      }
+      dp<MB>(idot, lo, r.xq, k0 + 4 * s);
+      dp<MB>(idot, hi, r.xq, k0 + 16 + 4 * s);
+    }
+    add_scaled<MB>(acc, half16(t + (FMT == Q4_0 ? 256 : 320)), idot, r.dx, b);
+  } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
+    const __m512 d = half16(t), dmin = half16(t + 32);
+    constexpr int sub_bytes = FMT == Q4_K ? 256 : 320;
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = t + 320 + sub_bytes * j;
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) idot[m] = _mm512_setzero_si512();
+      QD_UNROLL
+      for (int s = 0; s < 4; ++s) {
+        __m512i lo, hi;
+        nibbles(sub, s, lo, hi);
+        if constexpr (FMT == Q5_K) {
+          lo = high_bits(lo, sub + 256, s, 0x10);
+          hi = high_bits(hi, sub + 256, s + 4, 0x10);
+        }
+        dp<MB>(idot, lo, r.xq, k0 + 32 * j + 4 * s);
+        dp<MB>(idot, hi, r.xq, k0 + 32 * j + 16 + 4 * s);
+      }
+      const __m512 ds = _mm512_mul_ps(d, u8x16_to_f32(t + 64 + 16 * j));
+      const __m512 dm = _mm512_mul_ps(dmin, u8x16_to_f32(t + 192 + 16 * j));
+      const int64_t bj = b + j;
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m512 dxv = _mm512_set1_ps(r.dx[m][bj]);
+        const __m512 bs = _mm512_set1_ps(static_cast<float>(r.bsum[m][2 * bj] + r.bsum[m][2 * bj + 1]));
+        const __m512 term = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(ds, dxv), _mm512_cvtepi32_ps(idot[m])),
+                                          _mm512_mul_ps(_mm512_mul_ps(dm, dxv), bs));
+        acc[m] = _mm512_add_ps(acc[m], term);
+      }
+    }
+  } else {  // Q6_K: 16-wide sub-blocks with int8 scales, quants 0..63 offset by 32
+    const __m512 d = half16(t);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = t + 288 + 384 * j;
+      const int64_t bj = b + j;
+      __m512i hi_dot[MB];
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        idot[m] = _mm512_set1_epi32(-32 * r.bsum[m][2 * bj]);
+        hi_dot[m] = _mm512_set1_epi32(-32 * r.bsum[m][2 * bj + 1]);
+      }
+      QD_UNROLL
+      for (int s = 0; s < 4; ++s) {
+        __m512i lo, hi;
+        nibbles(sub, s, lo, hi);
+        lo = high_bits(high_bits(lo, sub + 256, s, 0x10), sub + 320, s, 0x20);
+        hi = high_bits(high_bits(hi, sub + 256, s + 4, 0x10), sub + 320, s + 4, 0x20);
+        dp<MB>(idot, lo, r.xq, k0 + 32 * j + 4 * s);
+        dp<MB>(hi_dot, hi, r.xq, k0 + 32 * j + 16 + 4 * s);
+      }
+      const __m512i sc_lo = i8x16_to_i32(t + 32 + 16 * (2 * j));
+      const __m512i sc_hi = i8x16_to_i32(t + 32 + 16 * (2 * j + 1));
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m)
+        idot[m] = _mm512_add_epi32(_mm512_mullo_epi32(sc_lo, idot[m]), _mm512_mullo_epi32(sc_hi, hi_dot[m]));
+      add_scaled<MB>(acc, d, idot, r.dx, bj);
+    }
+  }
+}
+
+// Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K.
+template <int FMT, int MB>
+void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0, float* out, int64_t ldo,
+                int64_t n0, int64_t nvalid) {
+  Rows r;
+  for (int m = 0; m < MB; ++m) {
+    r.xq[m] = x.q + (m0 + m) * x.K;
+    r.dx[m] = x.dx + (m0 + m) * (x.K / 32);
+    r.bsum[m] = x.bsum + (m0 + m) * (x.K / 16);
+  }
+  __m512 acc[MB];
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < ntiles; ++i) {
+    const uint8_t* t = group + i * kTileBytes[FMT];
+    _mm_prefetch(reinterpret_cast<const char*>(t + 4 * kTileBytes[FMT]), _MM_HINT_T0);
+    tile<FMT, MB>(t, i * kTileK[FMT], r, acc);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << nvalid) - 1u);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * ldo + n0, mask, acc[m]);
+}
+
+template <int FMT>
+void run_group(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t M, float* out, int64_t ldo,
+               int64_t n0, int64_t nvalid) {
+  // K-quant tiles keep two accumulators per row alive (Q6_K) or more temporaries: fewer rows.
+  constexpr int kRows = FMT >= Q4_K ? 4 : 8;
+  int64_t m0 = 0;
+  for (; m0 + kRows <= M; m0 += kRows) group_rows<FMT, kRows>(group, ntiles, x, m0, out, ldo, n0, nvalid);
+  switch (M - m0) {
+    case 1: group_rows<FMT, 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
+    case 2: group_rows<FMT, 2>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
+    case 3: group_rows<FMT, 3>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
+    case 4: group_rows<FMT, kRows >= 5 ? 4 : 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
+    case 5: group_rows<FMT, kRows >= 6 ? 5 : 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
+    case 6: group_rows<FMT, kRows >= 7 ? 6 : 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
+    case 7: group_rows<FMT, kRows >= 8 ? 7 : 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
+    default: break;
+  }
+}
+
+template <int FMT>
+void run_all(const uint8_t* packed, int64_t N, int64_t K, const QRows& x, int64_t M, float* out, int64_t ldo,
+             int64_t col0) {
+  const int64_t groups = (N + 15) / 16;
+  const int64_t ntiles = K / kTileK[FMT];
+  const int64_t group_bytes = ntiles * kTileBytes[FMT];
+  // >= 32 KiB of weights per task so that small layers do not wake threads for nothing.
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, group_bytes));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      run_group<FMT>(packed + g * group_bytes, ntiles, x, M, out, ldo, col0 + 16 * g,
+                     std::min<int64_t>(16, N - 16 * g));
+  });
+}
+
+#undef QD_UNROLL
+#undef QD_INLINE
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------------------------------
+// Torch binding
+// ------------------------------------------------------------------------------------------
+
+std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "quantize_rows: x must be float32 [M, K]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "quantize_rows: K must be a multiple of 32, got ", K);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({M, K / 32}, x.options());
+  at::Tensor bsum = at::empty({M, K / 16}, x.options().dtype(at::kInt));
+  const float* xp = x.const_data_ptr<float>();
+  auto* qp = q.mutable_data_ptr<int8_t>();
+  auto* dp = dx.mutable_data_ptr<float>();
+  auto* bp = bsum.mutable_data_ptr<int32_t>();
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * (K / 32), bp + m * (K / 16));
+  return {q, dx, bsum};
+}
+
+// out[:, col0 : col0 + N] = x @ W^T, W packed in `format`.  out is [M, ldo] float32, written in
+// place (so a fused weight made of parts in different formats fills one output).
+void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
+                  int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0) {
+  TORCH_CHECK(cpu_supported(), "quant_matmul: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(format >= 0 && format <= Q6_K, "quant_matmul: unknown format ", format);
+  TORCH_CHECK(q.is_contiguous() && dx.is_contiguous() && bsum.is_contiguous() && packed.is_contiguous() &&
+                  out.is_contiguous(), "quant_matmul: tensors must be contiguous");
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == K, "quant_matmul: activations do not match K");
+  TORCH_CHECK(K % kTileK[format] == 0, "quant_matmul: K = ", K, " is not a multiple of ", kTileK[format]);
+  const int64_t groups = (N + 15) / 16;
+  TORCH_CHECK(packed.numel() == groups * (K / kTileK[format]) * kTileBytes[format],
+              "quant_matmul: packed weight has ", packed.numel(), " bytes, expected ",
+              groups * (K / kTileK[format]) * kTileBytes[format]);
+  const int64_t M = q.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1) &&
+                  out.scalar_type() == at::kFloat, "quant_matmul: bad output tensor");
+  if (M == 0 || N == 0) return;
+  const QRows x{q.const_data_ptr<int8_t>(), dx.const_data_ptr<float>(), bsum.const_data_ptr<int32_t>(), K};
+  const auto* w = packed.const_data_ptr<uint8_t>();
+  float* o = out.mutable_data_ptr<float>();
+  const int64_t ldo = out.size(1);
+  switch (format) {
+    case Q8_0: run_all<Q8_0>(w, N, K, x, M, o, ldo, col0); break;
+    case Q4_0: run_all<Q4_0>(w, N, K, x, M, o, ldo, col0); break;
+    case Q5_0: run_all<Q5_0>(w, N, K, x, M, o, ldo, col0); break;
+    case Q4_K: run_all<Q4_K>(w, N, K, x, M, o, ldo, col0); break;
+    case Q5_K: run_all<Q5_K>(w, N, K, x, M, o, ldo, col0); break;
+    default: run_all<Q6_K>(w, N, K, x, M, o, ldo, col0); break;
+  }
+}
+
+}  // namespace qd_quant
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("quantize_rows", &qd_quant::quantize_rows, "x [M, K] float32 -> (q int8 [M, K], dx [M, K/32], bsum [M, K/16])",
+        py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.def("quant_matmul", &qd_quant::quant_matmul, "out[:, col0:col0+N] = x @ W^T for a packed quantized W",
+        py::arg("q"), py::arg("dx"), py::arg("bsum"), py::arg("packed"), py::arg("format"), py::arg("N"),
+        py::arg("K"), py::arg("out"), py::arg("col0"), py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_supported", &qd_quant::cpu_supported);
+}

@@ -1,0 +1,126 @@
+"""Linear layers on GGUF-quantized weights, batch-invariant by construction.
+
+``quant_linear(x, weight)`` computes ``x @ weight.T`` for a ``QuantizedWeight``.  Every row of x
+is quantized to int8 per 32 values, each 32-wide block's dot product is an exact integer, and
+one float32 accumulator per output adds the blocks in K order with the formula written in
+``csrc/quant_linear.cpp``.  A row's result therefore never depends on how many rows share the
+call, nor on the threads: the value of a token verified inside a 16-node tree is bit-identical to
+the value of that token decoded alone.
+
+Two implementations of the same numerics, bit for bit:
+- the AVX-512 VNNI kernel (``csrc/quant_linear.cpp``), built on first use like skinny_linear;
+- ``reference_quant_linear``, portable torch code, used where the kernel cannot run (other
+  CPUs, ``QUICKDRAFT_DISABLE_CPU_KERNEL=1``) and as the tests' oracle.  It is slow (it decodes
+  the weight on every call), so the loader warns when a quantized model has to use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from quickdraft.kernels.build import load_kernel
+from quickdraft.models.quantized import FORMAT_IDS, OFFSETS, PackedPart, QuantizedWeight, unpack_rows
+
+__all__ = ["kernel_available", "quant_linear", "quantize_activations", "reference_quant_linear"]
+
+_LOAD_LOCK = threading.Lock()
+
+
+@functools.cache
+def _load() -> ModuleType | None:
+    # -ffp-contract=off: no fused multiply-adds, so the kernel's float operations are the
+    # reference's, one rounding each.
+    return load_kernel("quant_linear_v1", source="quant_linear.cpp", extra_cflags=("-ffp-contract=off",),
+                       what="the torch reference (slow)")
+
+
+def _extension() -> ModuleType | None:
+    with _LOAD_LOCK:
+        return _load()
+
+
+def kernel_available() -> bool:
+    """True when the compiled AVX-512 VNNI kernel is loaded (builds it on first call)."""
+    return _extension() is not None
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> q [M, K] int8, dx [M, K/32] float32, bsum [M, K/16] int32 (torch)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    amax = blocks.abs().amax(dim=-1)  # [M, K/32]
+    dx = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv[:, :, None]).clamp_(-127, 127)
+    bsum = q.reshape(m, k // 16, 16).sum(dim=-1).to(torch.int32)
+    return q.to(torch.int8).reshape(m, k), dx, bsum
+
+
+def _part_reference(part: PackedPart, q: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor,
+                    cols: int) -> torch.Tensor:  # -> [M, rows]
+    parts = unpack_rows(part.format, part.packed.numpy(), rows=np.arange(part.rows), cols=cols)
+    wq = torch.from_numpy(parts.q.astype(np.float64))  # [N, K], exact small integers
+    xq = q.to(torch.float64)
+    m, n = q.shape[0], part.rows
+
+    def block_dot(start: int, width: int) -> torch.Tensor:  # [M, N] exact integer dot products
+        return (xq[:, start:start + width] @ wq[:, start:start + width].T).round().to(torch.int64)
+
+    bsum64 = bsum.to(torch.int64)
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for b in range(cols // 32):
+        bsum32 = (bsum64[:, 2 * b] + bsum64[:, 2 * b + 1])[:, None]  # [M, 1]
+        dxb = dx[:, b][:, None]  # [M, 1]
+        if part.format == "Q6_K":
+            d = torch.from_numpy(parts.d[:, b // 8].astype(np.float32))[None, :]
+            sc = torch.from_numpy(parts.sc.astype(np.int64))
+            lo = block_dot(32 * b, 16) - 32 * bsum64[:, 2 * b][:, None]
+            hi = block_dot(32 * b + 16, 16) - 32 * bsum64[:, 2 * b + 1][:, None]
+            idot = sc[:, 2 * b][None, :] * lo + sc[:, 2 * b + 1][None, :] * hi
+            term = (d * dxb) * idot.to(torch.float32)
+        elif part.format in OFFSETS:
+            d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
+            idot = block_dot(32 * b, 32) - OFFSETS[part.format] * bsum32
+            term = (d * dxb) * idot.to(torch.float32)
+        else:  # Q4_K, Q5_K
+            ds = torch.from_numpy(parts.d[:, b // 8].astype(np.float32) * parts.sc[:, b].astype(np.float32))[None, :]
+            dm = torch.from_numpy(parts.dmin[:, b // 8].astype(np.float32) * parts.m[:, b].astype(np.float32))[None, :]
+            term = (ds * dxb) * block_dot(32 * b, 32).to(torch.float32) - (dm * dxb) * bsum32.to(torch.float32)
+        acc = acc + term
+    return acc
+
+
+def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The kernel's numerics in plain torch: x [..., K] -> [..., N] float32."""
+    k = weight.shape[1]
+    x2 = x.reshape(-1, k).to(torch.float32)
+    q, dx, bsum = quantize_activations(x2)
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
+    for part in weight.parts:
+        out[:, part.row_start:part.row_start + part.rows] = _part_reference(part, q, dx, bsum, k)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for x [..., K] float32 (other dtypes are cast) -> [..., N] float32."""
+    k = weight.shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {k}")
+    ext = _extension() if x.device.type == "cpu" else None
+    if ext is None:
+        out = reference_quant_linear(x.cpu(), weight).to(x.device)
+    else:
+        x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+        q, dx, bsum = ext.quantize_rows(x2)
+        out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
+        for part in weight.parts:
+            ext.quant_matmul(q, dx, bsum, part.packed, FORMAT_IDS[part.format], part.rows, k, out, part.row_start)
+        out = out.view(*x.shape[:-1], weight.shape[0])
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out

@@ -1,0 +1,386 @@
+"""GGUF-quantized weights kept as stored: decoding, the kernels' packed layout, QuantizedWeight.
+
+A weight [N, K] in one of the GGUF block formats is decoded once at load time into its parts
+(unsigned quants and per-block scales, `QuantParts`) and repacked into tiles of 16 weight rows,
+the layout `kernels/csrc/quant_linear.cpp` reads.  Nothing is expanded to floats: the packed
+bytes per weight equal the stored ones for Q8_0, Q4_0, Q5_0 and Q6_K, and are 3% more for
+Q4_K / Q5_K (their 6-bit sub-block scales are kept one per byte).
+
+Packed layout, per group of 16 weight rows (rows padded with zeros to a multiple of 16), tiles
+in K order, groups one after the other.  A "step" s holds k = 4s..4s+3 of the 16 rows as 64
+bytes, lane j (bytes 4j..4j+3) for row j: the vpdpbusd operand layout.
+- 8-bit quants: 8 steps (512 bytes).  4-bit: 4 x 64 bytes, the low nibble of step s < 4 and
+  the high nibble for step s + 4 (k = 16 + 4s..).  A high bit: per step a little-endian
+  uint64 whose bit 4j + t belongs to row j, k = 4s + t (8 x 8 bytes).
+- Q8_0 (32 k a tile): quants + 128 as uint8 (512), d fp16 [16] (32): 544 bytes.
+- Q4_0: nibbles (256), d [16]: 288.  Q5_0: nibbles, bit-4 masks (64), d: 352.
+- Q4_K (256 k a tile): d [16], dmin [16] fp16, sc [8 sub-blocks][16] u8, m [8][16] u8 (320),
+  then 8 sub-blocks of nibbles (256 each): 2368.  Q5_K: the same with bit-4 masks after each
+  sub-block's nibbles (320 each): 2880.
+- Q6_K: d [16] fp16, sc [16 sub-blocks of 16][16] int8 (288), then 8 sub-blocks of 32: nibbles,
+  bit-4 masks, bit-5 masks (384 each): 3360.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Format ids shared with the C++ kernel (enum Format in quant_linear.cpp).
+FORMAT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q5_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+TILE_K = {"Q8_0": 32, "Q4_0": 32, "Q5_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+TILE_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q5_0": 352, "Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}
+# Bytes of one GGUF block and the values it holds.
+GGUF_BLOCK = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q5_0": (22, 32), "Q4_K": (144, 256),
+              "Q5_K": (176, 256), "Q6_K": (210, 256)}
+# Added to the signed quants so that the kernel multiplies unsigned weights (and subtracts
+# offset * sum(activation quants) instead).
+OFFSETS = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+QUANT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+SUPPORTED_FORMATS = tuple(FORMAT_IDS)
+ROWS_PER_GROUP = 16
+
+
+@dataclass
+class QuantParts:
+    """One weight's decoded parts: w = d * (q - offset) (Q8_0/Q4_0/Q5_0),
+    d * sc * q - dmin * m (Q4_K/Q5_K, per 32-wide sub-block), d * sc * (q - 32) (Q6_K, per 16)."""
+
+    format: str
+    q: np.ndarray  # [N, K] uint8, unsigned quants
+    d: np.ndarray  # [N, K/32] (32-block formats) or [N, K/256] float16
+    dmin: np.ndarray | None = None  # [N, K/256] float16 (Q4_K, Q5_K)
+    sc: np.ndarray | None = None  # [N, K/32] uint8 (Q4_K, Q5_K) or [N, K/16] int8 (Q6_K)
+    m: np.ndarray | None = None  # [N, K/32] uint8 (Q4_K, Q5_K)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    def dequantize(self) -> np.ndarray:  # -> [N, K] float32, the same values as ggml / gguf-py
+        n, k = self.q.shape
+        q = self.q.astype(np.float32)
+        if self.format in OFFSETS and self.format != "Q6_K":
+            blocks = (q - OFFSETS[self.format]).reshape(n, k // 32, 32)
+            return (self.d.astype(np.float32)[:, :, None] * blocks).reshape(n, k)
+        if self.format == "Q6_K":
+            scale = np.repeat(self.d.astype(np.float32), 16, axis=1) * self.sc.astype(np.float32)  # [N, K/16]
+            return (scale[:, :, None] * (q - 32).reshape(n, k // 16, 16)).reshape(n, k)
+        ds = np.repeat(self.d.astype(np.float32), 8, axis=1) * self.sc.astype(np.float32)  # [N, K/32]
+        dm = np.repeat(self.dmin.astype(np.float32), 8, axis=1) * self.m.astype(np.float32)
+        return (ds[:, :, None] * q.reshape(n, k // 32, 32) - dm[:, :, None]).reshape(n, k)
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF blocks -> parts
+# --------------------------------------------------------------------------------------------------
+
+
+def decode_gguf(format: str, raw: np.ndarray, *, rows: int, cols: int) -> QuantParts:
+    """The parts of a GGUF tensor [rows, cols] stored as `raw` bytes (any shape, C order)."""
+    if format not in GGUF_BLOCK:
+        raise ValueError(f"unsupported GGUF format {format}: supported {', '.join(SUPPORTED_FORMATS)}")
+    block_bytes, block_values = GGUF_BLOCK[format]
+    if cols % block_values:
+        raise ValueError(f"{format} rows of {cols} values are not whole blocks of {block_values}")
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if raw.size != rows * cols // block_values * block_bytes:
+        raise ValueError(f"{format} [{rows}, {cols}] needs {rows * cols // block_values * block_bytes} bytes, "
+                         f"got {raw.size}")
+    blocks = raw.reshape(rows * cols // block_values, block_bytes)
+    parts = _DECODERS[format](blocks)
+    return QuantParts(format=format, q=parts["q"].reshape(rows, cols),
+                      **{name: value.reshape(rows, -1) for name, value in parts.items() if name != "q"})
+
+
+def _half(blocks: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(blocks).view(np.float16)
+
+
+def _decode_q8_0(blocks: np.ndarray) -> dict:
+    q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return {"d": _half(blocks[:, :2]), "q": q}
+
+
+def _nibble_halves(qs: np.ndarray) -> np.ndarray:
+    # 16 bytes -> 32 values: low nibbles are values 0..15, high nibbles 16..31.
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _decode_q4_0(blocks: np.ndarray) -> dict:
+    return {"d": _half(blocks[:, :2]), "q": _nibble_halves(blocks[:, 2:])}
+
+
+def _decode_q5_0(blocks: np.ndarray) -> dict:
+    qh = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32)  # bit i: high bit of value i
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return {"d": _half(blocks[:, :2]), "q": _nibble_halves(blocks[:, 6:]) | (high << 4)}
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # The 12 bytes of 6-bit scales and mins of 8 sub-blocks (ggml's get_scale_min_k4).
+    low, mid, top = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([low & 0x3F, (top & 0x0F) | ((low >> 2) & 0x30)], axis=1)
+    m = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=1)
+    return sc, m
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    # 128 bytes -> 256 values: 32-byte chunk c holds sub-block 2c (low) and 2c + 1 (high).
+    chunks = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (chunks & 0x0F).reshape(-1, 256)
+
+
+def _decode_q4_k(blocks: np.ndarray) -> dict:
+    sc, m = _k_scales(blocks[:, 4:16])
+    return {"d": _half(blocks[:, 0:2]), "dmin": _half(blocks[:, 2:4]), "sc": sc, "m": m,
+            "q": _k_nibbles(blocks[:, 16:])}
+
+
+def _decode_q5_k(blocks: np.ndarray) -> dict:
+    sc, m = _k_scales(blocks[:, 4:16])
+    qh = blocks[:, 16:48]  # bit j of byte l: high bit of value l of sub-block j
+    high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return {"d": _half(blocks[:, 0:2]), "dmin": _half(blocks[:, 2:4]), "sc": sc, "m": m,
+            "q": _k_nibbles(blocks[:, 48:]) | (high.reshape(-1, 256) << 4)}
+
+
+def _decode_q6_k(blocks: np.ndarray) -> dict:
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = low.reshape(-1, 256) | (high.reshape(-1, 256) << 4)
+    return {"sc": blocks[:, 192:208].view(np.int8), "d": _half(blocks[:, 208:210]), "q": q}
+
+
+_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q5_0": _decode_q5_0, "Q4_K": _decode_q4_k,
+             "Q5_K": _decode_q5_k, "Q6_K": _decode_q6_k}
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantParts:
+    """Q8_0 parts of a float weight [N, K] (K a multiple of 32), rounded as ggml does."""
+    w = weight.detach().to("cpu", torch.float32).numpy()
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 needs rows of a multiple of 32 values, got {k}")
+    blocks = w.reshape(n, k // 32, 32)
+    d = np.abs(blocks).max(axis=2) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    # ggml rounds half away from zero.
+    q = np.trunc(blocks * inv[:, :, None] + np.copysign(np.float32(0.5), blocks))
+    q = (np.clip(q, -127, 127).astype(np.int16) + 128).astype(np.uint8)
+    return QuantParts(format="Q8_0", q=q.reshape(n, k), d=d.astype(np.float16))
+
+
+# --------------------------------------------------------------------------------------------------
+# Parts <-> packed tiles
+# --------------------------------------------------------------------------------------------------
+
+
+def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
+    if array.shape[0] == rows:
+        return array
+    pad = np.zeros((rows - array.shape[0],) + array.shape[1:], dtype=array.dtype)
+    return np.concatenate([array, pad])
+
+
+def _steps(q: np.ndarray, groups: int, blocks: int) -> np.ndarray:
+    # [G*16, K] -> [G, blocks, 8 steps, 16 rows, 4]
+    return q.reshape(groups, ROWS_PER_GROUP, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+
+
+def _pack_quants(steps: np.ndarray, bits: int) -> np.ndarray:
+    # steps [G, B, 8, 16, 4] -> [G, B, bytes]: nibbles (or bytes) then one mask set per high bit
+    g, b = steps.shape[:2]
+    if bits == 8:
+        return steps.reshape(g, b, 512)
+    nibbles = (steps[:, :, :4] & 0x0F) | ((steps[:, :, 4:] & 0x0F) << 4)
+    sections = [nibbles.reshape(g, b, 256)]
+    for bit in range(4, bits):
+        flags = ((steps >> bit) & 1).reshape(g, b, 8, 64)
+        sections.append(np.packbits(flags, axis=-1, bitorder="little").reshape(g, b, 64))
+    return np.concatenate(sections, axis=-1)
+
+
+def _unpack_quants(section: np.ndarray, bits: int) -> np.ndarray:
+    # [R, B, bytes] for one lane's rows -> [R, B, 8, 16, 4] steps of every lane
+    r, b = section.shape[:2]
+    if bits == 8:
+        return section[:, :, :512].reshape(r, b, 8, 16, 4)
+    nibbles = section[:, :, :256].reshape(r, b, 4, 16, 4)
+    steps = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
+    for index, bit in enumerate(range(4, bits)):
+        masks = section[:, :, 256 + 64 * index: 320 + 64 * index].reshape(r, b, 8, 8)
+        flags = np.unpackbits(masks, axis=-1, bitorder="little").reshape(r, b, 8, 16, 4)
+        steps = steps | (flags << bit)
+    return steps
+
+
+def _lanes(values: np.ndarray, groups: int) -> np.ndarray:
+    # [G*16, C] per-row values -> [G, C, 16] (lane-major within a group)
+    return values.reshape(groups, ROWS_PER_GROUP, -1).transpose(0, 2, 1)
+
+
+def pack(parts: QuantParts) -> np.ndarray:
+    """The kernel's packed bytes [groups * tiles * tile_bytes] uint8 of `parts`."""
+    fmt = parts.format
+    n, k = parts.shape
+    if k % TILE_K[fmt]:
+        raise ValueError(f"{fmt} needs K to be a multiple of {TILE_K[fmt]}, got {k}")
+    rows = -(-n // ROWS_PER_GROUP) * ROWS_PER_GROUP
+    groups = rows // ROWS_PER_GROUP
+    q = _pad_rows(parts.q, rows)
+    quants = _pack_quants(_steps(q, groups, k // 32), QUANT_BITS[fmt])  # [G, K/32, bytes]
+
+    def lanes(values: np.ndarray) -> np.ndarray:  # -> [G, C, 16 * itemsize] bytes
+        lane_values = np.ascontiguousarray(_lanes(_pad_rows(values, rows), groups))
+        return lane_values.view(np.uint8).reshape(groups, lane_values.shape[1], -1)
+
+    if TILE_K[fmt] == 32:
+        tiles = np.concatenate([quants, lanes(parts.d)], axis=-1)
+    else:
+        supers = k // 256
+        subs = quants.reshape(groups, supers, -1)
+        if fmt == "Q6_K":
+            header = [lanes(parts.d), lanes(parts.sc).reshape(groups, supers, -1)]
+        else:
+            header = [lanes(parts.d), lanes(parts.dmin), lanes(parts.sc).reshape(groups, supers, -1),
+                      lanes(parts.m).reshape(groups, supers, -1)]
+        tiles = np.concatenate(header + [subs], axis=-1)
+    assert tiles.shape[-1] == TILE_BYTES[fmt], (fmt, tiles.shape)
+    return np.ascontiguousarray(tiles).reshape(-1)
+
+
+def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int) -> QuantParts:
+    """The parts of the weight rows `rows` [R] from packed bytes (the inverse of `pack`)."""
+    tiles_per_group = cols // TILE_K[format]
+    tiles = packed.reshape(-1, tiles_per_group, TILE_BYTES[format])
+    rows = np.asarray(rows, dtype=np.int64)
+    group, lane = rows // ROWS_PER_GROUP, rows % ROWS_PER_GROUP
+    chosen = tiles[group]  # [R, T, tile]
+    r = len(rows)
+    pick = np.arange(r)
+
+    def lane_values(section: np.ndarray, dtype: np.dtype, per_tile: int) -> np.ndarray:
+        # section [R, T, per_tile * 16 * itemsize] -> [R, T * per_tile] values of each row's lane
+        values = np.ascontiguousarray(section).view(dtype).reshape(r, -1, ROWS_PER_GROUP)
+        return values[pick, :, lane]
+
+    if TILE_K[format] == 32:
+        quant_bytes = TILE_BYTES[format] - 32
+        steps = _unpack_quants(chosen[:, :, :quant_bytes], QUANT_BITS[format])  # [R, T, 8, 16, 4]
+        q = steps[pick, :, :, lane, :].reshape(r, cols)
+        return QuantParts(format=format, q=q, d=lane_values(chosen[:, :, quant_bytes:], np.float16, 1))
+    header = 288 if format == "Q6_K" else 320
+    sub_bytes = (TILE_BYTES[format] - header) // 8
+    subs = chosen[:, :, header:].reshape(r, tiles_per_group * 8, sub_bytes)
+    steps = _unpack_quants(subs, QUANT_BITS[format])
+    q = steps[pick, :, :, lane, :].reshape(r, cols)
+    d = lane_values(chosen[:, :, 0:32], np.float16, 1)
+    if format == "Q6_K":
+        return QuantParts(format=format, q=q, d=d, sc=lane_values(chosen[:, :, 32:288], np.int8, 16))
+    return QuantParts(format=format, q=q, d=d, dmin=lane_values(chosen[:, :, 32:64], np.float16, 1),
+                      sc=lane_values(chosen[:, :, 64:192], np.uint8, 8),
+                      m=lane_values(chosen[:, :, 192:320], np.uint8, 8))
+
+
+# --------------------------------------------------------------------------------------------------
+# The weight object the decoder holds
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedPart:
+    """Rows [row_start, row_start + rows) of a QuantizedWeight, packed in one format."""
+
+    format: str
+    packed: torch.Tensor  # [bytes] uint8
+    row_start: int
+    rows: int
+
+
+class QuantizedWeight:
+    """A linear layer's weight [N, K] kept quantized: one or more row ranges (a fused q/k/v may
+    mix formats), each packed for the kernels.  Looks enough like a weight tensor for the code
+    that reads rows of it (embedding lookups, heads that copy rows of the LM head)."""
+
+    def __init__(self, parts: list[PackedPart], *, shape: tuple[int, int]):
+        expected = 0
+        for part in parts:
+            if part.row_start != expected:
+                raise ValueError(f"packed parts leave a gap at row {expected}")
+            expected += part.rows
+        if expected != shape[0]:
+            raise ValueError(f"packed parts cover {expected} rows of {shape[0]}")
+        self.parts = parts
+        self.shape = torch.Size(shape)
+        self.dtype = torch.float32  # what rows read from it and the linear's output are
+        self.device = torch.device("cpu")
+
+    @classmethod
+    def from_parts(cls, parts_list: list[QuantParts]) -> "QuantizedWeight":
+        """Rows of several decoded tensors stacked (q, k, v or gate, up), same K.  Neighbours of
+        one format whose row counts are whole groups are packed together."""
+        cols = parts_list[0].shape[1]
+        if any(p.shape[1] != cols for p in parts_list):
+            raise ValueError("stacked quantized tensors must have the same number of columns")
+        merged: list[list[QuantParts]] = []
+        for parts in parts_list:
+            last = merged[-1] if merged else None
+            if last and last[-1].format == parts.format and all(p.shape[0] % ROWS_PER_GROUP == 0 for p in last):
+                last.append(parts)
+            else:
+                merged.append([parts])
+        packed_parts, row = [], 0
+        for run in merged:
+            rows = sum(p.shape[0] for p in run)
+            data = np.concatenate([pack(p) for p in run])
+            packed_parts.append(PackedPart(format=run[0].format, packed=torch.from_numpy(data), row_start=row,
+                                           rows=rows))
+            row += rows
+        return cls(packed_parts, shape=(row, cols))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.packed.numel() for part in self.parts)
+
+    def dim(self) -> int:
+        return 2
+
+    def detach(self) -> "QuantizedWeight":
+        return self
+
+    def parts_of_rows(self, rows: torch.Tensor) -> list[tuple[PackedPart, np.ndarray, np.ndarray]]:
+        """(part, positions in `rows`, rows within the part) for every part that `rows` touches."""
+        index = rows.reshape(-1).to("cpu", torch.int64).numpy()
+        if index.size and (index.min() < 0 or index.max() >= self.shape[0]):
+            raise IndexError(f"row index out of range for a weight of {self.shape[0]} rows")
+        out = []
+        for part in self.parts:
+            where = np.nonzero((index >= part.row_start) & (index < part.row_start + part.rows))[0]
+            if where.size:
+                out.append((part, where, index[where] - part.row_start))
+        return out
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:  # [...] int -> [..., K] float32
+        """Dequantized rows (bit-identical to the float32 conversion of the GGUF file)."""
+        flat = torch.empty(index.numel(), self.shape[1], dtype=torch.float32)
+        for part, where, local in self.parts_of_rows(index):
+            parts = unpack_rows(part.format, part.packed.numpy(), rows=local, cols=self.shape[1])
+            flat[torch.from_numpy(where)] = torch.from_numpy(parts.dequantize())
+        return flat.view(*index.shape, self.shape[1])
+
+    def dequantize(self) -> torch.Tensor:  # -> [N, K] float32
+        return self.rows(torch.arange(self.shape[0]))
+
+    def __getitem__(self, key) -> torch.Tensor:
+        if isinstance(key, torch.Tensor):
+            return self.rows(key)
+        return self.rows(torch.arange(self.shape[0])[key])
+
+    def __repr__(self) -> str:
+        formats = "+".join(part.format for part in self.parts)
+        return f"QuantizedWeight({formats}, shape={tuple(self.shape)}, {self.nbytes / 2**20:.1f} MiB)"

@@ -1,0 +1,189 @@
+"""The decoder's state with linear weights kept quantized: read from a GGUF file as stored, or
+quantized to Q8_0 at load from float weights (an HF checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quickdraft.models.config import ModelConfig
+from quickdraft.models.quantized import SUPPORTED_FORMATS, QuantizedWeight, QuantParts, decode_gguf, quantize_q8_0
+
+logger = logging.getLogger(__name__)
+
+# Our fused weights (rows of several HF tensors) that the kernels may run quantized.
+QUANTIZABLE_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
+QUANTIZATION_MODES = ("gguf", "q8_0")
+
+
+def _is_linear_weight(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in QUANTIZABLE_SUFFIXES
+
+
+def _permuted(parts: QuantParts, order: np.ndarray) -> QuantParts:
+    fields = {name: getattr(parts, name) for name in ("q", "d", "dmin", "sc", "m")}
+    return QuantParts(format=parts.format, **{name: None if value is None else value[order]
+                                              for name, value in fields.items()})
+
+
+def _unpermute_order(rows: int, n_head: int) -> np.ndarray:
+    """Row order undoing llama.cpp's Q/K permutation (as gguf._unpermute_rows does to values)."""
+    from quickdraft.models.gguf import _unpermute_rows
+
+    return _unpermute_rows(np.arange(rows), n_head=n_head)
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    format: str  # GGMLQuantizationType name
+    shape: tuple[int, ...]  # torch order
+    data: np.ndarray  # [bytes] uint8, a view of the memory-mapped file
+
+
+def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
+    """(general.architecture, every tensor) of a GGUF file, skipping over the metadata.
+
+    gguf.GGUFReader builds a numpy view for every element of every metadata array (seconds for a
+    262k-token vocabulary); the weights only need the tensor table.
+    """
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as file:
+        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, buffer, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def take_str() -> str:
+        nonlocal pos
+        length = take("Q")
+        pos += length
+        return bytes(buffer[pos - length:pos]).decode("utf-8", errors="replace")
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def take_value(kind: int):
+        nonlocal pos
+        if kind == 8:
+            return take_str()
+        if kind == 9:
+            item_kind, count = take("I"), take("Q")
+            if item_kind in scalar:  # skipped whole: only a few scalar fields are read
+                pos += count * struct.calcsize(scalar[item_kind])
+                return None
+            return [take_value(item_kind) for _ in range(count)]
+        if kind not in scalar:
+            raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
+        return take(scalar[kind])
+
+    try:
+        if bytes(buffer[:4]) != b"GGUF":
+            raise ValueError("not a GGUF file")
+        version, n_tensors, n_fields = take("4xIQQ")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        fields = {}
+        for _ in range(n_fields):
+            key = take_str()
+            value = take_value(take("I"))
+            if key in ("general.architecture", "general.alignment"):
+                fields[key] = value
+        infos = []
+        for _ in range(n_tensors):
+            name = take_str()
+            dims = [take("Q") for _ in range(take("I"))]
+            infos.append((name, take("I"), dims, take("Q")))
+    except (struct.error, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} is not a valid GGUF file ({err})") from err
+    alignment = int(fields.get("general.alignment") or 32)
+    start = -(-pos // alignment) * alignment
+    data = np.frombuffer(buffer, dtype=np.uint8)
+    tensors = []
+    for name, kind, dims, offset in infos:
+        qtype = GGMLQuantizationType(kind)
+        block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(dims, dtype=np.int64)) // block_values * block_bytes
+        if start + offset + nbytes > data.size:
+            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
+        tensors.append(GGUFTensor(name=name, format=qtype.name, shape=tuple(int(d) for d in reversed(dims)),
+                                  data=data[start + offset:start + offset + nbytes]))
+    return str(fields.get("general.architecture")), tensors
+
+
+def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantParts]:
+    """HF tensor name -> decoded parts, for every 2-D tensor the file stores in a supported
+    quantized format (everything else is read from the converted float directory)."""
+    from quickdraft.models.gguf import SUPPORTED_ARCHITECTURES, hf_tensor_name
+
+    architecture, tensors = read_gguf_tensors(gguf_path)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {architecture!r}")
+    parts: dict[str, QuantParts] = {}
+    for tensor in tensors:
+        fmt, shape = tensor.format, tensor.shape
+        if fmt not in SUPPORTED_FORMATS or len(shape) != 2:
+            continue
+        name = hf_tensor_name(tensor.name, architecture=architecture)
+        if name is None:
+            continue
+        try:
+            decoded = decode_gguf(fmt, tensor.data, rows=shape[0], cols=shape[1])
+        except ValueError as err:
+            raise ValueError(f"{gguf_path}: tensor {tensor.name!r}: {err}") from err
+        if architecture == "llama" and ".attn_q." in tensor.name:
+            decoded = _permuted(decoded, _unpermute_order(shape[0], config.num_heads))
+        if architecture == "llama" and ".attn_k." in tensor.name:
+            decoded = _permuted(decoded, _unpermute_order(shape[0], config.num_kv_heads))
+        parts[name] = decoded
+    return parts
+
+
+def quantized_state(
+    config: ModelConfig,
+    plan: dict[str, list[str]],
+    *,
+    mode: str,
+    float_tensors: dict[str, torch.Tensor],
+    gguf_path: Path | None,
+) -> tuple[dict[str, QuantizedWeight], dict[str, list[str]]]:
+    """(our name -> QuantizedWeight, the rest of `plan` to load as floats).
+
+    mode "gguf": the weights the GGUF file stores quantized, as stored; "q8_0": every linear
+    weight whose rows are whole Q8_0 blocks, quantized from `float_tensors`.
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"unknown quantization {mode!r}: choose one of {', '.join(QUANTIZATION_MODES)}")
+    stored = read_gguf_parts(gguf_path, config) if mode == "gguf" else {}
+    quantized: dict[str, QuantizedWeight] = {}
+    rest: dict[str, list[str]] = {}
+    for ours, theirs in plan.items():
+        if not _is_linear_weight(ours):
+            rest[ours] = theirs
+            continue
+        if mode == "gguf":
+            pieces = [stored.get(name) for name in theirs]
+            if any(piece is None for piece in pieces):
+                rest[ours] = theirs  # stored as floats (or a format without a kernel): float path
+                continue
+        else:
+            weights = [float_tensors[name] for name in theirs]
+            if weights[0].shape[-1] % 32:
+                rest[ours] = theirs
+                continue
+            pieces = [quantize_q8_0(weight) for weight in weights]
+        quantized[ours] = QuantizedWeight.from_parts(pieces)
+    if not quantized:
+        logger.warning("quantization %r: no weight of this checkpoint can be run quantized", mode)
+    return quantized, rest

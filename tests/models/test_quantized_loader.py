@@ -1,0 +1,156 @@
+"""Quantized targets: GGUF weights as stored and HF weights quantized to Q8_0 at load.
+
+Loading keeps every value of the file (dequantized rows equal the float conversion bit for bit),
+whole forwards are batch-invariant (a token's logits are the same bits alone, in a chain, in a
+tree, beside another request), and so speculative greedy output equals plain output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.engine.runner import ModelRunner, SequenceWork
+from quickdraft.kernels.quant_linear import kernel_available
+from quickdraft.kv.cache import KVCache
+from quickdraft.models.loader import load_decoder, resolve_gguf_path, resolve_model_dir, resolve_quantization
+from quickdraft.models.quantized import QuantizedWeight
+from tests.engine.test_speculative import GREEDY, GarbageDrafter, repetitive_prompts
+from tests.models.test_gguf import build_tiny_gguf
+
+CPU = torch.device("cpu")
+PROMPT = [2, 40, 41, 300, 77, 91, 120, 5, 260, 261, 262, 263, 100, 101, 50, 51, 52, 53]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("quantized_ggufs")
+    return {name: build_tiny_gguf(directory, name).path for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16")}
+
+
+def load(path: Path, quantization: str | None):
+    model_dir = resolve_model_dir(path)
+    return load_decoder(model_dir, dtype=torch.float32, device=CPU, max_len=128, quantization=quantization,
+                        gguf_path=resolve_gguf_path(path))
+
+
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16"])
+def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
+    floats, _ = load(tiny_gguf_paths[name], None)
+    quantized, _ = load(tiny_gguf_paths[name], "gguf")
+    float_state = floats.state_dict()
+    held = {n: m for n, m in _quantized_weights(quantized).items()}
+    assert held, "nothing was kept quantized"
+    for param_name, weight in held.items():
+        # the same values as the dequantized float model, fused q/k/v and llama's Q/K order included
+        assert torch.equal(weight.dequantize(), float_state[param_name]), param_name
+    if name == "qwen3-bf16":  # its ffn weights are BF16 in the file: they stay floats
+        assert not any("gate_up" in n for n in held)
+        assert "layers.0.gate_up_proj" in float_state
+    # nothing quantized is also held as a float copy
+    assert not set(held) & set(quantized.state_dict())
+
+
+def _quantized_weights(model) -> dict[str, QuantizedWeight]:
+    return {f"{module_name}.{attr}".lstrip("."): value for module_name, module in model.named_modules()
+            for attr, value in vars(module).items() if isinstance(value, QuantizedWeight)}
+
+
+def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3):
+    cache = KVCache(num_layers=config.num_layers, num_slots=slots, num_kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim, max_len=128, dtype=torch.float32, device=CPU)
+    runner = ModelRunner(model=model, cache=cache, device=CPU)
+    for slot in range(slots):
+        runner.forward([SequenceWork(slot=slot, cache_len=0, token_ids=prefix, logits_nodes=[0])])
+    return [runner.forward(work).logits for work in work_list]
+
+
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0"])
+def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
+    model, config = load(tiny_gguf_paths[name], "gguf")
+    prefix, rest = PROMPT[:12], PROMPT[12:]
+    n = len(prefix)
+    alone = _logits(model, config, [[SequenceWork(slot=0, cache_len=n + i, token_ids=[rest[i]], logits_nodes=[0])]
+                                    for i in range(len(rest))], prefix=prefix, slots=1)
+    alone = torch.cat(alone)
+    chain_and_other, tree = _logits(model, config, [
+        # a chain of all six beside another request's tree
+        [SequenceWork(slot=2, cache_len=n, token_ids=[7, 8, 9, 10], parents=[-1, 0, 0, 1], logits_nodes=[0, 1, 2, 3]),
+         SequenceWork(slot=1, cache_len=n, token_ids=rest, logits_nodes=list(range(len(rest))))],
+        # the first three inside a tree with wrong siblings
+        [SequenceWork(slot=0, cache_len=n, token_ids=[rest[0], 99, rest[1], 98, rest[2]], parents=[-1, 0, 0, 2, 2],
+                      logits_nodes=[0, 2, 4])],
+    ], prefix=prefix)
+    assert torch.equal(chain_and_other[4:], alone)
+    assert torch.equal(tree, alone[:3])
+
+
+def test_quantized_logits_close_to_float(tiny_gguf_paths):
+    floats, config = load(tiny_gguf_paths["gemma3-mixed"], None)
+    quantized, _ = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
+    work = [[SequenceWork(slot=0, cache_len=0, token_ids=PROMPT, logits_nodes=list(range(len(PROMPT))))]]
+    expected = _logits(floats, config, work, prefix=[2], slots=1)[0]
+    got = _logits(quantized, config, work, prefix=[2], slots=1)[0]
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, tree):
+    path = str(tiny_gguf_paths["gemma3-mixed"])
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    prompts = [p[:12] for p in repetitive_prompts()]
+    plain = LLM(path, max_model_len=128, max_num_seqs=4)
+    assert plain.engine.quantization == "gguf"
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(path, max_model_len=128, max_num_seqs=4, speculative_config={"method": "ngram",
+                                                                            "num_speculative_tokens": 6})
+    llm.engine.speculator.drafter = GarbageDrafter(vocab_size=plain.engine.model_config.vocab_size, tree=tree)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.get_metrics().num_draft_tokens > 50
+
+
+def test_q8_0_at_load_speculative_equals_plain(tiny_checkpoints):
+    path = str(tiny_checkpoints["llama"])
+    params = SamplingParams(max_tokens=32, **GREEDY)
+    plain = LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0")
+    assert _quantized_weights(plain.engine.model)
+    expected = [o.outputs[0].token_ids for o in plain.generate(repetitive_prompts(), params)]
+    spec = LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0",
+               speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    assert [o.outputs[0].token_ids for o in spec.generate(repetitive_prompts(), params)] == expected
+    assert spec.get_metrics().num_accepted_tokens > 0
+
+
+def test_quantization_choices_and_errors(tiny_checkpoints, tiny_gguf_paths):
+    gguf_path = tiny_gguf_paths["gemma3-mixed"]
+    resolve = resolve_quantization
+    assert resolve(None, dtype="auto", gguf_path=gguf_path, device=CPU) == "gguf"
+    assert resolve(None, dtype="float32", gguf_path=gguf_path, device=CPU) is None  # today's float path
+    assert resolve(None, dtype="auto", gguf_path=None, device=CPU) is None  # a HF directory
+    assert resolve("none", dtype="auto", gguf_path=gguf_path, device=CPU) is None
+    assert resolve("q8_0", dtype="auto", gguf_path=None, device=CPU) == "q8_0"
+    assert resolve(None, dtype="auto", gguf_path=gguf_path, device=torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="unknown quantization 'q3'"):
+        resolve("q3", dtype="auto", gguf_path=gguf_path, device=CPU)
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        LLM(str(tiny_checkpoints["llama"]), quantization="gguf", max_model_len=64)
+    with pytest.raises(ValueError, match="computes in float32"):
+        LLM(str(gguf_path), quantization="gguf", dtype="bfloat16", max_model_len=64)
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        resolve("gguf", dtype="auto", gguf_path=gguf_path, device=torch.device("cuda"))
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no AVX-512 VNNI kernel on this CPU")
+def test_reference_path_gives_the_same_tokens(tiny_gguf_paths, monkeypatch):
+    """The portable torch code and the kernel are one numerics: same greedy tokens."""
+    from quickdraft.kernels import quant_linear as module
+
+    path = str(tiny_gguf_paths["llama-q8_0"])
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    prompts = [p[:10] for p in repetitive_prompts()[:2]]
+    fast = [o.outputs[0].token_ids for o in LLM(path, max_model_len=64).generate(prompts, params)]
+    monkeypatch.setattr(module, "_extension", lambda: None)
+    slow = [o.outputs[0].token_ids for o in LLM(path, max_model_len=64).generate(prompts, params)]
+    assert fast == slow
