@@ -28,8 +28,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=None,
                        help="local HF directory or .gguf file (default: embedded Gemma 3 270M)")
-    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                       help="weights and activations dtype (default: float32)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="auto (default): float32 compute with a GGUF model's weights kept as stored; "
+                            "float32 / bfloat16: float weights of that dtype (a GGUF dequantized)")
+    group.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "q8_0"],
+                       help="how the weights are held: auto (GGUF as stored on the CPU with --dtype auto), "
+                            "none, gguf, or q8_0 (quantize a HF checkpoint at load)")
     group.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length to reserve KV cache for (default: min(model, 4096))")
@@ -275,7 +279,8 @@ def run_generate(args) -> int:
 
     params = _sampling_params(args)
     load_start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+              max_model_len=args.max_model_len,
               speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
               speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens)
     load_seconds = time.perf_counter() - load_start
@@ -301,7 +306,7 @@ def run_generate(args) -> int:
         f"[quickdraft] {metrics.num_generation_tokens} tokens ({completion.finish_reason}), "
         f"prompt {metrics.num_prompt_tokens} tokens, TTFT {metrics.ttft * 1e3:.0f} ms, "
         f"decode {rate:.1f} tokens/s, total {metrics.e2e:.2f} s, model load {load_seconds:.1f} s "
-        f"({args.dtype}, {args.device})",
+        f"({args.dtype}, {llm.engine.quantization or 'float weights'}, {args.device})",
         file=sys.stderr,
     )
     if metrics.num_drafts:
@@ -340,8 +345,8 @@ def run_bench(args) -> int:
     configs = [_parse_json_option(c, "--speculative-config") for c in (args.speculative_config or [])]
     options = BenchOptions(
         questions=Path(args.questions), categories=tuple(args.categories) if args.categories else None,
-        questions_per_task=args.questions_per_task, model=args.model, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len,
+        questions_per_task=args.questions_per_task, model=args.model, dtype=args.dtype,
+        quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
         speculative_configs=configs or [{"method": "ngram"}, {"method": "suffix"}],
         peers=tuple(args.peers), peer_draft_tokens=args.peer_draft_tokens,
         sampling=BenchSampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -52,7 +52,7 @@ class QuickdraftBackend:
         self.name = name
         self.speculative_config = speculative_config
         self.reference = reference
-        self.setting = f"quickdraft {llm.config.dtype}"
+        self.setting = f"quickdraft {llm.config.dtype} {llm.engine.quantization or 'float weights'}"
         self._speculator = None  # built by open()
 
     def open(self) -> None:

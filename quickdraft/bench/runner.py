@@ -43,7 +43,8 @@ class BenchOptions:
     categories: tuple[str, ...] | None = None
     questions_per_task: int | None = None
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
+    quantization: str | None = None
     device: str = "cpu"
     max_model_len: int | None = None
     speculative_configs: list[dict] = field(default_factory=list)
@@ -110,7 +111,8 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
     questions = load_questions(options.questions, per_task=options.questions_per_task,
                                categories=options.categories)
     baseline_rss = current_rss_bytes()
-    llm = LLM(options.model, dtype=options.dtype, device=options.device, max_model_len=options.max_model_len,
+    llm = LLM(options.model, dtype=options.dtype, quantization=options.quantization, device=options.device,
+              max_model_len=options.max_model_len,
               max_num_seqs=1, seed=options.sampling.seed)
     tokenizer = llm.tokenizer
     header = _header(options, questions, llm)
@@ -242,7 +244,9 @@ def _peer_specs(options: BenchOptions, llm) -> list[tuple[str, object]]:
 
     def transformers_run(name, reference, **extra):
         def make():
-            return TransformersBackend(name=name, model_dir=model_dir, dtype=options.dtype,
+            # transformers reads the dequantized checkpoint: float32 unless bfloat16 was asked for
+            return TransformersBackend(name=name, model_dir=model_dir,
+                                       dtype="bfloat16" if options.dtype == "bfloat16" else "float32",
                                        device=options.device, eos_token_ids=eos, decode=decode,
                                        reference=reference, **extra)
         return name, make
@@ -294,7 +298,7 @@ def _header(options: BenchOptions, questions: list[Question], llm) -> str:
     s = options.sampling
     mode = "greedy" if s.greedy else f"temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}"
     return (f"Spec-Bench: {len(questions)} questions from {Path(options.questions).name}, "
-            f"model {options.model or 'embedded Gemma 3 270M (GGUF Q4_K_M, dequantized)'}, {options.dtype}, "
+            f"model {options.model or 'embedded Gemma 3 270M (GGUF Q4_K_M)'}, dtype {options.dtype}, "
             f"{options.device}, {mode}, {s.max_new_tokens} new tokens, batch 1"
             f"{', quickdraft runs interleaved question by question' if options.interleave else ''}; "
             f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "

@@ -50,7 +50,7 @@ class ServingBenchOptions:
     speculative_config: dict  # the always-on config; adaptive adds "adaptive": true to it
     questions: Path = DEFAULT_QUESTIONS
     model: str | None = None  # None: the embedded Gemma 3 270M
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY

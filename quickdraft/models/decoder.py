@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.attention import attention
+from quickdraft.kernels.quant_linear import decoder_layer_kernel, fused_decoder_layer
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch
 from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from quickdraft.models.layers import LinearFn, RMSNorm, RotaryTable, apply_rotary
-from quickdraft.models.quantized import QuantizedWeight
+from quickdraft.models.quantized import QuantizedWeight, embedding_rows
 
 
 @dataclass
@@ -49,6 +50,8 @@ class DecoderLayer(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.attn_scale = c.attn_scale
         self.gelu = c.activation == "gelu_tanh"
+        # Quantized layers run as one C++ call (csrc/quant_linear.cpp) unless this is False.
+        self.fused = True
         # q, k and v share one matmul, gate and up another: fewer passes over the input.
         self.qkv_proj = _weight(c.q_size + 2 * c.kv_size, c.hidden_size, dtype)
         self.qkv_bias = _bias(c.q_size + 2 * c.kv_size, c.qkv_bias, dtype)
@@ -78,10 +81,46 @@ class DecoderLayer(torch.nn.Module):
         cache: KVCache,
         linear: LinearFn,
     ) -> torch.Tensor:  # [N, D]
+        kernel = self._fused_kernel(hidden)
+        if kernel is not None:
+            return self._fused_forward(kernel, hidden, rotary=rotary, attn=attn, cache=cache)
         q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear)
         cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index,
                     store_index=attn.store_index)
         return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
+
+    def _fused_kernel(self, hidden: torch.Tensor):
+        """The one-call C++ layer when it applies: quantized weights without biases, on the CPU."""
+        if not self.fused or not hidden.is_cpu or hidden.dtype != torch.float32 or self.head_dim % 16:
+            return None
+        weights = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)
+        if not all(isinstance(w, QuantizedWeight) for w in weights) or any(b is not None for b in biases):
+            return None
+        return decoder_layer_kernel()
+
+    def _fused_forward(self, kernel, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor],
+                       attn: AttentionBatch, cache: KVCache) -> torch.Tensor:  # [N, D] -> [N, D]
+        sequences, masks = [], []
+        for seq in attn.sequences:
+            kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
+            sequences.append((seq.slot, seq.row_start, seq.row_end, kv_start, seq.kv_end))
+            masks.append(seq.sliding_mask if self.is_sliding else seq.full_mask)
+
+        def norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else norm.weight
+
+        return fused_decoder_layer(
+            kernel, hidden,
+            weights={"qkv_proj": self.qkv_proj, "o_proj": self.o_proj, "gate_up_proj": self.gate_up_proj,
+                     "down_proj": self.down_proj},
+            norms={"input": self.input_layernorm.weight, "post_attention": self.post_attention_layernorm.weight,
+                   "pre_feedforward": norm_weight(self.pre_feedforward_layernorm),
+                   "post_feedforward": norm_weight(self.post_feedforward_layernorm),
+                   "qk": norm_weight(self.qk_norm)},
+            eps=self.input_layernorm.eps, gelu=self.gelu, rotary=rotary, cache_keys=cache.keys[self.layer_index],
+            cache_values=cache.values[self.layer_index], sequences=sequences, masks=masks,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.attn_scale)
 
     # The pieces below are also driven by feature-level draft heads that hold a decoder layer
     # of the target's architecture (MTP layers) and attend over their own caches.
@@ -160,10 +199,7 @@ class Decoder(torch.nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, D]
-        if isinstance(self.embed_tokens, QuantizedWeight):
-            hidden = self.embed_tokens.rows(token_ids)
-        else:
-            hidden = F.embedding(token_ids, self.embed_tokens)
+        hidden = embedding_rows(self.embed_tokens, token_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         return hidden

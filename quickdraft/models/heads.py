@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from quickdraft.models.config import RopeConfig
 from quickdraft.models.layers import RotaryTable, apply_rotary
+from quickdraft.models.quantized import embedding_rows
 
 HEAD_CONFIG_FILE = "head_config.json"
 HEAD_WEIGHTS_FILE = "head.safetensors"
@@ -220,7 +221,7 @@ class EagleHead(FeatureHead):
 
     def input_hidden(self, token_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
         # token_ids [...], feature [..., D] -> [..., D]
-        embedded = F.embedding(token_ids, self.embed_tokens).to(feature.dtype)
+        embedded = embedding_rows(self.embed_tokens, token_ids).to(feature.dtype)
         if self.embed_scale is not None:
             embedded = embedded * self.embed_scale
         mixed = torch.cat([self.token_norm(embedded), self.feature_norm(feature)], dim=-1)

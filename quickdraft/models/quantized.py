@@ -287,6 +287,13 @@ def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int)
                       m=lane_values(chosen[:, :, 192:320], np.uint8, 8))
 
 
+def embedding_rows(weight: "torch.Tensor | QuantizedWeight", token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows `token_ids` [...] of an embedding, float or quantized -> [..., D]."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.rows(token_ids)
+    return torch.nn.functional.embedding(token_ids, weight)
+
+
 # --------------------------------------------------------------------------------------------------
 # The weight object the decoder holds
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ class ServerConfig:
     served_model_name: str | None = None  # what clients put in "model" (default: derived from model)
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
     max_num_seqs: int = 8  # requests decoded together (KV cache slots)

@@ -26,9 +26,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include <tuple>
+#include <vector>
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include "attention_row.h"
 
 namespace qd_quant {
 
@@ -37,6 +42,7 @@ enum Format : int { Q8_0 = 0, Q4_0 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 }
 // Weight quants covered by one tile (per 16 rows) and the tile's size in bytes.
 constexpr int kTileK[] = {32, 32, 32, 256, 256, 256};
 constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360};
+constexpr int64_t kPrefetchBytes = 4096;
 
 inline bool cpu_supported() {
   __builtin_cpu_init();
@@ -240,7 +246,10 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t i = 0; i < ntiles; ++i) {
     const uint8_t* t = group + i * kTileBytes[FMT];
-    _mm_prefetch(reinterpret_cast<const char*>(t + 4 * kTileBytes[FMT]), _MM_HINT_T0);
+    // Every line of the tile 4 KiB ahead: the hardware prefetchers stop at page boundaries and
+    // the small layer matrices are streamed from DRAM in short runs.
+    for (int64_t off = 0; off < kTileBytes[FMT]; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchBytes + off), _MM_HINT_T0);
     tile<FMT, MB>(t, i * kTileK[FMT], r, acc);
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << nvalid) - 1u);
@@ -337,6 +346,170 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// One decoder layer in one call (decoding and verification on quantized weights)
+// ------------------------------------------------------------------------------------------
+// The Python layer makes ~50 small torch calls per layer (norms, rope, splits, the KV write,
+// attention, activations, four matmuls with their activation quantization); each costs
+// microseconds of dispatch, which at batch 1 is a third of a decode step.  This is the same
+// layer as quickdraft/models/decoder.py's DecoderLayer for quantized weights without biases,
+// every row computed on its own (batch-invariant like the kernels it calls).
+
+using Part = std::tuple<int64_t, at::Tensor, int64_t, int64_t>;  // format, packed, rows, row_start
+
+void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int64_t K, float* out, int64_t ldo,
+                  std::vector<int8_t>& q, std::vector<float>& dx, std::vector<int32_t>& bsum) {
+  q.resize(M * K);
+  dx.resize(M * K / 32);
+  bsum.resize(M * K / 16);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * K, K, q.data() + m * K, dx.data() + m * (K / 32), bsum.data() + m * (K / 16));
+  const QRows rows{q.data(), dx.data(), bsum.data(), K};
+  for (const auto& [format, packed, n, col0] : parts) {
+    const auto* w = packed.const_data_ptr<uint8_t>();
+    switch (format) {
+      case Q8_0: run_all<Q8_0>(w, n, K, rows, M, out, ldo, col0); break;
+      case Q4_0: run_all<Q4_0>(w, n, K, rows, M, out, ldo, col0); break;
+      case Q5_0: run_all<Q5_0>(w, n, K, rows, M, out, ldo, col0); break;
+      case Q4_K: run_all<Q4_K>(w, n, K, rows, M, out, ldo, col0); break;
+      case Q5_K: run_all<Q5_K>(w, n, K, rows, M, out, ldo, col0); break;
+      default: run_all<Q6_K>(w, n, K, rows, M, out, ldo, col0); break;
+    }
+  }
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w over one row of n values (w null: no weight).
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = w ? x[i] * r * w[i] : x[i] * r;
+}
+
+inline float gelu_tanh(float x) {
+  return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+const float* opt_ptr(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
+}
+
+// hidden [N, D] -> the layer's output [N, D].  seqs: per sequence (slot, row_start, row_end,
+// kv_start, kv_end) of this layer's attention type; masks: its [T, kv_end - kv_start] or None.
+at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& qkv, const std::vector<Part>& o_proj,
+                         const std::vector<Part>& gate_up, const std::vector<Part>& down,
+                         const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                         const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm,
+                         const c10::optional<at::Tensor>& qk_norm, double eps_d, bool gelu,
+                         const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& cache_k, at::Tensor& cache_v,
+                         const std::vector<int64_t>& seqs, const std::vector<c10::optional<at::Tensor>>& masks,
+                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale) {
+  TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks AVX-512 VNNI");
+  const at::Tensor hidden = hidden_in.contiguous();
+  const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
+  const int64_t N = hidden.size(0), D = hidden.size(1), QKV = (H + 2 * Hkv) * hd;
+  TORCH_CHECK(hd % 16 == 0 && D % 32 == 0 && (H * hd) % 32 == 0 && I % 32 == 0, "decoder_layer: unsupported sizes");
+  TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() && cache_k.dim() == 4, "decoder_layer: bad cache");
+  TORCH_CHECK(static_cast<int64_t>(seqs.size()) == 5 * static_cast<int64_t>(masks.size()), "decoder_layer: bad seqs");
+  const float eps = static_cast<float>(eps_d);
+  const bool sandwich = pre_ff_norm.has_value() && pre_ff_norm->defined();
+  const float* h = hidden.const_data_ptr<float>();
+  std::vector<float> x(N * std::max(D, I)), qkv_out(N * QKV), attended(N * H * hd), proj(N * D), gu(N * 2 * I);
+  std::vector<int8_t> q8;
+  std::vector<float> dx;
+  std::vector<int32_t> bsum;
+  at::Tensor out = at::empty({N, D}, hidden.options());
+  float* y = out.mutable_data_ptr<float>();
+
+  // attention inputs
+  const float* w_in = input_norm.const_data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) rms_norm_row(h + n * D, w_in, D, eps, x.data() + n * D);
+  matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum);
+  const float* w_qk = opt_ptr(qk_norm);
+  const float* cp = cosv.const_data_ptr<float>();
+  const float* sp = sinv.const_data_ptr<float>();
+  std::vector<float> tmp(hd);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t head = 0; head < H + Hkv; ++head) {  // q and k heads: norm, then rotary
+      float* v = qkv_out.data() + n * QKV + head * hd;
+      if (w_qk) rms_norm_row(v, nullptr, hd, eps, v);
+      if (w_qk) for (int64_t i = 0; i < hd; ++i) v[i] = v[i] * w_qk[head * hd + i];
+      for (int64_t i = 0; i < hd; ++i) tmp[i] = v[i];
+      const float* c = cp + n * hd;
+      const float* s = sp + n * hd;
+      for (int64_t i = 0; i < hd; ++i) v[i] = tmp[i] * c[i] + tmp[(i + hd / 2) % hd] * s[i];
+    }
+  }
+  // KV write, then attention per sequence
+  float* kc = cache_k.mutable_data_ptr<float>();
+  float* vc = cache_v.mutable_data_ptr<float>();
+  const int64_t L = cache_k.size(2), slot_stride = Hkv * L * hd, head_stride = L * hd;
+  const int64_t num_seqs = static_cast<int64_t>(masks.size());
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t slot = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2], kv_end = seqs[5 * b + 4];
+    const int64_t cache_len = kv_end - (r1 - r0);
+    for (int64_t n = r0; n < r1; ++n)
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const int64_t at = slot * slot_stride + g * head_stride + (cache_len + n - r0) * hd;
+        std::memcpy(kc + at, qkv_out.data() + n * QKV + (H + g) * hd, hd * sizeof(float));
+        std::memcpy(vc + at, qkv_out.data() + n * QKV + (H + Hkv + g) * hd, hd * sizeof(float));
+      }
+  }
+  const float fscale = static_cast<float>(scale);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t slot = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2];
+    const int64_t kv_start = seqs[5 * b + 3], kv_end = seqs[5 * b + 4], S = kv_end - kv_start;
+    const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
+    const int64_t T = r1 - r0, group = H / Hkv;
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * hd));
+    at::parallel_for(0, T * H, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores(S);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / H, head = i % H, g = head / group;
+        const int64_t base = slot * slot_stride + g * head_stride + kv_start * hd;
+        qd_attention::attend_row(qkv_out.data() + (r0 + t) * QKV + head * hd, kc + base, vc + base, hd, S, hd,
+                                 mask ? mask + t * S : nullptr, fscale, scores.data(),
+                                 attended.data() + (r0 + t) * H * hd + head * hd);
+      }
+    });
+  }
+  // block output
+  matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum);
+  const float* w_post = post_attention_norm.const_data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    float* yn = y + n * D;
+    if (sandwich) {
+      rms_norm_row(proj.data() + n * D, w_post, D, eps, yn);
+      for (int64_t i = 0; i < D; ++i) yn[i] = h[n * D + i] + yn[i];
+      rms_norm_row(yn, pre_ff_norm->const_data_ptr<float>(), D, eps, x.data() + n * D);
+    } else {
+      for (int64_t i = 0; i < D; ++i) yn[i] = h[n * D + i] + proj[n * D + i];
+      rms_norm_row(yn, w_post, D, eps, x.data() + n * D);
+    }
+  }
+  matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = gu[n * 2 * I + i];
+      x[n * I + i] = (gelu ? gelu_tanh(g) : silu(g)) * gu[n * 2 * I + I + i];
+    }
+  matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum);
+  const float* w_post_ff = opt_ptr(post_ff_norm);
+  std::vector<float> row(D);
+  for (int64_t n = 0; n < N; ++n) {
+    const float* add = proj.data() + n * D;
+    if (sandwich) {
+      rms_norm_row(add, w_post_ff, D, eps, row.data());
+      add = row.data();
+    }
+    float* yn = y + n * D;
+    for (int64_t i = 0; i < D; ++i) yn[i] = yn[i] + add[i];
+  }
+  return out;
+}
+
 }  // namespace qd_quant
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -346,5 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &qd_quant::quant_matmul, "out[:, col0:col0+N] = x @ W^T for a packed quantized W",
         py::arg("q"), py::arg("dx"), py::arg("bsum"), py::arg("packed"), py::arg("format"), py::arg("N"),
         py::arg("K"), py::arg("out"), py::arg("col0"), py::call_guard<py::gil_scoped_release>());
+  m.def("decoder_layer", &qd_quant::decoder_layer, "one decoder layer on quantized weights",
+        py::call_guard<py::gil_scoped_release>());
   m.def("cpu_supported", &qd_quant::cpu_supported);
 }
