@@ -24,7 +24,9 @@ _LOAD_LOCK = threading.Lock()
 
 @functools.cache
 def _load() -> ModuleType | None:
-    return load_kernel("attention_v1", source="attention.cpp", what="scaled_dot_product_attention")
+    # -ffp-contract=off: the same bits as the copy of attend_row inside the fused decoder layer
+    return load_kernel("attention_v1", source="attention.cpp", extra_cflags=("-ffp-contract=off",),
+                       what="scaled_dot_product_attention")
 
 
 def _extension() -> ModuleType | None:

@@ -154,3 +154,25 @@ def test_reference_path_gives_the_same_tokens(tiny_gguf_paths, monkeypatch):
     monkeypatch.setattr(module, "_extension", lambda: None)
     slow = [o.outputs[0].token_ids for o in LLM(path, max_model_len=64).generate(prompts, params)]
     assert fast == slow
+
+
+def _set_fused(model, fused: bool) -> None:
+    for layer in model.layers:
+        layer.fused = fused
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no AVX-512 VNNI kernel on this CPU")
+def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths):
+    """The C++ layer computes what DecoderLayer's torch code computes, to rounding."""
+    work = [[SequenceWork(slot=0, cache_len=0, token_ids=PROMPT, logits_nodes=list(range(len(PROMPT))))],
+            [SequenceWork(slot=0, cache_len=len(PROMPT), token_ids=[5, 6, 7], parents=[-1, 0, 0],
+                          logits_nodes=[0, 1, 2]),
+             SequenceWork(slot=1, cache_len=0, token_ids=PROMPT[:9], logits_nodes=[8])]]
+    for name, tolerance in (("llama-q8_0", 1e-4), ("gemma3-mixed", 1e-4)):
+        model, config = load(tiny_gguf_paths[name], "gguf")
+        _set_fused(model, False)
+        python = torch.cat(_logits(model, config, work, prefix=[2], slots=2))
+        _set_fused(model, True)
+        fused = torch.cat(_logits(model, config, work, prefix=[2], slots=2))
+        assert (fused - python).abs().max() <= tolerance * python.abs().max()
+        assert torch.equal(fused.argmax(-1), python.argmax(-1))

@@ -60,25 +60,36 @@ struct QRows {
   int64_t K;
 };
 
-// Scalar on purpose: x * inv in fp32 and round-half-even, exactly as the torch reference.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+
+// x * inv in fp32 and round-half-even (the default rounding of vcvtps2dq), exactly as the torch
+// reference; the 16-value sums are exact integers.
 inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / 32; ++b) {
-    const float* xb = x + 32 * b;
-    float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, sign_off), _mm512_and_ps(x1, sign_off)));
     dx[b] = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sums[2] = {0, 0};
-    for (int i = 0; i < 32; ++i) {
-      float v = std::nearbyint(xb[i] * inv);
-      v = std::min(127.0f, std::max(-127.0f, v));
-      q[32 * b + i] = static_cast<int8_t>(v);
-      sums[i / 16] += static_cast<int32_t>(v);
-    }
-    bsum[2 * b] = sums[0];
-    bsum[2 * b + 1] = sums[1];
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(x0, inv))));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(x1, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+    bsum[2 * b] = _mm512_reduce_add_epi32(q0);
+    bsum[2 * b + 1] = _mm512_reduce_add_epi32(q1);
   }
 }
+
+// Every row of x [M, K]; rows are independent, so threads change nothing.
+inline void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * K, dx + m * (K / 32), bsum + m * (K / 16));
+  });
+}
+
+#pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
@@ -119,10 +130,18 @@ QD_INLINE __m512i high_bits(__m512i w, const uint8_t* masks, int s, char bit) {
   return _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8(bit));
 }
 
+// idot += w (u8) . broadcast of the 4 activation bytes at p (s8), with the broadcast embedded
+// in the instruction ({1to16}): GCC otherwise emits a separate vpbroadcastd per row and step,
+// twice the micro-ops of the kernel's inner loop.
+QD_INLINE __m512i dp_bcast(__m512i idot, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(idot) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return idot;
+}
+
 template <int MB>
 QD_INLINE void dp(__m512i* idot, __m512i w, const int8_t* const* xq, int64_t k) {
   QD_UNROLL
-  for (int m = 0; m < MB; ++m) idot[m] = _mm512_dpbusd_epi32(idot[m], w, bcast4(xq[m] + k));
+  for (int m = 0; m < MB; ++m) idot[m] = dp_bcast(idot[m], w, xq[m] + k);
 }
 
 // acc = acc + (scale * dx) * float(idot): the per-block epilogue of every format but the
@@ -310,7 +329,7 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in) {
   auto* qp = q.mutable_data_ptr<int8_t>();
   auto* dp = dx.mutable_data_ptr<float>();
   auto* bp = bsum.mutable_data_ptr<int32_t>();
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * (K / 32), bp + m * (K / 16));
+  quantize_rows_into(xp, M, K, qp, dp, bp);
   return {q, dx, bsum};
 }
 
@@ -362,8 +381,7 @@ void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int
   q.resize(M * K);
   dx.resize(M * K / 32);
   bsum.resize(M * K / 16);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, q.data() + m * K, dx.data() + m * (K / 32), bsum.data() + m * (K / 16));
+  quantize_rows_into(x, M, K, q.data(), dx.data(), bsum.data());
   const QRows rows{q.data(), dx.data(), bsum.data(), K};
   for (const auto& [format, packed, n, col0] : parts) {
     const auto* w = packed.const_data_ptr<uint8_t>();
@@ -378,19 +396,46 @@ void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int
   }
 }
 
-// y = x / sqrt(mean(x^2) + eps) * w over one row of n values (w null: no weight).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+
+// y = x / sqrt(mean(x^2) + eps) * w over one row of n values (n % 16 == 0; w null: no weight).
 inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) y[i] = w ? x[i] * r * w[i] : x[i] * r;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps);
+  const __m512 rv = _mm512_set1_ps(r);
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), rv);
+    if (w) v = _mm512_mul_ps(v, _mm512_loadu_ps(w + i));
+    _mm512_storeu_ps(y + i, v);
+  }
 }
 
-inline float gelu_tanh(float x) {
-  return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+// act(gate) * up over n values (n % 16 == 0): GELU with the tanh approximation, or SiLU.
+inline void gated_activation(const float* gate, const float* up, int64_t n, bool gelu, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f), two = _mm512_set1_ps(2.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    __m512 a;
+    if (gelu) {
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+      const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                     _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
+      // tanh(u) = 1 - 2 / (exp(2u) + 1)
+      const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(qd_attention::exp16(_mm512_mul_ps(two, u)), one)));
+      a = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, t));
+    } else {
+      a = _mm512_div_ps(g, _mm512_add_ps(one, qd_attention::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    }
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(a, _mm512_loadu_ps(up + i)));
+  }
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+#pragma GCC pop_options
 
 const float* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
@@ -490,11 +535,8 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     }
   }
   matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = gu[n * 2 * I + i];
-      x[n * I + i] = (gelu ? gelu_tanh(g) : silu(g)) * gu[n * 2 * I + I + i];
-    }
+  for (int64_t n = 0; n < N; ++n) gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu,
+                                                   x.data() + n * I);
   matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum);
   const float* w_post_ff = opt_ptr(post_ff_norm);
   std::vector<float> row(D);
