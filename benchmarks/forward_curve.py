@@ -18,19 +18,9 @@ import statistics
 import time
 
 import torch
+from bench_decode import read_bandwidth_gbs  # run from benchmarks/ as a script: its folder is on the path
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def read_bandwidth_gbs(size_mb: int = 1024, repeats: int = 10) -> float:
-    data = torch.ones(size_mb * 1024 * 1024 // 4)
-    data.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(times) / 1e9
 
 
 def linear_weights(model) -> list:

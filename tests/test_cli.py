@@ -82,3 +82,11 @@ def test_train_head_options_reach_the_config_and_errors_are_clear(tmp_path, caps
                  "--copy-dim", "32", "--no-progress"])
     assert code == 2 and "stop here" in capsys.readouterr().err
     assert seen["config"].copy_dim == 32 and seen["config"].init_head == tmp_path / "trained"
+
+
+def test_python_dash_m_runs_the_cli():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "quickdraft", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage: quickdraft" in done.stdout

@@ -98,11 +98,28 @@ class BenchReport:
         return next(r for r in self.runs if r.name == name)
 
 
+LABEL_KEY = "label"  # a speculative config's short name in tables and plots (not passed to the engine)
+_LABEL_WIDTH = 32
+
+
 def method_label(config: dict) -> str:
-    """`ngram`, or `ngram {"num_speculative_tokens": 3}` when options are given."""
-    options = {k: v for k, v in config.items() if k != "method"}
+    """The config's "label", or a short automatic one: the method and its options as k=v
+    (a nested drafter list by its methods), cut to 32 characters."""
+    if config.get(LABEL_KEY):
+        return str(config[LABEL_KEY])
     method = config.get("method", "draft_model")
-    return f"{method} {json.dumps(options, sort_keys=True)}" if options else method
+    parts = [f"{key}={_short_value(value)}" for key, value in sorted(config.items())
+             if key not in ("method", LABEL_KEY)]
+    label = " ".join([method, *parts])
+    return label if len(label) <= _LABEL_WIDTH else label[:_LABEL_WIDTH - 1] + "…"
+
+
+def _short_value(value) -> str:
+    if isinstance(value, dict):
+        return str(value.get("method", "{…}"))
+    if isinstance(value, list):
+        return "+".join(_short_value(item) for item in value)
+    return str(value).rstrip("/").rsplit("/", 1)[-1]  # a model path by its last part
 
 
 def run_specbench(options: BenchOptions, *, command: str | None = None) -> BenchReport:
@@ -118,8 +135,9 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
     header = _header(options, questions, llm)
     quickdraft_runs = [QuickdraftBackend(llm, name=PLAIN, speculative_config=None, reference=PLAIN)]
     for config in options.speculative_configs:
+        engine_config = {key: value for key, value in config.items() if key != LABEL_KEY}
         quickdraft_runs.append(QuickdraftBackend(llm, name=f"quickdraft {method_label(config)}",
-                                                 speculative_config=config, reference=PLAIN))
+                                                 speculative_config=engine_config, reference=PLAIN))
     peer_specs = _peer_specs(options, llm)
     progress = _progress(total=len(questions) * (len(quickdraft_runs) + len(peer_specs)),
                          enabled=options.progress)

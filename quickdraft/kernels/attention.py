@@ -8,30 +8,22 @@ scaled_dot_product_attention, which is exact to rounding but not batch-invariant
 
 from __future__ import annotations
 
-import functools
-import threading
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from quickdraft.kernels.build import load_kernel
+from quickdraft.kernels.build import LazyKernel
 
 __all__ = ["attention", "kernel_available"]
 
-_LOAD_LOCK = threading.Lock()
-
-
-@functools.cache
-def _load() -> ModuleType | None:
-    # -ffp-contract=off: the same bits as the copy of attend_row inside the fused decoder layer
-    return load_kernel("attention_v1", source="attention.cpp", extra_cflags=("-ffp-contract=off",),
-                       what="scaled_dot_product_attention")
+# -ffp-contract=off: the same bits as the copy of attend_row inside the fused decoder layer
+_KERNEL = LazyKernel("attention_v1", source="attention.cpp", extra_cflags=("-ffp-contract=off",),
+                     what="scaled_dot_product_attention")
 
 
 def _extension() -> ModuleType | None:
-    with _LOAD_LOCK:
-        return _load()
+    return _KERNEL.get()
 
 
 def kernel_available() -> bool:

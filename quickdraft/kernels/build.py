@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -38,3 +39,20 @@ def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), w
         logger.warning("%s: this CPU lacks the instructions of the C++ kernel, using %s", name, what)
         return None
     return module
+
+
+class LazyKernel:
+    """A kernel built on first use, once, even when several threads ask together."""
+
+    def __init__(self, name: str, *, source: str, extra_cflags: tuple[str, ...] = (), what: str):
+        self._args = dict(name=name, source=source, extra_cflags=extra_cflags, what=what)
+        self._lock = threading.Lock()
+        self._loaded = False
+        self._module: ModuleType | None = None
+
+    def get(self) -> ModuleType | None:
+        with self._lock:
+            if not self._loaded:
+                self._module = load_kernel(**self._args)
+                self._loaded = True
+            return self._module

@@ -16,32 +16,24 @@ Two implementations of the same numerics, bit for bit:
 
 from __future__ import annotations
 
-import functools
-import threading
 from types import ModuleType
 
 import numpy as np
 import torch
 
-from quickdraft.kernels.build import load_kernel
+from quickdraft.kernels.build import LazyKernel
 from quickdraft.models.quantized import FORMAT_IDS, OFFSETS, PackedPart, QuantizedWeight, unpack_rows
 
 __all__ = ["kernel_available", "quant_linear", "quantize_activations", "reference_quant_linear"]
 
-_LOAD_LOCK = threading.Lock()
-
-
-@functools.cache
-def _load() -> ModuleType | None:
-    # -ffp-contract=off: no fused multiply-adds, so the kernel's float operations are the
-    # reference's, one rounding each.
-    return load_kernel("quant_linear_v1", source="quant_linear.cpp", extra_cflags=("-ffp-contract=off",),
-                       what="the torch reference (slow)")
+# -ffp-contract=off: no fused multiply-adds, so the kernel's float operations are the
+# reference's, one rounding each.
+_KERNEL = LazyKernel("quant_linear_v1", source="quant_linear.cpp", extra_cflags=("-ffp-contract=off",),
+                     what="the torch reference (slow)")
 
 
 def _extension() -> ModuleType | None:
-    with _LOAD_LOCK:
-        return _load()
+    return _KERNEL.get()
 
 
 def kernel_available() -> bool:

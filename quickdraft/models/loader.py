@@ -13,7 +13,7 @@ from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.layers import RotaryTable, default_linear_fn
 from quickdraft.models.quantized import QuantizedWeight
-from quickdraft.models.quantized_loader import quantized_state
+from quickdraft.models.quantized_loader import PACKED_CACHE_FILE, load_packed, quantized_state, save_packed
 
 DEFAULT_MODEL_ALIASES = ("default", "gemma-3-270m", "gemma3-270m")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -297,10 +297,30 @@ def load_decoder(model_dir: Path, *, dtype: torch.dtype, device: torch.device, m
     if quantization == "gguf" and gguf_path is None:
         raise ValueError("quantization 'gguf' needs a .gguf model (or the embedded default)")
     tensors = read_hf_tensors(model_dir) if quantization == "q8_0" else {}
-    quantized, rest = quantized_state(config, plan, mode=quantization, float_tensors=tensors, gguf_path=gguf_path)
+    cache_file = model_dir / PACKED_CACHE_FILE
+    quantized = load_packed(cache_file) if quantization == "gguf" else None
+    if quantized is not None and set(quantized) <= set(plan):
+        rest = {name: theirs for name, theirs in plan.items() if name not in quantized}
+    else:
+        quantized, rest = quantized_state(config, plan, mode=quantization, float_tensors=tensors,
+                                          gguf_path=gguf_path)
+        if quantization == "gguf" and quantized:
+            save_packed(cache_file, quantized)
     if quantization == "gguf":
         tensors = read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
     state = convert_hf_tensors(config, rest, tensors)
     del tensors
     decoder = build_decoder(config, state, dtype=dtype, device=device, max_len=max_len, quantized=quantized)
+    _return_free_heap()
     return decoder, config
+
+
+def _return_free_heap() -> None:
+    """Give the decoding and packing temporaries back to the OS (glibc keeps freed heap: ~70 MB
+    of the embedded model's load stayed resident otherwise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -187,3 +187,54 @@ def quantized_state(
     if not quantized:
         logger.warning("quantization %r: no weight of this checkpoint can be run quantized", mode)
     return quantized, rest
+
+
+# Packed weights of a GGUF model, kept beside its converted directory so that a reload reads them
+# instead of decoding and repacking the file (seconds for the embedded model's 262k-row embedding).
+# The directory is rebuilt when its GGUF changes; bump the version when the packed layout does.
+PACKED_CACHE_FILE = "quickdraft-packed-v1.safetensors"
+
+
+def save_packed(path: Path, quantized: dict[str, QuantizedWeight]) -> None:
+    """Write `quantized` to `path` (atomically; a failure to write only costs the next load time)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    layout = {name: {"shape": list(weight.shape),
+                     "parts": [[part.format, part.rows, part.row_start] for part in weight.parts]}
+              for name, weight in quantized.items()}
+    tensors = {f"{name}#{index}": part.packed for name, weight in quantized.items()
+               for index, part in enumerate(weight.parts)}
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(temporary), metadata={"layout": json.dumps(layout)})
+        os.replace(temporary, path)
+    except OSError as err:
+        logger.warning("could not cache the packed weights in %s: %s", path, err)
+        temporary.unlink(missing_ok=True)
+
+
+def load_packed(path: Path) -> dict[str, QuantizedWeight] | None:
+    """The weights `save_packed` wrote, or None when the file is missing or unreadable."""
+    import json
+
+    from safetensors import safe_open
+
+    from quickdraft.models.quantized import PackedPart
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as file:
+            layout = json.loads(file.metadata()["layout"])
+            return {name: QuantizedWeight(
+                # cloned: the tensors would otherwise live on the file's memory map
+                [PackedPart(format=fmt, packed=file.get_tensor(f"{name}#{index}").clone(), row_start=start,
+                            rows=rows)
+                 for index, (fmt, rows, start) in enumerate(entry["parts"])], shape=tuple(entry["shape"]))
+                for name, entry in layout.items()}
+    except Exception as err:  # a truncated or foreign file: rebuild it
+        logger.warning("ignoring the packed-weight cache %s: %s", path, err)
+        return None

@@ -58,7 +58,7 @@ def test_every_output_file_is_written(greedy_report):
 def test_runs_cover_plain_methods_and_peers(greedy_report):
     _, data = greedy_report
     runs = runs_by_name(data)
-    assert list(runs)[:3] == ["quickdraft plain", 'quickdraft ngram {"num_speculative_tokens": 4}', "quickdraft suffix"]
+    assert list(runs)[:3] == ["quickdraft plain", 'quickdraft ngram num_speculative_tokens=4', "quickdraft suffix"]
     assert {"transformers plain", "transformers prompt lookup", "llama.cpp plain", "llama.cpp prompt lookup"} <= set(runs)
     for name in ("transformers plain", "transformers prompt lookup"):
         assert runs[name]["error"] is None, runs[name]["error"]
@@ -99,7 +99,7 @@ def test_speculation_is_exact_and_counted(greedy_report):
     runs = runs_by_name(data)
     plain = runs["quickdraft plain"]
     assert plain["summary"]["overall"]["mean_accepted_tokens"] == pytest.approx(1.0)
-    for name in ('quickdraft ngram {"num_speculative_tokens": 4}', "quickdraft suffix"):
+    for name in ('quickdraft ngram num_speculative_tokens=4', "quickdraft suffix"):
         run = runs[name]
         assert run["summary"]["overall"]["exact_match"] == 1.0
         assert run["summary"]["overall"]["mean_accepted_tokens"] > 1.0  # the prompts repeat themselves
@@ -122,7 +122,7 @@ def test_summary_table_lists_every_run(greedy_report):
         assert run["name"] in text
     assert "did not finish" in text and "llama.cpp plain:" in text
     ngram_row = next(line for line in text.splitlines() if line.startswith('| quickdraft ngram'))
-    overall = runs_by_name(data)['quickdraft ngram {"num_speculative_tokens": 4}']["summary"]["overall"]
+    overall = runs_by_name(data)['quickdraft ngram num_speculative_tokens=4']["summary"]["overall"]
     assert f"{overall['speedup']:.2f}x ({overall['mean_accepted_tokens']:.2f})" in ngram_row
 
 
@@ -131,7 +131,7 @@ def test_sampled_run_reports_acceptance_not_exactness(tiny_checkpoints, question
     assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--speculative-config", NGRAM,
                      "--temperature", "0.8", "--seed", "3") == 0
     assert "temperature 0.8" in capsys.readouterr().out
-    run = runs_by_name(json.loads((out / JSON_FILE).read_text()))['quickdraft ngram {"num_speculative_tokens": 4}']
+    run = runs_by_name(json.loads((out / JSON_FILE).read_text()))['quickdraft ngram num_speculative_tokens=4']
     assert run["summary"]["overall"]["exact_match"] is None
     assert run["summary"]["overall"]["acceptance_rate"] is not None
 
@@ -181,7 +181,8 @@ def test_draft_model_config_adds_the_transformers_assistant_peer(tiny_checkpoint
     assert assistant["error"] is None, assistant["error"]
     assert "assistant_model" in assistant["setting"]
     assert assistant["summary"]["overall"]["mean_accepted_tokens"] > 1.0
-    assert runs['quickdraft draft_model {"model": "%s", "num_speculative_tokens": 3}' % draft]["error"] is None
+    ours = next(run for name, run in runs.items() if name.startswith("quickdraft draft_model model=gemma3"))
+    assert ours["error"] is None
 
 
 def test_interleaved_runs_answer_the_same_and_stay_exact(tiny_checkpoints, questions_file, tmp_path):
@@ -192,10 +193,36 @@ def test_interleaved_runs_answer_the_same_and_stay_exact(tiny_checkpoints, quest
     assert "interleaved question by question" in data["header"]
     runs = runs_by_name(data)
     plain = runs["quickdraft plain"]
-    for name in ('quickdraft ngram {"num_speculative_tokens": 4}', "quickdraft suffix"):
+    for name in ('quickdraft ngram num_speculative_tokens=4', "quickdraft suffix"):
         run = runs[name]
         assert run["error"] is None
         assert [q["question_id"] for q in run["questions"]] == [q["question_id"] for q in plain["questions"]]
         assert run["summary"]["overall"]["exact_match"] == 1.0
         assert run["summary"]["overall"]["mean_accepted_tokens"] > 1.0
         assert run["peak_memory_bytes"] is None  # not told apart per run when interleaved
+
+
+def test_run_labels_are_short_and_configurable():
+    from quickdraft.bench.runner import method_label
+
+    assert method_label({"method": "suffix"}) == "suffix"
+    assert method_label({"method": "ngram", "num_speculative_tokens": 4}) == "ngram num_speculative_tokens=4"
+    hybrid = {"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}],
+              "skip_after": 2, "max_draft_tokens": 12}
+    label = method_label(hybrid)
+    assert label.startswith("hybrid drafters=suffix+eagle3") and len(label) <= 32
+    assert method_label({**hybrid, "label": "hybrid copy"}) == "hybrid copy"
+
+
+def test_plots_stay_readable_with_many_long_runs(tmp_path):
+    from quickdraft.bench.plots import plot_speedup_by_task
+
+    tasks = ["multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag", "overall"]
+    summaries = {f"quickdraft run number {i} with a long descriptive name": {t: {"speedup": 1 + i / 10}
+                                                                             for t in tasks} for i in range(9)}
+    path = tmp_path / "speedup.png"
+    plot_speedup_by_task(summaries, path, title="nine runs")
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width > 1.8 * height  # the axes keep their width beside the legend column

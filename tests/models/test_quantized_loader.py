@@ -186,3 +186,20 @@ def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
     off = (fused_hidden - python_hidden).abs() > 1e-4 * python_hidden.abs().max()
     assert off.float().mean() < 0.01
     assert (fused_logits.argmax(-1) == python_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_packed_weights_are_cached_beside_the_conversion(tiny_gguf_paths):
+    from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
+
+    path = tiny_gguf_paths["llama-q8_0"]
+    first, _ = load(path, "gguf")
+    cache_file = resolve_model_dir(path) / PACKED_CACHE_FILE
+    assert cache_file.is_file()
+    second, _ = load(path, "gguf")  # read back from the cache
+    for name, weight in _quantized_weights(first).items():
+        assert torch.equal(_quantized_weights(second)[name].dequantize(), weight.dequantize()), name
+    cache_file.write_bytes(b"not a safetensors file")
+    third, _ = load(path, "gguf")  # a broken cache is rebuilt, not trusted
+    assert torch.equal(_quantized_weights(third)["layers.0.qkv_proj"].dequantize(),
+                       _quantized_weights(first)["layers.0.qkv_proj"].dequantize())
+    assert cache_file.stat().st_size > 1000

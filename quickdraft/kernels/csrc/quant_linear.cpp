@@ -160,6 +160,22 @@ QD_INLINE void init_offset(__m512i* idot, const int32_t* const* bsum, int64_t b,
   for (int m = 0; m < MB; ++m) idot[m] = _mm512_set1_epi32(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
 }
 
+// The 32 k of a nibble section (and its bit-4 masks when FIVE_BITS) into idot, from k0.
+template <int MB, bool FIVE_BITS>
+QD_INLINE void nibble_block(const uint8_t* section, const int8_t* const* xq, int64_t k0, __m512i* idot) {
+  QD_UNROLL
+  for (int s = 0; s < 4; ++s) {
+    __m512i lo, hi;
+    nibbles(section, s, lo, hi);
+    if constexpr (FIVE_BITS) {
+      lo = high_bits(lo, section + 256, s, 0x10);
+      hi = high_bits(hi, section + 256, s + 4, 0x10);
+    }
+    dp<MB>(idot, lo, xq, k0 + 4 * s);
+    dp<MB>(idot, hi, xq, k0 + 16 + 4 * s);
+  }
+}
+
 struct Rows {
   const int8_t* xq[8];
   const float* dx[8];
@@ -178,17 +194,7 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, __m512* acc) {
     add_scaled<MB>(acc, half16(t + 512), idot, r.dx, b);
   } else if constexpr (FMT == Q4_0 || FMT == Q5_0) {
     init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
-    QD_UNROLL
-    for (int s = 0; s < 4; ++s) {
-      __m512i lo, hi;
-      nibbles(t, s, lo, hi);
-      if constexpr (FMT == Q5_0) {
-        lo = high_bits(lo, t + 256, s, 0x10);
-        hi = high_bits(hi, t + 256, s + 4, 0x10);
-      }
-      dp<MB>(idot, lo, r.xq, k0 + 4 * s);
-      dp<MB>(idot, hi, r.xq, k0 + 16 + 4 * s);
-    }
+    nibble_block<MB, FMT == Q5_0>(t, r.xq, k0, idot);
     add_scaled<MB>(acc, half16(t + (FMT == Q4_0 ? 256 : 320)), idot, r.dx, b);
   } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
     const __m512 d = half16(t), dmin = half16(t + 32);
@@ -197,17 +203,7 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, __m512* acc) {
       const uint8_t* sub = t + 320 + sub_bytes * j;
       QD_UNROLL
       for (int m = 0; m < MB; ++m) idot[m] = _mm512_setzero_si512();
-      QD_UNROLL
-      for (int s = 0; s < 4; ++s) {
-        __m512i lo, hi;
-        nibbles(sub, s, lo, hi);
-        if constexpr (FMT == Q5_K) {
-          lo = high_bits(lo, sub + 256, s, 0x10);
-          hi = high_bits(hi, sub + 256, s + 4, 0x10);
-        }
-        dp<MB>(idot, lo, r.xq, k0 + 32 * j + 4 * s);
-        dp<MB>(idot, hi, r.xq, k0 + 32 * j + 16 + 4 * s);
-      }
+      nibble_block<MB, FMT == Q5_K>(sub, r.xq, k0 + 32 * j, idot);
       const __m512 ds = _mm512_mul_ps(d, u8x16_to_f32(t + 64 + 16 * j));
       const __m512 dm = _mm512_mul_ps(dmin, u8x16_to_f32(t + 192 + 16 * j));
       const int64_t bj = b + j;
@@ -309,6 +305,19 @@ void run_all(const uint8_t* packed, int64_t N, int64_t K, const QRows& x, int64_
   });
 }
 
+// run_all for a format known at run time.
+inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t K, const QRows& x, int64_t M,
+                       float* out, int64_t ldo, int64_t col0) {
+  switch (format) {
+    case Q8_0: run_all<Q8_0>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q4_0: run_all<Q4_0>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q5_0: run_all<Q5_0>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q4_K: run_all<Q4_K>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q5_K: run_all<Q5_K>(packed, N, K, x, M, out, ldo, col0); break;
+    default: run_all<Q6_K>(packed, N, K, x, M, out, ldo, col0); break;
+  }
+}
+
 #undef QD_UNROLL
 #undef QD_INLINE
 #pragma GCC pop_options
@@ -355,14 +364,7 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
   const auto* w = packed.const_data_ptr<uint8_t>();
   float* o = out.mutable_data_ptr<float>();
   const int64_t ldo = out.size(1);
-  switch (format) {
-    case Q8_0: run_all<Q8_0>(w, N, K, x, M, o, ldo, col0); break;
-    case Q4_0: run_all<Q4_0>(w, N, K, x, M, o, ldo, col0); break;
-    case Q5_0: run_all<Q5_0>(w, N, K, x, M, o, ldo, col0); break;
-    case Q4_K: run_all<Q4_K>(w, N, K, x, M, o, ldo, col0); break;
-    case Q5_K: run_all<Q5_K>(w, N, K, x, M, o, ldo, col0); break;
-    default: run_all<Q6_K>(w, N, K, x, M, o, ldo, col0); break;
-  }
+  run_format(format, w, N, K, x, M, o, ldo, col0);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -384,15 +386,7 @@ void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int
   quantize_rows_into(x, M, K, q.data(), dx.data(), bsum.data());
   const QRows rows{q.data(), dx.data(), bsum.data(), K};
   for (const auto& [format, packed, n, col0] : parts) {
-    const auto* w = packed.const_data_ptr<uint8_t>();
-    switch (format) {
-      case Q8_0: run_all<Q8_0>(w, n, K, rows, M, out, ldo, col0); break;
-      case Q4_0: run_all<Q4_0>(w, n, K, rows, M, out, ldo, col0); break;
-      case Q5_0: run_all<Q5_0>(w, n, K, rows, M, out, ldo, col0); break;
-      case Q4_K: run_all<Q4_K>(w, n, K, rows, M, out, ldo, col0); break;
-      case Q5_K: run_all<Q5_K>(w, n, K, rows, M, out, ldo, col0); break;
-      default: run_all<Q6_K>(w, n, K, rows, M, out, ldo, col0); break;
-    }
+    run_format(format, packed.const_data_ptr<uint8_t>(), n, K, rows, M, out, ldo, col0);
   }
 }
 
