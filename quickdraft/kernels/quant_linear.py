@@ -122,19 +122,16 @@ def _parts(weight: QuantizedWeight) -> list[tuple[int, torch.Tensor, int, int]]:
     return [(FORMAT_IDS[p.format], p.packed, p.rows, p.row_start) for p in weight.parts]
 
 
-def decoder_layer_kernel():
-    """The compiled one-call decoder layer (``decoder_layer`` in csrc/quant_linear.cpp), or None."""
-    return _extension()
-
-
-def fused_decoder_layer(ext, hidden: torch.Tensor, *, weights: dict[str, QuantizedWeight],
+def fused_decoder_layer(hidden: torch.Tensor, *, weights: dict[str, QuantizedWeight],
                         norms: dict[str, torch.Tensor | None], eps: float, gelu: bool,
                         rotary: tuple[torch.Tensor, torch.Tensor], cache_keys: torch.Tensor,
                         cache_values: torch.Tensor, sequences: list[tuple[int, int, int, int, int]],
                         masks: list[torch.Tensor | None], num_heads: int, num_kv_heads: int, head_dim: int,
                         scale: float) -> torch.Tensor:  # hidden [N, D] -> [N, D]
+    """One decoder layer in one call (``decoder_layer`` in csrc/quant_linear.cpp); needs the
+    kernel (``kernel_available()``)."""
     cos, sin = rotary  # [N, 1, hd]
-    return ext.decoder_layer(
+    return _extension().decoder_layer(
         hidden, _parts(weights["qkv_proj"]), _parts(weights["o_proj"]), _parts(weights["gate_up_proj"]),
         _parts(weights["down_proj"]), norms["input"], norms["post_attention"], norms["pre_feedforward"],
         norms["post_feedforward"], norms["qk"], eps, gelu, cos.reshape(cos.shape[0], -1),

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.attention import attention
-from quickdraft.kernels.quant_linear import decoder_layer_kernel, fused_decoder_layer
+from quickdraft.kernels.quant_linear import fused_decoder_layer, kernel_available
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch
 from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
@@ -81,25 +81,24 @@ class DecoderLayer(torch.nn.Module):
         cache: KVCache,
         linear: LinearFn,
     ) -> torch.Tensor:  # [N, D]
-        kernel = self._fused_kernel(hidden)
-        if kernel is not None:
-            return self._fused_forward(kernel, hidden, rotary=rotary, attn=attn, cache=cache)
+        if self._runs_fused(hidden):
+            return self._fused_forward(hidden, rotary=rotary, attn=attn, cache=cache)
         q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear)
         cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index,
                     store_index=attn.store_index)
         return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
 
-    def _fused_kernel(self, hidden: torch.Tensor):
-        """The one-call C++ layer when it applies: quantized weights without biases, on the CPU."""
+    def _runs_fused(self, hidden: torch.Tensor) -> bool:
+        """Whether the one-call C++ layer applies: quantized weights without biases, on the CPU."""
         if not self.fused or not hidden.is_cpu or hidden.dtype != torch.float32 or self.head_dim % 16:
-            return None
+            return False
         weights = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)
         if not all(isinstance(w, QuantizedWeight) for w in weights) or any(b is not None for b in biases):
-            return None
-        return decoder_layer_kernel()
+            return False
+        return kernel_available()
 
-    def _fused_forward(self, kernel, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor],
+    def _fused_forward(self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor],
                        attn: AttentionBatch, cache: KVCache) -> torch.Tensor:  # [N, D] -> [N, D]
         sequences, masks = [], []
         for seq in attn.sequences:
@@ -111,7 +110,7 @@ class DecoderLayer(torch.nn.Module):
             return None if norm is None else norm.weight
 
         return fused_decoder_layer(
-            kernel, hidden,
+            hidden,
             weights={"qkv_proj": self.qkv_proj, "o_proj": self.o_proj, "gate_up_proj": self.gate_up_proj,
                      "down_proj": self.down_proj},
             norms={"input": self.input_layernorm.weight, "post_attention": self.post_attention_layernorm.weight,

