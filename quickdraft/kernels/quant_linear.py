@@ -7,15 +7,20 @@ one float32 accumulator per output adds the blocks in K order with the formula w
 call, nor on the threads: the value of a token verified inside a 16-node tree is bit-identical to
 the value of that token decoded alone.
 
-Two implementations of the same numerics, bit for bit:
-- the AVX-512 VNNI kernel (``csrc/quant_linear.cpp``), built on first use like skinny_linear;
-- ``reference_quant_linear``, portable torch code, used where the kernel cannot run (other
+Three implementations of the same numerics, bit for bit, the first that runs here is used:
+- the AVX-512 VNNI build of ``csrc/quant_linear.cpp`` (also the one-call decoder layer);
+- its AVX2 build (the same source with ``-DQD_ISA_AVX2``: AMD Zen 2/3, older Intel, laptops);
+- ``reference_quant_linear``, portable torch code, used where neither kernel can run (other
   CPUs, ``QUICKDRAFT_DISABLE_CPU_KERNEL=1``) and as the tests' oracle.  It is slow (it decodes
   the weight on every call), so the loader warns when a quantized model has to use it.
+``QUICKDRAFT_CPU_ISA=avx512|avx2|reference`` forces one (``auto``, the default, picks as above);
+a forced kernel this CPU cannot run leaves the reference (logged once when its build is tried).
+The variable is read at every call, so tests can switch it with monkeypatch.
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import numpy as np
@@ -24,21 +29,81 @@ import torch
 from quickdraft.kernels.build import LazyKernel
 from quickdraft.models.quantized import FORMAT_IDS, OFFSETS, PackedPart, QuantizedWeight, unpack_rows
 
-__all__ = ["kernel_available", "quant_linear", "quantize_activations", "reference_quant_linear"]
+__all__ = ["AMX_ENV", "ISAS", "ISA_ENV", "active_isa", "amx_extension", "fused_layer_available", "isa_extension", "kernel_available",
+           "quant_linear", "quantize_activations", "reference_quant_linear"]
+
+ISA_ENV = "QUICKDRAFT_CPU_ISA"
+# The compiled builds, preferred first.
+ISAS = ("avx512", "avx2")
 
 # -ffp-contract=off: no fused multiply-adds, so the kernel's float operations are the
 # reference's, one rounding each.
-_KERNEL = LazyKernel("quant_linear_v1", source="quant_linear.cpp", extra_cflags=("-ffp-contract=off",),
-                     what="the torch reference (slow)")
+_KERNELS = {
+    "avx512": LazyKernel("quant_linear_v1", source="quant_linear.cpp", extra_cflags=("-ffp-contract=off",),
+                         what="the AVX2 kernel (the torch reference if forced)"),
+    "avx2": LazyKernel("quant_linear_avx2_v1", source="quant_linear.cpp",
+                       extra_cflags=("-ffp-contract=off", "-DQD_ISA_AVX2"), what="the torch reference (slow)"),
+}
+
+
+# AMX tiles (Sapphire Rapids and later) take the integer block dots of wide Q8_0 matmuls (a
+# verification tree through the LM head) beside the AVX-512 kernel: the same bits
+# (csrc/quant_amx.cpp says why), so the row count that picks it changes no result.
+# QUICKDRAFT_CPU_AMX=0 turns it off.
+AMX_ENV = "QUICKDRAFT_CPU_AMX"
+AMX_MIN_ROWS = 12  # below this the tiles, always 16 rows, lose to VNNI (measured in the README)
+_AMX = LazyKernel("quant_amx_v1", source="quant_amx.cpp", extra_cflags=("-ffp-contract=off",),
+                  what="the AVX-512 kernel")
+
+
+def amx_extension() -> ModuleType | None:
+    """The AMX kernel for wide Q8_0 matmuls, or None (no AMX, turned off, or not built)."""
+    if os.environ.get(AMX_ENV, "1").strip() in ("0", "false", "no"):
+        return None
+    return _AMX.get()
+
+
+def isa_extension(isa: str) -> ModuleType | None:
+    """The compiled kernel of `isa` (one of ISAS), built on first use; None where it cannot run."""
+    return _KERNELS[isa].get()
+
+
+def _choice() -> str:
+    choice = os.environ.get(ISA_ENV, "").strip().lower() or "auto"
+    if choice not in ("auto", "reference", *ISAS):
+        raise ValueError(f"{ISA_ENV}={choice!r}: expected auto, {', '.join(ISAS)} or reference")
+    return choice
 
 
 def _extension() -> ModuleType | None:
-    return _KERNEL.get()
+    """The kernel that quant_linear runs (None: the torch reference)."""
+    choice = _choice()
+    if choice == "reference":
+        return None
+    if choice != "auto":
+        return isa_extension(choice)
+    for isa in ISAS:
+        ext = isa_extension(isa)
+        if ext is not None:
+            return ext
+    return None
+
+
+def active_isa() -> str:
+    """What quant_linear runs now: "avx512", "avx2" or "reference"."""
+    ext = _extension()
+    return "reference" if ext is None else ext.isa
 
 
 def kernel_available() -> bool:
-    """True when the compiled AVX-512 VNNI kernel is loaded (builds it on first call)."""
+    """True when quant_linear runs a compiled kernel, AVX-512 VNNI or AVX2 (builds it on first call)."""
     return _extension() is not None
+
+
+def fused_layer_available() -> bool:
+    """True when the one-call decoder layer can run: only the AVX-512 build has it."""
+    ext = _extension()
+    return ext is not None and hasattr(ext, "decoder_layer")
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,8 +175,13 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         x2 = x.reshape(-1, k).to(torch.float32).contiguous()
         q, dx, bsum = ext.quantize_rows(x2)
         out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
+        amx = amx_extension() if ext.isa == "avx512" and x2.shape[0] >= AMX_MIN_ROWS else None
         for part in weight.parts:
-            ext.quant_matmul(q, dx, bsum, part.packed, FORMAT_IDS[part.format], part.rows, k, out, part.row_start)
+            if amx is not None and part.format == "Q8_0":
+                amx.q8_0_matmul(q, dx, bsum, part.packed, part.rows, k, out, part.row_start)
+            else:
+                ext.quant_matmul(q, dx, bsum, part.packed, FORMAT_IDS[part.format], part.rows, k, out,
+                                 part.row_start)
         out = out.view(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         out = out + bias.to(out.dtype)
@@ -129,7 +199,7 @@ def fused_decoder_layer(hidden: torch.Tensor, *, weights: dict[str, QuantizedWei
                         masks: list[torch.Tensor | None], num_heads: int, num_kv_heads: int, head_dim: int,
                         scale: float) -> torch.Tensor:  # hidden [N, D] -> [N, D]
     """One decoder layer in one call (``decoder_layer`` in csrc/quant_linear.cpp); needs the
-    kernel (``kernel_available()``)."""
+    AVX-512 kernel (``fused_layer_available()``)."""
     cos, sin = rotary  # [N, 1, hd]
     return _extension().decoder_layer(
         hidden, _parts(weights["qkv_proj"]), _parts(weights["o_proj"]), _parts(weights["gate_up_proj"]),

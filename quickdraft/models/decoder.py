@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.attention import attention
-from quickdraft.kernels.quant_linear import fused_decoder_layer, kernel_available
+from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch
 from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
@@ -96,7 +96,7 @@ class DecoderLayer(torch.nn.Module):
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)
         if not all(isinstance(w, QuantizedWeight) for w in weights) or any(b is not None for b in biases):
             return False
-        return kernel_available()
+        return fused_layer_available()  # the AVX-512 build only: elsewhere the layer below, per matmul
 
     def _fused_forward(self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor],
                        attn: AttentionBatch, cache: KVCache) -> torch.Tensor:  # [N, D] -> [N, D]

@@ -1,5 +1,7 @@
 """Quantized linear kernels: decoding against gguf-py, kernel == torch reference bit for bit,
-accuracy against float64, and batch invariance (a row's bits never depend on the other rows)."""
+accuracy against float64, and batch invariance (a row's bits never depend on the other rows).
+The kernel tests run once per compiled build this CPU can run (AVX-512 VNNI, AVX2), chosen
+with QUICKDRAFT_CPU_ISA."""
 
 from __future__ import annotations
 
@@ -9,7 +11,19 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from quickdraft.kernels.quant_linear import kernel_available, quant_linear, reference_quant_linear
+from quickdraft.kernels.quant_linear import (
+    AMX_ENV,
+    AMX_MIN_ROWS,
+    ISA_ENV,
+    ISAS,
+    active_isa,
+    amx_extension,
+    fused_layer_available,
+    isa_extension,
+    quant_linear,
+    quantize_activations,
+    reference_quant_linear,
+)
 from quickdraft.models.quantized import (
     GGUF_BLOCK,
     SUPPORTED_FORMATS,
@@ -20,10 +34,17 @@ from quickdraft.models.quantized import (
     unpack_rows,
 )
 
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no AVX-512 VNNI kernel on this CPU")
-
 # Byte offsets of the fp16 scale fields in a GGUF block (d, and dmin for Q4_K / Q5_K).
 _HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch) -> str:
+    """Every test that takes it runs on each compiled build this CPU can run."""
+    if isa_extension(request.param) is None:
+        pytest.skip(f"no {request.param} kernel on this CPU")
+    monkeypatch.setenv(ISA_ENV, request.param)
+    return request.param
 
 
 def random_gguf(fmt: str, rows: int, cols: int, *, seed: int) -> np.ndarray:
@@ -94,10 +115,10 @@ def test_reference_is_close_to_float64(fmt):
     assert torch.corrcoef(torch.stack([got.flatten(), exact.flatten()]))[0, 1] > 0.9999
 
 
-@needs_kernel
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
 @pytest.mark.parametrize("rows", [1, 16, 45])
-def test_kernel_equals_reference_bits(fmt, rows):
+def test_kernel_equals_reference_bits(isa, fmt, rows):
+    assert active_isa() == isa
     w, _ = weight(fmt, rows, cols_for(fmt), seed=5)
     x = torch.randn(11, cols_for(fmt)) * 3
     x[2] = 0.0  # an all-zero row: zero scales
@@ -105,10 +126,40 @@ def test_kernel_equals_reference_bits(fmt, rows):
     assert torch.equal(quant_linear(x, w, bias), reference_quant_linear(x, w) + bias)
 
 
-@needs_kernel
+def _cpu_has_amx() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " amx_int8" in flags and " amx_tile" in flags
+
+
+@pytest.mark.parametrize("m", [AMX_MIN_ROWS, 16, 17, 40])
+@pytest.mark.parametrize("rows", [16, 45])
+def test_amx_tiles_compute_the_vnni_bits(monkeypatch, m, rows):
+    """Wide Q8_0 matmuls on AMX tiles: the reference's bits, with the tiles used and turned off."""
+    if isa_extension("avx512") is None or amx_extension() is None:
+        assert not _cpu_has_amx() or isa_extension("avx512") is None  # AMX here must load
+        pytest.skip("no AMX on this CPU")
+    monkeypatch.setenv(ISA_ENV, "avx512")
+    w, _ = weight("Q8_0", rows, 640, seed=8)
+    x = torch.randn(m, 640) * torch.rand(m, 1) * 4
+    x[1] = 0.0
+    expected = reference_quant_linear(x, w)
+    out = torch.full((m, rows), float("nan"))
+    q, dx, bsum = isa_extension("avx512").quantize_rows(x)
+    amx_extension().q8_0_matmul(q, dx, bsum, w.parts[0].packed, rows, 640, out, 0)
+    assert torch.equal(out, expected)
+    assert torch.equal(quant_linear(x, w), expected)
+    monkeypatch.setenv(AMX_ENV, "0")
+    assert amx_extension() is None
+    assert torch.equal(quant_linear(x, w), expected)
+
+
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
-def test_batch_invariance_every_width(fmt):
-    """Row i computed with 0..63 other rows around it, at every offset: always the same bits."""
+def test_batch_invariance_every_width(isa, fmt):
+    """Row i computed with 0..63 other rows around it, at every offset: always the same bits (Q8_0
+    switches to AMX tiles from AMX_MIN_ROWS rows on, where the CPU has them)."""
     w, _ = weight(fmt, 48, cols_for(fmt), seed=6)
     x = torch.randn(64, cols_for(fmt))
     alone = torch.cat([quant_linear(x[i:i + 1], w) for i in range(64)])
@@ -118,6 +169,63 @@ def test_batch_invariance_every_width(fmt):
     # rows of other requests mixed in, in another order
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     assert torch.equal(quant_linear(x[perm], w), alone[perm])
+
+
+@pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
+def test_kernel_exact_at_extreme_quants(isa, fmt):
+    """The largest integer products: every quant at its extreme (Q8_0: -128 and 127; the others
+    all bits set), activations at +-127 with equal or alternating signs.  An int16 pair sum
+    that saturated (vpmaddubsw) would change the bits."""
+    cols = cols_for(fmt)
+    raw = random_gguf(fmt, 32, cols, seed=8).reshape(32 * cols // GGUF_BLOCK[fmt][1], -1)
+    keep = np.zeros(raw.shape[1], dtype=bool)
+    for at in _HALF_FIELDS[fmt]:
+        keep[at:at + 2] = True
+    if fmt == "Q8_0":  # rows 0..15 all -128 (0x80), rows 16..31 all +127
+        extreme = np.where(np.arange(raw.shape[0])[:, None] < raw.shape[0] // 2, 0x80, 0x7F).astype(np.uint8)
+        raw[:, ~keep] = np.broadcast_to(extreme, (raw.shape[0], int((~keep).sum())))
+    else:
+        raw[:, ~keep] = 0xFF
+    w = QuantizedWeight.from_parts([decode_gguf(fmt, raw, rows=32, cols=cols)])
+    signs = torch.ones(4, cols)  # [4, K]: every activation quant +-127
+    signs[1] = -1.0
+    signs[2, 1::2] = -1.0
+    signs[3, 2::4] = -1.0
+    signs[3, 3::4] = -1.0
+    assert torch.equal(quant_linear(signs * 0.75, w), reference_quant_linear(signs * 0.75, w))
+
+
+def test_quantize_rows_equals_reference(isa):
+    """int8 activations, scales and 16-sums as the reference: round half to even, clamping,
+    zero rows, signs."""
+    x = torch.randn(7, 256) * 5  # [7, 256]
+    x[0] = 0.0
+    x[1, :32] = torch.arange(-16, 16) + 0.5  # amax 15.5: a scale of exactly 127 / 15.5
+    x[2, :32] = torch.tensor([127.0, -127.0, 2.5, -2.5, 0.5, -0.5, 1.5, 3.5] * 4)  # inv == 1: halves
+    x[3, 32:64] = 1e-30  # tiny but not zero
+    ext = isa_extension(isa)
+    for got, expected in zip(ext.quantize_rows(x), quantize_activations(x)):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert ext.quantize_rows(x)[0][2, :8].tolist() == [127, -127, 2, -2, 0, 0, 2, 4]
+
+
+def test_isa_choice(monkeypatch):
+    monkeypatch.setenv(ISA_ENV, "reference")
+    assert active_isa() == "reference" and not fused_layer_available()
+    w, _ = weight("Q4_0", 16, 64, seed=9)
+    x = torch.randn(3, 64)
+    assert torch.equal(quant_linear(x, w), reference_quant_linear(x, w))
+    monkeypatch.setenv(ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match=ISA_ENV):
+        quant_linear(x, w)
+    monkeypatch.delenv(ISA_ENV)
+    usable = [isa for isa in ISAS if isa_extension(isa) is not None]
+    assert active_isa() == (usable[0] if usable else "reference")  # the first build that runs here
+    for isa in usable:
+        monkeypatch.setenv(ISA_ENV, isa)
+        assert active_isa() == isa
+        # only the AVX-512 build has the one-call decoder layer; elsewhere the Python layer runs
+        assert fused_layer_available() == (isa == "avx512")
 
 
 def test_reference_batch_invariance():

@@ -1,20 +1,32 @@
-// Batch-invariant linear layers on GGUF-quantized weights (CPU, AVX-512 VNNI).
+// Batch-invariant linear layers on GGUF-quantized weights (CPU: AVX-512 VNNI, or AVX2).
 //
 // y[M, N] = x[M, K] @ W[N, K]^T where W is stored quantized (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K,
-// Q6_K), repacked at load time by quickdraft/models/quant_formats.py into tiles of 16 weight
+// Q6_K), repacked at load time by quickdraft/models/quantized.py into tiles of 16 weight
 // rows (the packed layouts are documented there; this file only reads them).
 //
 // Numerics (the same for every M, so a row's result never depends on the other rows):
 //  - each row of x is quantized to int8 per 32 values: dx = amax / 127, q = round(x * 127 / amax)
 //    (round half to even), plus the integer sum of every 16 quants (bsum16);
-//  - each 32-wide block's dot product of quants is an exact int32 (vpdpbusd: unsigned weight
-//    quants times signed activation quants; the weights' offsets are folded in as -offset * bsum);
+//  - each 32-wide block's dot product of quants is an exact int32 (the weights' offsets are
+//    folded in as -offset * bsum where the instructions multiply unsigned weight quants);
 //  - one fp32 accumulator per output, added block after block in K order:
 //        acc = acc + (scale_w * dx) * float(idot)        (Q4_K/Q5_K subtract (min_w * dx) * bsum)
 //    with separate multiplies and adds (built with -ffp-contract=off), so that
 //    quickdraft/kernels/quant_linear.py's torch reference computes the very same bits.
 // Vectors run across 16 output rows (one lane per output), never across K: no horizontal sums,
 // no order that depends on how the work is tiled or threaded.
+//
+// One source, two builds (quant_linear.py loads the one the CPU supports):
+//  - default: AVX-512 VNNI, one vpdpbusd per 4 quants of 16 rows, plus the one-call decoder layer;
+//  - -DQD_ISA_AVX2: AVX2 (+F16C for the fp16 scales), 16 rows as two 8-lane halves.  Integer
+//    products go through vpmaddubsw, whose int16 pair sums saturate above 32767: the 4-6 bit
+//    weight quants (<= 63) keep |2 * 63 * 127| < 2^15; Q8_0's 8-bit quants are made signed
+//    (-128..127) and multiplied as |w| (<= 128, unsigned) times x * sign(w) (|x| <= 127, so the
+//    sign flip never wraps): |2 * 128 * 127| = 32512 < 2^15.  The small quants' pair sums are
+//    added as int16 for a few steps before vpmaddwd widens them (Partial: as many steps as
+//    stay below 2^15).  Either way the block dots are the same exact integers, and the fp32
+//    epilogue is the same operations on the same values, lane by lane.
+// The tile code below is written once over a small vector type (VecI / VecF / VecB: 16 lanes).
 //
 // The translation unit is compiled for the baseline ISA so the module imports anywhere; the
 // kernels carry `#pragma GCC target` and only run after a CPUID check.
@@ -33,9 +45,14 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#if !defined(QD_ISA_AVX2)
 #include "attention_row.h"
+#endif
 
 namespace qd_quant {
+// Internal linkage: the AVX-512 and the AVX2 module may both be loaded in one process, and
+// their same-named functions must never bind to each other's code.
+namespace {
 
 enum Format : int { Q8_0 = 0, Q4_0 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
@@ -44,6 +61,17 @@ constexpr int kTileK[] = {32, 32, 32, 256, 256, 256};
 constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360};
 constexpr int64_t kPrefetchBytes = 4096;
 
+#if defined(QD_ISA_AVX2)
+constexpr const char* kIsa = "avx2";
+
+inline bool cpu_supported() {
+  __builtin_cpu_init();
+  // F16C converts the fp16 scales; every CPU with AVX2 has it.
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+#else
+constexpr const char* kIsa = "avx512";
+
 inline bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -51,6 +79,7 @@ inline bool cpu_supported() {
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
          __builtin_cpu_supports("f16c");
 }
+#endif
 
 // Activation rows quantized for the kernels.
 struct QRows {
@@ -60,11 +89,277 @@ struct QRows {
   int64_t K;
 };
 
+#define QD_INLINE __attribute__((always_inline)) inline
+#define QD_UNROLL _Pragma("GCC unroll 16")
+
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+#if defined(QD_ISA_AVX2)
+// No "fma": nothing can be contracted, whatever the flags.
+#pragma GCC target("avx2,f16c")
+
+// ------------------------------------------------------------------------------------------
+// AVX2: 16 lanes as two halves, a = weight rows 0..7 of the group, b = rows 8..15
+// ------------------------------------------------------------------------------------------
+
+struct VecI { __m256i a, b; };  // 16 int32
+struct VecF { __m256 a, b; };   // 16 float
+struct VecB { __m256i a, b; };  // 64 bytes: 4 quants of each of the 16 rows (a step)
+
+// Rows of x per pass over a group's weights.  Their accumulators do not fit in 16 ymm
+// registers and spill to L1, which costs less than unpacking the weights (nibbles, high bits)
+// more often: 8 rows measured fastest for every format at M = 16 (2 and 4 up to 1.3x slower).
+constexpr int kRowsBlock32 = 8;  // Q8_0, Q4_0, Q5_0
+constexpr int kRowsSuper = 8;    // K-quants
+
+QD_INLINE VecI vi_set1(int32_t v) { const __m256i x = _mm256_set1_epi32(v); return {x, x}; }
+QD_INLINE VecI vi_add(VecI x, VecI y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+QD_INLINE VecI vi_mullo(VecI x, VecI y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
+QD_INLINE VecF vf_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+QD_INLINE VecF vf_set1(float v) { const __m256 x = _mm256_set1_ps(v); return {x, x}; }
+QD_INLINE VecF vf_add(VecF x, VecF y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+QD_INLINE VecF vf_sub(VecF x, VecF y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+QD_INLINE VecF vf_mul(VecF x, VecF y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+QD_INLINE VecF vf_from_i(VecI x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+
+QD_INLINE __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+QD_INLINE __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+QD_INLINE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+QD_INLINE VecF half16(const uint8_t* p) { return {_mm256_cvtph_ps(load16(p)), _mm256_cvtph_ps(load16(p + 16))}; }
+
+QD_INLINE VecF u8x16_to_f32(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p + 8)))};
+}
+
+QD_INLINE VecI i8x16_to_i32(const uint8_t* p) {
+  return {_mm256_cvtepi8_epi32(load8(p)), _mm256_cvtepi8_epi32(load8(p + 8))};
+}
+
+QD_INLINE VecB load_step(const uint8_t* p) { return {load32(p), load32(p + 32)}; }
+
+// Step s of a nibble section holds k = 4s..4s+3 (low nibbles, s < 4) or 16 + 4(s-4).. (high).
+QD_INLINE void nibbles(const uint8_t* p, int s, VecB& lo, VecB& hi) {
+  const VecB v = load_step(p + 64 * s);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  lo = {_mm256_and_si256(v.a, m4), _mm256_and_si256(v.b, m4)};
+  hi = {_mm256_and_si256(_mm256_srli_epi16(v.a, 4), m4), _mm256_and_si256(_mm256_srli_epi16(v.b, 4), m4)};
+}
+
+// Byte i of the result is `bit` where bit i of `bits` is set, else 0.
+QD_INLINE __m256i bits_to_bytes(uint32_t bits, char bit) {
+  // byte i takes mask byte i / 8 (vpshufb works within 128-bit lanes, each holding all 4)
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(bit));
+}
+
+// Adds `bit` to the quants whose bit is set in the 64-bit mask of step s (bit i: byte i).
+QD_INLINE VecB high_bits(VecB w, const uint8_t* masks, int s, char bit) {
+  uint32_t bits[2];
+  std::memcpy(bits, masks + 8 * s, 8);
+  return {_mm256_or_si256(w.a, bits_to_bytes(bits[0], bit)), _mm256_or_si256(w.b, bits_to_bytes(bits[1], bit))};
+}
+
+// Per int32 lane: the 4 products of unsigned bytes u and signed bytes x, exact while every
+// adjacent pair sum of u * x stays within int16 (vpmaddubsw saturates; see the top).
+QD_INLINE __m256i dot4(__m256i u, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+// Dot products of small weight quants (0..max_q, max_q <= 63): vpmaddubsw's int16 pair sums
+// are added as int16 for partial_steps(max_q) steps, then widened into the int32 dots (one
+// vpmaddwd per few steps instead of one per step).  Exact: each pair sum is at most
+// 2 * max_q * 127 in magnitude and partial_steps of them stay below 2^15.
+struct Partial {
+  VecI dot;  // int32 sums so far
+  VecB sum;  // int16 pair sums not yet widened
+};
+
+constexpr int partial_steps(int max_q) { return 32767 / (2 * 127 * max_q); }
+static_assert(partial_steps(15) == 8 && partial_steps(31) == 4 && partial_steps(63) == 2);
+
+QD_INLINE Partial partial_begin(VecI idot) { return {idot, {_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+
+// the int16 sums widened (pairs of lanes added into each int32 lane) into the int32 dots
+QD_INLINE VecI partial_end(const Partial& p) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(p.dot.a, _mm256_madd_epi16(p.sum.a, ones)),
+          _mm256_add_epi32(p.dot.b, _mm256_madd_epi16(p.sum.b, ones))};
+}
+
+QD_INLINE Partial partial_flush(const Partial& p) { return partial_begin(partial_end(p)); }
+
+// += w . the 4 activation bytes at p
+QD_INLINE Partial partial_dot(const Partial& part, VecB w, const int8_t* p) {
+  int32_t x4;
+  std::memcpy(&x4, p, 4);
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {part.dot, {_mm256_add_epi16(part.sum.a, _mm256_maddubs_epi16(w.a, x)),
+                     _mm256_add_epi16(part.sum.b, _mm256_maddubs_epi16(w.b, x))}};
+}
+
+// Q8_0 step: the signed quants (stored + 128) as magnitude and sign, prepared once per step.
+struct Q8Step {
+  VecB mag;   // |w| as unsigned bytes (0..128)
+  VecB sign;  // w, whose sign vpsignb applies to the activations
+};
+constexpr int32_t kQ8Offset = 0;  // the products are of the signed quants
+
+QD_INLINE Q8Step q8_step(const uint8_t* p) {
+  const VecB u = load_step(p);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const VecB w{_mm256_xor_si256(u.a, flip), _mm256_xor_si256(u.b, flip)};  // u - 128 as int8
+  return {{_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)}, w};
+}
+
+QD_INLINE VecI dp_q8(VecI idot, const Q8Step& w, const int8_t* p) {
+  int32_t x4;
+  std::memcpy(&x4, p, 4);
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {_mm256_add_epi32(idot.a, dot4(w.mag.a, _mm256_sign_epi8(x, w.sign.a))),
+          _mm256_add_epi32(idot.b, dot4(w.mag.b, _mm256_sign_epi8(x, w.sign.b)))};
+}
+
+// out[0 : nvalid] = v (nvalid <= 16)
+QD_INLINE void store_lanes(float* out, VecF v, int64_t nvalid) {
+  if (nvalid == 16) {
+    _mm256_storeu_ps(out, v.a);
+    _mm256_storeu_ps(out + 8, v.b);
+    return;
+  }
+  float lanes[16];
+  _mm256_storeu_ps(lanes, v.a);
+  _mm256_storeu_ps(lanes + 8, v.b);
+  std::memcpy(out, lanes, nvalid * sizeof(float));
+}
+
+QD_INLINE int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+QD_INLINE float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ps(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
 
 // x * inv in fp32 and round-half-even (the default rounding of vcvtps2dq), exactly as the torch
-// reference; the 16-value sums are exact integers.
+// reference (clamping before rounding to the integer bounds is the same); the 16-value sums are
+// exact integers.
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  // packs leaves the 4-byte groups in the order 0, 2, 4, 6, 1, 3, 5, 7 (within-lane packing)
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+    const float amax = max8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], sign_off), _mm256_and_ps(v[1], sign_off)),
+                                          _mm256_max_ps(_mm256_and_ps(v[2], sign_off), _mm256_and_ps(v[3], sign_off))));
+    dx[b] = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i)
+      qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(v[i], inv))));
+    const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), _mm256_permutevar8x32_epi32(q16, order));
+    bsum[2 * b] = sum8(_mm256_add_epi32(qi[0], qi[1]));
+    bsum[2 * b + 1] = sum8(_mm256_add_epi32(qi[2], qi[3]));
+  }
+}
+
+#else
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
+
+// ------------------------------------------------------------------------------------------
+// AVX-512 VNNI: one 16-lane register per vector
+// ------------------------------------------------------------------------------------------
+
+using VecI = __m512i;  // 16 int32
+using VecF = __m512;   // 16 float
+using VecB = __m512i;  // 64 bytes: 4 quants of each of the 16 rows (a step)
+
+constexpr int kRowsBlock32 = 8;  // Q8_0, Q4_0, Q5_0
+// K-quant tiles keep two accumulators per row alive (Q6_K) or more temporaries: fewer rows.
+constexpr int kRowsSuper = 4;
+
+QD_INLINE VecI vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
+QD_INLINE VecI vi_add(VecI x, VecI y) { return _mm512_add_epi32(x, y); }
+QD_INLINE VecI vi_mullo(VecI x, VecI y) { return _mm512_mullo_epi32(x, y); }
+QD_INLINE VecF vf_zero() { return _mm512_setzero_ps(); }
+QD_INLINE VecF vf_set1(float v) { return _mm512_set1_ps(v); }
+QD_INLINE VecF vf_add(VecF x, VecF y) { return _mm512_add_ps(x, y); }
+QD_INLINE VecF vf_sub(VecF x, VecF y) { return _mm512_sub_ps(x, y); }
+QD_INLINE VecF vf_mul(VecF x, VecF y) { return _mm512_mul_ps(x, y); }
+QD_INLINE VecF vf_from_i(VecI x) { return _mm512_cvtepi32_ps(x); }
+
+QD_INLINE VecF half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+QD_INLINE VecF u8x16_to_f32(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+QD_INLINE VecI i8x16_to_i32(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+QD_INLINE VecB load_step(const uint8_t* p) { return _mm512_loadu_si512(p); }
+
+// Step s of a nibble section holds k = 4s..4s+3 (low nibbles, s < 4) or 16 + 4(s-4).. (high).
+QD_INLINE void nibbles(const uint8_t* p, int s, VecB& lo, VecB& hi) {
+  const __m512i v = _mm512_loadu_si512(p + 64 * s);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(v, m4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+}
+
+// Adds `bit` to the quants whose bit is set in the 64-bit mask of step s.
+QD_INLINE VecB high_bits(VecB w, const uint8_t* masks, int s, char bit) {
+  uint64_t bits;
+  std::memcpy(&bits, masks + 8 * s, 8);
+  return _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8(bit));
+}
+
+// idot += w (u8) . broadcast of the 4 activation bytes at p (s8), with the broadcast embedded
+// in the instruction ({1to16}): GCC otherwise emits a separate vpbroadcastd per row and step,
+// twice the micro-ops of the kernel's inner loop.
+QD_INLINE VecI dp_bcast(VecI idot, VecB w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(idot) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return idot;
+}
+
+// vpdpbusd adds into int32 directly: the partial sums of the AVX2 build are the dots themselves.
+using Partial = VecI;
+constexpr int partial_steps(int) { return 1 << 20; }  // never flushed
+QD_INLINE Partial partial_begin(VecI idot) { return idot; }
+QD_INLINE VecI partial_end(Partial p) { return p; }
+QD_INLINE Partial partial_flush(Partial p) { return p; }
+QD_INLINE Partial partial_dot(Partial part, VecB w, const int8_t* p) { return dp_bcast(part, w, p); }
+
+// Q8_0 step: vpdpbusd takes the stored unsigned quants (w + 128) as they are.
+using Q8Step = VecB;
+constexpr int32_t kQ8Offset = 128;
+
+QD_INLINE Q8Step q8_step(const uint8_t* p) { return load_step(p); }
+QD_INLINE VecI dp_q8(VecI idot, Q8Step w, const int8_t* p) { return dp_bcast(idot, w, p); }
+
+// out[0 : nvalid] = v (nvalid <= 16)
+QD_INLINE void store_lanes(float* out, VecF v, int64_t nvalid) {
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << nvalid) - 1u), v);
+}
+
+// x * inv in fp32 and round-half-even (the default rounding of vcvtps2dq), exactly as the torch
+// reference (clamping before rounding to the integer bounds is the same); the 16-value sums are
+// exact integers.
 inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
   const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -82,6 +377,12 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_
   }
 }
 
+#endif
+
+// ------------------------------------------------------------------------------------------
+// The kernels, once for both ISAs
+// ------------------------------------------------------------------------------------------
+
 // Every row of x [M, K]; rows are independent, so threads change nothing.
 inline void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
@@ -89,85 +390,67 @@ inline void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, 
   });
 }
 
-#pragma GCC pop_options
+// Dot products of weight quants 0..MAX_Q (<= 63) with the rows' activation quants: every
+// step into part, every partial_steps(MAX_Q) steps widened into int32 (see Partial).
+template <int MB, int MAX_Q>
+struct SmallDots {
+  static constexpr int kFlushSteps = partial_steps(MAX_Q);
+  Partial part[MB];
+  int steps = 0;
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
+  QD_INLINE explicit SmallDots(const VecI* idot) {
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) part[m] = partial_begin(idot[m]);
+  }
 
-#define QD_INLINE __attribute__((always_inline)) inline
-#define QD_UNROLL _Pragma("GCC unroll 16")
+  QD_INLINE void step(VecB w, const int8_t* const* xq, int64_t k) {
+    if (steps == kFlushSteps) {
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) part[m] = partial_flush(part[m]);
+      steps = 0;
+    }
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) part[m] = partial_dot(part[m], w, xq[m] + k);
+    ++steps;
+  }
 
-QD_INLINE __m512 half16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-QD_INLINE __m512 u8x16_to_f32(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-QD_INLINE __m512i i8x16_to_i32(const uint8_t* p) {
-  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// Step s of a nibble section holds k = 4s..4s+3 (low nibbles, s < 4) or 16 + 4(s-4).. (high).
-QD_INLINE void nibbles(const uint8_t* p, int s, __m512i& lo, __m512i& hi) {
-  const __m512i v = _mm512_loadu_si512(p + 64 * s);
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  lo = _mm512_and_si512(v, m4);
-  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-}
-
-// Adds `bit` to the quants whose bit is set in the 64-bit mask of step s.
-QD_INLINE __m512i high_bits(__m512i w, const uint8_t* masks, int s, char bit) {
-  uint64_t bits;
-  std::memcpy(&bits, masks + 8 * s, 8);
-  return _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8(bit));
-}
-
-// idot += w (u8) . broadcast of the 4 activation bytes at p (s8), with the broadcast embedded
-// in the instruction ({1to16}): GCC otherwise emits a separate vpbroadcastd per row and step,
-// twice the micro-ops of the kernel's inner loop.
-QD_INLINE __m512i dp_bcast(__m512i idot, __m512i w, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(idot) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return idot;
-}
-
-template <int MB>
-QD_INLINE void dp(__m512i* idot, __m512i w, const int8_t* const* xq, int64_t k) {
-  QD_UNROLL
-  for (int m = 0; m < MB; ++m) idot[m] = dp_bcast(idot[m], w, xq[m] + k);
-}
+  QD_INLINE void end(VecI* idot) const {
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) idot[m] = partial_end(part[m]);
+  }
+};
 
 // acc = acc + (scale * dx) * float(idot): the per-block epilogue of every format but the
 // K-quants with mins.
 template <int MB>
-QD_INLINE void add_scaled(__m512* acc, __m512 scale, const __m512i* idot, const float* const* dx, int64_t b) {
+QD_INLINE void add_scaled(VecF* acc, VecF scale, const VecI* idot, const float* const* dx, int64_t b) {
   QD_UNROLL
   for (int m = 0; m < MB; ++m)
-    acc[m] = _mm512_add_ps(
-        acc[m], _mm512_mul_ps(_mm512_mul_ps(scale, _mm512_set1_ps(dx[m][b])), _mm512_cvtepi32_ps(idot[m])));
+    acc[m] = vf_add(acc[m], vf_mul(vf_mul(scale, vf_set1(dx[m][b])), vf_from_i(idot[m])));
 }
 
 template <int MB>
-QD_INLINE void init_offset(__m512i* idot, const int32_t* const* bsum, int64_t b, int32_t offset) {
+QD_INLINE void init_offset(VecI* idot, const int32_t* const* bsum, int64_t b, int32_t offset) {
   QD_UNROLL
-  for (int m = 0; m < MB; ++m) idot[m] = _mm512_set1_epi32(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
+  for (int m = 0; m < MB; ++m) idot[m] = vi_set1(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
 }
 
 // The 32 k of a nibble section (and its bit-4 masks when FIVE_BITS) into idot, from k0.
 template <int MB, bool FIVE_BITS>
-QD_INLINE void nibble_block(const uint8_t* section, const int8_t* const* xq, int64_t k0, __m512i* idot) {
+QD_INLINE void nibble_block(const uint8_t* section, const int8_t* const* xq, int64_t k0, VecI* idot) {
+  SmallDots<MB, FIVE_BITS ? 31 : 15> dots(idot);
   QD_UNROLL
   for (int s = 0; s < 4; ++s) {
-    __m512i lo, hi;
+    VecB lo, hi;
     nibbles(section, s, lo, hi);
     if constexpr (FIVE_BITS) {
       lo = high_bits(lo, section + 256, s, 0x10);
       hi = high_bits(hi, section + 256, s + 4, 0x10);
     }
-    dp<MB>(idot, lo, xq, k0 + 4 * s);
-    dp<MB>(idot, hi, xq, k0 + 16 + 4 * s);
+    dots.step(lo, xq, k0 + 4 * s);
+    dots.step(hi, xq, k0 + 16 + 4 * s);
   }
+  dots.end(idot);
 }
 
 struct Rows {
@@ -178,63 +461,68 @@ struct Rows {
 
 // One tile (16 weight rows x kTileK values starting at k0) into the accumulators.
 template <int FMT, int MB>
-QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, __m512* acc) {
-  __m512i idot[MB];
+QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
+  VecI idot[MB];
   const int64_t b = k0 / 32;
   if constexpr (FMT == Q8_0) {
-    init_offset<MB>(idot, r.bsum, b, 128);
+    init_offset<MB>(idot, r.bsum, b, kQ8Offset);
     QD_UNROLL
-    for (int s = 0; s < 8; ++s) dp<MB>(idot, _mm512_loadu_si512(t + 64 * s), r.xq, k0 + 4 * s);
+    for (int s = 0; s < 8; ++s) {
+      const Q8Step w = q8_step(t + 64 * s);
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) idot[m] = dp_q8(idot[m], w, r.xq[m] + k0 + 4 * s);
+    }
     add_scaled<MB>(acc, half16(t + 512), idot, r.dx, b);
   } else if constexpr (FMT == Q4_0 || FMT == Q5_0) {
     init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
     nibble_block<MB, FMT == Q5_0>(t, r.xq, k0, idot);
     add_scaled<MB>(acc, half16(t + (FMT == Q4_0 ? 256 : 320)), idot, r.dx, b);
   } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
-    const __m512 d = half16(t), dmin = half16(t + 32);
+    const VecF d = half16(t), dmin = half16(t + 32);
     constexpr int sub_bytes = FMT == Q4_K ? 256 : 320;
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sub = t + 320 + sub_bytes * j;
       QD_UNROLL
-      for (int m = 0; m < MB; ++m) idot[m] = _mm512_setzero_si512();
+      for (int m = 0; m < MB; ++m) idot[m] = vi_set1(0);
       nibble_block<MB, FMT == Q5_K>(sub, r.xq, k0 + 32 * j, idot);
-      const __m512 ds = _mm512_mul_ps(d, u8x16_to_f32(t + 64 + 16 * j));
-      const __m512 dm = _mm512_mul_ps(dmin, u8x16_to_f32(t + 192 + 16 * j));
+      const VecF ds = vf_mul(d, u8x16_to_f32(t + 64 + 16 * j));
+      const VecF dm = vf_mul(dmin, u8x16_to_f32(t + 192 + 16 * j));
       const int64_t bj = b + j;
       QD_UNROLL
       for (int m = 0; m < MB; ++m) {
-        const __m512 dxv = _mm512_set1_ps(r.dx[m][bj]);
-        const __m512 bs = _mm512_set1_ps(static_cast<float>(r.bsum[m][2 * bj] + r.bsum[m][2 * bj + 1]));
-        const __m512 term = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(ds, dxv), _mm512_cvtepi32_ps(idot[m])),
-                                          _mm512_mul_ps(_mm512_mul_ps(dm, dxv), bs));
-        acc[m] = _mm512_add_ps(acc[m], term);
+        const VecF dxv = vf_set1(r.dx[m][bj]);
+        const VecF bs = vf_set1(static_cast<float>(r.bsum[m][2 * bj] + r.bsum[m][2 * bj + 1]));
+        const VecF term = vf_sub(vf_mul(vf_mul(ds, dxv), vf_from_i(idot[m])), vf_mul(vf_mul(dm, dxv), bs));
+        acc[m] = vf_add(acc[m], term);
       }
     }
   } else {  // Q6_K: 16-wide sub-blocks with int8 scales, quants 0..63 offset by 32
-    const __m512 d = half16(t);
+    const VecF d = half16(t);
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sub = t + 288 + 384 * j;
       const int64_t bj = b + j;
-      __m512i hi_dot[MB];
+      VecI hi_dot[MB];
       QD_UNROLL
       for (int m = 0; m < MB; ++m) {
-        idot[m] = _mm512_set1_epi32(-32 * r.bsum[m][2 * bj]);
-        hi_dot[m] = _mm512_set1_epi32(-32 * r.bsum[m][2 * bj + 1]);
+        idot[m] = vi_set1(-32 * r.bsum[m][2 * bj]);
+        hi_dot[m] = vi_set1(-32 * r.bsum[m][2 * bj + 1]);
       }
+      SmallDots<MB, 63> lo_dots(idot), hi_dots(hi_dot);
       QD_UNROLL
       for (int s = 0; s < 4; ++s) {
-        __m512i lo, hi;
+        VecB lo, hi;
         nibbles(sub, s, lo, hi);
         lo = high_bits(high_bits(lo, sub + 256, s, 0x10), sub + 320, s, 0x20);
         hi = high_bits(high_bits(hi, sub + 256, s + 4, 0x10), sub + 320, s + 4, 0x20);
-        dp<MB>(idot, lo, r.xq, k0 + 32 * j + 4 * s);
-        dp<MB>(hi_dot, hi, r.xq, k0 + 32 * j + 16 + 4 * s);
+        lo_dots.step(lo, r.xq, k0 + 32 * j + 4 * s);
+        hi_dots.step(hi, r.xq, k0 + 32 * j + 16 + 4 * s);
       }
-      const __m512i sc_lo = i8x16_to_i32(t + 32 + 16 * (2 * j));
-      const __m512i sc_hi = i8x16_to_i32(t + 32 + 16 * (2 * j + 1));
+      lo_dots.end(idot);
+      hi_dots.end(hi_dot);
+      const VecI sc_lo = i8x16_to_i32(t + 32 + 16 * (2 * j));
+      const VecI sc_hi = i8x16_to_i32(t + 32 + 16 * (2 * j + 1));
       QD_UNROLL
-      for (int m = 0; m < MB; ++m)
-        idot[m] = _mm512_add_epi32(_mm512_mullo_epi32(sc_lo, idot[m]), _mm512_mullo_epi32(sc_hi, hi_dot[m]));
+      for (int m = 0; m < MB; ++m) idot[m] = vi_add(vi_mullo(sc_lo, idot[m]), vi_mullo(sc_hi, hi_dot[m]));
       add_scaled<MB>(acc, d, idot, r.dx, bj);
     }
   }
@@ -250,9 +538,9 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
     r.dx[m] = x.dx + (m0 + m) * (x.K / 32);
     r.bsum[m] = x.bsum + (m0 + m) * (x.K / 16);
   }
-  __m512 acc[MB];
+  VecF acc[MB];
   QD_UNROLL
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int m = 0; m < MB; ++m) acc[m] = vf_zero();
   for (int64_t i = 0; i < ntiles; ++i) {
     const uint8_t* t = group + i * kTileBytes[FMT];
     // Every line of the tile 4 KiB ahead: the hardware prefetchers stop at page boundaries and
@@ -261,27 +549,26 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
       _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchBytes + off), _MM_HINT_T0);
     tile<FMT, MB>(t, i * kTileK[FMT], r, acc);
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << nvalid) - 1u);
-  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * ldo + n0, mask, acc[m]);
+  for (int m = 0; m < MB; ++m) store_lanes(out + (m0 + m) * ldo + n0, acc[m], nvalid);
+}
+
+// The last M - m0 < MB rows, as one pass of that many.
+template <int FMT, int MB>
+void remaining_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t M, int64_t m0, float* out,
+                    int64_t ldo, int64_t n0, int64_t nvalid) {
+  if constexpr (MB > 0) {
+    if (M - m0 == MB) return group_rows<FMT, MB>(group, ntiles, x, m0, out, ldo, n0, nvalid);
+    remaining_rows<FMT, MB - 1>(group, ntiles, x, M, m0, out, ldo, n0, nvalid);
+  }
 }
 
 template <int FMT>
 void run_group(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t M, float* out, int64_t ldo,
                int64_t n0, int64_t nvalid) {
-  // K-quant tiles keep two accumulators per row alive (Q6_K) or more temporaries: fewer rows.
-  constexpr int kRows = FMT >= Q4_K ? 4 : 8;
+  constexpr int kRows = FMT >= Q4_K ? kRowsSuper : kRowsBlock32;
   int64_t m0 = 0;
   for (; m0 + kRows <= M; m0 += kRows) group_rows<FMT, kRows>(group, ntiles, x, m0, out, ldo, n0, nvalid);
-  switch (M - m0) {
-    case 1: group_rows<FMT, 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
-    case 2: group_rows<FMT, 2>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
-    case 3: group_rows<FMT, 3>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
-    case 4: group_rows<FMT, kRows >= 5 ? 4 : 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
-    case 5: group_rows<FMT, kRows >= 6 ? 5 : 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
-    case 6: group_rows<FMT, kRows >= 7 ? 6 : 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
-    case 7: group_rows<FMT, kRows >= 8 ? 7 : 1>(group, ntiles, x, m0, out, ldo, n0, nvalid); break;
-    default: break;
-  }
+  remaining_rows<FMT, kRows - 1>(group, ntiles, x, M, m0, out, ldo, n0, nvalid);
 }
 
 template <int FMT>
@@ -312,9 +599,9 @@ inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t
   }
 }
 
+#pragma GCC pop_options
 #undef QD_UNROLL
 #undef QD_INLINE
-#pragma GCC pop_options
 
 // ------------------------------------------------------------------------------------------
 // Torch binding
@@ -340,7 +627,7 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in) {
 // place (so a fused weight made of parts in different formats fills one output).
 void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
                   int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0) {
-  TORCH_CHECK(cpu_supported(), "quant_matmul: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(cpu_supported(), "quant_matmul: this CPU lacks the instructions of the ", kIsa, " build");
   TORCH_CHECK(format >= 0 && format <= Q6_K, "quant_matmul: unknown format ", format);
   TORCH_CHECK(q.is_contiguous() && dx.is_contiguous() && bsum.is_contiguous() && packed.is_contiguous() &&
                   out.is_contiguous(), "quant_matmul: tensors must be contiguous");
@@ -361,9 +648,12 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
   run_format(format, w, N, K, x, M, o, ldo, col0);
 }
 
+#if !defined(QD_ISA_AVX2)
 // ------------------------------------------------------------------------------------------
 // One decoder layer in one call (decoding and verification on quantized weights)
 // ------------------------------------------------------------------------------------------
+// AVX-512 build only: its norms, activations and attention rows (attention_row.h) are AVX-512
+// code; on the AVX2 build the Python layer runs instead, one quant_matmul per matmul.
 // The Python layer makes ~50 small torch calls per layer (norms, rope, splits, the KV write,
 // attention, activations, four matmuls with their activation quantization); each costs
 // microseconds of dispatch, which at batch 1 is a third of a decode step.  This is the same
@@ -539,7 +829,9 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
   }
   return out;
 }
+#endif  // !QD_ISA_AVX2
 
+}  // namespace
 }  // namespace qd_quant
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -549,7 +841,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &qd_quant::quant_matmul, "out[:, col0:col0+N] = x @ W^T for a packed quantized W",
         py::arg("q"), py::arg("dx"), py::arg("bsum"), py::arg("packed"), py::arg("format"), py::arg("N"),
         py::arg("K"), py::arg("out"), py::arg("col0"), py::call_guard<py::gil_scoped_release>());
+#if !defined(QD_ISA_AVX2)
   m.def("decoder_layer", &qd_quant::decoder_layer, "one decoder layer on quantized weights",
         py::call_guard<py::gil_scoped_release>());
+#endif
+  m.attr("isa") = qd_quant::kIsa;
   m.def("cpu_supported", &qd_quant::cpu_supported);
 }
