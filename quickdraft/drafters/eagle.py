@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.tree import DynamicTree, StaticTree
-from quickdraft.heads import head_compute_dtype, resolve_head_dir
+from quickdraft.heads import head_compute_dtype, quantizes_head, resolve_head_dir
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.heads import EagleHead, FeatureHead
 from quickdraft.models.layers import default_linear_fn
@@ -116,12 +116,20 @@ class EagleDrafter:
     def with_trained_head(cls, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None,
                           **options) -> EagleDrafter:
         """`head`: a directory written by `quickdraft train-head`, or a shipped head's name;
-        `head_dtype`: the head's compute dtype (default: the target's; bfloat16 halves its reads,
-        and drafting precision never affects the output)."""
+        `head_dtype`: how the head computes: "float32", "bfloat16", "float16", or "q8_0" (its
+        matrices quantized, float32 elsewhere, on the quantized CPU kernels).  Default: q8_0 when
+        the target runs quantized weights, else the target's dtype.  Drafting precision never
+        affects the output, only how well and how fast the head guesses."""
         directory = resolve_head_dir(head, method="eagle3", model=target.model)
-        module = EagleHead.load(directory, dtype=head_compute_dtype(head_dtype, default=target.dtype),
-                                device=target.device, max_len=head_max_len(target))
-        return cls(target=target, head=module, **options)
+        quantize = quantizes_head(head_dtype, model=target.model)
+        dtype = torch.float32 if quantize else head_compute_dtype(head_dtype, default=target.dtype)
+        module = EagleHead.load(directory, dtype=dtype, device=target.device, max_len=head_max_len(target))
+        drafter = cls(target=target, head=module, **options)
+        if quantize:
+            if target.device.type != "cpu":
+                raise ValueError(f'head_dtype="q8_0" runs on the CPU kernels; the target is on {target.device}')
+            module.quantize_for_drafting()
+        return drafter
 
     @classmethod
     def with_mtp_layer(cls, *, target: TargetInfo, head: str | None = None, layer: int = 0,

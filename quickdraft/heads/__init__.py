@@ -59,6 +59,20 @@ def resolve_head_dir(head: str | None, *, method: str, model) -> Path:
                      f"--method {method}` and pass {{\"head\": DIR}}")
 
 
+def quantizes_head(head_dtype: str | None, *, model) -> bool:
+    """Whether an EAGLE-style head drafts on Q8_0 copies of its matrices: asked for with
+    ``head_dtype="q8_0"``, and the default when the target itself runs quantized weights on the
+    CPU kernels (a float32 head would read four times the bytes of its quantized target)."""
+    if head_dtype == "q8_0":
+        return True
+    if head_dtype is not None:
+        return False
+    from quickdraft.kernels.quant_linear import kernel_available
+    from quickdraft.models.quantized import QuantizedWeight
+
+    return isinstance(getattr(model, "lm_head_weight", None), QuantizedWeight) and kernel_available()
+
+
 def head_compute_dtype(head_dtype: str | None, *, default: torch.dtype) -> torch.dtype:
     """A drafter's `head_dtype` option: None keeps the target's dtype.  Drafting precision never
     changes the output (verification decides), only how well the head guesses and how fast."""

@@ -31,11 +31,14 @@ import torch.nn.functional as F
 
 from quickdraft.models.config import RopeConfig
 from quickdraft.models.layers import RotaryTable, apply_rotary
-from quickdraft.models.quantized import embedding_rows
+from quickdraft.models.quantized import QuantizedWeight, embedding_rows, quantize_q8_0
 
 HEAD_CONFIG_FILE = "head_config.json"
 HEAD_WEIGHTS_FILE = "head.safetensors"
 COPY_PARAMETERS = ("copy_query", "copy_key", "copy_gate")
+# The matrices a draft step reads, which `quantize_for_drafting` keeps in Q8_0 (the copy path's
+# are a few dozen rows: not worth it).
+DRAFT_MATRICES = ("fuse", "in_proj", "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Stands in for log(0) where gradients flow: exp() of it is exactly 0 in float32, and unlike -inf
 # it keeps logsumexp/logaddexp gradients finite on rows where every term is "impossible".
 NEG_LOG = -1e4
@@ -193,6 +196,9 @@ class EagleHead(FeatureHead):
         self.lm_rows: torch.Tensor | None = None  # [Vd, D] target LM-head rows of the draft vocabulary
         self.logit_softcap: float | None = None
         self.t2d: torch.Tensor | None = None  # [V] draft id of each target id, -1 outside (copy path only)
+        # Q8_0 copies of DRAFT_MATRICES and of lm_rows, read instead of them when drafting on the
+        # quantized kernels (quantize_for_drafting); training never sets them.
+        self.draft_weights: dict[str, QuantizedWeight] = {}
 
     @property
     def attn_scale(self) -> float:
@@ -210,6 +216,24 @@ class EagleHead(FeatureHead):
             self.t2d = torch.full((self.embed_tokens.shape[0],), -1, dtype=torch.long, device=self.d2t.device)
             self.t2d[self.d2t] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
 
+    def quantize_for_drafting(self) -> None:
+        """Draft with Q8_0 copies of the block's matrices and the draft LM rows (a quarter of the
+        float32 bytes per draft depth, on the quantized CPU kernels).  Drafting precision never
+        changes the output, only how well the head guesses: measured in the README.  Call after
+        attach_target; the float weights stay for training and saving."""
+        if self.lm_rows is None:
+            raise RuntimeError("quantize_for_drafting needs the target's LM rows: call attach_target first")
+        matrices = {name: getattr(self, name).weight for name in DRAFT_MATRICES if getattr(self, name) is not None}
+        matrices["lm_rows"] = self.lm_rows
+        self.draft_weights = {name: QuantizedWeight.from_parts([quantize_q8_0(weight)])
+                              for name, weight in matrices.items()}
+
+    def _matrix(self, name: str):  # the weight a draft step reads: [N, K] float or QuantizedWeight
+        packed = self.draft_weights.get(name)
+        if packed is not None:
+            return packed
+        return self.lm_rows if name == "lm_rows" else getattr(self, name).weight
+
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:  # d2t [Vd]
         if d2t.shape != self.d2t.shape:
             raise ValueError(f"draft vocabulary has {d2t.shape[0]} ids, the head expects {self.d2t.shape[0]}")
@@ -217,7 +241,7 @@ class EagleHead(FeatureHead):
 
     # ---- pieces of the block -----------------------------------------------------------------
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., L * D] -> [..., D]
-        return features if self.fuse is None else self.linear(features, self.fuse.weight, None)
+        return features if self.fuse is None else self.linear(features, self._matrix("fuse"), None)
 
     def input_hidden(self, token_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
         # token_ids [...], feature [..., D] -> [..., D]
@@ -225,12 +249,12 @@ class EagleHead(FeatureHead):
         if self.embed_scale is not None:
             embedded = embedded * self.embed_scale
         mixed = torch.cat([self.token_norm(embedded), self.feature_norm(feature)], dim=-1)
-        return self.linear(mixed, self.in_proj.weight, None)
+        return self.linear(mixed, self._matrix("in_proj"), None)
 
     def attention_inputs(self, hidden: torch.Tensor, positions: torch.Tensor):
         # hidden [N, D], positions [N] -> q [N, H, hd], k and v [N, Hkv, hd]
         c = self.config
-        qkv = self.linear(self.attn_norm(hidden), self.qkv_proj.weight, None).view(
+        qkv = self.linear(self.attn_norm(hidden), self._matrix("qkv_proj"), None).view(
             hidden.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
         cos, sin = self.rotary.lookup(positions)
@@ -238,13 +262,13 @@ class EagleHead(FeatureHead):
 
     def block_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         # hidden [N, D], attended [N, H * hd] -> [N, D]
-        hidden = hidden + self.linear(attended, self.o_proj.weight, None)
-        gate, up = self.linear(self.mlp_norm(hidden), self.gate_up_proj.weight, None).chunk(2, dim=-1)
+        hidden = hidden + self.linear(attended, self._matrix("o_proj"), None)
+        gate, up = self.linear(self.mlp_norm(hidden), self._matrix("gate_up_proj"), None).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.config.activation == "gelu_tanh" else F.silu(gate)
-        return hidden + self.linear(act * up, self.down_proj.weight, None)
+        return hidden + self.linear(act * up, self._matrix("down_proj"), None)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., Vd]
-        logits = self.linear(self.final_norm(hidden), self.lm_rows, None)
+        logits = self.linear(self.final_norm(hidden), self._matrix("lm_rows"), None)
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -369,3 +369,51 @@ def _caught_up_on_six_pairs(drafter, tokens, features):
     state = drafter._states["r"]
     with torch.inference_mode():
         return request, state, drafter._catch_up(state, request.token_ids)
+
+
+@pytest.mark.parametrize("head_dtype,quantized_head", [(None, True), ("float32", False), ("q8_0", True)])
+def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, head_dir, head_dtype,
+                                                              quantized_head):
+    from quickdraft.kernels.quant_linear import kernel_available
+
+    path = str(tiny_checkpoints["llama"])
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    expected = [o.outputs[0].token_ids
+                for o in LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0")
+                .generate(repetitive_prompts(), params)]
+    spec = {"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 4, "top_k": 2}
+    if head_dtype is not None:
+        spec["head_dtype"] = head_dtype
+    llm = LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0", speculative_config=spec)
+    head = llm.engine.speculator.drafter.head
+    # By default the head follows its target onto the kernels (when they run on this CPU).
+    expect_quantized = quantized_head and (head_dtype == "q8_0" or kernel_available())
+    assert bool(head.draft_weights) == expect_quantized
+    if expect_quantized:
+        assert set(head.draft_weights) == {"fuse", "in_proj", "qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                                           "lm_rows"}
+        assert head.draft_weights["lm_rows"].shape == head.lm_rows.shape
+    assert [o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), params)] == expected
+    assert llm.get_metrics().num_draft_tokens > 20
+
+
+def test_q8_0_head_guesses_like_the_float_head(tiny_checkpoints, head_dir):
+    from quickdraft.models.heads import EagleHead
+
+    llm = LLM(str(tiny_checkpoints["llama"]), max_model_len=64)
+    float_head = EagleHead.load(head_dir, dtype=torch.float32)
+    float_head.attach_target(llm.engine.model)
+    quantized = EagleHead.load(head_dir, dtype=torch.float32)
+    quantized.attach_target(llm.engine.model)
+    quantized.quantize_for_drafting()
+    from quickdraft.models.layers import default_linear_fn
+
+    quantized.linear = default_linear_fn(torch.device("cpu"))
+    hidden = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    exact = float_head.draft_logits(hidden)
+    approx = quantized.draft_logits(hidden)
+    assert approx.shape == exact.shape
+    assert (approx - exact).abs().max() < 0.05 * exact.abs().max()
+    assert (approx.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.75
+    with pytest.raises(RuntimeError, match="attach_target"):
+        EagleHead.load(head_dir, dtype=torch.float32).quantize_for_drafting()
