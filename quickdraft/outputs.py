@@ -119,6 +119,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    seed: int | None = None  # the sampling seed used (drawn by the engine when the request had none)
 
 
 @dataclass

@@ -66,6 +66,7 @@ class DraftRequest:
     max_depth: int = 1 << 30  # longest root-to-leaf draft path worth verifying this step
     params: SamplingParams | None = None  # the request's sampling parameters (None = greedy)
     slot: int | None = None  # the request's slot in the target's KV cache
+    seed: int | None = None  # the request's sampling seed (position-keyed draws: sampler.position_key)
 
     @property
     def token_ids(self) -> list[int]:

@@ -9,9 +9,18 @@ The draft model has its own KV cache, one slot per request, kept in step with th
 - after verification the cache keeps only what was accepted: a length rollback, no copy.
 
 Greedy requests draft the draft model's argmax (point masses, ``draft_probs=None``).
-Sampled requests draft from the draft model's distribution after the request's own
-sampling parameters, and return those rows as ``draft_probs``, so the rejection sampler
-accepts with min(1, p/q) and resamples from the residual: exact either way.
+Sampled requests draw from the draft model's distribution q after the request's own sampling
+parameters, in one of two ways (``coupling``):
+
+- ``"keyed"`` (default): with the noise of the drafted token's own output position
+  (``sampler.sample_keyed``), the very noise the target's draw at that position uses.  The
+  draft is then a point mass that equals the target's draw whenever the two Gumbel races
+  agree, and verification follows the target's draws, so a seeded run returns plain
+  decoding's tokens.  Measured against the other rule in the README.
+- ``"rejection"``: from a generator of the drafter's own, returning the rows as
+  ``draft_probs``, so the rejection sampler accepts with min(1, p/q) and resamples from the
+  residual (the acceptance-optimal rule for one sample; exact, but a seeded run's tokens
+  then depend on what was drafted).
 
 With ``num_branches > 1`` the proposal is a tree: at every depth the next
 ``num_branches - 1`` most likely tokens of the draft distribution (other than the chain's
@@ -35,7 +44,14 @@ from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, Targe
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder, read_draft_vocab, resolve_model_dir
-from quickdraft.verify.sampler import RowContext, logits_to_probs, make_generator, sample_from_probs
+from quickdraft.verify.sampler import (
+    RowContext,
+    logits_to_probs,
+    make_generator,
+    position_key,
+    sample_from_probs,
+    sample_keyed,
+)
 
 # Room past max_model_len for the drafted tokens that are fed before verification.
 DRAFT_HEADROOM = 64
@@ -52,11 +68,14 @@ class _DraftState:
 
 class DraftModelDrafter:
     def __init__(self, *, num_speculative_tokens: int = 5, model: str | None = None,
-                 target: TargetInfo, num_branches: int = 1, seed: int = 0):
+                 target: TargetInfo, num_branches: int = 1, seed: int = 0, coupling: str = "keyed"):
         if not model:
             raise ValueError("method 'draft_model' needs a draft 'model' (HF directory or .gguf file)")
         if not isinstance(num_branches, int) or isinstance(num_branches, bool) or num_branches < 1:
             raise ValueError(f"num_branches must be a positive integer, got {num_branches!r}")
+        if coupling not in ("keyed", "rejection"):
+            raise ValueError(f"coupling must be 'keyed' or 'rejection', got {coupling!r}")
+        self.coupling = coupling
         self.num_speculative_tokens = num_speculative_tokens
         self.num_branches = num_branches
         self.device = target.device
@@ -215,6 +234,10 @@ class DraftModelDrafter:
         row = RowContext(params=params, prompt_token_ids=request.prompt_token_ids,
                          output_token_ids=request.output_token_ids + drafted)
         probs = logits_to_probs(logits, [row])  # [1, V]
+        if self.coupling == "keyed":
+            seed = request.seed if request.seed is not None else self.seed
+            key = position_key(seed, len(request.output_token_ids) + len(drafted))
+            return int(sample_keyed(probs, [key])[0]), None
         token = int(sample_from_probs(probs, [self._states[request.request_id].generator])[0])
         return token, probs[0]
 

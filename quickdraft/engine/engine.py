@@ -19,6 +19,7 @@ from quickdraft.drafters.base import Proposal, TargetInfo
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
+from quickdraft.kernels.argmax import argmax_rows
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import (
     load_decoder,
@@ -36,7 +37,8 @@ from quickdraft.verify.sampler import (
     compute_logprobs,
     logits_to_probs,
     make_generator,
-    sample_from_probs,
+    position_key,
+    sample_keyed,
     samples_by_argmax,
 )
 
@@ -76,8 +78,8 @@ class Engine:
             list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids)))
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._default_generator = torch.Generator(device=self.device)
-        self._default_generator.manual_seed(config.seed)
+        self._seed_generator = torch.Generator()  # draws the seeds of unseeded requests
+        self._seed_generator.manual_seed(config.seed)
         self.metrics = EngineMetrics()
         self.speculator = self._make_speculator(config.speculative_config)
 
@@ -135,12 +137,14 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = (make_generator(params.seed, self.device) if params.seed is not None
-                     else self._default_generator)
+        # Unseeded requests get a seed from the engine's generator (seeded by EngineConfig.seed),
+        # returned in their output so that an answer can be replayed.
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         request = Request(
             request_id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=params,
-            tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len, generator=generator,
+            tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+            seed=seed, generator=make_generator(position_key(seed, -1), self.device),
         )
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -279,8 +283,10 @@ class Engine:
             self.speculator.observe(request, tree_features[accepted.nodes])
         request.metrics.num_target_forwards += 1
         # Committed token j was chosen from the logits after path node j.
-        logprob_rows = self._logprobs([request] * len(accepted.nodes), logits[accepted.nodes],
-                                      accepted.committed_token_ids)
+        logprob_rows = [None] * len(accepted.nodes)
+        if request.params.logprobs is not None:  # gathering the rows copies megabytes: only when asked
+            logprob_rows = self._logprobs([request] * len(accepted.nodes), logits[accepted.nodes],
+                                          accepted.committed_token_ids)
         now = time.perf_counter()
         for token, token_logprobs in zip(accepted.committed_token_ids, logprob_rows):
             if request.append_token(token, now=now, logprobs=token_logprobs):
@@ -293,12 +299,13 @@ class Engine:
         # logits [len(requests), V]: one row per request that completed its known tokens
         if all(samples_by_argmax(r.params, num_output_tokens=len(r.output_token_ids)) for r in requests):
             # The distribution would be one-hots of these argmaxes: skip building [R, V] of them.
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = argmax_rows(logits).tolist()
         else:
             rows = [RowContext(params=r.params, prompt_token_ids=r.prompt_token_ids,
                                output_token_ids=r.output_token_ids) for r in requests]
             probs = logits_to_probs(logits, rows, eos_token_ids=self.eos_token_ids)
-            tokens = sample_from_probs(probs, [r.generator for r in requests]).tolist()
+            keys = [position_key(r.seed, len(r.output_token_ids)) for r in requests]
+            tokens = sample_keyed(probs, keys).tolist()
         logprob_rows = self._logprobs(requests, logits, tokens)
         now = time.perf_counter()
         for req, token, token_logprobs in zip(requests, tokens, logprob_rows):

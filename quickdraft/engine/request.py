@@ -35,7 +35,8 @@ class Request:
         tokenizer: Tokenizer,
         eos_token_ids: list[int],
         max_model_len: int,
-        generator: torch.Generator | None,
+        seed: int,
+        generator: torch.Generator,
         arrival_time: float | None = None,
     ):
         self.request_id = request_id
@@ -43,6 +44,9 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.output_token_ids: list[int] = []
+        # Output position t draws its randomness from (seed, t) alone (sampler.position_key).
+        self.seed = seed
+        # The rejection rule of sampled drafts (draft_probs) draws from a stream of its own.
         self.generator = generator
         self.status = RequestStatus.WAITING
         self.slot: int | None = None
@@ -174,6 +178,7 @@ class Request:
             outputs=[completion],
             finished=self.is_finished,
             metrics=self.metrics,
+            seed=self.seed,
         )
 
 

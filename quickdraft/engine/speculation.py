@@ -24,9 +24,10 @@ from quickdraft.engine.adaptive import (
     worth_probing,
 )
 from quickdraft.engine.request import Request
+from quickdraft.kernels.argmax import argmax_rows
 from quickdraft.models.attention import node_depths
-from quickdraft.verify.rejection import verify_greedy, verify_proposal
-from quickdraft.verify.sampler import RowContext, logits_to_probs, samples_by_argmax
+from quickdraft.verify.rejection import verify_by_target_choice, verify_greedy, verify_proposal
+from quickdraft.verify.sampler import RowContext, logits_to_probs, position_key, sample_keyed, samples_by_argmax
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Speculator:
         if view is None:
             view = DraftRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                 output_token_ids=request.output_token_ids, budget=1, params=request.params,
-                                slot=request.slot)
+                                slot=request.slot, seed=request.seed)
             self._views[request.request_id] = view
             self._draft_length[request.request_id] = self.config.num_speculative_tokens
             self._acceptance[request.request_id] = AcceptanceEstimate(prior=self._all_acceptance.rate)
@@ -168,11 +169,20 @@ class Speculator:
         """logits [num_nodes, V]: the target's logits after each tree node."""
         if samples_by_argmax(request.params, num_output_tokens=len(request.output_token_ids)):
             # Greedy without penalties: target_probs would be one-hots of these argmaxes.
-            return verify_greedy(proposal=proposal, target_argmax=logits.argmax(dim=-1).tolist(),
+            return verify_greedy(proposal=proposal, target_argmax=argmax_rows(logits).tolist(),
                                  max_new_tokens=request.remaining_output_tokens)
+        histories = node_histories(request.output_token_ids, proposal)
         rows = [RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids,
-                           output_token_ids=history)
-                for history in node_histories(request.output_token_ids, proposal)]
+                           output_token_ids=history) for history in histories]
+        if proposal.draft_probs is None:
+            # Point masses: follow the target's own position-keyed draw at each node, computed
+            # only along the walked path; the committed tokens are plain decoding's.
+            def target_choice(node: int) -> int:
+                probs = logits_to_probs(logits[node : node + 1], [rows[node]], eos_token_ids=eos_token_ids)
+                return int(sample_keyed(probs, [position_key(request.seed, len(histories[node]))])[0])
+
+            return verify_by_target_choice(proposal=proposal, target_choice=target_choice,
+                                           max_new_tokens=request.remaining_output_tokens)
         target_probs = logits_to_probs(logits, rows, eos_token_ids=eos_token_ids)  # [num_nodes, V]
         return verify_proposal(proposal=proposal, target_probs=target_probs, generator=request.generator,
                                max_new_tokens=request.remaining_output_tokens)

@@ -44,6 +44,12 @@ target row is a point mass take a fast path (no float64 copies, no uniforms), an
 general a uniform is drawn only when the acceptance probability is strictly between 0
 and 1, so greedy rows never consume the request's generator.
 
+The engine verifies point-mass proposals of sampled requests another way, which is exact
+too and reproducible: ``verify_by_target_choice`` walks the tree along the target's own
+position-keyed draw at each node (``sampler.sample_keyed``), so a seeded request commits the
+tokens plain decoding would have drawn.  For a point-mass child that accepts it with
+probability ``p[x]``, as the rule above does.  The rule above remains for sampled proposals.
+
 Acceptance arithmetic and residuals are float64 (``u < p[x] / q[x]`` with u a float64
 uniform); tokens are drawn with ``sample_from_probs``.  Only rows on the visited path are
 read; no Python loop runs over the vocabulary.
@@ -51,7 +57,7 @@ read; no Python loop runs over the vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -127,13 +133,30 @@ def verify_greedy(
     recovered or bonus token is the argmax; this walks the same tree with plain ints, so a
     greedy step never builds [num_nodes, V] probability rows.
     """
+    return verify_by_target_choice(proposal=proposal, target_choice=target_argmax.__getitem__,
+                                   max_new_tokens=max_new_tokens)
+
+
+def verify_by_target_choice(
+    *,
+    proposal: Proposal,
+    target_choice: Callable[[int], int],  # node -> the token the target itself picks after it
+    max_new_tokens: int | None = None,
+) -> AcceptedPath:
+    """Walk the tree along the target's own choices: from each node, the child whose token is
+    the target's choice there is accepted; where none is, the choice is the recovered token,
+    and past a leaf the bonus one.  Exact for point-mass drafts whenever the choice is a draw
+    from the target's distribution (greedy: the argmax; sampled: the position-keyed draw, so
+    the committed tokens are those plain decoding draws).  `target_choice` is called only for
+    the nodes on the walked path, in order.
+    """
     children = _children_of(proposal.parents)
     path = [0]
     committed: list[int] = []
     while True:
         node = path[-1]
         kids = children[node]
-        target = int(target_argmax[node])
+        target = int(target_choice(node))
         if not kids or (max_new_tokens is not None and len(path) == max_new_tokens):
             return _result(path=path, committed=committed + [target], bonus=not kids)
         child = next((kid for kid in kids if proposal.token_ids[kid] == target), None)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quickdraft.kernels.argmax import argmax_rows
 from quickdraft.sampling_params import SamplingParams
 
 # Tests set this to True to push every row through every stage (with the stage's "off"
@@ -106,7 +107,7 @@ def logits_to_probs(
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N, V] float32
     out = torch.zeros_like(logits, dtype=torch.float32)
-    out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # argmax ties -> lowest index
+    out.scatter_(1, argmax_rows(logits)[:, None], 1.0)  # argmax ties -> lowest index
     return out
 
 
@@ -444,6 +445,53 @@ def sample_from_probs(
     race.clamp_(min=torch.finfo(dtype).tiny)
     idx = _index(random_rows, probs.device)
     out[idx] = (probs[idx].to(dtype) / race).argmax(dim=-1)
+    return out
+
+
+def position_key(seed: int, position: int) -> int:
+    """The noise key of output position `position` of a request seeded `seed`: splitmix64 of
+    the pair, so a position's randomness depends on (seed, position) alone, never on what was
+    drawn or drafted before it."""
+    mask = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    return mix(mix(seed & mask) ^ (position & mask))
+
+
+def keyed_noise(key: int, vocab: int, *, device: torch.device | str = "cpu") -> torch.Tensor:  # [V] float32
+    """Exp(1) noise for one position: -log U with U uniform from a generator seeded with `key`
+    (``torch.rand``; ``exponential_`` costs ~5x more on a 262k vocabulary)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(key)
+    noise = torch.rand(vocab, generator=gen, device=device).log_().neg_()
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # U = 1 cannot happen; keep 0/0 out anyway
+
+
+def sample_keyed(
+    probs: torch.Tensor,  # [R, V] non-negative weights (need not be normalised)
+    keys: Sequence[int],  # [R] position_key of each row
+) -> torch.Tensor:  # [R] int64
+    """Position-keyed draws: row r takes ``argmax_i p_i / E_i`` with the noise E of its key.
+
+    A deterministic function of the distribution and the key: plain decoding draws output
+    position t with key (seed, t), and verification computes the very same draw at every tree
+    node of that position, so a seeded run gives the same tokens with or without speculation.
+    Each row is exactly distributed as p (exponential race, as in ``sample_from_probs``).
+    """
+    if probs.dim() != 2 or len(keys) != probs.shape[0]:
+        raise ValueError(f"probs must be [R, V] with one key per row, got {tuple(probs.shape)} and {len(keys)} keys")
+    nonzero = (probs > 0).sum(dim=-1)  # [R]
+    if bool((nonzero == 0).any()):
+        raise ValueError("every row of probs needs a positive entry")
+    out = argmax_rows(probs.float())  # [R]; final for rows with one token left
+    for r in (nonzero > 1).nonzero().flatten().tolist():
+        noise = keyed_noise(keys[r], probs.shape[1], device=probs.device)
+        out[r] = argmax_rows((probs[r].float() / noise)[None])[0]
     return out
 
 

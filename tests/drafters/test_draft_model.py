@@ -64,19 +64,49 @@ SAMPLING = {
     (2, "top_k", "far"), (2, "top_k", "close"),
 ])
 def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gemma, num_branches, sampling, draft):
-    """Chain (sampled drafts, min(1, p/q)) and tree (top-k side leaves, point masses), with a
-    draft distribution far from the target (another random model) and close to it (itself)."""
+    """The rejection coupling: chain (sampled drafts, min(1, p/q)) and tree (top-k side leaves,
+    point masses), with a draft distribution far from the target (another random model) and
+    close to it (itself)."""
     target = str(tiny_checkpoints["gemma3"])
     draft_model = str(other_gemma) if draft == "far" else target
     base = repetitive_prompts()[1][:5]
     params = [SamplingParams(max_tokens=3, seed=s, **SAMPLING[sampling]) for s in range(1200)]
     plain = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), base, params)
     spec_llm = LLM(target, max_model_len=64, max_num_seqs=8,
-                   speculative_config={"method": "draft_model", "model": draft_model,
+                   speculative_config={"method": "draft_model", "model": draft_model, "coupling": "rejection",
                                        "num_speculative_tokens": 2, "num_branches": num_branches})
     spec = count_outputs(spec_llm, base, params)
     assert spec_llm.get_metrics().num_accepted_tokens > 100
     assert same_distribution_p_value(plain, spec) > 1e-3
+
+
+@pytest.mark.parametrize("sampling", ["top_k", "top_p", "min_p"])
+@pytest.mark.parametrize("draft", ["far", "close"])
+@pytest.mark.parametrize("num_branches", [1, 2])
+def test_keyed_coupling_returns_the_seeded_plain_tokens(tiny_checkpoints, other_gemma, sampling, draft,
+                                                        num_branches):
+    """Drafts drawn with the target's own position-keyed noise: every seeded request commits
+    exactly the tokens of the seeded plain run, and a draft close to the target is accepted."""
+    target = str(tiny_checkpoints["gemma3"])
+    draft_model = str(other_gemma) if draft == "far" else target
+    prompts = [p[:6] for p in repetitive_prompts()]
+    params = [SamplingParams(max_tokens=12, seed=s, **SAMPLING[sampling]) for s in range(len(prompts))]
+    plain = LLM(target, max_model_len=64, max_num_seqs=4).generate(prompts, params)
+    spec_llm = LLM(target, max_model_len=64, max_num_seqs=4,
+                   speculative_config={"method": "draft_model", "model": draft_model,
+                                       "num_speculative_tokens": 3, "num_branches": num_branches})
+    spec = spec_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    metrics = spec_llm.get_metrics()
+    assert metrics.num_draft_tokens > 0
+    if draft == "close":  # the same distribution and the same noise: the same draw (chains of 3)
+        assert metrics.num_accepted_tokens > 2.5 * metrics.num_drafts
+
+
+def test_coupling_is_checked(tiny_checkpoints):
+    target = str(tiny_checkpoints["gemma3"])
+    with pytest.raises(ValueError, match="coupling"):
+        LLM(target, speculative_config={"method": "draft_model", "model": target, "coupling": "gumbel"})
 
 
 def test_vocabulary_mismatch_is_a_clear_error(tiny_checkpoints, tmp_path):
