@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -116,7 +117,17 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name clients send and metrics carry (default: from MODEL)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-                       help="on SIGINT/SIGTERM, seconds in-flight requests get to finish (default: 30)")
+                       help="on SIGINT/SIGTERM, seconds in-flight requests get to finish; new ones get HTTP 503 "
+                            "meanwhile, and those still running at the end get a 503 error (default: 30)")
+    serve.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                       help="request bodies larger than this get HTTP 413 (default: 4194304, i.e. 4 MiB)")
+    serve.add_argument("--request-read-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a client that sends nothing of its request body for this long is dropped with "
+                            "HTTP 408 (default: 30)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every /v1 route (HTTP 401 otherwise; /health "
+                            "and /metrics stay open); default: the QUICKDRAFT_API_KEY environment variable, which "
+                            "keeps the key out of the process list")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -421,15 +432,21 @@ def run_train_head(args) -> int:
 
 def run_serve(args) -> int:
     from quickdraft.server import ServerConfig, run_server
+    from quickdraft.server.config import API_KEY_ENV
 
     if args.model_path is not None and args.model is not None and args.model_path != args.model:
         raise ValueError(f"give the model once: MODEL {args.model_path!r} and --model {args.model!r} differ")
+    # Options left unset keep ServerConfig's defaults (one place for them).
+    optional = {"max_request_bytes": args.max_request_bytes,
+                "request_read_timeout_seconds": args.request_read_timeout,
+                "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None}
     config = ServerConfig(
         model=args.model_path or args.model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
         shutdown_grace_seconds=args.shutdown_grace, log_level=args.log_level,
+        **{name: value for name, value in optional.items() if value is not None},
     )
     run_server(config)
     return 0

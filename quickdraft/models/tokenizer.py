@@ -398,6 +398,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        # encode_batch gives encode's ids but runs without the GIL (encode holds it for the whole
+        # call: seconds for a MB-sized prompt, during which a server's event loop would stall).
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; BOS (and EOS) added when the config says so and add_special_tokens.
 
@@ -405,8 +410,8 @@ class Tokenizer:
         rendered chat template with add_special_tokens=False: templates write BOS themselves.
         """
         if not self._explicit_specials:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+            return self._encode(text, add_special_tokens=add_special_tokens)
+        ids = self._encode(text, add_special_tokens=False)
         if not add_special_tokens:
             return ids
         if self.config.get("add_bos_token") and self.bos_token_id is not None:

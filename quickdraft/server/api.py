@@ -1,11 +1,13 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-A handler validates the body, renders and tokenizes the prompt, takes a place in the
-admission count (429 when full), submits the request to the engine loop and waits for it to
-be admitted (so an engine-side rejection is still a proper 400), then either collects the
-whole output or streams Server-Sent Events. A client that goes away aborts its request at
-once: non-streaming handlers watch for the disconnect while they wait, and the SSE response
-aborts when its connection closes, however it closes.
+A handler reads the body (413 past --max-request-bytes, 408 when the client stalls), then
+parses, validates, renders and tokenizes the prompt on a preprocessing thread (never on the
+event loop: a huge prompt must not stall other connections), takes a place in the admission
+count (429 when full), submits the request to the engine loop and waits for it to be admitted
+(so an engine-side rejection is still a proper 400), then either collects the whole output or
+streams Server-Sent Events. A client that goes away aborts its request at once: non-streaming
+handlers watch for the disconnect while they wait, and the SSE response aborts when its
+connection closes, however it closes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quickdraft.outputs import RequestOutput
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
-from quickdraft.server.errors import APIError, bad_request
+from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
+from quickdraft.server.middleware import ApiKeyCheck, EndCancelledRequests
+from quickdraft.server.preprocess import parse_request
 from quickdraft.server.protocol import (
     ChatCompletionRequest,
     CompletionLogprobs,
@@ -56,14 +60,24 @@ def create_app(server: QuickdraftServer) -> FastAPI:
     _install_error_handlers(app, server)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
+    # The last added runs first: the key is checked before anything else happens.
+    app.add_middleware(EndCancelledRequests, is_shutting_down=lambda: server.shutting_down,
+                       error=server.shutdown_error)
+    if server.config.api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=server.config.api_key,
+                           on_reject=lambda scope, err: _record_rejection(server, Request(scope), err))
     return app
 
 
 # ---- errors ---------------------------------------------------------------------------------
+def _record_rejection(server: QuickdraftServer, request: Request, err: APIError) -> None:
+    server.metrics.record_rejection(scenario=_scenario_of(request, server), status=err.status)
+
+
 def _install_error_handlers(app: FastAPI, server: QuickdraftServer) -> None:
     def respond(request: Request, err: APIError) -> JSONResponse:
-        server.metrics.record_rejection(scenario=_scenario_of(request, server), status=err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        _record_rejection(server, request, err)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
@@ -76,8 +90,10 @@ def _install_error_handlers(app: FastAPI, server: QuickdraftServer) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
+        # The router's own errors (unknown route, wrong method): keep their headers (Allow).
         message = f"{err.detail}: {request.method} {request.url.path}"
-        return respond(request, APIError(status=err.status_code, message=message, code=None))
+        return respond(request, APIError(status=err.status_code, message=message,
+                                         code=DEFAULT_CODES.get(err.status_code), headers=err.headers))
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, err: Exception):
@@ -92,14 +108,23 @@ def _scenario_of(request: Request, server: QuickdraftServer) -> str:
 
 # ---- /v1/models, /health, /metrics -----------------------------------------------------------
 def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
+    def model_card() -> dict[str, Any]:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "quickdraft",
+                "max_model_len": server.max_model_len, "speculative_method": server.method}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "quickdraft",
-            "max_model_len": server.max_model_len, "speculative_method": server.method,
-        }]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")  # :path, since model names may hold a "/"
+    async def retrieve_model(model_id: str):
+        if model_id != server.model_name:
+            raise APIError(status=404, param="model", code="model_not_found",
+                           message=f"model: {model_id!r} does not exist; this server serves {server.model_name!r}")
+        return model_card()
+
+    # HEAD too: load balancers and uptime checkers probe with it (uvicorn sends no body).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         stats = server.engine_loop.stats
         if not server.admission.accepting:
@@ -155,7 +180,7 @@ class Generation:
         try:
             self.server.engine_loop.submit(submission)
         except LoopStopped as err:
-            raise APIError(status=503, message=str(err), code="shutting_down") from err
+            raise shutting_down() from err
         self._submitted = True
         event = await self._events.get()
         if isinstance(event, Rejected):
@@ -197,27 +222,98 @@ class Generation:
             self.server.admission.leave()
 
 
+# The request bodies are read and parsed by the handlers themselves (not by FastAPI from a
+# typed parameter) so that both happen under the size limit, the read timeout and off the
+# event loop.
 def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await _read_request(server, request, model=CompletionRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         prepared = _prepare(server, request=request, body=body)
-        prompt = body.single_prompt()
-        prompt_token_ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_token_ids = await server.preprocessor.run(_completion_prompt, server, body)
         return await _generate(server, body=body, request=request, prepared=prepared, prompt_token_ids=prompt_token_ids,
                                prompt_param="prompt", id_prefix="cmpl", writer_class=CompletionWriter)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await _read_request(server, request, model=ChatCompletionRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         prepared = _prepare(server, request=request, body=body)
+        prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
         return await _generate(server, body=body, request=request, prepared=prepared,
-                               prompt_token_ids=_render_chat(server, body), prompt_param="messages",
+                               prompt_token_ids=prompt_token_ids, prompt_param="messages",
                                id_prefix="chatcmpl", writer_class=ChatWriter)
+
+
+async def _read_request(server: QuickdraftServer, request: Request, *,
+                        model: type[SamplingFields]) -> SamplingFields | None:
+    """The validated body (parsed on a preprocessing thread), or None if the client left."""
+    if server.shutting_down:  # before reading a body that would be refused anyway
+        raise shutting_down()
+    raw = await read_body(request, max_bytes=server.config.max_request_bytes,
+                          idle_timeout=server.config.request_read_timeout_seconds)
+    if raw is None:
+        return None
+    return await server.preprocessor.run(parse_request, raw, content_type=request.headers.get("content-type"),
+                                         model=model)
+
+
+async def read_body(request: Request, *, max_bytes: int, idle_timeout: float) -> bytes | None:
+    """The request body, or None when the client disconnected while sending it.
+
+    413 as soon as the body is known to be too large (from Content-Length before reading any
+    of it, else once the bytes read pass the limit); 408, closing the connection, when no
+    byte of it arrives for idle_timeout seconds. What is left unread is discarded by uvicorn.
+    """
+    declared = _content_length(request)
+    if declared is not None and declared > max_bytes:
+        raise _body_too_large(max_bytes, size=f"{declared} bytes")
+    chunks, size = [], 0
+    while True:
+        try:
+            message = await asyncio.wait_for(request.receive(), idle_timeout)
+        except TimeoutError:
+            raise APIError(status=408, code="request_timeout", headers={"Connection": "close"},
+                           message=f"no data of the request body arrived for {idle_timeout:g} s "
+                                   "(--request-read-timeout); closing the connection") from None
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise _body_too_large(max_bytes, size=f"more than {max_bytes} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _content_length(request: Request) -> int | None:
+    try:
+        return int(request.headers["content-length"])
+    except (KeyError, ValueError):  # absent (chunked), or malformed (uvicorn refuses those itself)
+        return None
+
+
+def _body_too_large(max_bytes: int, *, size: str) -> APIError:
+    return APIError(status=413, code="request_too_large",
+                    message=f"the request body ({size}) is larger than this server takes: {max_bytes} bytes "
+                            "(--max-request-bytes)")
+
+
+def _completion_prompt(server: QuickdraftServer, body: CompletionRequest) -> list[int]:
+    """The prompt's token ids, checked against the context (runs on a preprocessing thread)."""
+    prompt = body.single_prompt()
+    token_ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    _check_prompt_length(server, token_ids, param="prompt")
+    return token_ids
 
 
 async def _generate(server: QuickdraftServer, *, body, request: Request, prepared, prompt_token_ids: list[int],
                     prompt_param: str, id_prefix: str, writer_class):
-    """Check the prompt's length, run it through the engine loop, answer (streamed or whole)."""
-    _check_prompt_length(server, prompt_token_ids, param=prompt_param)
+    """Run the prompt through the engine loop, answer (streamed or whole)."""
     generation = Generation(server=server, prompt_token_ids=prompt_token_ids, params=prepared.params,
                             scenario=prepared.scenario, prompt_param=prompt_param, id_prefix=id_prefix)
     writer = writer_class(server=server, generation=generation, include_usage=body.include_usage,
@@ -245,6 +341,7 @@ def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields
 
 
 def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[int]:
+    """The conversation rendered and tokenized, checked against the context (on a preprocessing thread)."""
     tokenizer = server.tokenizer
     if tokenizer.chat_template is None:
         raise bad_request(f"messages: the model {server.model_name!r} has no chat template, so it cannot take "
@@ -255,7 +352,9 @@ def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[
     except Exception as err:  # the template's own checks (roles must alternate, ...) raise
         raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
     # The template writes BOS itself (as LLM.chat does).
-    return tokenizer.encode(text, add_special_tokens=False)
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    _check_prompt_length(server, token_ids, param="messages")
+    return token_ids
 
 
 def _check_prompt_length(server: QuickdraftServer, prompt_token_ids: list[int], *, param: str) -> None:
@@ -371,7 +470,8 @@ class ResponseWriter:
     def full_body(self, final: Progress) -> dict[str, Any]:
         output = final.output
         return {**self._envelope(self.object_name), "choices": [self._full_choice(output)],
-                "usage": usage_of(output), "speculation": self._speculation(output)}
+                "usage": usage_of(output), "speculation": self._speculation(output),
+                "seed": output.seed}  # replays a sampled answer (drawn by the engine when not given)
 
     def _full_choice(self, output: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
@@ -428,7 +528,7 @@ class CompletionWriter(ResponseWriter):
         choice = self._with_token_ids({"index": 0, "text": event.text, "logprobs": logprobs,
                                        "finish_reason": event.finish_reason}, event.token_ids)
         if event.finished:
-            return self._chunk([choice], speculation=self._speculation(event.output))
+            return self._chunk([choice], speculation=self._speculation(event.output), seed=event.output.seed)
         return self._chunk([choice])
 
 
@@ -461,5 +561,5 @@ class ChatWriter(ResponseWriter):
         if not event.finished:
             return content_chunk or None
         final = self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
-                            speculation=self._speculation(event.output))
+                            speculation=self._speculation(event.output), seed=event.output.seed)
         return content_chunk + final

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import EngineConfig
 
 # The name the embedded Gemma 3 270M is served under when no --served-model-name is given.
 DEFAULT_SERVED_MODEL_NAME = "gemma-3-270m"
+# A request body larger than this gets 413. 4 MiB holds a prompt of about a million tokens (as
+# text) or half a million (as token ids), past any context this engine serves, and bounds what
+# one request may cost the event loop: JSON parsing and validation hold Python's GIL, measured
+# at up to 0.5 s in one stretch for 4 MiB of tiny chat messages on a slow CPU.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# A client that sends nothing of its request body for this long is dropped (with a 408).
+DEFAULT_REQUEST_READ_TIMEOUT_SECONDS = 30.0
+# The environment variable `quickdraft serve` reads the API key from (vLLM has VLLM_API_KEY).
+API_KEY_ENV = "QUICKDRAFT_API_KEY"
 
 
 @dataclass(kw_only=True)
@@ -28,15 +37,26 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
     max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
     log_level: str = "info"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
+    request_read_timeout_seconds: float = DEFAULT_REQUEST_READ_TIMEOUT_SECONDS  # body stall -> 408, dropped
+    # When set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise). Not in
+    # the repr: configs end up in logs.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_scenarios"):
+        for name in ("max_queue", "max_scenarios", "max_request_bytes"):
             _check_positive_int(name, getattr(self, name))
         _check_positive_int("port", self.port, allow_zero=True)
         if self.port > 65535:
             raise ValueError(f"port must be <= 65535, got {self.port!r}")
         if not isinstance(self.shutdown_grace_seconds, (int, float)) or self.shutdown_grace_seconds < 0:
             raise ValueError(f"shutdown_grace_seconds must be a number >= 0, got {self.shutdown_grace_seconds!r}")
+        timeout = self.request_read_timeout_seconds
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"request_read_timeout_seconds must be a number > 0, got {timeout!r}")
+        if self.api_key is not None and not _is_token(self.api_key):
+            # Clients send the key in a header (`Bearer <key>`): it must be something a header carries.
+            raise ValueError("api_key must be a non-empty string of printable ASCII characters without spaces")
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
                                                    or not self.served_model_name.strip()):
             raise ValueError(f"served_model_name must be a non-empty string, got {self.served_model_name!r}")
@@ -59,6 +79,10 @@ class ServerConfig:
             return DEFAULT_SERVED_MODEL_NAME
         path = Path(self.model)
         return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, str) and bool(value) and all("!" <= char <= "~" for char in value)
 
 
 def _check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> None:

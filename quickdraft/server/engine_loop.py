@@ -69,6 +69,9 @@ class Failed:
 
 LoopEvent = Admitted | Rejected | Progress | Failed
 
+# What requests still held when the loop stops are told, unless the stopper says otherwise.
+SHUTTING_DOWN = Failed(status=503, message="the server is shutting down", code="shutting_down")
+
 
 @dataclass
 class Submission:
@@ -117,7 +120,7 @@ class _Call:
 
 @dataclass
 class _Stop:
-    pass
+    failure: Failed  # what every request still held is told
 
 
 @dataclass
@@ -160,12 +163,12 @@ class EngineLoop:
         self._put(command)
         return command.future
 
-    def stop(self, *, timeout: float | None = None) -> None:
-        """Abort every request still held (each gets a 503) and end the thread."""
+    def stop(self, *, timeout: float | None = None, failure: Failed | None = None) -> None:
+        """Abort every request still held (each gets `failure`, by default a 503) and end the thread."""
         with self._accept_lock:
             if self._accepting:
                 self._accepting = False
-                self._inbox.put(_Stop())
+                self._inbox.put(_Stop(failure or SHUTTING_DOWN))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -202,7 +205,7 @@ class EngineLoop:
                 break
         for position, command in enumerate(commands):
             if isinstance(command, _Stop):
-                self._shutdown(leftover=commands[position + 1 :])
+                self._shutdown(failure=command.failure, leftover=commands[position + 1 :])
                 return True
             self._handle(command)
         return False
@@ -315,8 +318,7 @@ class EngineLoop:
         except KeyError:  # gone from the engine: it cannot be kept either
             return True
 
-    def _shutdown(self, *, leftover: list) -> None:
-        failure = Failed(status=503, message="the server is shutting down", code="shutting_down")
+    def _shutdown(self, *, failure: Failed, leftover: list) -> None:
         for command in leftover:
             if isinstance(command, _Add):
                 _deliver(command.submission, failure)

@@ -8,7 +8,7 @@ the engine does not support are accepted only at their default value.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -116,8 +116,14 @@ class SamplingFields(StrictModel):
         return kwargs
 
 
+# Token ids are tried before strings, first match wins: pydantic's default ("smart") union
+# validates a list against every member, and a list of a million ids checked as list[str]
+# yields a million errors first (seconds of the GIL; 15x the time of list[int] alone).
+PromptField = Annotated[str | list[int] | list[str] | list[list[int]], Field(union_mode="left_to_right")]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptField
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

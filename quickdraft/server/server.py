@@ -5,19 +5,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
 from quickdraft.engine.engine import Engine
 from quickdraft.server.config import ServerConfig
-from quickdraft.server.engine_loop import EngineLoop
-from quickdraft.server.errors import APIError
+from quickdraft.server.engine_loop import EngineLoop, Failed
+from quickdraft.server.errors import APIError, queue_full, shutting_down
 from quickdraft.server.metrics import ScenarioLabels, ServerMetrics
+from quickdraft.server.preprocess import Preprocessor
 
 logger = logging.getLogger("quickdraft.server")
+
+# After the grace period the requests still running are ended; this long is left for their
+# handlers to write the final 503 / error event before uvicorn closes the connections.
+SHUTDOWN_FLUSH_SECONDS = 5.0
+DRAIN_POLL_SECONDS = 0.05
 
 
 class Admission:
@@ -32,11 +41,9 @@ class Admission:
     def enter(self) -> None:
         with self._lock:
             if not self._accepting:
-                raise APIError(status=503, message="the server is shutting down", code="shutting_down")
+                raise shutting_down()
             if self._in_flight >= self.max_in_flight:
-                raise APIError(status=429, code="queue_full",
-                               message=f"too many requests in flight ({self._in_flight}, --max-queue "
-                                       f"{self.max_in_flight}); retry later")
+                raise queue_full(in_flight=self._in_flight, max_in_flight=self.max_in_flight)
             self._in_flight += 1
 
     def leave(self) -> None:
@@ -72,6 +79,7 @@ class QuickdraftServer:
         self.scenarios = ScenarioLabels(max_values=config.max_scenarios)
         self.admission = Admission(max_in_flight=config.max_queue)
         self.engine_loop = EngineLoop(engine=self.engine, metrics=self.metrics)
+        self.preprocessor = Preprocessor()
         self.created = int(time.time())
         self._started = False
         self.app = create_app(self)
@@ -93,13 +101,51 @@ class QuickdraftServer:
         """Stop accepting requests (new ones get 503); in-flight ones go on."""
         self.admission.close()
 
-    async def shutdown(self) -> None:
-        """Let in-flight requests finish within the grace period, then cancel the rest."""
+    @property
+    def shutting_down(self) -> bool:
+        return not self.admission.accepting
+
+    async def drain(self, *, hurry: Callable[[], bool] = lambda: False) -> None:
+        """Refuse new requests (503), give in-flight ones the grace period, end the rest.
+
+        A request ended here gets a 503 `server_shutdown` error (a stream: a final error event,
+        then [DONE]); `hurry()` (a second Ctrl+C) cuts the grace period short.
+        """
+        grace = self.config.shutdown_grace_seconds
+        if not self.shutting_down and self.admission.in_flight > 0:
+            logger.info("shutdown: refusing new requests; %d in flight get up to %g s to finish",
+                        self.admission.in_flight, grace)
         self.begin_shutdown()
-        deadline = time.monotonic() + self.config.shutdown_grace_seconds
-        while self.admission.in_flight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await asyncio.to_thread(self.engine_loop.stop, timeout=10.0)
+        if await self._wait_for_in_flight(timeout=grace, hurry=hurry):
+            return
+        logger.warning("shutdown: %d request(s) still running after the %g s grace period; ending them",
+                       self.admission.in_flight, grace)
+        await asyncio.to_thread(self.engine_loop.stop, timeout=10.0, failure=self.shutdown_failure())
+        await self._wait_for_in_flight(timeout=SHUTDOWN_FLUSH_SECONDS, hurry=hurry)
+
+    def shutdown_failure(self) -> Failed:
+        return Failed(status=503, code="server_shutdown",
+                      message=f"the server shut down before the request finished (shutdown grace period "
+                              f"{self.config.shutdown_grace_seconds:g} s)")
+
+    def shutdown_error(self) -> APIError:
+        failure = self.shutdown_failure()
+        return APIError(status=failure.status, message=failure.message, code=failure.code)
+
+    async def _wait_for_in_flight(self, *, timeout: float, hurry: Callable[[], bool]) -> bool:
+        """True once no request holds an admission place; False at the timeout or when hurried."""
+        deadline = time.monotonic() + timeout
+        while self.admission.in_flight > 0:
+            if time.monotonic() >= deadline or hurry():
+                return False
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        return True
+
+    async def shutdown(self) -> None:
+        """Drain (a no-op when the uvicorn server already did), stop the engine loop."""
+        await self.drain()
+        await asyncio.to_thread(self.engine_loop.stop, timeout=10.0, failure=self.shutdown_failure())
+        self.preprocessor.close()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -111,10 +157,14 @@ class QuickdraftServer:
 
 
 class DrainingUvicornServer(uvicorn.Server):
-    """uvicorn.Server that tells quickdraft to refuse new requests as soon as shutdown begins.
+    """uvicorn.Server that drains quickdraft before it closes anything.
 
-    uvicorn then stops accepting connections, waits up to timeout_graceful_shutdown for the
-    open ones, cancels the rest and runs the lifespan shutdown (which stops the engine loop).
+    On SIGINT/SIGTERM (or should_exit) the server keeps listening while it drains: requests
+    arriving get a 503 JSON answer rather than a refused connection, in-flight ones get the
+    grace period, then those still running are ended with a 503 / a final error event. Only
+    then does uvicorn stop accepting connections, close the idle ones and run the lifespan
+    shutdown. A signal that started this drain is not re-raised at the end (uvicorn's habit):
+    the process exits 0, having shut down as asked.
     """
 
     def __init__(self, config: uvicorn.Config, *, quickdraft_server: QuickdraftServer):
@@ -122,14 +172,28 @@ class DrainingUvicornServer(uvicorn.Server):
         self.quickdraft_server = quickdraft_server
 
     async def shutdown(self, sockets=None) -> None:
-        self.quickdraft_server.begin_shutdown()
+        await self.quickdraft_server.drain(hurry=lambda: self.force_exit)
         await super().shutdown(sockets=sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals can only be handled on the main thread
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def uvicorn_config(server: QuickdraftServer) -> uvicorn.Config:
     config = server.config
+    # The grace period is spent in DrainingUvicornServer.shutdown; uvicorn's own wait is for
+    # the last answers to be written.
     return uvicorn.Config(server.app, host=config.host, port=config.port, log_level=config.log_level,
-                          lifespan="on", timeout_graceful_shutdown=config.shutdown_grace_seconds)
+                          lifespan="on", timeout_graceful_shutdown=SHUTDOWN_FLUSH_SECONDS)
 
 
 class ServerThread:
@@ -168,6 +232,6 @@ def run_server(config: ServerConfig) -> None:
     """Load the model, serve until SIGINT/SIGTERM, shut down gracefully."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = QuickdraftServer(config)
-    logger.info("serving %s (speculation: %s) on http://%s:%d/v1", server.model_name, server.method,
-                config.host, config.port)
+    logger.info("serving %s (speculation: %s) on http://%s:%d/v1%s", server.model_name, server.method,
+                config.host, config.port, " (API key required)" if config.api_key is not None else "")
     DrainingUvicornServer(uvicorn_config(server), quickdraft_server=server).run()

@@ -20,6 +20,9 @@ def validation_error_to_api_error(errors: Sequence[dict[str, Any]]) -> APIError:
         detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
         return bad_request(f"malformed JSON body: {detail}", param=None, code="invalid_json")
     param = field_path(first.get("loc", ()))
+    if first.get("type") == "string_unicode":  # a name pydantic cannot read (values are checked later)
+        return bad_request(f"{param or 'a field name of the body'}: not valid Unicode (an unpaired UTF-16 "
+                           "surrogate)", param=param, code="invalid_unicode")
     if param is None:
         return _body_error(first)
     if first.get("type") == "extra_forbidden":
@@ -35,13 +38,18 @@ def _body_error(error: dict[str, Any]) -> APIError:
     """The body as a whole is wrong: not JSON, not sent as JSON, or not an object."""
     body = error.get("input")
     if isinstance(body, (bytes, str)):  # a non-JSON content type: FastAPI did not parse it
-        try:
-            json.loads(body)
-        except ValueError as err:
-            return bad_request(f"malformed JSON body: {err}", param=None, code="invalid_json")
-        return bad_request("the request body must be JSON sent with Content-Type: application/json",
-                           param=None, code="invalid_body")
+        return non_json_body_error(body)
     return bad_request(f"the request body must be a JSON object with the request's fields (got {_describe(body)})",
+                       param=None, code="invalid_body")
+
+
+def non_json_body_error(body: bytes | str) -> APIError:
+    """A body sent with a content type other than JSON: say whether it is JSON at all."""
+    try:
+        json.loads(body)
+    except (ValueError, RecursionError) as err:
+        return bad_request(f"malformed JSON body: {err}", param=None, code="invalid_json")
+    return bad_request("the request body must be JSON sent with Content-Type: application/json",
                        param=None, code="invalid_body")
 
 

@@ -177,3 +177,33 @@ def test_models_health_and_metrics_endpoints(ngram_server):
     assert body["status"] == "ok" and body["method"] == "ngram" and body["engine"]["num_slots"] == 8
     metrics = httpx.get(f"{ngram_server.base_url}/metrics", timeout=10)
     assert metrics.status_code == 200 and "quickdraft_batch_size" in metrics.text
+
+
+def test_seeded_suffix_server_returns_the_plain_servers_text(plain_server, suffix_server):
+    """Position-keyed sampling: the suffix drafter's growing cache changes nothing in a seeded
+    answer, call after call, and it equals the plain server's."""
+    def complete(server, **extra):
+        return server.openai_client().completions.create(
+            model=server.model_name, prompt="a b c a b c a b c a b", max_tokens=16, temperature=0.8, **extra)
+
+    plain = complete(plain_server, seed=42)
+    assert plain.model_dump()["seed"] == 42
+    texts = {complete(suffix_server, seed=42).choices[0].text for _ in range(4)}
+    assert texts == {plain.choices[0].text}
+
+
+def test_unseeded_answers_return_the_seed_that_replays_them(plain_server):
+    client = plain_server.openai_client()
+
+    def complete(**extra):
+        return client.completions.create(model=plain_server.model_name, prompt="tell me", temperature=1.0,
+                                         max_tokens=12, **extra)
+
+    first = complete()
+    seed = first.model_dump()["seed"]
+    assert isinstance(seed, int)
+    assert complete(seed=seed).choices[0].text == first.choices[0].text
+    assert complete().model_dump()["seed"] != seed
+    stream = client.completions.create(model=plain_server.model_name, prompt="x", max_tokens=4, temperature=1.0,
+                                       seed=5, stream=True)
+    assert [chunk.model_dump().get("seed") for chunk in stream][-1] == 5

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
 import pytest
 
 import quickdraft.server
 from quickdraft.cli import main
 from quickdraft.server import ServerConfig
+from quickdraft.server.config import API_KEY_ENV
 
 
 def test_serve_help_lists_the_options(capsys):
@@ -14,7 +26,8 @@ def test_serve_help_lists_the_options(capsys):
         main(["serve", "--help"])
     text = capsys.readouterr().out
     for option in ("MODEL", "--speculative-config", "--host", "--port", "--max-model-len", "--max-num-seqs",
-                   "--dtype", "--device", "--max-queue", "--served-model-name"):
+                   "--dtype", "--device", "--max-queue", "--served-model-name", "--max-request-bytes",
+                   "--request-read-timeout", "--api-key", "QUICKDRAFT_API_KEY"):
         assert option in text, option
 
 
@@ -34,9 +47,39 @@ def test_serve_options_reach_the_config(monkeypatch, tmp_path):
 def test_serve_defaults_to_the_embedded_model(monkeypatch):
     seen = []
     monkeypatch.setattr(quickdraft.server, "run_server", seen.append)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert main(["serve"]) == 0
     assert seen[0].model is None and seen[0].model_name == "gemma-3-270m"
     assert (seen[0].host, seen[0].port) == ("127.0.0.1", 8000)
+    assert (seen[0].max_request_bytes, seen[0].request_read_timeout_seconds, seen[0].api_key) == (4 * 2**20, 30.0, None)
+
+
+def test_serve_hardening_options_reach_the_config(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(quickdraft.server, "run_server", seen.append)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert main(["serve", str(tmp_path), "--max-request-bytes", "1000", "--request-read-timeout", "2.5",
+                 "--api-key", "sk-flag", "--shutdown-grace", "4"]) == 0
+    config = seen[-1]
+    assert (config.max_request_bytes, config.request_read_timeout_seconds) == (1000, 2.5)
+    assert (config.api_key, config.shutdown_grace_seconds) == ("sk-flag", 4.0)
+    assert "sk-flag" not in repr(config)  # configs end up in logs
+    # The key may come from the environment instead (kept out of the process list); the flag wins.
+    monkeypatch.setenv(API_KEY_ENV, "sk-env")
+    assert main(["serve", str(tmp_path)]) == 0 and seen[-1].api_key == "sk-env"
+    assert main(["serve", str(tmp_path), "--api-key", "sk-flag"]) == 0 and seen[-1].api_key == "sk-flag"
+    monkeypatch.setenv(API_KEY_ENV, "")  # set but empty: no key
+    assert main(["serve", str(tmp_path)]) == 0 and seen[-1].api_key is None
+
+
+def test_serve_bad_hardening_options_are_clear_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert main(["serve", str(tmp_path), "--max-request-bytes", "0"]) == 2
+    assert "max_request_bytes" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--request-read-timeout", "0"]) == 2
+    assert "request_read_timeout_seconds" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--api-key", "two words"]) == 2
+    assert "api_key" in capsys.readouterr().err
 
 
 def test_serve_bad_options_are_clear_errors(tmp_path, capsys):
@@ -55,4 +98,115 @@ def test_server_config_validates():
         ServerConfig(shutdown_grace_seconds=-1)
     with pytest.raises(ValueError, match="served_model_name"):
         ServerConfig(served_model_name=" ")
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        ServerConfig(max_request_bytes=-5)
+    with pytest.raises(ValueError, match="request_read_timeout_seconds"):
+        ServerConfig(request_read_timeout_seconds=float("inf"))
+    with pytest.raises(ValueError, match="api_key"):
+        ServerConfig(api_key="")
+    with pytest.raises(ValueError, match="api_key"):
+        ServerConfig(api_key="k\u00e9y")
     assert ServerConfig(model="/models/foo.gguf").model_name == "foo"
+
+
+# ---- the real process: `python -m quickdraft serve`, stopped by a signal ----------------------
+class ServeProcess:
+    """`python -m quickdraft serve ...` on a free port; its log collected as it comes."""
+
+    def __init__(self, *args: str):
+        self.process = subprocess.Popen([sys.executable, "-m", "quickdraft", "serve", *args, "--port", "0"],
+                                        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+        self.base_url = f"http://127.0.0.1:{self._wait_for_port()}"
+
+    def _read_log(self) -> None:
+        for line in self.process.stderr:
+            self.log.append(line)
+
+    def _wait_for_port(self) -> int:
+        deadline = time.monotonic() + PROCESS_START_SECONDS
+        while time.monotonic() < deadline:
+            for line in list(self.log):
+                if match := re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line):
+                    return int(match.group(1))
+            assert self.process.poll() is None, "the server exited:\n" + "".join(self.log)
+            time.sleep(0.05)
+        raise AssertionError("the server did not start:\n" + "".join(self.log))
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.base_url}/health", timeout=10)
+
+    def stop(self, sig: signal.Signals) -> int:
+        self.process.send_signal(sig)
+        return self.wait()
+
+    def wait(self) -> int:
+        code = self.process.wait(timeout=30)
+        self._reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
+PROCESS_START_SECONDS = 90.0
+# Long enough that a request is still decoding when the grace period ends on any CPU.
+ENDLESS = {"prompt": "go", "max_tokens": 16000, "ignore_eos": True, "temperature": 0}
+
+
+def wait_until(condition, *, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def assert_clean_log(log: list[str]) -> None:
+    text = "".join(log)
+    assert "Traceback" not in text and "CancelledError" not in text, text
+    assert not [line for line in log if line.startswith("ERROR")], text
+
+
+def test_sigterm_drains_ends_the_rest_with_503s_and_exits_0(tiny_checkpoints):
+    serving = ServeProcess(str(tiny_checkpoints["llama"]), "--max-model-len", "16384", "--max-num-seqs", "2",
+                           "--shutdown-grace", "1", "--log-level", "info")
+    try:
+        url = f"{serving.base_url}/v1/completions"
+        with ThreadPoolExecutor(max_workers=1) as pool, httpx.Client(timeout=60) as client:
+            whole = pool.submit(httpx.post, url, json=ENDLESS, timeout=60)
+            with client.stream("POST", url, json={**ENDLESS, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line)
+                wait_until(lambda: serving.health().json()["in_flight"] == 2)
+                serving.process.send_signal(signal.SIGTERM)
+                wait_until(lambda: serving.health().status_code == 503)
+                # Still listening during the grace period: a new request gets a 503 answer.
+                refused = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, timeout=10)
+                rest = [line for line in lines if line]
+            cut_off = whole.result()
+        code = serving.wait()
+    finally:
+        serving.kill()
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "server_shutdown"
+    assert cut_off.status_code == 503 and cut_off.json()["error"]["code"] == "server_shutdown"
+    assert code == 0, "".join(serving.log)
+    assert_clean_log(serving.log)
+    assert any("still running after the 1 s grace period" in line for line in serving.log)
+
+
+def test_sigint_on_an_idle_server_exits_0(tiny_checkpoints):
+    serving = ServeProcess(str(tiny_checkpoints["gemma3"]), "--max-model-len", "128", "--log-level", "info")
+    try:
+        assert serving.health().status_code == 200
+        code = serving.stop(signal.SIGINT)
+    finally:
+        serving.kill()
+    assert code == 0, "".join(serving.log)
+    assert_clean_log(serving.log)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -151,6 +153,7 @@ def test_full_queue_answers_429_then_recovers(small_server):
             refused = httpx.post(url, json={"model": "small", "prompt": "x", "max_tokens": 2})
             assert refused.status_code == 429
             assert refused.json()["error"]["code"] == "queue_full"
+            assert refused.headers["retry-after"] == "1"  # the openai client waits this long, then retries
     wait_until_idle(small_server)
     assert httpx.post(url, json={"model": "small", "prompt": "x", "max_tokens": 2}).status_code == 200
 
@@ -200,20 +203,39 @@ def test_graceful_shutdown_finishes_in_flight_and_refuses_new(small_server):
     assert not small_server.server.engine_loop.is_alive
 
 
-def test_shutdown_after_the_grace_period_cancels_the_rest(tiny_checkpoints):
+def test_shutdown_after_the_grace_period_ends_the_rest_with_503s(tiny_checkpoints):
     running = start_server(tiny_server_config(tiny_checkpoints["gemma3"], served_model_name="small",
-                                              shutdown_grace_seconds=0.3))
+                                              shutdown_grace_seconds=0.5))
     slow_down_steps(running, seconds=0.05)  # 100 tokens take >= 5 s, far past the grace period
+    url = f"{running.api_url}/completions"
     started = time.monotonic()
-    received = []
-    with httpx.stream("POST", f"{running.api_url}/completions", json=long_stream_body(100), timeout=30) as stream:
-        lines = stream.iter_lines()
-        next(line for line in lines if line)
-        running.uvicorn_server.should_exit = True
-        with pytest.raises(httpx.HTTPError):  # the connection is cut when the grace period ends
-            received.extend(line for line in lines if line)
-    assert "data: [DONE]" not in received
+    with ThreadPoolExecutor(max_workers=1) as pool, httpx.Client(timeout=30) as client:
+        whole = pool.submit(httpx.post, url, json={**long_stream_body(100), "stream": False}, timeout=30)
+        with client.stream("POST", url, json=long_stream_body(100)) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line)
+            wait_for(lambda: running.server.admission.in_flight == 2)
+            running.uvicorn_server.should_exit = True
+            wait_for(lambda: running.server.shutting_down)
+            # During the grace period a new request is answered (503), not refused at the connection.
+            refused = httpx.post(url, json={"model": "small", "prompt": "x", "max_tokens": 2}, timeout=10)
+            rest = [line for line in lines if line]
+        cut_off = whole.result()
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    # The stream still ends properly: an error event saying why, then [DONE].
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] == "server_shutdown" and "grace" in error["message"]
+    assert all('"error"' not in line for line in rest[:-2])
+    assert cut_off.status_code == 503 and cut_off.json()["error"]["code"] == "server_shutdown"
     running.thread.join(timeout=20)
     assert not running.thread.is_alive() and not running.server.engine_loop.is_alive
     assert time.monotonic() - started < 15
     assert running.server.engine_loop.stats.tracked_requests == 0
+
+
+def wait_for(condition, *, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
