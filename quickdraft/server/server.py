@@ -11,7 +11,9 @@ import threading
 import time
 from collections.abc import Callable
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import HANDLED_SIGNALS
 
 from quickdraft.engine.engine import Engine
@@ -188,12 +190,58 @@ class DrainingUvicornServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on request headers.
+
+    uvicorn times out idle keep-alive connections, but cancels that timer at the first byte, so
+    a client that sends half a request line or half its headers and stalls (slowloris) holds
+    the connection forever. Here a request's headers must be complete within
+    ``header_timeout_seconds`` of the connection opening or of the previous response ending;
+    otherwise the connection is closed. Bodies have their own read timeout (the app's 408).
+    """
+
+    header_timeout_seconds: float = 30.0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        if not self.transport.is_closing():
+            self._header_deadline = self.loop.call_later(self.header_timeout_seconds, self._header_deadline_passed)
+
+    def _disarm_header_deadline(self) -> None:
+        deadline = getattr(self, "_header_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
+            self._header_deadline = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_deadline = None
+        # IDLE: h11 has not seen a whole request line and headers since the deadline was armed.
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            logger.info("closed a connection whose request headers did not arrive within %.1f s",
+                        self.header_timeout_seconds)
+            self.transport.close()
+
+
 def uvicorn_config(server: QuickdraftServer) -> uvicorn.Config:
     config = server.config
+    protocol = type("HeaderDeadlineProtocol", (HeaderDeadlineProtocol,),
+                    {"header_timeout_seconds": config.request_read_timeout_seconds})
     # The grace period is spent in DrainingUvicornServer.shutdown; uvicorn's own wait is for
     # the last answers to be written.
     return uvicorn.Config(server.app, host=config.host, port=config.port, log_level=config.log_level,
-                          lifespan="on", timeout_graceful_shutdown=SHUTDOWN_FLUSH_SECONDS)
+                          lifespan="on", timeout_graceful_shutdown=SHUTDOWN_FLUSH_SECONDS, http=protocol)
 
 
 class ServerThread:

@@ -144,3 +144,40 @@ def test_shipped_hybrid_of_the_demo_is_exact():
     spec = {"method": "hybrid", "skip_after": 2, "max_draft_tokens": 12, "drafters": [
         {"method": "suffix"}, {"method": "eagle3", "top_k": 1, "head_dtype": "bfloat16", "min_draft_prob": 0.2}]}
     assert speculative_metrics_if_exact(spec, max_tokens=48).acceptance_length > 1.3
+
+
+# One request per prompt, each with other sampling parameters, all seeded: a mixed batch.
+SEEDED = [
+    SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=12, max_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.2, seed=13, max_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=1.2, presence_penalty=0.5, frequency_penalty=0.3, seed=14, max_tokens=32,
+                   ignore_eos=True),
+    SamplingParams(temperature=0.6, top_k=5, min_tokens=8, seed=15, max_tokens=32),
+    SamplingParams(temperature=0, seed=16, max_tokens=32, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def seeded_plain():
+    outputs = LLM(max_model_len=512, max_num_seqs=6).generate(PROMPTS, SEEDED)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 5},
+    {"method": "suffix"},
+    {"method": "eagle3", "top_k": 3, "max_draft_tokens": 10},
+    {"method": "hybrid", "skip_after": 2, "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}]},
+    "draft_model",
+], ids=str)
+def test_seeded_sampled_speculation_equals_seeded_plain(seeded_plain, spec):
+    """Position-keyed sampling on the real model: the same seeded tokens with any drafter."""
+    from quickdraft.models.gguf import default_model_dir
+
+    if spec == "draft_model":
+        spec = {"method": "draft_model", "model": str(default_model_dir()), "num_speculative_tokens": 3}
+    llm = LLM(max_model_len=512, max_num_seqs=6, speculative_config=spec)
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED)]
+    assert ours == seeded_plain
+    assert llm.get_metrics().num_accepted_tokens > 0

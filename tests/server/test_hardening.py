@@ -123,6 +123,62 @@ def test_a_huge_prompt_does_not_stall_other_requests(plain_server):
     assert max(latencies) < 0.5, latencies
 
 
+def test_a_50_mb_body_while_streams_run_is_refused_and_stalls_no_one(plain_server):
+    """The issue's case: 50 MB bodies (announced, and chunked without a length) against the
+    default 4 MiB limit, while two streams decode: each body gets its 413, and neither the
+    streams' tokens nor /health wait more than a second at any point."""
+    huge = b"x" * (50 * 1024 * 1024)
+    url = f"{plain_server.api_url}/completions"
+    assert httpx.post(url, json={"prompt": "go", "max_tokens": 2}, timeout=60).status_code == 200  # warm
+    stream_body = {"model": plain_server.model_name, "prompt": "go", "max_tokens": 100, "ignore_eos": True,
+                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    gaps: list[float] = []
+    streamed_tokens: list[int] = []
+    refusals: list[int] = []
+
+    def stream_and_time() -> None:
+        with httpx.Client(timeout=60) as client, client.stream("POST", url, json=stream_body) as response:
+            last = time.monotonic()
+            for line in response.iter_lines():
+                if line:
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+                    if line != "data: [DONE]" and json.loads(line.removeprefix("data: ")).get("usage"):
+                        streamed_tokens.append(json.loads(line.removeprefix("data: "))["usage"]["completion_tokens"])
+
+    def send_huge_bodies() -> None:
+        def chunked():
+            for start in range(0, len(huge), 1 << 20):
+                yield huge[start : start + (1 << 20)]
+
+        for content in (huge, chunked()):
+            try:
+                response = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+                refusals.append(response.status_code)
+                assert_error(response, status=413, code="request_too_large")
+            except (httpx.WriteError, httpx.RemoteProtocolError):
+                refusals.append(413)  # answered and closed before the client finished writing
+
+    streams = [threading.Thread(target=stream_and_time) for _ in range(2)]
+    for thread in streams:
+        thread.start()
+    sender = threading.Thread(target=send_huge_bodies)
+    sender.start()
+    health = []
+    with httpx.Client(timeout=30) as client:
+        while sender.is_alive() or any(thread.is_alive() for thread in streams):
+            started = time.monotonic()
+            assert client.get(f"{plain_server.base_url}/health").status_code == 200
+            health.append(time.monotonic() - started)
+            time.sleep(0.02)
+    for thread in (*streams, sender):
+        thread.join()
+    assert refusals == [413, 413]
+    assert streamed_tokens == [100, 100]  # both streams ran to the end
+    assert max(gaps) < 1.0 and max(health) < 1.0, (max(gaps), max(health))
+
+
 def test_tokenizer_encodes_like_the_backend_without_holding_the_gil(plain_server, ngram_server):
     """Tokenizer.encode goes through encode_batch (which releases the GIL): the same ids as encode."""
     texts = ["The capital of France is", "", "<bos>special<eos> text", "émoji 🙂 and ß", "a\nb\n\nc " * 50]
@@ -244,6 +300,30 @@ def test_a_client_stalling_mid_body_is_dropped(guarded_server):
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
     assert READ_TIMEOUT_SECONDS * 0.8 < elapsed < READ_TIMEOUT_SECONDS + 5
+
+
+@pytest.mark.parametrize("sent", [b"", b"POS", b"POST /v1/completions HTTP/1.1\r\nHost: te"])
+def test_a_client_stalling_before_its_headers_end_is_dropped(guarded_server, sent):
+    with connect(guarded_server) as sock:
+        started = time.monotonic()
+        sock.sendall(sent)
+        answer = recv_until_closed(sock, timeout=10)  # returns once the server closed the connection
+        elapsed = time.monotonic() - started
+    assert answer == b""
+    assert READ_TIMEOUT_SECONDS * 0.8 < elapsed < READ_TIMEOUT_SECONDS + 5
+
+
+def test_header_deadline_rearms_after_each_response_on_a_kept_alive_connection(guarded_server):
+    with connect(guarded_server) as sock:
+        for _ in range(3):  # each request well inside its own deadline, together past one
+            time.sleep(READ_TIMEOUT_SECONDS * 0.5)
+            sock.sendall("GET /health HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+            status, _, _ = read_response(sock)
+            assert status == 200
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # then half a request, and silence
+        started = time.monotonic()
+        assert recv_until_closed(sock, timeout=10) == b""
+        assert time.monotonic() - started < READ_TIMEOUT_SECONDS + 5
 
 
 def test_a_slow_but_steady_client_is_not_dropped(guarded_server):

@@ -11,7 +11,9 @@ from quickdraft.verify.sampler import (
     logits_to_probs,
     make_generator,
     min_p_filter,
+    position_key,
     sample_from_probs,
+    sample_keyed,
     top_k_filter,
     top_p_filter,
     uniform,
@@ -418,14 +420,14 @@ def draw_many(probs: torch.Tensor, n: int, seed: int) -> torch.Tensor:  # [V] ->
     return sample_from_probs(probs.unsqueeze(0).expand(n, -1), [gen] * n)
 
 
-@pytest.mark.parametrize(
-    "probs",
-    [
-        [0.5, 0.3, 0.2],
-        [0.05, 0.0, 0.6, 0.0, 0.25, 0.1],
-        (torch.arange(1, 41, dtype=torch.float32) ** 2).tolist(),  # unnormalised weights
-    ],
-)
+DISTRIBUTIONS = [
+    [0.5, 0.3, 0.2],
+    [0.05, 0.0, 0.6, 0.0, 0.25, 0.1],
+    (torch.arange(1, 41, dtype=torch.float32) ** 2).tolist(),  # unnormalised weights
+]
+
+
+@pytest.mark.parametrize("probs", DISTRIBUTIONS)
 def test_sampling_matches_distribution(probs):
     probs = torch.tensor(probs)
     samples = draw_many(probs, 20000, seed=123)
@@ -451,6 +453,44 @@ def test_sampling_float64_weights():
     probs = torch.tensor([1e-3, 0.0, 2e-3, 7e-3], dtype=torch.float64)
     samples = draw_many(probs, 20000, seed=4)
     assert chi_square_accepts(samples, probs)
+
+
+def draw_keyed(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:  # [V] -> [len(keys)]
+    return sample_keyed(probs.unsqueeze(0).expand(len(keys), -1), keys)
+
+
+@pytest.mark.parametrize("probs", DISTRIBUTIONS)
+def test_keyed_draws_have_the_distribution_across_seeds_and_across_positions(probs):
+    probs = torch.tensor(probs)
+    across_seeds = draw_keyed(probs, [position_key(seed, 17) for seed in range(20000)])
+    across_positions = draw_keyed(probs, [position_key(2024, t) for t in range(20000)])
+    assert chi_square_accepts(across_seeds, probs)
+    assert chi_square_accepts(across_positions, probs)
+
+
+def test_keyed_draws_of_neighbouring_positions_are_independent():
+    # The joint of (position t, position t + 1) over seeds must be the product distribution.
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    seeds = range(30000)
+    first = draw_keyed(probs, [position_key(seed, 0) for seed in seeds])
+    second = draw_keyed(probs, [position_key(seed, 1) for seed in seeds])
+    assert chi_square_accepts(first * 3 + second, torch.outer(probs, probs).flatten())
+    # ...and the check can fail: the same key at both positions is perfectly dependent.
+    assert not chi_square_accepts(first * 3 + first, torch.outer(probs, probs).flatten())
+
+
+def test_keyed_draw_is_a_function_of_distribution_and_key_alone():
+    probs = torch.softmax(torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)), dim=-1)
+    keys = [position_key(5, 0), position_key(5, 1), position_key(6, 0)]
+    together = sample_keyed(probs, keys)
+    alone = [int(sample_keyed(probs[r : r + 1], [keys[r]])[0]) for r in range(3)]
+    assert together.tolist() == alone
+    assert sample_keyed(probs.flip(0), keys[::-1]).tolist() == together.flip(0).tolist()
+    one_token = torch.zeros(1, 5000)
+    one_token[0, 4321] = 0.2
+    assert sample_keyed(one_token, keys[:1]).tolist() == [4321]
+    with pytest.raises(ValueError, match="positive entry"):
+        sample_keyed(torch.zeros(1, 10), keys[:1])
 
 
 # ------------------------------------------------------------------------------------
