@@ -106,7 +106,7 @@ def truncated_draft_model(layers: int, out_dir: Path) -> Path:
 
 
 def run(spec: dict | None, prompts: list[str], params: SamplingParams) -> dict:
-    llm = LLM(speculative_config=spec, max_model_len=1024)
+    llm = LLM(speculative_config=spec, max_model_len=4096)
     llm.generate(prompts[:1], params)  # warm-up
     start_metrics = llm.get_metrics()
     drafted0, accepted0, forwards0 = (start_metrics.num_draft_tokens, start_metrics.num_accepted_tokens,
@@ -143,7 +143,8 @@ def main() -> None:
     parser.add_argument("--per-task", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--draft-layers", type=int, default=6)
+    parser.add_argument("--draft-layers", type=int, default=15,
+                        help="the draft model: the target cut to its first N layers (6: ~4%% accepted, 15: ~57%%)")
     parser.add_argument("--methods", default=",".join([*SPECS, "draft_model"]))
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
