@@ -122,12 +122,12 @@ class EagleDrafter:
         affects the output, only how well and how fast the head guesses."""
         directory = resolve_head_dir(head, method="eagle3", model=target.model)
         quantize = quantizes_head(head_dtype, model=target.model)
+        if quantize and target.device.type != "cpu":  # before loading anything
+            raise ValueError(f'head_dtype="q8_0" runs on the CPU kernels; the target is on {target.device}')
         dtype = torch.float32 if quantize else head_compute_dtype(head_dtype, default=target.dtype)
         module = EagleHead.load(directory, dtype=dtype, device=target.device, max_len=head_max_len(target))
-        drafter = cls(target=target, head=module, **options)
+        drafter = cls(target=target, head=module, **options)  # attaches the target's LM rows
         if quantize:
-            if target.device.type != "cpu":
-                raise ValueError(f'head_dtype="q8_0" runs on the CPU kernels; the target is on {target.device}')
             module.quantize_for_drafting()
         return drafter
 
