@@ -29,8 +29,8 @@ import torch
 from quickdraft.kernels.build import LazyKernel
 from quickdraft.models.quantized import FORMAT_IDS, OFFSETS, PackedPart, QuantizedWeight, unpack_rows
 
-__all__ = ["AMX_ENV", "ISAS", "ISA_ENV", "active_isa", "amx_extension", "fused_layer_available", "isa_extension", "kernel_available",
-           "quant_linear", "quantize_activations", "reference_quant_linear"]
+__all__ = ["AMX_ENV", "ISAS", "ISA_ENV", "active_isa", "amx_extension", "fused_layer_available", "isa_extension",
+           "kernel_available", "quant_linear", "quantize_activations", "reference_quant_linear"]
 
 ISA_ENV = "QUICKDRAFT_CPU_ISA"
 # The compiled builds, preferred first.
@@ -112,7 +112,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     blocks = x.reshape(m, k // 32, 32)
     amax = blocks.abs().amax(dim=-1)  # [M, K/32]
     dx = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A tensor numerator: `127.0 / amax` runs as reciprocal-then-multiply, off by an ulp for a
+    # quarter of the scales, which flips a product sitting at a rounding tie (x * inv = 63.5)
+    # away from the kernel's one IEEE division.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv[:, :, None]).clamp_(-127, 127)
     bsum = q.reshape(m, k // 16, 16).sum(dim=-1).to(torch.int32)
     return q.to(torch.int8).reshape(m, k), dx, bsum

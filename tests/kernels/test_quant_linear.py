@@ -203,10 +203,15 @@ def test_quantize_rows_equals_reference(isa):
     x[1, :32] = torch.arange(-16, 16) + 0.5  # amax 15.5: a scale of exactly 127 / 15.5
     x[2, :32] = torch.tensor([127.0, -127.0, 2.5, -2.5, 0.5, -0.5, 1.5, 3.5] * 4)  # inv == 1: halves
     x[3, 32:64] = 1e-30  # tiny but not zero
+    # 127 / 8.225171 rounds to a float32 inv with x * inv == -63.5 exactly: a tie, to -64.
+    # (torch's `127.0 / amax` is reciprocal-then-multiply, an ulp off here: it gave -63.)
+    x[4, :32] = 0.0
+    x[4, :2] = torch.tensor([8.225171, -4.112585544586182])
     ext = isa_extension(isa)
     for got, expected in zip(ext.quantize_rows(x), quantize_activations(x)):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
     assert ext.quantize_rows(x)[0][2, :8].tolist() == [127, -127, 2, -2, 0, 0, 2, 4]
+    assert ext.quantize_rows(x)[0][4, :2].tolist() == [127, -64]
 
 
 def test_isa_choice(monkeypatch):
