@@ -46,7 +46,7 @@ from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, Targe
 from quickdraft.drafters.tree import DynamicTree, StaticTree
 from quickdraft.heads import head_compute_dtype, quantizes_head, resolve_head_dir
 from quickdraft.kv.cache import KVCache
-from quickdraft.models.heads import EagleHead, FeatureHead
+from quickdraft.models.heads import CopySources, EagleHead, FeatureHead
 from quickdraft.models.layers import default_linear_fn
 from quickdraft.models.mtp import MtpHead
 
@@ -205,7 +205,7 @@ class EagleDrafter:
         return Proposal(token_ids=token_ids, parents=parents)
 
     def _pick_children(self, features: torch.Tensor, ranks_per_node: list[list[int]],
-                       copy_sources: dict | None) -> list[tuple[list[int], list[float]]]:
+                       copy_sources: CopySources | None) -> list[tuple[list[int], list[float]]]:
         """Per node (head output `features` [m, D]): the target ids and log-probabilities of its
         candidates of the given ranks (0 = most likely)."""
         if copy_sources is None:
@@ -216,13 +216,11 @@ class EagleDrafter:
                 top = torch.topk(log_probs[row], max(ranks) + 1)
                 picks.append((self.head.d2t[top.indices[ranks]].tolist(), top.values[ranks].tolist()))
             return picks
-        eligible = torch.ones(features.shape[0], copy_sources["values"].shape[0], dtype=torch.bool,
-                              device=self.device)  # every node copies from the same true entries
-        mixture = self.head.mixture(features, eligible=eligible, **copy_sources)
-        ids, log_probs = mixture.top_k(max(max(ranks) for ranks in ranks_per_node) + 1)  # [m, k]
+        # every node copies from the same true entries
+        ids, log_probs = self.head.draft_top_k(features, copy_sources, max(max(ranks) for ranks in ranks_per_node) + 1)
         return [(ids[row, ranks].tolist(), log_probs[row, ranks].tolist()) for row, ranks in enumerate(ranks_per_node)]
 
-    def _copy_sources(self, state: _HeadState, tokens: list[int]) -> dict | None:
+    def _copy_sources(self, state: _HeadState, tokens: list[int]) -> CopySources | None:
         """Copy keys [n, C] and values [n] of the true entries every node of this step copies
         from: 0..root's entry - 1, the whole context even where a catch-up window restarted the
         head's attention (entry i copies token i + 2; the root's own is the token being drafted).
@@ -231,7 +229,7 @@ class EagleDrafter:
             return None
         keys = self.copy_key_cache[state.slot, : state.num_true - 1]
         values = torch.tensor(tokens[2 : state.num_true + 1], device=self.device)
-        return {"keys": keys, "values": values}
+        return self.head.copy_sources(keys, values)
 
     def _write_copy_keys(self, state: _HeadState, tokens: list[int], features: torch.Tensor, *, start: int) -> None:
         """Copy keys of true entries start.. from their target features [n, L * D], without running
@@ -304,10 +302,13 @@ class EagleDrafter:
         # token_ids [m], features [m, D], positions [m], mask [m, kv_len - first_true] -> outputs [m, D]
         head = self.head
         hidden = head.input_hidden(token_ids, features)
+        if true_entries and self.copy_key_cache is not None:  # only true entries are copied from
+            self.copy_key_cache[state.slot, store[0] : store[-1] + 1] = head.copy_keys(hidden)
+        if head.runs_fused_block(hidden):  # store is the contiguous run ending the attended range
+            return head.fused_block(hidden, positions, cache_keys=self.cache.keys[0], cache_values=self.cache.values[0],
+                                    slot=state.slot, kv_start=state.first_true, mask=mask)
         q, k, v = head.attention_inputs(hidden, positions)
         store_index = torch.tensor(store, device=self.device)
-        if true_entries and self.copy_key_cache is not None:  # only true entries are copied from
-            self.copy_key_cache[state.slot, store_index] = head.copy_keys(hidden)
         self.cache.write(0, keys=k, values=v, slot_index=torch.full_like(store_index, state.slot),
                          store_index=store_index)
         keys, values = self.cache.read(0, slot=state.slot, start=state.first_true,

@@ -4,6 +4,7 @@ CPU check fails is None, and its caller runs portable torch code instead (logged
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -28,9 +29,10 @@ def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), w
         from torch.utils.cpp_extension import load
 
         # The torch version is part of the name: an in-place torch upgrade would not rebuild.
+        # torch rebuilds when a source or a flag changes, but not for a header: their hash is a flag.
         module = load(name=f"quickdraft_{name}_torch" + re.sub(r"\W", "_", torch.__version__),
                       sources=[str(CSRC / source)],
-                      extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *extra_cflags],
+                      extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", f"-DQD_HEADERS={_headers_hash()}", *extra_cflags],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, build error, import error, ...
         logger.warning("%s: building the C++ kernel failed, using %s: %s", name, what, exc)
@@ -39,6 +41,13 @@ def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), w
         logger.warning("%s: this CPU lacks the instructions of the C++ kernel, using %s", name, what)
         return None
     return module
+
+
+def _headers_hash() -> str:
+    digest = hashlib.sha256()
+    for header in sorted(CSRC.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class LazyKernel:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available, norm_matmul
 from quickdraft.models.config import RopeConfig
 from quickdraft.models.layers import RotaryTable, apply_rotary
 from quickdraft.models.quantized import QuantizedWeight, embedding_rows, quantize_q8_0
@@ -104,6 +105,14 @@ class FeatureHead(torch.nn.Module):
     def feature_layers(self) -> tuple[int, ...]:
         """Target layers whose features the head reads."""
         return tuple(self.config.feature_layers)
+
+    def runs_fused_block(self, hidden: torch.Tensor) -> bool:
+        """Whether `fused_block` can replace the block's pieces for these rows (a head that has
+        a one-call block says so)."""
+        return False
+
+    def fused_block(self, hidden: torch.Tensor, positions: torch.Tensor, **cache) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no one-call block")
 
     def training_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
                         first_anchor: int = 0) -> list[torch.Tensor]:
@@ -199,6 +208,9 @@ class EagleHead(FeatureHead):
         # Q8_0 copies of DRAFT_MATRICES and of lm_rows, read instead of them when drafting on the
         # quantized kernels (quantize_for_drafting); training never sets them.
         self.draft_weights: dict[str, QuantizedWeight] = {}
+        # Whether drafting runs whole pieces of the head in single C++ calls (set with the Q8_0
+        # copies where the CPU and the head's sizes allow; see runs_fused_block).
+        self.fused_drafting = False
 
     @property
     def attn_scale(self) -> float:
@@ -227,6 +239,9 @@ class EagleHead(FeatureHead):
         matrices["lm_rows"] = self.lm_rows
         self.draft_weights = {name: QuantizedWeight.from_parts([quantize_q8_0(weight)])
                               for name, weight in matrices.items()}
+        c = self.config
+        self.fused_drafting = fused_layer_available() and c.hidden_size % 32 == 0 and c.head_dim % 16 == 0 and (
+            c.num_heads * c.head_dim % 32 == 0 and c.intermediate_size % 32 == 0)
 
     def _matrix(self, name: str):  # the weight a draft step reads: [N, K] float or QuantizedWeight
         packed = self.draft_weights.get(name)
@@ -248,6 +263,12 @@ class EagleHead(FeatureHead):
         embedded = embedding_rows(self.embed_tokens, token_ids).to(feature.dtype)
         if self.embed_scale is not None:
             embedded = embedded * self.embed_scale
+        if self.runs_fused_block(feature):
+            joined = torch.cat([embedded, feature], dim=-1)  # [..., 2D], each half normalized on its own
+            norms = torch.cat([self.token_norm.weight, self.feature_norm.weight])
+            out = norm_matmul(joined.reshape(-1, joined.shape[-1]), norm=norms, weight=self.draft_weights["in_proj"],
+                              eps=self.token_norm.eps, segment=feature.shape[-1])
+            return out.view(*feature.shape)
         mixed = torch.cat([self.token_norm(embedded), self.feature_norm(feature)], dim=-1)
         return self.linear(mixed, self._matrix("in_proj"), None)
 
@@ -267,8 +288,39 @@ class EagleHead(FeatureHead):
         act = F.gelu(gate, approximate="tanh") if self.config.activation == "gelu_tanh" else F.silu(gate)
         return hidden + self.linear(act * up, self._matrix("down_proj"), None)
 
+    def runs_fused_block(self, hidden: torch.Tensor) -> bool:
+        """Whether `fused_block` (and the one-call input and logits) apply: Q8_0 drafting
+        matrices (quantize_for_drafting) on a CPU with the one-call decoder layer, float32 rows.
+        Each torch op costs ~10 us here, more than the head's arithmetic at one row."""
+        return self.fused_drafting and hidden.is_cpu and hidden.dtype == torch.float32
+
+    def fused_block(self, hidden: torch.Tensor, positions: torch.Tensor, *, cache_keys: torch.Tensor,
+                    cache_values: torch.Tensor, slot: int, kv_start: int, mask: torch.Tensor) -> torch.Tensor:
+        """attention_inputs + KV write + attention + block_output in one C++ call (the target's
+        decoder layer without its Gemma norms): one call per draft depth instead of ~40 torch
+        ops, which cost more than the head's arithmetic.  hidden [m, D] from `input_hidden`,
+        positions [m]; cache_keys/values [slots, Hkv, L, hd]: the rows' KV is written at
+        kv_end - m .. kv_end - 1 with kv_end = kv_start + mask.shape[1]; mask [m, kv_end - kv_start]
+        (bool) -> [m, D]."""
+        c = self.config
+        m, kv_end = hidden.shape[0], kv_start + mask.shape[1]
+        return fused_decoder_layer(
+            hidden.contiguous(),
+            weights={name: self.draft_weights[name] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
+            norms={"input": self.attn_norm.weight, "post_attention": self.mlp_norm.weight, "pre_feedforward": None,
+                   "post_feedforward": None, "qk": None},
+            eps=self.attn_norm.eps, gelu=c.activation == "gelu_tanh", rotary=self.rotary.lookup(positions),
+            cache_keys=cache_keys, cache_values=cache_values, sequences=[(slot, 0, m, kv_start, kv_end)],
+            masks=[mask.contiguous()], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            scale=self.attn_scale)
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., Vd]
-        logits = self.linear(self.final_norm(hidden), self._matrix("lm_rows"), None)
+        if self.runs_fused_block(hidden):
+            logits = norm_matmul(hidden.reshape(-1, hidden.shape[-1]), norm=self.final_norm.weight,
+                                 weight=self.draft_weights["lm_rows"], eps=self.final_norm.eps)
+            logits = logits.view(*hidden.shape[:-1], -1)
+        else:
+            logits = self.linear(self.final_norm(hidden), self._matrix("lm_rows"), None)
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
@@ -317,6 +369,38 @@ class EagleHead(FeatureHead):
             copy_log_weights=torch.log_softmax(scores.masked_fill(~eligible, NEG_LOG), dim=-1),
             copy_values=values, eligible=eligible, d2t=self.d2t, t2d=self.t2d)
 
+    def copy_sources(self, keys: torch.Tensor, values: torch.Tensor) -> CopySources:
+        """What every node of one drafting step copies from: the true entries' copy keys [n, C]
+        and target ids [n] (all >= 0), with their distinct ids worked out once per step."""
+        distinct, inverse = torch.unique(values, return_inverse=True)  # [U], [n]
+        draft_ids = self.t2d[distinct]  # [U], -1 outside the draft vocabulary
+        copied_draft_id = torch.zeros(self.d2t.shape[0], dtype=torch.bool, device=keys.device)
+        copied_draft_id[draft_ids[draft_ids >= 0]] = True
+        return CopySources(keys=keys, values=values, inverse=inverse, distinct=distinct,
+                           distinct_draft_ids=draft_ids.clamp_min(0), distinct_in_vocab=(draft_ids >= 0).float(),
+                           copied_draft_id=copied_draft_id)
+
+    def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mixture(feature, eligible=all sources, ...).top_k(k)` for drafting, where every row
+        copies from the same sources: a third of its torch ops.  feature [m, D] -> target ids
+        [m, k] and log-probabilities [m, k], best first."""
+        m = feature.shape[0]
+        normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
+        query = self.linear(normed, self.copy_query.weight, None).float()  # [m, C]
+        gate = torch.sigmoid(self.linear(normed, self.copy_gate.weight, self.copy_gate.bias).float())  # [m, 1]
+        weights = torch.softmax(query @ sources.keys.float().T * self.config.copy_dim ** -0.5, dim=-1)  # [m, n]
+        copied = weights.new_zeros(m, sources.distinct.shape[0]).index_add_(1, sources.inverse, weights)  # [m, U]
+        vocab_log_probs = torch.log_softmax(self.draft_logits(feature).float(), dim=-1)  # [m, Vd]
+        vocab_of_copied = vocab_log_probs[:, sources.distinct_draft_ids].exp() * sources.distinct_in_vocab  # [m, U]
+        copy_scores = torch.log((1 - gate) * vocab_of_copied + gate * copied)  # [m, U]
+        # tokens also copied are scored among copy_scores; max is several times faster than topk
+        vocab_top = vocab_log_probs.max(dim=-1, keepdim=True) if k == 1 else vocab_log_probs.topk(k, dim=-1)
+        vocab_scores = (torch.log1p(-gate) + vocab_top.values).masked_fill(
+            sources.copied_draft_id[vocab_top.indices], -math.inf)  # [m, k]
+        top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
+        ids = torch.cat([self.d2t[vocab_top.indices], sources.distinct.expand(m, -1)], dim=1).gather(1, top.indices)
+        return ids, top.values
+
     def unrolled_mixtures(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
                           first_anchor: int = 0) -> list[CopyMixture]:
         """The training forward of a head with a copy path: per draft depth, the mixture of the
@@ -358,6 +442,19 @@ class EagleHead(FeatureHead):
             raise ValueError(f"head weights in {directory} do not match its config: missing {missing}, "
                              f"unexpected {unexpected}")
         return head.to(device).eval()
+
+
+@dataclass
+class CopySources:
+    """The copy sources of one drafting step (EagleHead.copy_sources)."""
+
+    keys: torch.Tensor  # [n, C] copy keys
+    values: torch.Tensor  # [n] target id each source copies
+    inverse: torch.Tensor  # [n] index of each source's id in distinct
+    distinct: torch.Tensor  # [U] the distinct target ids copied
+    distinct_draft_ids: torch.Tensor  # [U] their draft ids (0 where outside the draft vocabulary)
+    distinct_in_vocab: torch.Tensor  # [U] float: 1 where inside the draft vocabulary
+    copied_draft_id: torch.Tensor  # [Vd] bool: draft ids among the copied ids
 
 
 @dataclass

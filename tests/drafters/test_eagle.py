@@ -253,8 +253,8 @@ def test_copy_sources_cover_the_whole_context_past_a_catch_up_window(tiny_checkp
         entry_hidden, _ = head.unrolled_features(tokens, features, depths=1)
         expected_keys = head.copy_keys(entry_hidden)
     assert state.first_true == 11 - window
-    torch.testing.assert_close(sources["keys"], expected_keys[:10], rtol=1e-4, atol=1e-4)
-    assert sources["values"].tolist() == tokens[2:].tolist()
+    torch.testing.assert_close(sources.keys, expected_keys[:10], rtol=1e-4, atol=1e-4)
+    assert sources.values.tolist() == tokens[2:].tolist()
     drafter.finish("r")
 
 
@@ -296,8 +296,9 @@ def test_copy_head_drafting_matches_training(tiny_checkpoints, copy_head_dir):
     request, state, root_hidden = _caught_up_on_six_pairs(drafter, tokens, features)
     with torch.inference_mode():
         sources = drafter._copy_sources(state, request.token_ids)  # entries 0..4, copying x2..x6
-        assert sources["values"].tolist() == tokens[2:7].tolist()
-        root = head.mixture(root_hidden[None], eligible=torch.ones(1, 5, dtype=torch.bool), **sources)
+        assert sources.values.tolist() == tokens[2:7].tolist()
+        every_source = {"keys": sources.keys, "values": sources.values, "eligible": torch.ones(1, 5, dtype=torch.bool)}
+        root = head.mixture(root_hidden[None], **every_source)
         expected = _distribution(unrolled[0], 5)
         torch.testing.assert_close(_distribution(root, 0), expected, rtol=1e-4, atol=1e-5)
         assert float(expected.sum()) == pytest.approx(1.0, abs=1e-5)
@@ -308,7 +309,7 @@ def test_copy_head_drafting_matches_training(tiny_checkpoints, copy_head_dir):
         child, = tree.add_children(0, [int(tokens[7])], [0.0])
         hidden, entry = {0: root_hidden}, {0: None}
         drafter._feed_nodes(state, tree, [child], hidden, entry)
-        deeper = head.mixture(hidden[child][None], eligible=torch.ones(1, 5, dtype=torch.bool), **sources)
+        deeper = head.mixture(hidden[child][None], **every_source)
         torch.testing.assert_close(_distribution(deeper, 0), _distribution(unrolled[1], 5), rtol=1e-4, atol=1e-5)
     drafter.finish("r")
 
@@ -417,3 +418,77 @@ def test_q8_0_head_guesses_like_the_float_head(tiny_checkpoints, head_dir):
     assert (approx.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.75
     with pytest.raises(RuntimeError, match="attach_target"):
         EagleHead.load(head_dir, dtype=torch.float32).quantize_for_drafting()
+
+
+def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
+    """The one-call block (Q8_0 head on the CPU kernels) computes what the head's torch pieces
+    compute with the same Q8_0 matrices, and writes the new rows' KV where they would: only its
+    rounding differs (drafting precision moves guesses, never the output)."""
+    from quickdraft.kernels.quant_linear import fused_layer_available
+    from quickdraft.kv.cache import KVCache
+
+    if not fused_layer_available():
+        pytest.skip("no AVX-512 VNNI kernel on this CPU")
+    llm = LLM(str(tiny_checkpoints["llama"]), max_model_len=64, quantization="q8_0")
+    head = EagleHead.load(head_dir, dtype=torch.float32, max_len=128)
+    head.attach_target(llm.engine.model)
+    head.quantize_for_drafting()
+    from quickdraft.models.layers import default_linear_fn
+
+    head.linear = default_linear_fn(torch.device("cpu"))
+    c = head.config
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, c.hidden_size, generator=generator)
+    positions = torch.tensor([7, 8, 8])
+    caches = [KVCache(num_layers=1, num_slots=2, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_len=16,
+                      dtype=torch.float32) for _ in range(2)]
+    earlier = torch.randn(2, c.num_kv_heads, 6, c.head_dim, generator=generator)
+    for cache in caches:  # six earlier entries of slot 1, the same in both
+        cache.keys[0][1, :, :6] = earlier[0]
+        cache.values[0][1, :, :6] = earlier[1]
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 0, 0], [1, 1, 0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1, 0, 1]],
+                        dtype=torch.bool)  # entries 1..8 of slot 1; rows 6..8 are the new ones (a tree)
+    with torch.inference_mode():
+        assert head.runs_fused_block(hidden)
+        fused = head.fused_block(hidden, positions, cache_keys=caches[0].keys[0], cache_values=caches[0].values[0],
+                                 slot=1, kv_start=1, mask=mask)
+        q, k, v = head.attention_inputs(hidden, positions)
+        caches[1].write(0, keys=k, values=v, slot_index=torch.tensor([1, 1, 1]), store_index=torch.tensor([6, 7, 8]))
+        keys, values = caches[1].read(0, slot=1, start=1, end=9)
+        attended = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                                  scale=head.attn_scale, enable_gqa=True)
+        expected = head.block_output(hidden, attended[0].transpose(0, 1).reshape(3, -1))
+    torch.testing.assert_close(fused, expected, rtol=2e-2, atol=2e-2)
+    assert (fused - expected).abs().max() < 0.02 * expected.abs().max()
+    torch.testing.assert_close(caches[0].keys[0], caches[1].keys[0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(caches[0].values[0], caches[1].values[0], rtol=1e-2, atol=1e-2)
+    assert caches[0].keys[0][1, :, 6:9].abs().sum() > 0 and caches[0].keys[0][0].abs().sum() == 0  # slot 0 untouched
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_top_k_is_the_mixture_top_k(copy_head_dir, k):
+    """The drafting shortcut (every row copies from the same sources, their distinct ids worked
+    out once per step) picks the CopyMixture's top k with its log-probabilities."""
+    head = EagleHead.load(copy_head_dir, dtype=torch.float32)
+
+    class Target:  # the tensors attach_target borrows
+        embed_tokens = torch.randn(320, 64, generator=torch.Generator().manual_seed(0))
+        embed_scale = 8.0
+        lm_head_weight = torch.randn(320, 64, generator=torch.Generator().manual_seed(1))
+        config = type("Config", (), {"final_logit_softcapping": None})
+
+    head.attach_target(Target)
+    from quickdraft.models.layers import default_linear_fn
+
+    head.linear = default_linear_fn(torch.device("cpu"))
+    generator = torch.Generator().manual_seed(6)
+    outside = [t for t in range(320) if t not in set(head.d2t.tolist())]
+    values = torch.tensor([head.d2t[3], outside[0], head.d2t[3], head.d2t[9], outside[0], outside[5], head.d2t[1]])
+    keys = torch.randn(7, head.config.copy_dim, generator=generator) * 3
+    feature = torch.randn(4, 64, generator=generator)
+    with torch.inference_mode():
+        ids, log_probs = head.draft_top_k(feature, head.copy_sources(keys, values), k)
+        mixture = head.mixture(feature, keys=keys, values=values, eligible=torch.ones(4, 7, dtype=torch.bool))
+        expected_ids, expected_log_probs = mixture.top_k(k)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(log_probs, expected_log_probs, rtol=1e-5, atol=1e-5)

@@ -62,7 +62,7 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3):
     cache = KVCache(num_layers=config.num_layers, num_slots=slots, num_kv_heads=config.num_kv_heads,
                     head_dim=config.head_dim, max_len=128, dtype=torch.float32, device=CPU)
     runner = ModelRunner(model=model, cache=cache, device=CPU)
-    for slot in range(slots):
+    for slot in range(slots if prefix else 0):  # no prefix: nothing to prefill
         runner.forward([SequenceWork(slot=slot, cache_len=0, token_ids=prefix, logits_nodes=[0])])
     return [runner.forward(work).logits for work in work_list]
 
@@ -85,6 +85,21 @@ def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
     ], prefix=prefix)
     assert torch.equal(chain_and_other[4:], alone)
     assert torch.equal(tree, alone[:3])
+
+
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_prefill_rows_equal_decoded_rows(tiny_gguf_paths, monkeypatch, amx):
+    """All 18 rows of a prompt in one forward (wide enough for the AMX tiles where the CPU has
+    them, Q8_0 and Q5_0 parts alike) give each token's bits decoded alone."""
+    from quickdraft.kernels.quant_linear import AMX_ENV
+
+    monkeypatch.setenv(AMX_ENV, amx)
+    model, config = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
+    wide, = _logits(model, config, [[SequenceWork(slot=0, cache_len=0, token_ids=PROMPT,
+                                                  logits_nodes=list(range(len(PROMPT))))]], prefix=[], slots=1)
+    alone = _logits(model, config, [[SequenceWork(slot=0, cache_len=i, token_ids=[PROMPT[i]], logits_nodes=[0])]
+                                    for i in range(len(PROMPT))], prefix=[], slots=1)
+    assert torch.equal(wide, torch.cat(alone))
 
 
 def test_quantized_logits_close_to_float(tiny_gguf_paths):

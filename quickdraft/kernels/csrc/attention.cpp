@@ -65,14 +65,16 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   float* op = out.mutable_data_ptr<float>();
   const int64_t head_stride = k.stride(0), group = H / Hkv;
   const float fscale = static_cast<float>(scale);
-  // Small problems (one decode token) stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * D));
-  at::parallel_for(0, T * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(static_cast<size_t>(S));
+  // G query heads of a key head per call (they share its key and value reads).
+  const int64_t G = heads_per_call(group, T * Hkv, at::get_num_threads()), calls = H / G;
+  // Small problems (one decode token over a short context) stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * D * G));
+  at::parallel_for(0, T * calls, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(static_cast<size_t>(G * S));
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H, h = i % H, g = h / group;
-      attend_row(qp + (t * H + h) * D, kp + g * head_stride, vp + g * head_stride, D, S, D,
-                 mask ? mask + t * S : nullptr, fscale, scores.data(), op + (t * H + h) * D);
+      const int64_t t = i / calls, h = (i % calls) * G, g = h / group;
+      attend_heads_n(G, qp + (t * H + h) * D, kp + g * head_stride, vp + g * head_stride, D, S, D,
+                     mask ? mask + t * S : nullptr, fscale, scores.data(), op + (t * H + h) * D);
     }
   });
   return out;

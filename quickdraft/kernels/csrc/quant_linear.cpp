@@ -662,15 +662,30 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
 
 using Part = std::tuple<int64_t, at::Tensor, int64_t, int64_t>;  // format, packed, rows, row_start
 
+// The AMX tile kernel of csrc/quant_amx.cpp (another module: it needs the kernel's permission
+// request and AMX compile flags), reached through the address its module hands out.  It computes
+// the very bits of run_format (see there), so which one a matmul takes changes nothing.
+using WideMatmul = void (*)(int64_t format, const int8_t* q, const float* dx, const int32_t* bsum,
+                            const uint8_t* weights, int64_t rows, int64_t K, int64_t M, float* out, int64_t ldo,
+                            int64_t row_start);
+struct Wide {
+  WideMatmul fn = nullptr;  // null: VNNI only
+  int64_t min_rows = 0;     // the tiles take Q8_0 and Q5_0 matmuls of at least this many rows
+};
+
 void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int64_t K, float* out, int64_t ldo,
-                  std::vector<int8_t>& q, std::vector<float>& dx, std::vector<int32_t>& bsum) {
+                  std::vector<int8_t>& q, std::vector<float>& dx, std::vector<int32_t>& bsum, const Wide& wide) {
   q.resize(M * K);
   dx.resize(M * K / 32);
   bsum.resize(M * K / 16);
   quantize_rows_into(x, M, K, q.data(), dx.data(), bsum.data());
   const QRows rows{q.data(), dx.data(), bsum.data(), K};
   for (const auto& [format, packed, n, col0] : parts) {
-    run_format(format, packed.const_data_ptr<uint8_t>(), n, K, rows, M, out, ldo, col0);
+    if (wide.fn != nullptr && M >= wide.min_rows && (format == Q8_0 || format == Q5_0)) {
+      wide.fn(format, q.data(), dx.data(), bsum.data(), packed.const_data_ptr<uint8_t>(), n, K, M, out, ldo, col0);
+    } else {
+      run_format(format, packed.const_data_ptr<uint8_t>(), n, K, rows, M, out, ldo, col0);
+    }
   }
 }
 
@@ -728,7 +743,9 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
                          const c10::optional<at::Tensor>& qk_norm, double eps_d, bool gelu,
                          const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<c10::optional<at::Tensor>>& masks,
-                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale) {
+                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, int64_t wide_address,
+                         int64_t wide_min_rows) {
+  const Wide wide{reinterpret_cast<WideMatmul>(wide_address), wide_min_rows};
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks AVX-512 VNNI");
   const at::Tensor hidden = hidden_in.contiguous();
   const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
@@ -749,7 +766,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
   // attention inputs
   const float* w_in = input_norm.const_data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) rms_norm_row(h + n * D, w_in, D, eps, x.data() + n * D);
-  matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum);
+  matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum, wide);
   const float* w_qk = opt_ptr(qk_norm);
   const float* cp = cosv.const_data_ptr<float>();
   const float* sp = sinv.const_data_ptr<float>();
@@ -786,20 +803,22 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     const int64_t kv_start = seqs[5 * b + 3], kv_end = seqs[5 * b + 4], S = kv_end - kv_start;
     const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
     const int64_t T = r1 - r0, group = H / Hkv;
-    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * hd));
-    at::parallel_for(0, T * H, grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores(S);
+    // G query heads of a key head per call (they share its key and value reads).
+    const int64_t G = qd_attention::heads_per_call(group, T * Hkv, at::get_num_threads()), calls = H / G;
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * hd * G));
+    at::parallel_for(0, T * calls, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores(G * S);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = i / H, head = i % H, g = head / group;
+        const int64_t t = i / calls, head = (i % calls) * G, g = head / group;
         const int64_t base = slot * slot_stride + g * head_stride + kv_start * hd;
-        qd_attention::attend_row(qkv_out.data() + (r0 + t) * QKV + head * hd, kc + base, vc + base, hd, S, hd,
-                                 mask ? mask + t * S : nullptr, fscale, scores.data(),
-                                 attended.data() + (r0 + t) * H * hd + head * hd);
+        qd_attention::attend_heads_n(G, qkv_out.data() + (r0 + t) * QKV + head * hd, kc + base, vc + base, hd, S, hd,
+                                     mask ? mask + t * S : nullptr, fscale, scores.data(),
+                                     attended.data() + (r0 + t) * H * hd + head * hd);
       }
     });
   }
   // block output
-  matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum);
+  matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum, wide);
   const float* w_post = post_attention_norm.const_data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) {
     float* yn = y + n * D;
@@ -812,10 +831,10 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
       rms_norm_row(yn, w_post, D, eps, x.data() + n * D);
     }
   }
-  matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum);
+  matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum, wide);
   for (int64_t n = 0; n < N; ++n) gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu,
                                                    x.data() + n * I);
-  matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum);
+  matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum, wide);
   const float* w_post_ff = opt_ptr(post_ff_norm);
   std::vector<float> row(D);
   for (int64_t n = 0; n < N; ++n) {
@@ -827,6 +846,29 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     float* yn = y + n * D;
     for (int64_t i = 0; i < D; ++i) yn[i] = yn[i] + add[i];
   }
+  return out;
+}
+
+// x [M, K] -> rms_norm(x) @ W^T [M, N], each row normalized per segment of `segment` values
+// with its slice of `norm` [K] (a draft head's input concatenates two normalized halves).
+at::Tensor norm_matmul(const at::Tensor& x_in, const at::Tensor& norm, int64_t segment, double eps,
+                       const std::vector<Part>& parts, int64_t N) {
+  TORCH_CHECK(cpu_supported(), "norm_matmul: this CPU lacks AVX-512 VNNI");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(segment > 0 && segment % 16 == 0 && K % segment == 0 && K % 32 == 0 && norm.numel() == K,
+              "norm_matmul: unsupported sizes");
+  std::vector<float> normed(M * K);
+  const float* xp = x.const_data_ptr<float>();
+  const float* w = norm.const_data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t s = 0; s < K; s += segment)
+      rms_norm_row(xp + m * K + s, w + s, segment, static_cast<float>(eps), normed.data() + m * K + s);
+  at::Tensor out = at::empty({M, N}, x.options());
+  std::vector<int8_t> q8;
+  std::vector<float> dx;
+  std::vector<int32_t> bsum;
+  matmul_parts(parts, normed.data(), M, K, out.mutable_data_ptr<float>(), N, q8, dx, bsum, Wide{});
   return out;
 }
 #endif  // !QD_ISA_AVX2
@@ -843,6 +885,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("K"), py::arg("out"), py::arg("col0"), py::call_guard<py::gil_scoped_release>());
 #if !defined(QD_ISA_AVX2)
   m.def("decoder_layer", &qd_quant::decoder_layer, "one decoder layer on quantized weights",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("norm_matmul", &qd_quant::norm_matmul, "rms_norm(x) per segment, then x @ W^T on quantized weights",
         py::call_guard<py::gil_scoped_release>());
 #endif
   m.attr("isa") = qd_quant::kIsa;

@@ -1,0 +1,46 @@
+"""The batch-invariant attention kernel (csrc/attention.cpp, attention_row.h): close to torch's,
+and a query row's bits whatever the other rows of the call (rows of a wide call share key and
+value reads between the query heads of a key head, a one-row call does not)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quickdraft.kernels.attention import attention, kernel_available
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="no AVX-512 attention kernel on this CPU")
+
+
+def _inputs(T: int, H: int, Hkv: int, D: int, S: int, *, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=generator)
+    cache = torch.randn(2, Hkv, S + 3, D, generator=generator)  # a cache slot: rows of D, a longer length
+    keys, values = cache[0, :, 1 : S + 1], cache[1, :, 1 : S + 1]  # views with the cache's strides
+    mask = torch.rand(T, S, generator=generator) < 0.7
+    mask[:, 0] = True
+    return q, keys, values, mask
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(4, 1, 256), (4, 2, 64), (8, 1, 128), (8, 2, 48), (3, 1, 32), (2, 2, 16)])
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_close_to_torch_and_rows_invariant(H, Hkv, D, T):
+    q, keys, values, mask = _inputs(T, H, Hkv, D, 37, seed=T * 100 + D)
+    out = attention(q, keys, values, mask=mask, scale=D ** -0.5)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                              scale=D ** -0.5, enable_gqa=Hkv != H)[0].transpose(0, 1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    alone = torch.cat([attention(q[t : t + 1], keys, values, mask=mask[t : t + 1], scale=D ** -0.5)
+                       for t in range(T)])
+    assert torch.equal(out, alone)
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(attention(q[perm], keys, values, mask=mask[perm], scale=D ** -0.5), out[perm])
+
+
+def test_a_row_that_sees_nothing_is_zero():
+    q, keys, values, mask = _inputs(16, 4, 1, 64, 9, seed=3)
+    mask[5] = False
+    out = attention(q, keys, values, mask=mask, scale=0.125)
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+    assert torch.equal(out[4], attention(q[4:5], keys, values, mask=mask[4:5], scale=0.125)[0])
