@@ -52,11 +52,7 @@ _KERNELS = {
 # QUICKDRAFT_CPU_AMX=0 turns it off.
 AMX_ENV = "QUICKDRAFT_CPU_AMX"
 AMX_MIN_ROWS = 12  # below this the tiles, always 16 rows, lose to VNNI (measured in the README)
-# The decoder layer's Q5_0 and Q8_0 matmuls (N = 1.5k-4k outputs) gain from the tiles only on wider
-# inputs: 0.95-1.11x at 16 rows, 1.1-1.2x at 64, 1.16-1.28x at 256 (the fp32 epilogue per 32-wide
-# block, the same as VNNI's, bounds both).
-AMX_LAYER_MIN_ROWS = 32
-_AMX = LazyKernel("quant_amx_v2", source="quant_amx.cpp", extra_cflags=("-ffp-contract=off",),
+_AMX = LazyKernel("quant_amx_v1", source="quant_amx.cpp", extra_cflags=("-ffp-contract=off",),
                   what="the AVX-512 kernel")
 
 
@@ -184,8 +180,8 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
         amx = amx_extension() if ext.isa == "avx512" and x2.shape[0] >= AMX_MIN_ROWS else None
         for part in weight.parts:
-            if amx is not None and amx.supports(FORMAT_IDS[part.format]):
-                amx.matmul(q, dx, bsum, part.packed, FORMAT_IDS[part.format], part.rows, k, out, part.row_start)
+            if amx is not None and part.format == "Q8_0":
+                amx.q8_0_matmul(q, dx, bsum, part.packed, part.rows, k, out, part.row_start)
             else:
                 ext.quant_matmul(q, dx, bsum, part.packed, FORMAT_IDS[part.format], part.rows, k, out,
                                  part.row_start)
@@ -222,10 +218,4 @@ def fused_decoder_layer(hidden: torch.Tensor, *, weights: dict[str, QuantizedWei
         _parts(weights["down_proj"]), norms["input"], norms["post_attention"], norms["pre_feedforward"],
         norms["post_feedforward"], norms["qk"], eps, gelu, cos.reshape(cos.shape[0], -1),
         sin.reshape(sin.shape[0], -1), cache_keys, cache_values, [v for seq in sequences for v in seq], masks,
-        num_heads, num_kv_heads, head_dim, weights["down_proj"].shape[1], scale, *_wide_matmul())
-
-
-def _wide_matmul() -> tuple[int, int]:
-    """(address of the AMX tile matmul or 0, the rows from which the layer uses it)."""
-    amx = amx_extension()
-    return (amx.matmul_address(), AMX_LAYER_MIN_ROWS) if amx is not None else (0, 0)
+        num_heads, num_kv_heads, head_dim, weights["down_proj"].shape[1], scale)

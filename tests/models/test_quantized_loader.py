@@ -89,8 +89,9 @@ def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
 
 @pytest.mark.parametrize("amx", ["1", "0"])
 def test_prefill_rows_equal_decoded_rows(tiny_gguf_paths, monkeypatch, amx):
-    """All 18 rows of a prompt in one forward (wide enough for the AMX tiles where the CPU has
-    them, Q8_0 and Q5_0 parts alike) give each token's bits decoded alone."""
+    """All 18 rows of a prompt in one forward (wide enough for the AMX tiles of the Q8_0 LM head
+    where the CPU has them, and for attention that shares key reads between heads) give each
+    token's bits decoded alone."""
     from quickdraft.kernels.quant_linear import AMX_ENV
 
     monkeypatch.setenv(AMX_ENV, amx)

@@ -662,30 +662,15 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
 
 using Part = std::tuple<int64_t, at::Tensor, int64_t, int64_t>;  // format, packed, rows, row_start
 
-// The AMX tile kernel of csrc/quant_amx.cpp (another module: it needs the kernel's permission
-// request and AMX compile flags), reached through the address its module hands out.  It computes
-// the very bits of run_format (see there), so which one a matmul takes changes nothing.
-using WideMatmul = void (*)(int64_t format, const int8_t* q, const float* dx, const int32_t* bsum,
-                            const uint8_t* weights, int64_t rows, int64_t K, int64_t M, float* out, int64_t ldo,
-                            int64_t row_start);
-struct Wide {
-  WideMatmul fn = nullptr;  // null: VNNI only
-  int64_t min_rows = 0;     // the tiles take Q8_0 and Q5_0 matmuls of at least this many rows
-};
-
 void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int64_t K, float* out, int64_t ldo,
-                  std::vector<int8_t>& q, std::vector<float>& dx, std::vector<int32_t>& bsum, const Wide& wide) {
+                  std::vector<int8_t>& q, std::vector<float>& dx, std::vector<int32_t>& bsum) {
   q.resize(M * K);
   dx.resize(M * K / 32);
   bsum.resize(M * K / 16);
   quantize_rows_into(x, M, K, q.data(), dx.data(), bsum.data());
   const QRows rows{q.data(), dx.data(), bsum.data(), K};
   for (const auto& [format, packed, n, col0] : parts) {
-    if (wide.fn != nullptr && M >= wide.min_rows && (format == Q8_0 || format == Q5_0)) {
-      wide.fn(format, q.data(), dx.data(), bsum.data(), packed.const_data_ptr<uint8_t>(), n, K, M, out, ldo, col0);
-    } else {
-      run_format(format, packed.const_data_ptr<uint8_t>(), n, K, rows, M, out, ldo, col0);
-    }
+    run_format(format, packed.const_data_ptr<uint8_t>(), n, K, rows, M, out, ldo, col0);
   }
 }
 
@@ -743,9 +728,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
                          const c10::optional<at::Tensor>& qk_norm, double eps_d, bool gelu,
                          const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<c10::optional<at::Tensor>>& masks,
-                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, int64_t wide_address,
-                         int64_t wide_min_rows) {
-  const Wide wide{reinterpret_cast<WideMatmul>(wide_address), wide_min_rows};
+                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale) {
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks AVX-512 VNNI");
   const at::Tensor hidden = hidden_in.contiguous();
   const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
@@ -766,7 +749,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
   // attention inputs
   const float* w_in = input_norm.const_data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) rms_norm_row(h + n * D, w_in, D, eps, x.data() + n * D);
-  matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum, wide);
+  matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum);
   const float* w_qk = opt_ptr(qk_norm);
   const float* cp = cosv.const_data_ptr<float>();
   const float* sp = sinv.const_data_ptr<float>();
@@ -818,7 +801,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     });
   }
   // block output
-  matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum, wide);
+  matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum);
   const float* w_post = post_attention_norm.const_data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) {
     float* yn = y + n * D;
@@ -831,10 +814,10 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
       rms_norm_row(yn, w_post, D, eps, x.data() + n * D);
     }
   }
-  matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum, wide);
+  matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum);
   for (int64_t n = 0; n < N; ++n) gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu,
                                                    x.data() + n * I);
-  matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum, wide);
+  matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum);
   const float* w_post_ff = opt_ptr(post_ff_norm);
   std::vector<float> row(D);
   for (int64_t n = 0; n < N; ++n) {
@@ -868,7 +851,7 @@ at::Tensor norm_matmul(const at::Tensor& x_in, const at::Tensor& norm, int64_t s
   std::vector<int8_t> q8;
   std::vector<float> dx;
   std::vector<int32_t> bsum;
-  matmul_parts(parts, normed.data(), M, K, out.mutable_data_ptr<float>(), N, q8, dx, bsum, Wide{});
+  matmul_parts(parts, normed.data(), M, K, out.mutable_data_ptr<float>(), N, q8, dx, bsum);
   return out;
 }
 #endif  // !QD_ISA_AVX2
