@@ -93,8 +93,7 @@ def transformers_decode(model_dir, dtype, prompts, new_tokens, repeats) -> list[
     def run(ids, n):
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return time.perf_counter() - start
 
     run(tokenizer_ids[0], 4)
@@ -129,10 +128,14 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model)
     prompts = PROMPTS[: args.num_prompts]
     bandwidth = read_bandwidth_gbs()
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; measured read bandwidth {bandwidth:.1f} GB/s")
-    print(f"model: {model_dir}; greedy, {args.new_tokens} new tokens, {len(prompts)} prompts x "
-          f"{args.repeats} repeats, medians")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; measured read bandwidth {bandwidth:.1f} GB/s"
+    )
+    print(
+        f"model: {model_dir}; greedy, {args.new_tokens} new tokens, {len(prompts)} prompts x "
+        f"{args.repeats} repeats, medians"
+    )
     results = {"bandwidth_gbs": bandwidth, "runs": []}
     for dtype in args.dtype:
         llm = LLM(str(model_dir), dtype=dtype, max_model_len=1024, max_num_seqs=8)
@@ -142,18 +145,26 @@ def main() -> None:
         del llm
         peer = None
         if not args.no_transformers:
-            peer = statistics.median(transformers_decode(model_dir, getattr(torch, dtype), prompts,
-                                                         args.new_tokens, args.repeats))
+            peer = statistics.median(
+                transformers_decode(model_dir, getattr(torch, dtype), prompts, args.new_tokens, args.repeats)
+            )
         achieved = ours * step_bytes / 1e9
-        row = dict(dtype=dtype, quickdraft_tps=ours, transformers_tps=peer, batch8_tps=batch8,
-                   step_weight_mb=step_bytes / 1e6, achieved_gbs=achieved)
+        row = dict(
+            dtype=dtype,
+            quickdraft_tps=ours,
+            transformers_tps=peer,
+            batch8_tps=batch8,
+            step_weight_mb=step_bytes / 1e6,
+            achieved_gbs=achieved,
+        )
         results["runs"].append(row)
         print(f"\n[{dtype}] weights read per step {step_bytes / 1e6:.0f} MB")
-        print(f"  quickdraft  batch 1: {ours:7.1f} tokens/s  -> {achieved:5.1f} GB/s of weights "
-              f"({100 * achieved / bandwidth:.0f}% of measured bandwidth)")
+        print(
+            f"  quickdraft  batch 1: {ours:7.1f} tokens/s  -> {achieved:5.1f} GB/s of weights "
+            f"({100 * achieved / bandwidth:.0f}% of measured bandwidth)"
+        )
         if peer is not None:
-            print(f"  transformers batch 1: {peer:7.1f} tokens/s   ratio quickdraft/transformers "
-                  f"{ours / peer:.2f}x")
+            print(f"  transformers batch 1: {peer:7.1f} tokens/s   ratio quickdraft/transformers {ours / peer:.2f}x")
         print(f"  quickdraft  batch 8: {batch8:7.1f} tokens/s aggregate = {batch8 / ours:.2f}x batch 1")
     if args.json:
         with open(args.json, "w") as f:

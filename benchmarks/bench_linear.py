@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quickdraft.kernels import cpu_linear  # noqa: E402
+from quickdraft.kernels import cpu_linear
 
 # name -> (N, K) of the nn.Linear weight [N, K] (Gemma 3 270M: d_model 640,
 # 4 query heads + 1 kv head of 256, MLP 2048, vocabulary 262144).
@@ -78,8 +78,11 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true", help="reuse one weight copy (cache-resident small layers)")
     ap.add_argument("--cold-bytes", type=float, default=256e6, help="bytes of weight copies to cycle through")
     ap.add_argument("--quick", action="store_true", help="M in {1, 8}; qkv and lm_head only")
-    ap.add_argument("--force-kernel", action="store_true",
-                    help="call the C++ kernel even above the M threshold (to measure the crossover)")
+    ap.add_argument(
+        "--force-kernel",
+        action="store_true",
+        help="call the C++ kernel even above the M threshold (to measure the crossover)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.ms, args.shapes = [1, 8], ["qkv", "lm_head"]
@@ -90,24 +93,30 @@ def main() -> None:
     t0 = time.perf_counter()
     avail = cpu_linear.kernel_available()
     build_s = time.perf_counter() - t0
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"load average {os.getloadavg()[0]:.2f} (other processes distort the numbers)")
-    print(f"skinny_linear kernel available: {avail} (load/build {build_s:.1f} s); "
-          f"used for M <= {cpu_linear.max_rows(torch.float32)} (fp32), "
-          f"{cpu_linear.max_rows(torch.bfloat16)} (bf16), F.linear above")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"load average {os.getloadavg()[0]:.2f} (other processes distort the numbers)"
+    )
+    print(
+        f"skinny_linear kernel available: {avail} (load/build {build_s:.1f} s); "
+        f"used for M <= {cpu_linear.max_rows(torch.float32)} (fp32), "
+        f"{cpu_linear.max_rows(torch.bfloat16)} (bf16), F.linear above"
+    )
     skinny = cpu_linear.skinny_linear
     if args.force_kernel:
         if not avail:
             sys.exit("--force-kernel: the kernel is not available")
-        skinny = cpu_linear._extension().skinny_linear  # noqa: SLF001 - benchmark only
+        skinny = cpu_linear._extension().skinny_linear
     bw_med, bw_best = read_bandwidth(max(args.reps, 10))
     print(f"read bandwidth, W.sum() over 671 MB fp32: median {bw_med:.1f} GB/s, best {bw_best:.1f} GB/s")
     print(f"weights: {'hot (one copy, may be cache resident)' if args.hot else 'cold (cycling copies > LLC)'}")
     print("times are medians; GB/s = weight bytes / time; 'sum GB/s' = W.sum() over the same weight bytes\n")
 
-    hdr = (f"{'dtype':5} {'layer':8} {'N x K':>13} {'M':>3} | {'sum GB/s':>8} | {'F.linear ms':>11} {'GB/s':>6} | "
-           f"{'skinny ms':>9} {'GB/s':>6} | {'speedup':>7}")
+    hdr = (
+        f"{'dtype':5} {'layer':8} {'N x K':>13} {'M':>3} | {'sum GB/s':>8} | {'F.linear ms':>11} {'GB/s':>6} | "
+        f"{'skinny ms':>9} {'GB/s':>6} | {'speedup':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     with torch.inference_mode():
@@ -121,22 +130,29 @@ def main() -> None:
                 weights = [base] + [base.clone() for _ in range(n_copies - 1)]
                 # Read bandwidth on exactly these bytes (bf16 viewed as fp32 pairs).
                 flat = [w.view(torch.float32) for w in weights]
-                t_sum = statistics.median(_time_calls(lambda i: flat[i].sum(), n_copies, args.reps,
-                                                      args.min_seconds))
+                t_sum = statistics.median(
+                    _time_calls(lambda i, flat=flat: flat[i].sum(), n_copies, args.reps, args.min_seconds)
+                )
                 for M in args.ms:
                     x = torch.randn(M, K, dtype=torch.float32).to(dtype)
                     ref = F.linear(x, base)
                     got = skinny(x, base)
                     tol = 1e-3 if dtype == torch.float32 else 3e-2
                     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-                    t_ref = statistics.median(_time_calls(lambda i: F.linear(x, weights[i]), n_copies,
-                                                          args.reps, args.min_seconds))
-                    t_new = statistics.median(_time_calls(lambda i: skinny(x, weights[i]),
-                                                          n_copies, args.reps, args.min_seconds))
+                    t_ref = statistics.median(
+                        _time_calls(lambda i, x=x, w=weights: F.linear(x, w[i]), n_copies, args.reps, args.min_seconds)
+                    )
+                    t_new = statistics.median(
+                        _time_calls(lambda i, x=x, w=weights: skinny(x, w[i]), n_copies, args.reps, args.min_seconds)
+                    )
                     flag = "" if err < tol else f"  MISMATCH rel err {err:.2e}"
-                    print(f"{dname:5} {sname:8} {f'{N}x{K}':>13} {M:3d} | {nbytes / t_sum / 1e9:8.1f} | {t_ref * 1e3:11.3f} "
-                          f"{nbytes / t_ref / 1e9:6.1f} | {t_new * 1e3:9.3f} {nbytes / t_new / 1e9:6.1f} | "
-                          f"{t_ref / t_new:6.2f}x{flag}", flush=True)
+                    print(
+                        f"{dname:5} {sname:8} {f'{N}x{K}':>13} {M:3d} | {nbytes / t_sum / 1e9:8.1f} | "
+                        f"{t_ref * 1e3:11.3f} "
+                        f"{nbytes / t_ref / 1e9:6.1f} | {t_new * 1e3:9.3f} {nbytes / t_new / 1e9:6.1f} | "
+                        f"{t_ref / t_new:6.2f}x{flag}",
+                        flush=True,
+                    )
                 del weights, flat, base
             print()
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")

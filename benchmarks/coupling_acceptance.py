@@ -19,11 +19,10 @@ import json
 from pathlib import Path
 
 import torch
+from sampled_acceptance import QUESTIONS, first_questions
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.verify.sampler import keyed_noise, position_key
-
-from sampled_acceptance import QUESTIONS, first_questions
 
 
 def cut_probs(model, token_ids: list[int], cuts: list[int], temperature: float) -> dict[int, torch.Tensor]:
@@ -75,11 +74,15 @@ def main() -> None:
                 totals[k]["keyed"] += float(((draft / noise).argmax(dim=-1) == target_draws).float().mean())
             positions += 1
         print(f"question {i}: {positions} positions so far", flush=True)
-    results = {"setting": vars(args) | {"positions": positions},
-               "per_cut": {k: {rule: value / positions for rule, value in v.items()} for k, v in totals.items()}}
+    results = {
+        "setting": vars(args) | {"positions": positions},
+        "per_cut": {k: {rule: value / positions for rule, value in v.items()} for k, v in totals.items()},
+    }
     for k, rates in results["per_cut"].items():
-        print(f"first {k:2d} of {layers} layers: min(1, p/q) accepts {rates['rejection']:.3f}, "
-              f"keyed coupling {rates['keyed']:.3f} per draft token")
+        print(
+            f"first {k:2d} of {layers} layers: min(1, p/q) accepts {rates['rejection']:.3f}, "
+            f"keyed coupling {rates['keyed']:.3f} per draft token"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

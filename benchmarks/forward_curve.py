@@ -63,8 +63,10 @@ def main() -> None:
     from quickdraft import LLM
 
     bandwidth = read_bandwidth_gbs()
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; read bandwidth {bandwidth:.1f} GB/s (sum of 1 GiB)")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; read bandwidth {bandwidth:.1f} GB/s (sum of 1 GiB)"
+    )
     results = {"bandwidth_gbs": bandwidth, "context": args.context, "runs": []}
     for dtype in args.dtype:
         llm = LLM(args.model, dtype=dtype, max_model_len=args.context + 128, max_num_seqs=1)
@@ -72,23 +74,38 @@ def main() -> None:
         weights = linear_weights(model)
         nbytes = sum(weight_nbytes(w) for w in weights)
         macs_per_token = sum(w.shape[0] * w.shape[1] for w in weights)
-        times = {width: time_forward(llm.engine, context=args.context, width=width, repeats=args.repeats)
-                 for width in WIDTHS}
+        times = {
+            width: time_forward(llm.engine, context=args.context, width=width, repeats=args.repeats) for width in WIDTHS
+        }
         best_rate = max(width * macs_per_token / t for width, t in times.items())
         label = f"{dtype} ({llm.engine.quantization or 'float weights'})"
-        print(f"\n[{label}] linear weights {nbytes / 1e6:.0f} MB, {macs_per_token / 1e6:.0f} M MAC per token; "
-              f"best linear rate seen {best_rate / 1e9:.0f} GMAC/s")
+        print(
+            f"\n[{label}] linear weights {nbytes / 1e6:.0f} MB, {macs_per_token / 1e6:.0f} M MAC per token; "
+            f"best linear rate seen {best_rate / 1e9:.0f} GMAC/s"
+        )
         print(f"{'T':>4}{'ms/forward':>12}{'ms/token':>10}{'memory roof':>13}{'compute roof':>14}")
         rows = []
         for width, seconds in times.items():
             memory_roof = nbytes / bandwidth / 1e9
             compute_roof = width * macs_per_token / best_rate
-            rows.append(dict(width=width, ms=1e3 * seconds, memory_roof_ms=1e3 * memory_roof,
-                             compute_roof_ms=1e3 * compute_roof))
-            print(f"{width:4d}{1e3 * seconds:12.2f}{1e3 * seconds / width:10.2f}{1e3 * memory_roof:13.2f}"
-                  f"{1e3 * compute_roof:14.2f}")
-        results["runs"].append(dict(dtype=dtype, quantization=llm.engine.quantization, weight_mb=nbytes / 1e6,
-                                    macs_per_token=macs_per_token, rows=rows))
+            rows.append(
+                dict(
+                    width=width, ms=1e3 * seconds, memory_roof_ms=1e3 * memory_roof, compute_roof_ms=1e3 * compute_roof
+                )
+            )
+            print(
+                f"{width:4d}{1e3 * seconds:12.2f}{1e3 * seconds / width:10.2f}{1e3 * memory_roof:13.2f}"
+                f"{1e3 * compute_roof:14.2f}"
+            )
+        results["runs"].append(
+            dict(
+                dtype=dtype,
+                quantization=llm.engine.quantization,
+                weight_mb=nbytes / 1e6,
+                macs_per_token=macs_per_token,
+                rows=rows,
+            )
+        )
         del llm
     if args.json:
         with open(args.json, "w") as f:

@@ -31,8 +31,13 @@ def forward_cost_curve(llm, *, cache_len: int = 300, repeats: int = 10) -> dict[
     for n in SIZES:
         times = []
         for _ in range(repeats):
-            work = SequenceWork(slot=0, cache_len=cache_len, token_ids=list(range(100, 100 + n)),
-                                parents=[-1, *range(n - 1)], logits_nodes=list(range(n)))
+            work = SequenceWork(
+                slot=0,
+                cache_len=cache_len,
+                token_ids=list(range(100, 100 + n)),
+                parents=[-1, *range(n - 1)],
+                logits_nodes=list(range(n)),
+            )
             start = time.perf_counter()
             llm.engine.runner.forward([work])
             times.append(time.perf_counter() - start)
@@ -80,7 +85,7 @@ def main() -> None:
         totals = defaultdict(lambda: [0, 0.0])  # task -> [tokens, modeled seconds]
         task_now = ["warm-up"]
 
-        def counted_forward(work, **options):
+        def counted_forward(work, totals=totals, task_now=task_now, **options):
             if len(work) == 1 and (work[0].parents is not None or len(work[0].token_ids) == 1):  # a decode step
                 totals[task_now[0]][1] += interpolate(curve, len(work[0].token_ids))
             return forward(work, **options)
@@ -90,7 +95,7 @@ def main() -> None:
             drafter = engine.speculator.drafter
             propose = drafter.propose
 
-            def timed_propose(requests, propose=propose):
+            def timed_propose(requests, propose=propose, totals=totals, task_now=task_now):
                 start = time.perf_counter()
                 proposals = propose(requests)
                 totals[task_now[0]][1] += time.perf_counter() - start

@@ -16,11 +16,11 @@ import argparse
 import contextlib
 import dataclasses
 
+from sampled_acceptance import QUESTIONS, SPECS, first_questions, rejection_rule_for_point_masses
+
 from quickdraft import LLM, SamplingParams
 from quickdraft.engine import speculation
 from quickdraft.verify.sampler import RowContext, logits_to_probs, samples_by_argmax
-
-from sampled_acceptance import QUESTIONS, SPECS, first_questions, rejection_rule_for_point_masses
 
 
 def expected_accepted(proposal, probs) -> float:  # probs [num_nodes, V]: the target's after each node
@@ -38,11 +38,16 @@ def recording(totals: dict):
     def recorded(self, *, request, proposal, logits, eos_token_ids):
         path = verify(self, request=request, proposal=proposal, logits=logits, eos_token_ids=eos_token_ids)
         # Steps that max_tokens could cut short are left out: there the expectation above is wrong.
-        if (proposal.num_draft_tokens and proposal.draft_probs is None
-                and request.remaining_output_tokens > len(proposal.token_ids)
-                and not samples_by_argmax(request.params, num_output_tokens=len(request.output_token_ids))):
-            rows = [RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=h)
-                    for h in speculation.node_histories(request.output_token_ids, proposal)]
+        if (
+            proposal.num_draft_tokens
+            and proposal.draft_probs is None
+            and request.remaining_output_tokens > len(proposal.token_ids)
+            and not samples_by_argmax(request.params, num_output_tokens=len(request.output_token_ids))
+        ):
+            rows = [
+                RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=h)
+                for h in speculation.node_histories(request.output_token_ids, proposal)
+            ]
             probs = logits_to_probs(logits, rows, eos_token_ids=eos_token_ids)
             expected = expected_accepted(proposal, probs)
             totals["steps"] += 1
@@ -75,9 +80,11 @@ def main() -> None:
             llm.generate([prompt], dataclasses.replace(params, seed=1000 + i))
     # Each step's gap has mean 0 given its context; their sum over n steps has sd ~ sqrt(sum of squares).
     z = (totals["realised"] - totals["expected"]) / max(totals["squared_gap"], 1e-9) ** 0.5
-    print(f"{args.method} {args.rule}: {totals['steps']} steps, accepted {totals['realised']}, "
-          f"expected {totals['expected']:.1f} ({totals['realised'] / totals['steps']:.3f} vs "
-          f"{totals['expected'] / totals['steps']:.3f} per step), z = {z:+.2f}")
+    print(
+        f"{args.method} {args.rule}: {totals['steps']} steps, accepted {totals['realised']}, "
+        f"expected {totals['expected']:.1f} ({totals['realised'] / totals['steps']:.3f} vs "
+        f"{totals['expected'] / totals['steps']:.3f} per step), z = {z:+.2f}"
+    )
 
 
 if __name__ == "__main__":

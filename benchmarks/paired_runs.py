@@ -27,8 +27,10 @@ def find_run(runs: list[dict], name: str) -> dict:
 
 def ratio_with_interval(pairs: list[tuple[float, float]], *, rng: random.Random, draws: int = 2000):
     ratio = sum(a for a, _ in pairs) / sum(b for _, b in pairs)
-    boots = sorted(sum(a for a, _ in sample) / sum(b for _, b in sample)
-                   for sample in ([rng.choice(pairs) for _ in pairs] for _ in range(draws)))
+    boots = sorted(
+        sum(a for a, _ in sample) / sum(b for _, b in sample)
+        for sample in ([rng.choice(pairs) for _ in pairs] for _ in range(draws))
+    )
     return ratio, boots[int(0.05 * draws)], boots[int(0.95 * draws) - 1]
 
 
@@ -51,8 +53,10 @@ def main() -> None:
     for task, pairs in by_task.items():
         ratio, low, high = ratio_with_interval(pairs, rng=rng)
         faster = sum(tb < ta for ta, tb in pairs)
-        print(f"{task:15s} {ratio:.3f}  90% interval over questions [{low:.3f}, {high:.3f}]  "
-              f"second faster on {faster}/{len(pairs)}")
+        print(
+            f"{task:15s} {ratio:.3f}  90% interval over questions [{low:.3f}, {high:.3f}]  "
+            f"second faster on {faster}/{len(pairs)}"
+        )
 
 
 if __name__ == "__main__":

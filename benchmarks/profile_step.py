@@ -13,8 +13,6 @@ import argparse
 import collections
 import time
 
-import torch
-
 
 def categorize(weight, model) -> str:
     if weight is model.lm_head_weight:
@@ -78,8 +76,7 @@ def main() -> None:
     engine.release(request_id)
 
     per_step = lambda s: 1e3 * s / steps  # noqa: E731
-    print(f"{args.dtype}, batch 1, {steps} decode steps: {per_step(total):.2f} ms/step "
-          f"({steps / total:.1f} tokens/s)")
+    print(f"{args.dtype}, batch 1, {steps} decode steps: {per_step(total):.2f} ms/step ({steps / total:.1f} tokens/s)")
     print(f"{'part':<28}{'ms/step':>9}{'share':>8}{'MB/step':>9}{'GB/s':>7}")
     matmul_total = 0.0
     for key in ("lm_head", "gate_up_proj", "down_proj", "qkv_proj", "o_proj", "other"):
@@ -87,8 +84,10 @@ def main() -> None:
             continue
         matmul_total += seconds[key]
         mb = bytes_read[key] / steps / 1e6
-        print(f"{'matmul ' + key:<28}{per_step(seconds[key]):9.2f}{seconds[key] / total:8.0%}{mb:9.1f}"
-              f"{mb / 1e3 / (seconds[key] / steps):7.1f}")
+        print(
+            f"{'matmul ' + key:<28}{per_step(seconds[key]):9.2f}{seconds[key] / total:8.0%}{mb:9.1f}"
+            f"{mb / 1e3 / (seconds[key] / steps):7.1f}"
+        )
     rest_forward = forward_seconds[0] - matmul_total
     rest_step = total - forward_seconds[0]
     print(f"{'rest of forward (attention,':<28}{per_step(rest_forward):9.2f}{rest_forward / total:8.0%}")

@@ -47,8 +47,11 @@ SPECS = {
     "ngram": {"method": "ngram"},
     "suffix": {"method": "suffix"},
     "eagle3": {"method": "eagle3", "top_k": 1, "min_draft_prob": 0.2},
-    "hybrid": {"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}],
-               "skip_after": 3},
+    "hybrid": {
+        "method": "hybrid",
+        "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}],
+        "skip_after": 3,
+    },
 }
 
 
@@ -71,11 +74,16 @@ def rejection_rule_for_point_masses():
     def verify(self, *, request, proposal, logits, eos_token_ids):
         if samples_by_argmax(request.params, num_output_tokens=len(request.output_token_ids)):
             return original(self, request=request, proposal=proposal, logits=logits, eos_token_ids=eos_token_ids)
-        rows = [RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=h)
-                for h in speculation.node_histories(request.output_token_ids, proposal)]
-        return verify_proposal(proposal=proposal, target_probs=logits_to_probs(logits, rows,
-                                                                               eos_token_ids=eos_token_ids),
-                               generator=request.generator, max_new_tokens=request.remaining_output_tokens)
+        rows = [
+            RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=h)
+            for h in speculation.node_histories(request.output_token_ids, proposal)
+        ]
+        return verify_proposal(
+            proposal=proposal,
+            target_probs=logits_to_probs(logits, rows, eos_token_ids=eos_token_ids),
+            generator=request.generator,
+            max_new_tokens=request.remaining_output_tokens,
+        )
 
     speculation.Speculator.verify = verify
     try:
@@ -109,8 +117,11 @@ def run(spec: dict | None, prompts: list[str], params: SamplingParams) -> dict:
     llm = LLM(speculative_config=spec, max_model_len=4096)
     llm.generate(prompts[:1], params)  # warm-up
     start_metrics = llm.get_metrics()
-    drafted0, accepted0, forwards0 = (start_metrics.num_draft_tokens, start_metrics.num_accepted_tokens,
-                                      start_metrics.num_target_forwards)
+    drafted0, accepted0, forwards0 = (
+        start_metrics.num_draft_tokens,
+        start_metrics.num_accepted_tokens,
+        start_metrics.num_target_forwards,
+    )
     tokens, start = 0, time.perf_counter()
     for i, prompt in enumerate(prompts):  # batch 1
         out = llm.generate([prompt], dataclasses.replace(params, seed=1000 + i))[0]
@@ -118,8 +129,11 @@ def run(spec: dict | None, prompts: list[str], params: SamplingParams) -> dict:
     seconds = time.perf_counter() - start
     m = llm.get_metrics()
     drafted, accepted = m.num_draft_tokens - drafted0, m.num_accepted_tokens - accepted0
-    return {"tokens_per_second": tokens / seconds, "acceptance_rate": accepted / drafted if drafted else None,
-            "tokens_per_forward": tokens / (m.num_target_forwards - forwards0)}
+    return {
+        "tokens_per_second": tokens / seconds,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tokens_per_forward": tokens / (m.num_target_forwards - forwards0),
+    }
 
 
 def draw_cost(vocab: int = 262144, repeats: int = 30) -> dict:
@@ -127,8 +141,10 @@ def draw_cost(vocab: int = 262144, repeats: int = 30) -> dict:
     probs = torch.softmax(torch.randn(1, vocab) * 3, dim=-1)
     generator = make_generator(0)
     costs = {}
-    for name, draw in (("keyed", lambda i: sample_keyed(probs, [position_key(7, i)])),
-                       ("previous", lambda i: sample_from_probs(probs, [generator]))):
+    for name, draw in (
+        ("keyed", lambda i: sample_keyed(probs, [position_key(7, i)])),
+        ("previous", lambda i: sample_from_probs(probs, [generator])),
+    ):
         times = []
         for i in range(repeats):
             start = time.perf_counter()
@@ -143,8 +159,12 @@ def main() -> None:
     parser.add_argument("--per-task", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--draft-layers", type=int, default=15,
-                        help="the draft model: the target cut to its first N layers (6: ~4%% accepted, 15: ~57%%)")
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=15,
+        help="the draft model: the target cut to its first N layers (6: ~4%% accepted, 15: ~57%%)",
+    )
     parser.add_argument("--methods", default=",".join([*SPECS, "draft_model"]))
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
@@ -157,15 +177,22 @@ def main() -> None:
     for method in args.methods.split(","):
         for rule in ("keyed", "rejection"):
             if method == "draft_model":
-                spec = {"method": "draft_model", "num_speculative_tokens": 3, "coupling": rule,
-                        "model": str(truncated_draft_model(args.draft_layers, draft_dir))}
+                spec = {
+                    "method": "draft_model",
+                    "num_speculative_tokens": 3,
+                    "coupling": rule,
+                    "model": str(truncated_draft_model(args.draft_layers, draft_dir)),
+                }
                 figures = run(spec, prompts, params)
             else:
                 with rejection_rule_for_point_masses() if rule == "rejection" else contextlib.nullcontext():
                     figures = run(SPECS[method], prompts, params)
             results["runs"][f"{method} {rule}"] = figures
-            print(f"{method:12s} {rule:9s} " + "  ".join(
-                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()), flush=True)
+            print(
+                f"{method:12s} {rule:9s} "
+                + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()),
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

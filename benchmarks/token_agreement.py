@@ -42,8 +42,10 @@ def main() -> None:
     shared = sorted(a.keys() & b.keys())
     prefixes = [common_prefix(a[q], b[q]) for q in shared]
     identical = sum(a[q] == b[q] for q in shared)
-    print(f"{len(shared)} questions: first turn identical {identical / len(shared):.0%}; common prefix "
-          f"mean {statistics.mean(prefixes):.1f} / median {statistics.median(prefixes):.0f} tokens")
+    print(
+        f"{len(shared)} questions: first turn identical {identical / len(shared):.0%}; common prefix "
+        f"mean {statistics.mean(prefixes):.1f} / median {statistics.median(prefixes):.0f} tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -27,24 +27,36 @@ examples:
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
-    group.add_argument("--model", default=None,
-                       help="local HF directory or .gguf file (default: embedded Gemma 3 270M)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                       help="auto (default): float32 compute with a GGUF model's weights kept as stored; "
-                            "float32 / bfloat16: float weights of that dtype (a GGUF dequantized)")
-    group.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "q8_0"],
-                       help="how the weights are held: auto (GGUF as stored on the CPU with --dtype auto), "
-                            "none, gguf, or q8_0 (quantize a HF checkpoint at load)")
+    group.add_argument(
+        "--model", default=None, help="local HF directory or .gguf file (default: embedded Gemma 3 270M)"
+    )
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto (default): float32 compute with a GGUF model's weights kept as stored; "
+        "float32 / bfloat16: float weights of that dtype (a GGUF dequantized)",
+    )
+    group.add_argument(
+        "--quantization",
+        default=None,
+        choices=["auto", "none", "gguf", "q8_0"],
+        help="how the weights are held: auto (GGUF as stored on the CPU with --dtype auto), "
+        "none, gguf, or q8_0 (quantize a HF checkpoint at load)",
+    )
     group.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="context length to reserve KV cache for (default: min(model, 4096))")
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length to reserve KV cache for (default: min(model, 4096))",
+    )
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: 128)")
-    group.add_argument("--temperature", type=float, default=0.0,
-                       help="0 = greedy (default), higher = more random")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), higher = more random")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob")
@@ -52,34 +64,46 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--presence-penalty", type=float, default=0.0)
     group.add_argument("--frequency-penalty", type=float, default=0.0)
     group.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
-    group.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                       help="stop string (repeatable)")
+    group.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quickdraft", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="quickdraft", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate = commands.add_parser(
-        "generate", help="generate text for a prompt, streaming it to the terminal",
+        "generate",
+        help="generate text for a prompt, streaming it to the terminal",
         description="Generate a continuation of PROMPT, stream it, then print a one-line summary "
-                    "(tokens, time to first token, tokens/s).",
-        epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "(tokens, time to first token, tokens/s).",
+        epilog=GENERATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     generate.add_argument("prompt", help="the prompt text")
     _add_model_options(generate)
     _add_sampling_options(generate)
     spec = generate.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-config", default=None, metavar="JSON",
-                      help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
-    spec.add_argument("--speculative-model", default=None, metavar="PATH",
-                      help="draft model (same vocabulary as the target)")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+    )
+    spec.add_argument(
+        "--speculative-model", default=None, metavar="PATH", help="draft model (same vocabulary as the target)"
+    )
     spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
-    spec.add_argument("--compare-plain", action="store_true",
-                      help="afterwards decode the same prompt without speculation and print the speedup "
-                           "and whether the outputs are identical")
-    generate.add_argument("--chat", action="store_true",
-                          help="wrap the prompt as a user message with the model's chat template")
+    spec.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="afterwards decode the same prompt without speculation and print the speedup "
+        "and whether the outputs are identical",
+    )
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template"
+    )
     _add_bench_parser(commands)
     _add_train_head_parser(commands)
     _add_serve_parser(commands)
@@ -97,80 +121,160 @@ examples:
 
 def _add_serve_parser(commands) -> None:
     serve = commands.add_parser(
-        "serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)",
+        "serve",
+        help="serve an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)",
         description="Load MODEL once and serve /v1/completions, /v1/chat/completions, /v1/models, /health "
-                    "and /metrics (Prometheus). One engine loop batches every connection's requests "
-                    "(continuous batching, with speculation when --speculative-config is given). "
-                    "See docs/serving.md.",
-        epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                       help="local HF directory or .gguf file (default: embedded Gemma 3 270M)")
+        "and /metrics (Prometheus). One engine loop batches every connection's requests "
+        "(continuous batching, with speculation when --speculative-config is given). "
+        "See docs/serving.md.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="local HF directory or .gguf file (default: embedded Gemma 3 270M)",
+    )
     _add_model_options(serve)
-    serve.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    serve.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    serve.add_argument("--max-num-seqs", type=int, default=8,
-                       help="requests decoded together, i.e. KV cache slots (default: 8)")
-    serve.add_argument("--max-queue", type=int, default=64,
-                       help="requests waiting + running before new ones get HTTP 429 (default: 64)")
-    serve.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model name clients send and metrics carry (default: from MODEL)")
-    serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-                       help="on SIGINT/SIGTERM, seconds in-flight requests get to finish; new ones get HTTP 503 "
-                            "meanwhile, and those still running at the end get a 503 error (default: 30)")
-    serve.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
-                       help="request bodies larger than this get HTTP 413 (default: 4194304, i.e. 4 MiB)")
-    serve.add_argument("--request-read-timeout", type=float, default=None, metavar="SECONDS",
-                       help="a client that sends nothing of its request body for this long is dropped with "
-                            "HTTP 408 (default: 30)")
-    serve.add_argument("--api-key", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on every /v1 route (HTTP 401 otherwise; /health "
-                            "and /metrics stay open); default: the QUICKDRAFT_API_KEY environment variable, which "
-                            "keeps the key out of the process list")
+    serve.add_argument(
+        "--max-num-seqs", type=int, default=8, help="requests decoded together, i.e. KV cache slots (default: 8)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests waiting + running before new ones get HTTP 429 (default: 64)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send and metrics carry (default: from MODEL)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, seconds in-flight requests get to finish; new ones get HTTP 503 "
+        "meanwhile, and those still running at the end get a 503 error (default: 30)",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="request bodies larger than this get HTTP 413 (default: 4194304, i.e. 4 MiB)",
+    )
+    serve.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a client that sends nothing of its request body for this long is dropped with HTTP 408 (default: 30)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every /v1 route (HTTP 401 otherwise; /health "
+        "and /metrics stay open); default: the QUICKDRAFT_API_KEY environment variable, which "
+        "keeps the key out of the process list",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def _add_train_head_parser(commands) -> None:
     train = commands.add_parser(
-        "train-head", help="train a draft head for a target on this machine (data built from the target)",
+        "train-head",
+        help="train a draft head for a target on this machine (data built from the target)",
         description="Build training data offline (the target answers prompts built from local text: the "
-                    "Python documentation, the system's German message catalogues, templates; its hidden states are recorded as it does), train a draft head, report "
-                    "validation acceptance, and write OUT/head (load it with {\"method\": \"eagle3\", "
-                    "\"head\": \"OUT/head\"}). Re-running with the same --out resumes: data shards and the "
-                    "training checkpoint are kept.")
-    train.add_argument("--method", default="eagle3", choices=["eagle3", "medusa", "self", "draft", "mtp"],
-                       help="head type (default: eagle3; self = the [self] layer-skip drafter's head; draft = a "
-                            "small distilled draft model for the draft_model method; mtp = a layer in the "
-                            "nextn layout, started from the target's last layer)")
+        "Python documentation, the system's German message catalogues, templates; its hidden states are "
+        "recorded as it does), train a draft head, report "
+        'validation acceptance, and write OUT/head (load it with {"method": "eagle3", '
+        '"head": "OUT/head"}). Re-running with the same --out resumes: data shards and the '
+        "training checkpoint are kept.",
+    )
+    train.add_argument(
+        "--method",
+        default="eagle3",
+        choices=["eagle3", "medusa", "self", "draft", "mtp"],
+        help="head type (default: eagle3; self = the [self] layer-skip drafter's head; draft = a "
+        "small distilled draft model for the draft_model method; mtp = a layer in the "
+        "nextn layout, started from the target's last layer)",
+    )
     train.add_argument("--target", default=None, help="target model (default: embedded Gemma 3 270M)")
     train.add_argument("--out", required=True, metavar="DIR", help="output folder (data, checkpoint, head)")
-    train.add_argument("--num-prompts", type=int, default=480,
-                       help="prompts the target answers (default: 480; 0 with --extra-data: train on that data only)")
-    train.add_argument("--prompt-mix", default="tasks", choices=["tasks", "docs", "articles"],
-                       help="prompt set: assistant-benchmark task shapes (default), the first heads' docs set, "
-                            "or articles: long contexts (summaries, questions over passages) and second turns "
-                            "built on the --extra-data transcripts")
-    train.add_argument("--init-head", default=None, metavar="DIR",
-                       help="start from this trained head (eagle3, medusa, self) instead of a new one; its draft "
-                            "vocabulary is kept")
-    train.add_argument("--copy-dim", type=int, default=0, metavar="N",
-                       help="eagle3: give the head a learned copy path (queries and keys of width N) that "
-                            "copies tokens from the context, mixed with its vocabulary by a learned gate; with "
-                            "--init-head, the loaded head gains a fresh one (default: 0, none)")
-    train.add_argument("--max-seq-len", type=int, default=1024,
-                       help="longest sequence (prompt + answer) generated and trained on (default: 1024)")
-    train.add_argument("--extra-data", nargs="+", default=(), metavar="DIR",
-                       help="data folders of earlier runs (OUT/data) whose shards are trained on too")
+    train.add_argument(
+        "--num-prompts",
+        type=int,
+        default=480,
+        help="prompts the target answers (default: 480; 0 with --extra-data: train on that data only)",
+    )
+    train.add_argument(
+        "--prompt-mix",
+        default="tasks",
+        choices=["tasks", "docs", "articles"],
+        help="prompt set: assistant-benchmark task shapes (default), the first heads' docs set, "
+        "or articles: long contexts (summaries, questions over passages) and second turns "
+        "built on the --extra-data transcripts",
+    )
+    train.add_argument(
+        "--init-head",
+        default=None,
+        metavar="DIR",
+        help="start from this trained head (eagle3, medusa, self) instead of a new one; its draft vocabulary is kept",
+    )
+    train.add_argument(
+        "--copy-dim",
+        type=int,
+        default=0,
+        metavar="N",
+        help="eagle3: give the head a learned copy path (queries and keys of width N) that "
+        "copies tokens from the context, mixed with its vocabulary by a learned gate; with "
+        "--init-head, the loaded head gains a fresh one (default: 0, none)",
+    )
+    train.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=1024,
+        help="longest sequence (prompt + answer) generated and trained on (default: 1024)",
+    )
+    train.add_argument(
+        "--extra-data",
+        nargs="+",
+        default=(),
+        metavar="DIR",
+        help="data folders of earlier runs (OUT/data) whose shards are trained on too",
+    )
     train.add_argument("--max-new-tokens", type=int, default=256, help="answer length (default: 256)")
     train.add_argument("--draft-vocab-size", type=int, default=8192, help="draft vocabulary (default: 8192)")
-    train.add_argument("--feature-layers", type=int, nargs="+", default=None,
-                       help="target layers fused into the head's input (default: low, middle, last)")
+    train.add_argument(
+        "--feature-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="target layers fused into the head's input (default: low, middle, last)",
+    )
     train.add_argument("--train-depths", type=int, default=3, help="draft depths unrolled in training (default: 3)")
     train.add_argument("--medusa-heads", type=int, default=4, help="medusa: heads = draft depths (default: 4)")
-    train.add_argument("--exit-layer", type=int, default=None,
-                       help="self: target layers the drafter runs (default: half, plus one; the data must "
-                            "hold the features of layer EXIT_LAYER - 1)")
+    train.add_argument(
+        "--exit-layer",
+        type=int,
+        default=None,
+        help="self: target layers the drafter runs (default: half, plus one; the data must "
+        "hold the features of layer EXIT_LAYER - 1)",
+    )
     train.add_argument("--draft-layers", type=int, default=2, help="draft: layers of the draft model (default: 2)")
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--learning-rate", type=float, default=1e-3)
@@ -194,42 +298,81 @@ def _add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks (Spec-Bench)")
     suites = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
     spec = suites.add_parser(
-        "specbench", help="Spec-Bench: speedup and acceptance per task vs plain decoding and peers",
+        "specbench",
+        help="Spec-Bench: speedup and acceptance per task vs plain decoding and peers",
         description="Answer Spec-Bench questions with plain decoding, every --speculative-config and the "
-                    "chosen peers, one request at a time, in one run; print the per-task tables and write "
-                    "summary.md, results.json (every per-question figure) and PNG plots to --out. With no "
-                    "--speculative-config, runs ngram and suffix.",
-        epilog=BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    spec.add_argument("--questions", required=True, metavar="FILE",
-                      help="Spec-Bench questions, one JSON object per line (question_id, category, turns)")
-    spec.add_argument("--categories", nargs="+", default=None, metavar="NAME",
-                      help="keep these tasks (multi-turn, translation, summarization, qa, math_reasoning, "
-                           "rag) or MT-bench categories (writing, coding, ...)")
-    spec.add_argument("--questions-per-task", type=int, default=None, metavar="N",
-                      help="at most N questions of each task, in file order (default: all)")
+        "chosen peers, one request at a time, in one run; print the per-task tables and write "
+        "summary.md, results.json (every per-question figure) and PNG plots to --out. With no "
+        "--speculative-config, runs ngram and suffix.",
+        epilog=BENCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    spec.add_argument(
+        "--questions",
+        required=True,
+        metavar="FILE",
+        help="Spec-Bench questions, one JSON object per line (question_id, category, turns)",
+    )
+    spec.add_argument(
+        "--categories",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="keep these tasks (multi-turn, translation, summarization, qa, math_reasoning, "
+        "rag) or MT-bench categories (writing, coding, ...)",
+    )
+    spec.add_argument(
+        "--questions-per-task",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N questions of each task, in file order (default: all)",
+    )
     spec.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="per turn (default: 128)")
-    spec.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
-                      help="a method to measure (repeatable), e.g. '{\"method\": \"suffix\"}'")
-    spec.add_argument("--peers", nargs="*", default=[], metavar="PEER",
-                      help="also run these engines on the same prompts: transformers (plain, prompt lookup, "
-                           "assistant model for a draft_model config), llama-cpp (plain, prompt lookup)")
-    spec.add_argument("--peer-draft-tokens", type=int, default=5, metavar="K",
-                      help="draft length of the peers' prompt lookup and assistant model (default: 5)")
+    spec.add_argument(
+        "--speculative-config",
+        action="append",
+        default=None,
+        metavar="JSON",
+        help='a method to measure (repeatable), e.g. \'{"method": "suffix"}\'',
+    )
+    spec.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        metavar="PEER",
+        help="also run these engines on the same prompts: transformers (plain, prompt lookup, "
+        "assistant model for a draft_model config), llama-cpp (plain, prompt lookup)",
+    )
+    spec.add_argument(
+        "--peer-draft-tokens",
+        type=int,
+        default=5,
+        metavar="K",
+        help="draft length of the peers' prompt lookup and assistant model (default: 5)",
+    )
     spec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     spec.add_argument("--top-p", type=float, default=1.0)
     spec.add_argument("--top-k", type=int, default=0)
     spec.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs")
-    spec.add_argument("--out", default=None, metavar="DIR",
-                      help="results folder (default: results/specbench-DATE-TIME)")
-    spec.add_argument("--interleave", action="store_true",
-                      help="quickdraft's runs answer each question in turn (not one whole run after another), "
-                           "so that the machine's drift over the benchmark falls on every run alike; "
-                           "memory is then not measured per run")
+    spec.add_argument(
+        "--out", default=None, metavar="DIR", help="results folder (default: results/specbench-DATE-TIME)"
+    )
+    spec.add_argument(
+        "--interleave",
+        action="store_true",
+        help="quickdraft's runs answer each question in turn (not one whole run after another), "
+        "so that the machine's drift over the benchmark falls on every run alike; "
+        "memory is then not measured per run",
+    )
     spec.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_options(spec)
-    redo = suites.add_parser("report", help="rewrite a results folder's tables and plots from its results.json",
-                             description="Recompute summary.md and the plots of a `bench specbench` results "
-                                         "folder from the per-question records in its results.json.")
+    redo = suites.add_parser(
+        "report",
+        help="rewrite a results folder's tables and plots from its results.json",
+        description="Recompute summary.md and the plots of a `bench specbench` results "
+        "folder from the per-question records in its results.json.",
+    )
     redo.add_argument("folder", metavar="DIR")
     _add_bench_serve_parser(suites)
 
@@ -244,32 +387,68 @@ examples:
 
 def _add_bench_serve_parser(suites) -> None:
     serve = suites.add_parser(
-        "serve", help="the OpenAI server under concurrent streaming clients: off vs always-on vs adaptive",
+        "serve",
+        help="the OpenAI server under concurrent streaming clients: off vs always-on vs adaptive",
         description="Start the real server in this process (loopback, a free port) once per speculative mode: "
-                    "off (plain decoding), always-on (--speculative-config) and adaptive (the same plus "
-                    "\"adaptive\": true). At each --concurrency level, that many clients each stream "
-                    "--requests-per-client greedy completions of Spec-Bench first turns. Writes summary.md "
-                    "(throughput and its ratio to off, TTFT / TPOT median and p90, acceptance, whether the "
-                    "outputs equal plain decoding's) and results.json (every request) to --out.",
-        epilog=BENCH_SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("--speculative-config", required=True, metavar="JSON",
-                       help="the always-on config, e.g. '{\"method\": \"suffix\"}' (without \"adaptive\")")
-    serve.add_argument("--questions", default="../shared/data/specbench/questions.dev.jsonl", metavar="FILE",
-                       help="Spec-Bench questions, one JSON object per line; first turns are the prompts, "
-                            "interleaved across tasks and cycled (default: %(default)s)")
-    serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32], metavar="C",
-                       help="concurrent clients per level (default: 1 4 16 32)")
-    serve.add_argument("--requests-per-client", type=int, default=2, metavar="N",
-                       help="requests each client sends, one after another (default: 2)")
-    serve.add_argument("--modes", nargs="+", default=["off", "always-on", "adaptive"], metavar="MODE",
-                       help="which of off, always-on, adaptive to run; off always runs, every figure is a ratio "
-                            "to it (default: all three)")
+        "off (plain decoding), always-on (--speculative-config) and adaptive (the same plus "
+        '"adaptive": true). At each --concurrency level, that many clients each stream '
+        "--requests-per-client greedy completions of Spec-Bench first turns. Writes summary.md "
+        "(throughput and its ratio to off, TTFT / TPOT median and p90, acceptance, whether the "
+        "outputs equal plain decoding's) and results.json (every request) to --out.",
+        epilog=BENCH_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "--speculative-config",
+        required=True,
+        metavar="JSON",
+        help='the always-on config, e.g. \'{"method": "suffix"}\' (without "adaptive")',
+    )
+    serve.add_argument(
+        "--questions",
+        default="../shared/data/specbench/questions.dev.jsonl",
+        metavar="FILE",
+        help="Spec-Bench questions, one JSON object per line; first turns are the prompts, "
+        "interleaved across tasks and cycled (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16, 32],
+        metavar="C",
+        help="concurrent clients per level (default: 1 4 16 32)",
+    )
+    serve.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=2,
+        metavar="N",
+        help="requests each client sends, one after another (default: 2)",
+    )
+    serve.add_argument(
+        "--modes",
+        nargs="+",
+        default=["off", "always-on", "adaptive"],
+        metavar="MODE",
+        help="which of off, always-on, adaptive to run; off always runs, every figure is a ratio "
+        "to it (default: all three)",
+    )
     serve.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: 128)")
-    serve.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
-                       help="per level: after this long, clients send no further request (each still sends "
-                            "its first) (default: 300)")
-    serve.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                       help="KV cache slots of the server (default: the largest --concurrency)")
+    serve.add_argument(
+        "--time-limit",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="per level: after this long, clients send no further request (each still sends its first) (default: 300)",
+    )
+    serve.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV cache slots of the server (default: the largest --concurrency)",
+    )
     serve.add_argument("--out", default=None, metavar="DIR", help="results folder (default: results/serve-DATE-TIME)")
     _add_model_options(serve)
 
@@ -278,10 +457,17 @@ def _sampling_params(args):
     from quickdraft.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
 
 
@@ -290,10 +476,16 @@ def run_generate(args) -> int:
 
     params = _sampling_params(args)
     load_start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-              max_model_len=args.max_model_len,
-              speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
-              speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
+        speculative_model=args.speculative_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
     load_seconds = time.perf_counter() - load_start
     prompt = args.prompt
     if args.chat:
@@ -355,14 +547,26 @@ def run_bench(args) -> int:
 
     configs = [_parse_json_option(c, "--speculative-config") for c in (args.speculative_config or [])]
     options = BenchOptions(
-        questions=Path(args.questions), categories=tuple(args.categories) if args.categories else None,
-        questions_per_task=args.questions_per_task, model=args.model, dtype=args.dtype,
-        quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
+        questions=Path(args.questions),
+        categories=tuple(args.categories) if args.categories else None,
+        questions_per_task=args.questions_per_task,
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        max_model_len=args.max_model_len,
         speculative_configs=configs or [{"method": "ngram"}, {"method": "suffix"}],
-        peers=tuple(args.peers), peer_draft_tokens=args.peer_draft_tokens,
-        sampling=BenchSampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_p=args.top_p, top_k=args.top_k, seed=args.seed),
-        progress=not args.no_progress, interleave=args.interleave,
+        peers=tuple(args.peers),
+        peer_draft_tokens=args.peer_draft_tokens,
+        sampling=BenchSampling(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        ),
+        progress=not args.no_progress,
+        interleave=args.interleave,
     )
     out_dir = Path(args.out) if args.out else default_out_dir()
     report = run_specbench(options, command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv))
@@ -391,14 +595,24 @@ def run_bench_serve(args) -> int:
 
     options = ServingBenchOptions(
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
-        questions=Path(args.questions), model=args.model, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len, concurrency=tuple(args.concurrency),
-        requests_per_client=args.requests_per_client, max_tokens=args.max_tokens, modes=tuple(args.modes),
-        time_limit_seconds=args.time_limit, max_num_seqs=args.max_num_seqs,
+        questions=Path(args.questions),
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        concurrency=tuple(args.concurrency),
+        requests_per_client=args.requests_per_client,
+        max_tokens=args.max_tokens,
+        modes=tuple(args.modes),
+        time_limit_seconds=args.time_limit,
+        max_num_seqs=args.max_num_seqs,
     )
     out_dir = Path(args.out) if args.out else default_out_dir()
-    report = run_serving_bench(options, command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
-                               log=lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_serving_bench(
+        options,
+        command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     written = write_report(report, out_dir)
     print(summary_markdown(report))
     print("written: " + ", ".join(str(p) for p in written))
@@ -409,24 +623,42 @@ def run_train_head(args) -> int:
     from quickdraft.train.heads import TrainHeadConfig, train_head
 
     config = TrainHeadConfig(
-        out=args.out, method=args.method, target=args.target, dtype=args.dtype, device=args.device,
-        num_prompts=args.num_prompts, prompt_mix=args.prompt_mix, extra_data=tuple(args.extra_data),
-        init_head=args.init_head, copy_dim=args.copy_dim, max_seq_len=args.max_seq_len,
-        max_new_tokens=args.max_new_tokens, draft_vocab_size=args.draft_vocab_size,
+        out=args.out,
+        method=args.method,
+        target=args.target,
+        dtype=args.dtype,
+        device=args.device,
+        num_prompts=args.num_prompts,
+        prompt_mix=args.prompt_mix,
+        extra_data=tuple(args.extra_data),
+        init_head=args.init_head,
+        copy_dim=args.copy_dim,
+        max_seq_len=args.max_seq_len,
+        max_new_tokens=args.max_new_tokens,
+        draft_vocab_size=args.draft_vocab_size,
         feature_layers=tuple(args.feature_layers) if args.feature_layers else None,
-        train_depths=args.train_depths, medusa_heads=args.medusa_heads, exit_layer=args.exit_layer,
-        draft_layers=args.draft_layers, epochs=args.epochs, learning_rate=args.learning_rate, seed=args.seed,
+        train_depths=args.train_depths,
+        medusa_heads=args.medusa_heads,
+        exit_layer=args.exit_layer,
+        draft_layers=args.draft_layers,
+        epochs=args.epochs,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
         command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
     )
     report = train_head(config, progress=not args.no_progress)
     accuracy = ", ".join(f"{a:.2f}" for a in report.val_accuracy_by_depth)
-    print(f"[quickdraft] head written to {config.out / 'head'} ({report.head_bytes / 1e6:.1f} MB, "
-          f"{report.parameters / 1e6:.1f}M parameters); trained on {report.train_answer_tokens} answer tokens of "
-          f"{report.train_sequences} sequences, draft vocabulary covers {report.draft_vocab_coverage:.1%}")
-    print(f"[quickdraft] validation: top-1 accuracy by depth [{accuracy}], greedy chain acceptance length "
-          f"{report.val_chain_acceptance_length:.2f} (of {len(report.val_accuracy_by_depth) + 1}); a draft token "
-          f"reads {report.draft_token_cost:.1%} of the weights a target token does; "
-          f"times {', '.join(f'{k} {v:.0f} s' for k, v in report.seconds.items())}")
+    print(
+        f"[quickdraft] head written to {config.out / 'head'} ({report.head_bytes / 1e6:.1f} MB, "
+        f"{report.parameters / 1e6:.1f}M parameters); trained on {report.train_answer_tokens} answer tokens of "
+        f"{report.train_sequences} sequences, draft vocabulary covers {report.draft_vocab_coverage:.1%}"
+    )
+    print(
+        f"[quickdraft] validation: top-1 accuracy by depth [{accuracy}], greedy chain acceptance length "
+        f"{report.val_chain_acceptance_length:.2f} (of {len(report.val_accuracy_by_depth) + 1}); a draft token "
+        f"reads {report.draft_token_cost:.1%} of the weights a target token does; "
+        f"times {', '.join(f'{k} {v:.0f} s' for k, v in report.seconds.items())}"
+    )
     return 0
 
 
@@ -437,15 +669,24 @@ def run_serve(args) -> int:
     if args.model_path is not None and args.model is not None and args.model_path != args.model:
         raise ValueError(f"give the model once: MODEL {args.model_path!r} and --model {args.model!r} differ")
     # Options left unset keep ServerConfig's defaults (one place for them).
-    optional = {"max_request_bytes": args.max_request_bytes,
-                "request_read_timeout_seconds": args.request_read_timeout,
-                "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None}
+    optional = {
+        "max_request_bytes": args.max_request_bytes,
+        "request_read_timeout_seconds": args.request_read_timeout,
+        "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+    }
     config = ServerConfig(
-        model=args.model_path or args.model, served_model_name=args.served_model_name, host=args.host,
-        port=args.port, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+        model=args.model_path or args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_queue=args.max_queue,
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
-        shutdown_grace_seconds=args.shutdown_grace, log_level=args.log_level,
+        shutdown_grace_seconds=args.shutdown_grace,
+        log_level=args.log_level,
         **{name: value for name, value in optional.items() if value is not None},
     )
     run_server(config)
@@ -499,8 +740,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"generate": run_generate, "bench": run_bench, "train-head": run_train_head,
-                "serve": run_serve}[args.command](args)
+        return {"generate": run_generate, "bench": run_bench, "train-head": run_train_head, "serve": run_serve}[
+            args.command
+        ](args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"quickdraft: error: {err}", file=sys.stderr)
         return 2

@@ -18,16 +18,14 @@ class EngineConfig:
     max_num_seqs: int = 8  # requests decoded together (KV cache slots)
     max_num_batched_tokens: int = 512  # tokens per forward; longer prompts prefill in chunks
     seed: int = 0  # seeds the RNG of requests that give no seed of their own
-    speculative_config: "SpeculativeConfig | dict | None" = None
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 2
-        ):
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
@@ -84,7 +82,7 @@ class SpeculativeConfig:
             raise ValueError(f"adaptive_prior must be a number in (0, 1), got {prior!r}")
 
     @classmethod
-    def from_dict(cls, config: dict) -> "SpeculativeConfig":
+    def from_dict(cls, config: dict) -> SpeculativeConfig:
         if config.get("model") == SELF_DRAFTER:  # vLLM's spelling of layer-skip self-drafting
             if config.get("method", "self") != "self":
                 raise ValueError(f"speculative model {SELF_DRAFTER!r} is the 'self' method, not {config['method']!r}")
@@ -94,7 +92,14 @@ class SpeculativeConfig:
                 config = {**config, "method": "draft_model"}
             else:
                 raise ValueError("speculative_config needs a 'method' (e.g. ngram, suffix, draft_model)")
-        known = {"method", "num_speculative_tokens", "model", "dynamic_draft_length", "adaptive", "adaptive_prior",
-                 "adaptive_probe_every"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "model",
+            "dynamic_draft_length",
+            "adaptive",
+            "adaptive_prior",
+            "adaptive_probe_every",
+        }
         options = {k: v for k, v in config.items() if k not in known}
         return cls(**{k: v for k, v in config.items() if k in known}, drafter_options=options)

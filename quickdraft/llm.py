@@ -36,11 +36,16 @@ class LLM:
         speculative_model: str | None = None,
         num_speculative_tokens: int | None = None,
     ):
-        speculative_config = _merge_speculative_args(speculative_config, speculative_model,
-                                                     num_speculative_tokens)
+        speculative_config = _merge_speculative_args(speculative_config, speculative_model, num_speculative_tokens)
         self.config = EngineConfig(
-            model=model, dtype=dtype, quantization=quantization, device=device, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+            model=model,
+            dtype=dtype,
+            quantization=quantization,
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed,
             speculative_config=speculative_config,
         )
         self.engine = Engine(self.config)
@@ -114,13 +119,13 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = self._render_chat(conversation, chat_template, add_generation_prompt)
-            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
-                            "prompt": text})
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         return self.generate(prompts, sampling_params)
 
     def _render_chat(self, conversation, chat_template, add_generation_prompt) -> str:
         return self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         if isinstance(prompt, str):

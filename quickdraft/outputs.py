@@ -162,9 +162,11 @@ class EngineMetrics(AcceptanceFigures):
         self.num_drafts += m.num_drafts
         self.num_draft_tokens += m.num_draft_tokens
         self.num_accepted_tokens += m.num_accepted_tokens
-        for mine, theirs in ((self.accepted_per_position, m.accepted_per_position),
-                             (self.drafted_per_position, m.drafted_per_position),
-                             (self.draft_length_choices, m.draft_length_choices)):
+        for mine, theirs in (
+            (self.accepted_per_position, m.accepted_per_position),
+            (self.drafted_per_position, m.drafted_per_position),
+            (self.draft_length_choices, m.draft_length_choices),
+        ):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, count in enumerate(theirs):
                 mine[i] += count

@@ -53,15 +53,9 @@ class SamplingParams:
         self.top_p = _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         self.top_k = _check_int("top_k", self.top_k, low=-1)
         self.min_p = _check_float("min_p", self.min_p, low=0.0, high=1.0)
-        self.repetition_penalty = _check_float(
-            "repetition_penalty", self.repetition_penalty, low=0.0, low_open=True
-        )
-        self.presence_penalty = _check_float(
-            "presence_penalty", self.presence_penalty, low=-2.0, high=2.0
-        )
-        self.frequency_penalty = _check_float(
-            "frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0
-        )
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
 
@@ -69,9 +63,7 @@ class SamplingParams:
             self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
         self.min_tokens = _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
-            )
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
 
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)

@@ -7,8 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=320, max_position_embeddings=512)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=512,
+)
 
 
 def tiny_hf_config(arch: str):
@@ -16,15 +23,29 @@ def tiny_hf_config(arch: str):
 
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(
-            **TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            **TINY,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            bos_token_id=2, eos_token_id=1, pad_token_id=0)
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
     if arch == "llama":
         return transformers.LlamaConfig(
-            **{**TINY, "max_position_embeddings": 16384}, bos_token_id=1, eos_token_id=2,
-            rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                             "rope_theta": 500000.0})
+            **{**TINY, "max_position_embeddings": 16384},
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0,
+            },
+        )
     if arch == "qwen2":
         return transformers.Qwen2Config(**TINY, bos_token_id=1, eos_token_id=2)
     if arch == "qwen3":
@@ -45,8 +66,12 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
             if "norm" in name or name.endswith("bias"):
                 param.normal_(0.0, 0.3)
     model.save_pretrained(out_dir)
-    write_tiny_tokenizer(out_dir, bos="<bos>" if arch == "gemma3" else "<s>",
-                         eos="<eos>" if arch == "gemma3" else "</s>", chat=arch == "qwen3")
+    write_tiny_tokenizer(
+        out_dir,
+        bos="<bos>" if arch == "gemma3" else "<s>",
+        eos="<eos>" if arch == "gemma3" else "</s>",
+        chat=arch == "qwen3",
+    )
     return out_dir
 
 

@@ -25,9 +25,16 @@ def count_outputs(llm, prompt, params_list) -> dict[tuple[int, ...], int]:
     return counts
 
 
-def assert_speculation_keeps_sampling(target: str, spec: dict, *, prompt: list[int], draws: int = 1200,
-                                      min_draft_tokens: int = 1000, top_k: int = 3,
-                                      require_accepts: bool = True) -> None:
+def assert_speculation_keeps_sampling(
+    target: str,
+    spec: dict,
+    *,
+    prompt: list[int],
+    draws: int = 1200,
+    min_draft_tokens: int = 1000,
+    top_k: int = 3,
+    require_accepts: bool = True,
+) -> None:
     """`draws` seeded 3-token samples (temperature 1, top-k) come out with the same distribution
     plainly and with `spec`, which must have drafted at least `min_draft_tokens` tokens (and had
     some accepted, unless `require_accepts` is off: a random head sees only the few contexts of

@@ -21,8 +21,9 @@ def test_no_command_prints_help(capsys):
 
 
 def test_generate_streams_and_summarises(tiny_checkpoints, capsys):
-    code = main(["generate", "hello", "--model", str(tiny_checkpoints["llama"]), "--max-tokens", "5",
-                 "--max-model-len", "64"])
+    code = main(
+        ["generate", "hello", "--model", str(tiny_checkpoints["llama"]), "--max-tokens", "5", "--max-model-len", "64"]
+    )
     captured = capsys.readouterr()
     assert code == 0
     assert captured.out.startswith("hello")
@@ -42,9 +43,21 @@ def test_parser_defaults_are_greedy():
 
 
 def test_speculative_generate_prints_acceptance_and_speedup(tiny_checkpoints, capsys):
-    code = main(["generate", "abcabcabcabc", "--model", str(tiny_checkpoints["gemma3"]), "--max-tokens", "24",
-                 "--max-model-len", "128", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
-                 "--compare-plain"])
+    code = main(
+        [
+            "generate",
+            "abcabcabcabc",
+            "--model",
+            str(tiny_checkpoints["gemma3"]),
+            "--max-tokens",
+            "24",
+            "--max-model-len",
+            "128",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4}',
+            "--compare-plain",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0
     assert "speculation:" in err and "acceptance length" in err and "accepted by position" in err
@@ -66,20 +79,51 @@ def test_train_head_options_reach_the_config_and_errors_are_clear(tmp_path, caps
         raise ValueError("stop here")
 
     monkeypatch.setattr(heads, "train_head", fake_train)
-    code = main(["train-head", "--method", "self", "--out", str(tmp_path / "o"), "--exit-layer", "7",
-                 "--num-prompts", "40", "--prompt-mix", "docs", "--draft-vocab-size", "4096", "--no-progress"])
+    code = main(
+        [
+            "train-head",
+            "--method",
+            "self",
+            "--out",
+            str(tmp_path / "o"),
+            "--exit-layer",
+            "7",
+            "--num-prompts",
+            "40",
+            "--prompt-mix",
+            "docs",
+            "--draft-vocab-size",
+            "4096",
+            "--no-progress",
+        ]
+    )
     assert code == 2 and "stop here" in capsys.readouterr().err
     config = seen["config"]
-    assert (config.method, config.exit_layer, config.num_prompts, config.prompt_mix, config.draft_vocab_size) == \
-        ("self", 7, 40, "docs", 4096)
+    assert (config.method, config.exit_layer, config.num_prompts, config.prompt_mix, config.draft_vocab_size) == (
+        "self",
+        7,
+        40,
+        "docs",
+        4096,
+    )
     assert config.command.startswith("quickdraft train-head --method self")
     assert main(["train-head", "--out", str(tmp_path / "o"), "--extra-data", str(tmp_path)]) == 2
     assert "holds no shard" in capsys.readouterr().err
     from tests.drafters.test_eagle import random_head
 
     random_head(tmp_path / "trained")
-    code = main(["train-head", "--out", str(tmp_path / "o"), "--init-head", str(tmp_path / "trained"),
-                 "--copy-dim", "32", "--no-progress"])
+    code = main(
+        [
+            "train-head",
+            "--out",
+            str(tmp_path / "o"),
+            "--init-head",
+            str(tmp_path / "trained"),
+            "--copy-dim",
+            "32",
+            "--no-progress",
+        ]
+    )
     assert code == 2 and "stop here" in capsys.readouterr().err
     assert seen["config"].copy_dim == 32 and seen["config"].init_head == tmp_path / "trained"
 

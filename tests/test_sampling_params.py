@@ -121,7 +121,7 @@ def test_n_error_says_only_one_is_supported():
 
 
 def test_min_tokens_above_max_tokens_names_both():
-    with pytest.raises(ValueError, match="min_tokens.*max_tokens"):
+    with pytest.raises(ValueError, match=r"min_tokens.*max_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
 
 

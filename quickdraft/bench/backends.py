@@ -66,16 +66,25 @@ class QuickdraftBackend:
     def generate(self, prompt_ids: list[int], *, sampling: BenchSampling, seed: int) -> TurnRecord:
         from quickdraft.sampling_params import SamplingParams
 
-        params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
+        params = SamplingParams(
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=seed,
+        )
         start = time.perf_counter()
         output = self.llm.generate([{"prompt_token_ids": prompt_ids}], params)[0]
         seconds = time.perf_counter() - start
         m = output.metrics
         return TurnRecord(
-            seconds=seconds, ttft=m.first_token_time - start, token_ids=list(output.outputs[0].token_ids),
-            text=output.outputs[0].text, target_forwards=m.num_target_forwards,
-            draft_tokens=m.num_draft_tokens, accepted_tokens=m.num_accepted_tokens,
+            seconds=seconds,
+            ttft=m.first_token_time - start,
+            token_ids=list(output.outputs[0].token_ids),
+            text=output.outputs[0].text,
+            target_forwards=m.num_target_forwards,
+            draft_tokens=m.num_draft_tokens,
+            accepted_tokens=m.num_accepted_tokens,
             accepted_per_position=list(m.accepted_per_position),
             drafted_per_position=list(m.drafted_per_position),
         )
@@ -89,9 +98,20 @@ class TransformersBackend:
 
     engine = "transformers"
 
-    def __init__(self, *, name: str, model_dir: Path, dtype: str, device: str, eos_token_ids: list[int],
-                 decode, reference: str | None, prompt_lookup_num_tokens: int | None = None,
-                 assistant_dir: Path | None = None, num_assistant_tokens: int | None = None):
+    def __init__(
+        self,
+        *,
+        name: str,
+        model_dir: Path,
+        dtype: str,
+        device: str,
+        eos_token_ids: list[int],
+        decode,
+        reference: str | None,
+        prompt_lookup_num_tokens: int | None = None,
+        assistant_dir: Path | None = None,
+        num_assistant_tokens: int | None = None,
+    ):
         try:
             import transformers
         except ImportError as err:
@@ -139,14 +159,19 @@ class TransformersBackend:
         import torch
 
         streamer = _FirstTokenClock()
-        kwargs = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=self.eos_token_ids,
-                      pad_token_id=self.eos_token_ids[0], streamer=streamer)
+        kwargs = dict(
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.eos_token_ids[0],
+            streamer=streamer,
+        )
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
             torch.manual_seed(seed)
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k or None)
+            kwargs.update(
+                do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None
+            )
         if self.prompt_lookup_num_tokens:
             kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
         if self.assistant is not None:
@@ -157,9 +182,14 @@ class TransformersBackend:
         with torch.inference_mode():
             out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
         seconds = time.perf_counter() - start
-        token_ids = out[0, len(prompt_ids):].tolist()
-        return TurnRecord(seconds=seconds, ttft=(streamer.first_token_time or time.perf_counter()) - start,
-                          token_ids=token_ids, text=self.decode(token_ids), target_forwards=self.forwards)
+        token_ids = out[0, len(prompt_ids) :].tolist()
+        return TurnRecord(
+            seconds=seconds,
+            ttft=(streamer.first_token_time or time.perf_counter()) - start,
+            token_ids=token_ids,
+            text=self.decode(token_ids),
+            target_forwards=self.forwards,
+        )
 
     def close(self) -> None:
         self.model = self.assistant = None
@@ -186,13 +216,21 @@ class LlamaCppBackend:
 
     engine = "llama.cpp"
 
-    def __init__(self, *, name: str, gguf_path: Path | None, eos_token_ids: list[int], decode,
-                 reference: str | None, n_ctx: int, num_pred_tokens: int | None = None):
+    def __init__(
+        self,
+        *,
+        name: str,
+        gguf_path: Path | None,
+        eos_token_ids: list[int],
+        decode,
+        reference: str | None,
+        n_ctx: int,
+        num_pred_tokens: int | None = None,
+    ):
         try:
             import llama_cpp
         except ImportError as err:
-            raise PeerUnavailable(
-                f"llama-cpp-python is not installed ({err}); see scripts/setup-peers.sh") from err
+            raise PeerUnavailable(f"llama-cpp-python is not installed ({err}); see scripts/setup-peers.sh") from err
         if gguf_path is None:
             raise PeerUnavailable("llama-cpp-python needs a GGUF file; this model is an HF directory")
         self.llama_cpp = llama_cpp
@@ -215,9 +253,15 @@ class LlamaCppBackend:
             self.draft = _CountingPromptLookup(self.llama_cpp, num_pred_tokens=self.num_pred_tokens)
         # With a drafter llama-cpp-python keeps every position's logits, but sizes that buffer from
         # `logits_all` alone (0.3.x): without logits_all=True a prompt over n_batch tokens fails.
-        self.llama = self.llama_cpp.Llama(model_path=str(self.gguf_path), n_ctx=self.n_ctx, n_batch=512,
-                                          n_threads=torch.get_num_threads(), draft_model=self.draft,
-                                          logits_all=self.draft is not None, verbose=False)
+        self.llama = self.llama_cpp.Llama(
+            model_path=str(self.gguf_path),
+            n_ctx=self.n_ctx,
+            n_batch=512,
+            n_threads=torch.get_num_threads(),
+            draft_model=self.draft,
+            logits_all=self.draft is not None,
+            verbose=False,
+        )
 
     def generate(self, prompt_ids: list[int], *, sampling: BenchSampling, seed: int) -> TurnRecord:
         self.llama.reset()  # no prefix reuse across turns: every engine prefills the whole prompt
@@ -227,8 +271,15 @@ class LlamaCppBackend:
         token_ids: list[int] = []
         first_token_time = None
         start = time.perf_counter()
-        for token in self.llama.generate(prompt_ids, temp=sampling.temperature, top_p=sampling.top_p,
-                                         top_k=sampling.top_k, min_p=0.0, repeat_penalty=1.0, reset=True):
+        for token in self.llama.generate(
+            prompt_ids,
+            temp=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=0.0,
+            repeat_penalty=1.0,
+            reset=True,
+        ):
             if first_token_time is None:
                 first_token_time = time.perf_counter()
             token_ids.append(token)
@@ -237,8 +288,13 @@ class LlamaCppBackend:
         seconds = time.perf_counter() - start
         # With the drafter, every target evaluation after the prompt asks it for a draft.
         forwards = 1 + self.draft.calls if self.draft is not None else len(token_ids)
-        return TurnRecord(seconds=seconds, ttft=(first_token_time or start) - start, token_ids=token_ids,
-                          text=self.decode(token_ids), target_forwards=min(forwards, len(token_ids)))
+        return TurnRecord(
+            seconds=seconds,
+            ttft=(first_token_time or start) - start,
+            token_ids=token_ids,
+            text=self.decode(token_ids),
+            target_forwards=min(forwards, len(token_ids)),
+        )
 
     def close(self) -> None:
         if self.llama is not None:

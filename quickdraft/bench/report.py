@@ -7,8 +7,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from quickdraft.bench.plots import plot_acceptance_by_position, plot_speedup_by_task
 from quickdraft.bench.backends import BenchSampling
+from quickdraft.bench.plots import plot_acceptance_by_position, plot_speedup_by_task
 from quickdraft.bench.runner import MB, BenchOptions, BenchReport, RunReport, summarize_report
 from quickdraft.bench.specbench import QuestionResult, TurnRecord
 
@@ -34,8 +34,10 @@ def leaderboard_table(report: BenchReport) -> str:
     tasks = list(runs[0].summary)
     lines = ["| run | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
     for run in runs:
-        cells = [f"{row['speedup']:.2f}x ({_fmt(row['mean_accepted_tokens'], '{:.2f}')})"
-                 for row in (run.summary[t] for t in tasks)]
+        cells = [
+            f"{row['speedup']:.2f}x ({_fmt(row['mean_accepted_tokens'], '{:.2f}')})"
+            for row in (run.summary[t] for t in tasks)
+        ]
         lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -51,8 +53,11 @@ def peak_memory_mb(report: BenchReport, run: RunReport) -> float | None:
 
 def details_table(report: BenchReport) -> str:
     """Overall figures per run: throughput, exactness, latency, memory."""
-    lines = ["| run | tok/s | speedup | vs reference | exact match | mean accepted | acceptance rate | "
-             "TTFT ms | TPOT ms | peak MB | drafter MB |", "|---" * 11 + "|"]
+    lines = [
+        "| run | tok/s | speedup | vs reference | exact match | mean accepted | acceptance rate | "
+        "TTFT ms | TPOT ms | peak MB | drafter MB |",
+        "|---" * 11 + "|",
+    ]
     for run in report.runs:
         if not run.summary:
             continue
@@ -69,7 +74,8 @@ def details_table(report: BenchReport) -> str:
             f"{_fmt(row['speedup_vs_reference'], '{:.2f}x')} | {exact} | "
             f"{_fmt(row['mean_accepted_tokens'], '{:.2f}')} | {_fmt(row['acceptance_rate'], '{:.2f}')} | "
             f"{_fmt(row['ttft'], '{:.0f}', scale=1e3)} | {_fmt(row['tpot'], '{:.1f}', scale=1e3)} | "
-            f"{_fmt(peak_memory_mb(report, run), '{:.0f}')} | {_fmt(drafter, '{:+.0f}')} |")
+            f"{_fmt(peak_memory_mb(report, run), '{:.0f}')} | {_fmt(drafter, '{:+.0f}')} |"
+        )
     return "\n".join(lines)
 
 
@@ -114,13 +120,27 @@ def report_json(report: BenchReport) -> dict:
     options = asdict(report.options)
     options["questions"] = str(options["questions"])
     return dict(
-        header=report.header, command=report.command, options=options,
-        runs=[dict(name=r.name, engine=r.engine, setting=r.setting, reference=r.reference, error=r.error,
-                   seconds=r.seconds, peak_memory_bytes=r.peak_memory_bytes,
-                   memory_base_bytes=r.memory_base_bytes, peak_memory_mb=peak_memory_mb(report, r), drafter_memory_bytes=r.drafter_memory_bytes,
-                   summary=r.summary, acceptance_by_position=r.acceptance_by_position,
-                   questions=None if r.results is None else [q.to_dict() for q in r.results])
-              for r in report.runs],
+        header=report.header,
+        command=report.command,
+        options=options,
+        runs=[
+            dict(
+                name=r.name,
+                engine=r.engine,
+                setting=r.setting,
+                reference=r.reference,
+                error=r.error,
+                seconds=r.seconds,
+                peak_memory_bytes=r.peak_memory_bytes,
+                memory_base_bytes=r.memory_base_bytes,
+                peak_memory_mb=peak_memory_mb(report, r),
+                drafter_memory_bytes=r.drafter_memory_bytes,
+                summary=r.summary,
+                acceptance_by_position=r.acceptance_by_position,
+                questions=None if r.results is None else [q.to_dict() for q in r.results],
+            )
+            for r in report.runs
+        ],
     )
 
 
@@ -143,8 +163,11 @@ def plot_results(out_dir: Path) -> list[Path]:
     runs = [r for r in data["runs"] if r["summary"]]
     speedups = {r["name"]: r["summary"] for r in runs if r["reference"] != r["name"]}
     plot_speedup_by_task(speedups, out_dir / SPEEDUP_PLOT, title=data["header"])
-    plot_acceptance_by_position({r["name"]: r["acceptance_by_position"] for r in runs if r["acceptance_by_position"]},
-                                out_dir / ACCEPTANCE_PLOT, title=data["header"])
+    plot_acceptance_by_position(
+        {r["name"]: r["acceptance_by_position"] for r in runs if r["acceptance_by_position"]},
+        out_dir / ACCEPTANCE_PLOT,
+        title=data["header"],
+    )
     return [out_dir / SPEEDUP_PLOT, out_dir / ACCEPTANCE_PLOT]
 
 
@@ -163,13 +186,27 @@ def load_report(out_dir: Path) -> BenchReport:
     for run in data["runs"]:
         results = None
         if run["questions"] is not None:
-            results = [QuestionResult(question_id=q["question_id"], category=q["category"],
-                                      turns=[TurnRecord(**turn) for turn in q["turns"]]) for q in run["questions"]]
-        runs.append(RunReport(name=run["name"], engine=run["engine"], setting=run["setting"],
-                              reference=run["reference"], results=results, error=run["error"],
-                              peak_memory_bytes=run["peak_memory_bytes"], memory_base_bytes=run["memory_base_bytes"],
-                              seconds=run["seconds"]))
-    report = BenchReport(options=BenchOptions(**options), runs=runs, header=data["header"],
-                         command=data.get("command"))
+            results = [
+                QuestionResult(
+                    question_id=q["question_id"],
+                    category=q["category"],
+                    turns=[TurnRecord(**turn) for turn in q["turns"]],
+                )
+                for q in run["questions"]
+            ]
+        runs.append(
+            RunReport(
+                name=run["name"],
+                engine=run["engine"],
+                setting=run["setting"],
+                reference=run["reference"],
+                results=results,
+                error=run["error"],
+                peak_memory_bytes=run["peak_memory_bytes"],
+                memory_base_bytes=run["memory_base_bytes"],
+                seconds=run["seconds"],
+            )
+        )
+    report = BenchReport(options=BenchOptions(**options), runs=runs, header=data["header"], command=data.get("command"))
     summarize_report(report)
     return report

@@ -9,7 +9,6 @@ tables, the per-question JSON and the plots.
 from __future__ import annotations
 
 import gc
-import json
 import platform
 import time
 from dataclasses import dataclass, field
@@ -67,7 +66,7 @@ class BenchOptions:
         if not 1 <= self.peer_draft_tokens <= 63:
             raise ValueError(f"peer_draft_tokens must be in 1..63, got {self.peer_draft_tokens}")
         for config in self.speculative_configs:
-            if not isinstance(config, dict) or not config.get("method") and not config.get("model"):
+            if not isinstance(config, dict) or (not config.get("method") and not config.get("model")):
                 raise ValueError(f"speculative config {config!r} needs a 'method'")
 
 
@@ -108,10 +107,11 @@ def method_label(config: dict) -> str:
     if config.get(LABEL_KEY):
         return str(config[LABEL_KEY])
     method = config.get("method", "draft_model")
-    parts = [f"{key}={_short_value(value)}" for key, value in sorted(config.items())
-             if key not in ("method", LABEL_KEY)]
+    parts = [
+        f"{key}={_short_value(value)}" for key, value in sorted(config.items()) if key not in ("method", LABEL_KEY)
+    ]
     label = " ".join([method, *parts])
-    return label if len(label) <= _LABEL_WIDTH else label[:_LABEL_WIDTH - 1] + "…"
+    return label if len(label) <= _LABEL_WIDTH else label[: _LABEL_WIDTH - 1] + "…"
 
 
 def _short_value(value) -> str:
@@ -125,28 +125,43 @@ def _short_value(value) -> str:
 def run_specbench(options: BenchOptions, *, command: str | None = None) -> BenchReport:
     from quickdraft.llm import LLM
 
-    questions = load_questions(options.questions, per_task=options.questions_per_task,
-                               categories=options.categories)
+    questions = load_questions(options.questions, per_task=options.questions_per_task, categories=options.categories)
     baseline_rss = current_rss_bytes()
-    llm = LLM(options.model, dtype=options.dtype, quantization=options.quantization, device=options.device,
-              max_model_len=options.max_model_len,
-              max_num_seqs=1, seed=options.sampling.seed)
+    llm = LLM(
+        options.model,
+        dtype=options.dtype,
+        quantization=options.quantization,
+        device=options.device,
+        max_model_len=options.max_model_len,
+        max_num_seqs=1,
+        seed=options.sampling.seed,
+    )
     tokenizer = llm.tokenizer
     header = _header(options, questions, llm)
     quickdraft_runs = [QuickdraftBackend(llm, name=PLAIN, speculative_config=None, reference=PLAIN)]
     for config in options.speculative_configs:
         engine_config = {key: value for key, value in config.items() if key != LABEL_KEY}
-        quickdraft_runs.append(QuickdraftBackend(llm, name=f"quickdraft {method_label(config)}",
-                                                 speculative_config=engine_config, reference=PLAIN))
+        quickdraft_runs.append(
+            QuickdraftBackend(
+                llm, name=f"quickdraft {method_label(config)}", speculative_config=engine_config, reference=PLAIN
+            )
+        )
     peer_specs = _peer_specs(options, llm)
-    progress = _progress(total=len(questions) * (len(quickdraft_runs) + len(peer_specs)),
-                         enabled=options.progress)
+    progress = _progress(total=len(questions) * (len(quickdraft_runs) + len(peer_specs)), enabled=options.progress)
     if options.interleave:
-        runs = _run_interleaved(quickdraft_runs, questions, tokenizer=tokenizer, options=options,
-                                progress=progress, memory_base=baseline_rss)
+        runs = _run_interleaved(
+            quickdraft_runs,
+            questions,
+            tokenizer=tokenizer,
+            options=options,
+            progress=progress,
+            memory_base=baseline_rss,
+        )
     else:
-        runs = [_run(backend, questions, tokenizer=tokenizer, options=options, progress=progress,
-                     memory_base=baseline_rss) for backend in quickdraft_runs]
+        runs = [
+            _run(backend, questions, tokenizer=tokenizer, options=options, progress=progress, memory_base=baseline_rss)
+            for backend in quickdraft_runs
+        ]
     del llm, quickdraft_runs
     gc.collect()
     for name, make in peer_specs:
@@ -156,8 +171,16 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
             runs.append(RunReport(name=name, engine=name.split()[0], setting="", reference=None, error=str(err)))
             progress.update(len(questions))
             continue
-        runs.append(_run(backend, questions, tokenizer=tokenizer, options=options, progress=progress,
-                         memory_base=current_rss_bytes()))
+        runs.append(
+            _run(
+                backend,
+                questions,
+                tokenizer=tokenizer,
+                options=options,
+                progress=progress,
+                memory_base=current_rss_bytes(),
+            )
+        )
         gc.collect()
     progress.close()
     report = BenchReport(options=options, runs=runs, header=header, command=command)
@@ -165,10 +188,16 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
     return report
 
 
-def _run(backend, questions: list[Question], *, tokenizer, options: BenchOptions, progress,
-         memory_base: int) -> RunReport:
-    report = RunReport(name=backend.name, engine=backend.engine, setting=backend.setting,
-                       reference=backend.reference, memory_base_bytes=memory_base)
+def _run(
+    backend, questions: list[Question], *, tokenizer, options: BenchOptions, progress, memory_base: int
+) -> RunReport:
+    report = RunReport(
+        name=backend.name,
+        engine=backend.engine,
+        setting=backend.setting,
+        reference=backend.reference,
+        memory_base_bytes=memory_base,
+    )
     progress.set_description(backend.name)
     start = time.perf_counter()
     done = 0
@@ -177,8 +206,9 @@ def _run(backend, questions: list[Question], *, tokenizer, options: BenchOptions
             _open(backend, questions, tokenizer=tokenizer, options=options)
             report.results = []
             for index, question in enumerate(questions):
-                report.results.append(_answer(backend, question, index=index, tokenizer=tokenizer,
-                                              sampling=options.sampling))
+                report.results.append(
+                    _answer(backend, question, index=index, tokenizer=tokenizer, sampling=options.sampling)
+                )
                 done += 1
                 progress.update(1)
             backend.close()
@@ -191,12 +221,22 @@ def _run(backend, questions: list[Question], *, tokenizer, options: BenchOptions
     return report
 
 
-def _run_interleaved(backends: list, questions: list[Question], *, tokenizer, options: BenchOptions, progress,
-                     memory_base: int) -> list[RunReport]:
+def _run_interleaved(
+    backends: list, questions: list[Question], *, tokenizer, options: BenchOptions, progress, memory_base: int
+) -> list[RunReport]:
     """Each question answered by every run before the next question; the run answering first
     moves on by one each question, so no run always follows the same other run."""
-    reports = [RunReport(name=b.name, engine=b.engine, setting=b.setting, reference=b.reference,
-                         memory_base_bytes=memory_base, results=[]) for b in backends]
+    reports = [
+        RunReport(
+            name=b.name,
+            engine=b.engine,
+            setting=b.setting,
+            reference=b.reference,
+            memory_base_bytes=memory_base,
+            results=[],
+        )
+        for b in backends
+    ]
     progress.set_description("quickdraft runs, interleaved")
     for backend, report in zip(backends, reports):
         try:
@@ -211,8 +251,9 @@ def _run_interleaved(backends: list, questions: list[Question], *, tokenizer, op
                 start = time.perf_counter()
                 try:
                     backend.activate()
-                    report.results.append(_answer(backend, question, index=index, tokenizer=tokenizer,
-                                                  sampling=options.sampling))
+                    report.results.append(
+                        _answer(backend, question, index=index, tokenizer=tokenizer, sampling=options.sampling)
+                    )
                 except Exception as err:
                     _fail(report, err)
                 report.seconds += time.perf_counter() - start
@@ -225,8 +266,11 @@ def _run_interleaved(backends: list, questions: list[Question], *, tokenizer, op
 def _open(backend, questions: list[Question], *, tokenizer, options: BenchOptions) -> None:
     backend.open()
     if options.warmup:  # one-time costs (kernel builds, allocator growth) are not decoding
-        backend.generate(tokenizer.encode(conversation_prompt(questions[0].turns[:1], [])),
-                         sampling=BenchSampling(max_new_tokens=8), seed=0)
+        backend.generate(
+            tokenizer.encode(conversation_prompt(questions[0].turns[:1], [])),
+            sampling=BenchSampling(max_new_tokens=8),
+            seed=0,
+        )
 
 
 def _fail(report: RunReport, err: Exception) -> None:
@@ -263,29 +307,49 @@ def _peer_specs(options: BenchOptions, llm) -> list[tuple[str, object]]:
     def transformers_run(name, reference, **extra):
         def make():
             # transformers reads the dequantized checkpoint: float32 unless bfloat16 was asked for
-            return TransformersBackend(name=name, model_dir=model_dir,
-                                       dtype="bfloat16" if options.dtype == "bfloat16" else "float32",
-                                       device=options.device, eos_token_ids=eos, decode=decode,
-                                       reference=reference, **extra)
+            return TransformersBackend(
+                name=name,
+                model_dir=model_dir,
+                dtype="bfloat16" if options.dtype == "bfloat16" else "float32",
+                device=options.device,
+                eos_token_ids=eos,
+                decode=decode,
+                reference=reference,
+                **extra,
+            )
+
         return name, make
 
     def llama_cpp_run(name, reference, **extra):
         def make():
-            return LlamaCppBackend(name=name, gguf_path=gguf_source(options.model), eos_token_ids=eos,
-                                   decode=decode, reference=reference, n_ctx=max_model_len, **extra)
+            return LlamaCppBackend(
+                name=name,
+                gguf_path=gguf_source(options.model),
+                eos_token_ids=eos,
+                decode=decode,
+                reference=reference,
+                n_ctx=max_model_len,
+                **extra,
+            )
+
         return name, make
 
     if "transformers" in options.peers:
         specs.append(transformers_run("transformers plain", PLAIN))
-        specs.append(transformers_run("transformers prompt lookup", "transformers plain",
-                                      prompt_lookup_num_tokens=k))
+        specs.append(transformers_run("transformers prompt lookup", "transformers plain", prompt_lookup_num_tokens=k))
         for config in options.speculative_configs:
             draft = config.get("model")
             if draft:
                 from quickdraft.models.loader import resolve_model_dir
 
-                specs.append(transformers_run(f"transformers assistant {Path(draft).name}", "transformers plain",
-                                              assistant_dir=resolve_model_dir(draft), num_assistant_tokens=k))
+                specs.append(
+                    transformers_run(
+                        f"transformers assistant {Path(draft).name}",
+                        "transformers plain",
+                        assistant_dir=resolve_model_dir(draft),
+                        num_assistant_tokens=k,
+                    )
+                )
     if "llama-cpp" in options.peers:
         specs.append(llama_cpp_run("llama.cpp plain", PLAIN))
         specs.append(llama_cpp_run("llama.cpp prompt lookup", "llama.cpp plain", num_pred_tokens=k))
@@ -315,12 +379,14 @@ def _header(options: BenchOptions, questions: list[Question], llm) -> str:
 
     s = options.sampling
     mode = "greedy" if s.greedy else f"temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}"
-    return (f"Spec-Bench: {len(questions)} questions from {Path(options.questions).name}, "
-            f"model {options.model or 'embedded Gemma 3 270M (GGUF Q4_K_M)'}, dtype {options.dtype}, "
-            f"{options.device}, {mode}, {s.max_new_tokens} new tokens, batch 1"
-            f"{', quickdraft runs interleaved question by question' if options.interleave else ''}; "
-            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}")
+    return (
+        f"Spec-Bench: {len(questions)} questions from {Path(options.questions).name}, "
+        f"model {options.model or 'embedded Gemma 3 270M (GGUF Q4_K_M)'}, dtype {options.dtype}, "
+        f"{options.device}, {mode}, {s.max_new_tokens} new tokens, batch 1"
+        f"{', quickdraft runs interleaved question by question' if options.interleave else ''}; "
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}"
+    )
 
 
 def summarize_report(report: BenchReport) -> None:

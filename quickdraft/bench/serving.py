@@ -92,8 +92,11 @@ class ServingBenchOptions:
 
     def mode_configs(self) -> dict[str, dict | None]:
         """The speculative config of each chosen mode, in the order they run."""
-        configs = {"off": None, "always-on": dict(self.speculative_config),
-                   "adaptive": {**self.speculative_config, "adaptive": True}}
+        configs = {
+            "off": None,
+            "always-on": dict(self.speculative_config),
+            "adaptive": {**self.speculative_config, "adaptive": True},
+        }
         return {mode: config for mode, config in configs.items() if mode in self.modes}
 
 
@@ -108,8 +111,10 @@ def _check_speculative_config(config: object) -> None:
     if not isinstance(config, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
     if "adaptive" in config:
-        raise ValueError("speculative_config: give the always-on config without 'adaptive'; the benchmark runs "
-                         "it both as given and with \"adaptive\": true")
+        raise ValueError(
+            "speculative_config: give the always-on config without 'adaptive'; the benchmark runs "
+            'it both as given and with "adaptive": true'
+        )
     # Both modes' configs must be valid before any model is loaded (e.g. adaptive excludes
     # dynamic_draft_length); SpeculativeConfig's errors name the field.
     SpeculativeConfig.from_dict(dict(config))
@@ -140,8 +145,9 @@ def interleave_by_task(questions: list[Question]) -> list[Question]:
     return interleaved
 
 
-def select_prompts(questions: list[Question], *, count_tokens, max_model_len: int,
-                   max_tokens: int) -> tuple[list[BenchPrompt], list[int]]:
+def select_prompts(
+    questions: list[Question], *, count_tokens, max_model_len: int, max_tokens: int
+) -> tuple[list[BenchPrompt], list[int]]:
     """First-turn prompts whose prompt + max_tokens fit the context, and the ids left out."""
     prompts, skipped = [], []
     for question in interleave_by_task(questions):
@@ -151,8 +157,10 @@ def select_prompts(questions: list[Question], *, count_tokens, max_model_len: in
             continue
         prompts.append(BenchPrompt(question_id=question.question_id, category=question.category, text=text))
     if not prompts:
-        raise ValueError(f"no question's first turn fits max_model_len {max_model_len} with {max_tokens} new "
-                         "tokens; raise --max-model-len or lower --max-tokens")
+        raise ValueError(
+            f"no question's first turn fits max_model_len {max_model_len} with {max_tokens} new "
+            "tokens; raise --max-model-len or lower --max-tokens"
+        )
     return prompts, skipped
 
 
@@ -180,9 +188,16 @@ async def stream_completion(client, *, prompt: BenchPrompt, index: int, max_toke
     import httpx
 
     record = RequestRecord(index=index, question_id=prompt.question_id, task=prompt.task)
-    body = {"model": SERVED_MODEL_NAME, "prompt": prompt.text, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
-            "metadata": {"scenario": prompt.task}}
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "prompt": prompt.text,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "metadata": {"scenario": prompt.task},
+    }
     started = time.perf_counter()
     first_token_at = last_token_at = None
     try:
@@ -218,7 +233,7 @@ async def _sse_chunks(response):
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         if payload == "[DONE]":
             return
         yield json.loads(payload)
@@ -236,8 +251,9 @@ class LevelResult:
     summary: dict = field(default_factory=dict)
 
 
-async def run_level(*, base_url: str, prompts: list[BenchPrompt], mode: str, concurrency: int,
-                    options: ServingBenchOptions) -> LevelResult:
+async def run_level(
+    *, base_url: str, prompts: list[BenchPrompt], mode: str, concurrency: int, options: ServingBenchOptions
+) -> LevelResult:
     """C clients, each sending requests_per_client requests back to back; request n = prompt n."""
     import httpx
 
@@ -245,8 +261,7 @@ async def run_level(*, base_url: str, prompts: list[BenchPrompt], mode: str, con
     deadline = started + options.time_limit_seconds
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async with httpx.AsyncClient(base_url=base_url, timeout=options.request_timeout_seconds,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=options.request_timeout_seconds, limits=limits) as client:
 
         async def one_client(client_index: int) -> list[RequestRecord]:
             records = []
@@ -254,16 +269,24 @@ async def run_level(*, base_url: str, prompts: list[BenchPrompt], mode: str, con
                 if turn > 0 and time.perf_counter() >= deadline:
                     break  # the time limit: no new request, the ones in flight finish
                 index = turn * concurrency + client_index
-                records.append(await stream_completion(client, prompt=prompts[index % len(prompts)], index=index,
-                                                       max_tokens=options.max_tokens))
+                records.append(
+                    await stream_completion(
+                        client, prompt=prompts[index % len(prompts)], index=index, max_tokens=options.max_tokens
+                    )
+                )
             return records
 
         per_client = await asyncio.gather(*(one_client(i) for i in range(concurrency)))
     records = sorted((r for rows in per_client for r in rows), key=lambda r: r.index)
     planned = concurrency * options.requests_per_client
-    return LevelResult(mode=mode, concurrency=concurrency, planned=planned,
-                       wall_seconds=time.perf_counter() - started, stopped_by_time_limit=len(records) < planned,
-                       requests=records)
+    return LevelResult(
+        mode=mode,
+        concurrency=concurrency,
+        planned=planned,
+        wall_seconds=time.perf_counter() - started,
+        stopped_by_time_limit=len(records) < planned,
+        requests=records,
+    )
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -282,10 +305,15 @@ def summarize_level(level: LevelResult, *, baseline: LevelResult | None) -> dict
     ttfts = [r.ttft for r in done if r.ttft is not None]
     tpots = [r.tpot for r in done if r.tpot is not None]
     summary = dict(
-        requests_sent=len(level.requests), requests_ok=len(done), errors=len(level.requests) - len(done),
-        output_tokens=tokens, tokens_per_second=tokens / level.wall_seconds if level.wall_seconds > 0 else None,
-        ttft_p50=percentile(ttfts, 0.5), ttft_p90=percentile(ttfts, 0.9),
-        tpot_p50=percentile(tpots, 0.5), tpot_p90=percentile(tpots, 0.9),
+        requests_sent=len(level.requests),
+        requests_ok=len(done),
+        errors=len(level.requests) - len(done),
+        output_tokens=tokens,
+        tokens_per_second=tokens / level.wall_seconds if level.wall_seconds > 0 else None,
+        ttft_p50=percentile(ttfts, 0.5),
+        ttft_p90=percentile(ttfts, 0.9),
+        tpot_p50=percentile(tpots, 0.5),
+        tpot_p90=percentile(tpots, 0.9),
     )
     summary.update(speculation_totals(done))
     summary.update(compare_outputs(level, baseline=baseline))
@@ -308,7 +336,9 @@ def speculation_totals(records: list[RequestRecord]) -> dict:
         add_counts(choices, figure.get("draft_length_choices") or [])
     steps = sum(choices)
     return dict(
-        draft_tokens=drafted, accepted_tokens=accepted, target_forwards=forwards,
+        draft_tokens=drafted,
+        accepted_tokens=accepted,
+        target_forwards=forwards,
         acceptance_rate=accepted / drafted if drafted else None,
         tokens_per_forward=generated / forwards if forwards else None,
         draft_length_choices=choices,
@@ -343,10 +373,18 @@ def running_server(server) -> Iterator[str]:
 def server_config(options: ServingBenchOptions, *, speculative_config: dict | None):
     from quickdraft.server import ServerConfig
 
-    return ServerConfig(model=options.model, served_model_name=SERVED_MODEL_NAME, dtype=options.dtype,
-                        device=options.device, max_model_len=options.max_model_len, max_num_seqs=options.num_slots,
-                        max_queue=max(64, 2 * max(options.concurrency)), speculative_config=speculative_config,
-                        shutdown_grace_seconds=5.0, log_level="warning")
+    return ServerConfig(
+        model=options.model,
+        served_model_name=SERVED_MODEL_NAME,
+        dtype=options.dtype,
+        device=options.device,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.num_slots,
+        max_queue=max(64, 2 * max(options.concurrency)),
+        speculative_config=speculative_config,
+        shutdown_grace_seconds=5.0,
+        log_level="warning",
+    )
 
 
 # ---- the whole benchmark ------------------------------------------------------------------
@@ -364,8 +402,7 @@ class ServingBenchReport:
         return next((x for x in self.levels if x.mode == mode and x.concurrency == concurrency), None)
 
 
-def run_serving_bench(options: ServingBenchOptions, *, command: str | None = None,
-                      log=None) -> ServingBenchReport:
+def run_serving_bench(options: ServingBenchOptions, *, command: str | None = None, log=None) -> ServingBenchReport:
     """Every mode at every concurrency; the engine is loaded once and shared by the modes' servers."""
     from quickdraft.engine.engine import Engine
     from quickdraft.server import QuickdraftServer
@@ -373,11 +410,20 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
     log = log or (lambda message: None)
     questions = load_questions(options.questions)
     engine = Engine(server_config(options, speculative_config=None).engine_config())
-    prompts, skipped = select_prompts(questions, count_tokens=lambda text: len(engine.tokenizer.encode(text)),
-                                      max_model_len=engine.max_model_len, max_tokens=options.max_tokens)
-    report = ServingBenchReport(options=options, header=_header(options, engine=engine, num_prompts=len(prompts)),
-                                machine=machine_description(options.device), command=command,
-                                prompts=len(prompts), skipped_question_ids=skipped)
+    prompts, skipped = select_prompts(
+        questions,
+        count_tokens=lambda text: len(engine.tokenizer.encode(text)),
+        max_model_len=engine.max_model_len,
+        max_tokens=options.max_tokens,
+    )
+    report = ServingBenchReport(
+        options=options,
+        header=_header(options, engine=engine, num_prompts=len(prompts)),
+        machine=machine_description(options.device),
+        command=command,
+        prompts=len(prompts),
+        skipped_question_ids=skipped,
+    )
     for mode, speculative_config in options.mode_configs().items():
         engine.set_speculative_config(speculative_config)
         server = QuickdraftServer(server_config(options, speculative_config=speculative_config), engine=engine)
@@ -386,20 +432,21 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
     return report
 
 
-async def _run_mode(report: ServingBenchReport, *, base_url: str, prompts: list[BenchPrompt], mode: str,
-                    log) -> None:
+async def _run_mode(report: ServingBenchReport, *, base_url: str, prompts: list[BenchPrompt], mode: str, log) -> None:
     import httpx
 
     options = report.options
     async with httpx.AsyncClient(base_url=base_url, timeout=options.request_timeout_seconds) as client:
-        warmup = await stream_completion(client, prompt=BenchPrompt(question_id=-1, category="warmup",
-                                                                    text=WARMUP_PROMPT),
-                                         index=-1, max_tokens=WARMUP_MAX_TOKENS)
+        warmup = await stream_completion(
+            client,
+            prompt=BenchPrompt(question_id=-1, category="warmup", text=WARMUP_PROMPT),
+            index=-1,
+            max_tokens=WARMUP_MAX_TOKENS,
+        )
     if not warmup.ok:
         raise RuntimeError(f"the {mode} server failed its warm-up request: {warmup.error}")
     for concurrency in options.concurrency:
-        level = await run_level(base_url=base_url, prompts=prompts, mode=mode, concurrency=concurrency,
-                                options=options)
+        level = await run_level(base_url=base_url, prompts=prompts, mode=mode, concurrency=concurrency, options=options)
         level.summary = summarize_level(level, baseline=report.level(BASELINE_MODE, concurrency))
         report.levels.append(level)
         log(_progress_line(level))
@@ -407,9 +454,11 @@ async def _run_mode(report: ServingBenchReport, *, base_url: str, prompts: list[
 
 def _progress_line(level: LevelResult) -> str:
     s = level.summary
-    line = (f"[quickdraft] {level.mode}, concurrency {level.concurrency}: {s['requests_ok']}/{level.planned} "
-            f"requests, {_fmt(s['tokens_per_second'], '{:.1f}')} tok/s, TTFT p50 {_fmt(s['ttft_p50'], '{:.0f}', 1e3)}"
-            f" ms, TPOT p50 {_fmt(s['tpot_p50'], '{:.1f}', 1e3)} ms")
+    line = (
+        f"[quickdraft] {level.mode}, concurrency {level.concurrency}: {s['requests_ok']}/{level.planned} "
+        f"requests, {_fmt(s['tokens_per_second'], '{:.1f}')} tok/s, TTFT p50 {_fmt(s['ttft_p50'], '{:.0f}', 1e3)}"
+        f" ms, TPOT p50 {_fmt(s['tpot_p50'], '{:.1f}', 1e3)} ms"
+    )
     if level.stopped_by_time_limit:
         line += " (time limit reached)"
     return line
@@ -419,9 +468,13 @@ def machine_description(device: str) -> str:
     import torch
 
     cpu = platform.processor() or platform.machine()
-    parts = [f"{platform.system()} {platform.release()}", f"{cpu}, {os.cpu_count()} CPUs",
-             f"{torch.get_num_threads()} torch threads", f"torch {torch.__version__}",
-             f"Python {platform.python_version()}"]
+    parts = [
+        f"{platform.system()} {platform.release()}",
+        f"{cpu}, {os.cpu_count()} CPUs",
+        f"{torch.get_num_threads()} torch threads",
+        f"torch {torch.__version__}",
+        f"Python {platform.python_version()}",
+    ]
     if str(device).startswith("cuda") and torch.cuda.is_available():
         parts.append(f"GPU {torch.cuda.get_device_name(torch.device(device))}")
     return ", ".join(parts)
@@ -429,11 +482,13 @@ def machine_description(device: str) -> str:
 
 def _header(options: ServingBenchOptions, *, engine, num_prompts: int) -> str:
     model = options.model or "embedded Gemma 3 270M (GGUF Q4_K_M, dequantized)"
-    return (f"Serving benchmark: {model}, {options.dtype}, {options.device}, max_model_len {engine.max_model_len}, "
-            f"{options.num_slots} cache slots; greedy streamed completions of {options.max_tokens} tokens at most, "
-            f"{options.requests_per_client} per client; first turns of {num_prompts} Spec-Bench questions from "
-            f"{options.questions.name}; always-on = {json.dumps(options.speculative_config, sort_keys=True)}; "
-            f"{time.strftime('%Y-%m-%d %H:%M')}")
+    return (
+        f"Serving benchmark: {model}, {options.dtype}, {options.device}, max_model_len {engine.max_model_len}, "
+        f"{options.num_slots} cache slots; greedy streamed completions of {options.max_tokens} tokens at most, "
+        f"{options.requests_per_client} per client; first turns of {num_prompts} Spec-Bench questions from "
+        f"{options.questions.name}; always-on = {json.dumps(options.speculative_config, sort_keys=True)}; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}"
+    )
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -462,8 +517,11 @@ def mode_exactness(report: ServingBenchReport, mode: str) -> str:
 
 
 def throughput_table(report: ServingBenchReport) -> str:
-    lines = ["| concurrency | mode | tok/s | vs off | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | "
-             "requests | exact vs off |", "|---" * 10 + "|"]
+    lines = [
+        "| concurrency | mode | tok/s | vs off | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | "
+        "requests | exact vs off |",
+        "|---" * 10 + "|",
+    ]
     for level in _table_order(report):
         s = level.summary
         requests = f"{s['requests_ok']}/{level.planned}" + (" (time limit)" if level.stopped_by_time_limit else "")
@@ -472,20 +530,26 @@ def throughput_table(report: ServingBenchReport) -> str:
             f"{'1.00x' if level.mode == BASELINE_MODE else _fmt(s['throughput_vs_off'], '{:.2f}x')} | "
             f"{_fmt(s['ttft_p50'], '{:.0f}', 1e3)} | {_fmt(s['ttft_p90'], '{:.0f}', 1e3)} | "
             f"{_fmt(s['tpot_p50'], '{:.1f}', 1e3)} | {_fmt(s['tpot_p90'], '{:.1f}', 1e3)} | {requests} | "
-            f"{_exact_cell(s, mode=level.mode)} |")
+            f"{_exact_cell(s, mode=level.mode)} |"
+        )
     return "\n".join(lines)
 
 
 def speculation_table(report: ServingBenchReport) -> str:
-    lines = ["| concurrency | mode | acceptance rate | tokens per target forward | plain-decoding steps | "
-             "mean draft length |", "|---" * 6 + "|"]
+    lines = [
+        "| concurrency | mode | acceptance rate | tokens per target forward | plain-decoding steps | "
+        "mean draft length |",
+        "|---" * 6 + "|",
+    ]
     for level in _table_order(report):
         if level.mode == BASELINE_MODE:
             continue
         s = level.summary
-        lines.append(f"| {level.concurrency} | {level.mode} | {_fmt(s['acceptance_rate'], '{:.2f}')} | "
-                     f"{_fmt(s['tokens_per_forward'], '{:.2f}')} | {_fmt(s['plain_step_share'], '{:.0%}')} | "
-                     f"{_fmt(s['mean_draft_length'], '{:.2f}')} |")
+        lines.append(
+            f"| {level.concurrency} | {level.mode} | {_fmt(s['acceptance_rate'], '{:.2f}')} | "
+            f"{_fmt(s['tokens_per_forward'], '{:.2f}')} | {_fmt(s['plain_step_share'], '{:.0%}')} | "
+            f"{_fmt(s['mean_draft_length'], '{:.2f}')} |"
+        )
     return "\n".join(lines)
 
 
@@ -511,7 +575,9 @@ def summary_markdown(report: ServingBenchReport) -> str:
         "plain-decoding steps and mean draft length: adaptive speculation's choices per decoding step "
         "(zeros included in the mean); always-on drafts every step it can.",
         "## Exact vs off, per mode",
-        "\n".join(f"- {mode}: {mode_exactness(report, mode)}" for mode in report.options.modes if mode != BASELINE_MODE),
+        "\n".join(
+            f"- {mode}: {mode_exactness(report, mode)}" for mode in report.options.modes if mode != BASELINE_MODE
+        ),
     ]
     notes = _notes(report)
     if notes:
@@ -524,15 +590,21 @@ def _notes(report: ServingBenchReport) -> list[str]:
     limit = report.options.time_limit_seconds
     for level in report.levels:
         if level.stopped_by_time_limit:
-            notes.append(f"time limit ({limit:g} s per level) reached: {level.mode} at concurrency "
-                         f"{level.concurrency} sent {len(level.requests)} of {level.planned} requests")
+            notes.append(
+                f"time limit ({limit:g} s per level) reached: {level.mode} at concurrency "
+                f"{level.concurrency} sent {len(level.requests)} of {level.planned} requests"
+            )
         if level.summary["errors"]:
             first = next(r.error for r in level.requests if not r.ok)
-            notes.append(f"{level.mode} at concurrency {level.concurrency}: {level.summary['errors']} requests "
-                         f"failed (first: {first})")
+            notes.append(
+                f"{level.mode} at concurrency {level.concurrency}: {level.summary['errors']} requests "
+                f"failed (first: {first})"
+            )
     if report.skipped_question_ids:
-        notes.append(f"{len(report.skipped_question_ids)} questions left out: first turn + max_tokens exceed the "
-                     f"context (question ids {report.skipped_question_ids})")
+        notes.append(
+            f"{len(report.skipped_question_ids)} questions left out: first turn + max_tokens exceed the "
+            f"context (question ids {report.skipped_question_ids})"
+        )
     return notes
 
 
@@ -541,12 +613,25 @@ def report_json(report: ServingBenchReport) -> dict:
     options["questions"] = str(options["questions"])
     options["concurrency"] = list(options["concurrency"])
     return dict(
-        header=report.header, command=report.command, machine=report.machine, options=options,
-        prompts=report.prompts, skipped_question_ids=report.skipped_question_ids,
+        header=report.header,
+        command=report.command,
+        machine=report.machine,
+        options=options,
+        prompts=report.prompts,
+        skipped_question_ids=report.skipped_question_ids,
         exact_vs_off={mode: mode_exactness(report, mode) for mode in report.options.modes if mode != BASELINE_MODE},
-        levels=[dict(mode=x.mode, concurrency=x.concurrency, planned=x.planned, wall_seconds=x.wall_seconds,
-                     stopped_by_time_limit=x.stopped_by_time_limit, summary=x.summary,
-                     requests=[asdict(r) for r in x.requests]) for x in report.levels],
+        levels=[
+            dict(
+                mode=x.mode,
+                concurrency=x.concurrency,
+                planned=x.planned,
+                wall_seconds=x.wall_seconds,
+                stopped_by_time_limit=x.stopped_by_time_limit,
+                summary=x.summary,
+                requests=[asdict(r) for r in x.requests],
+            )
+            for x in report.levels
+        ],
     )
 
 

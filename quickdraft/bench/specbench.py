@@ -28,8 +28,9 @@ class Question:
     turns: list[str]
 
 
-def load_questions(path: str | Path, *, per_task: int | None = None,
-                   categories: tuple[str, ...] | None = None) -> list[Question]:
+def load_questions(
+    path: str | Path, *, per_task: int | None = None, categories: tuple[str, ...] | None = None
+) -> list[Question]:
     """Questions in file order; at most `per_task` of each Spec-Bench task.
 
     `categories` keeps questions whose task ("multi-turn", "qa", ...) or own category
@@ -56,8 +57,9 @@ def load_questions(path: str | Path, *, per_task: int | None = None,
     if categories is not None:
         unknown = sorted(set(categories) - seen - set(TASKS) - set(MT_BENCH))
         if unknown:
-            raise ValueError(f"unknown categories {unknown}: the file has {sorted(seen)}; "
-                             f"the Spec-Bench tasks are {list(TASKS)}")
+            raise ValueError(
+                f"unknown categories {unknown}: the file has {sorted(seen)}; the Spec-Bench tasks are {list(TASKS)}"
+            )
     if not questions:
         raise ValueError(f"no questions selected from {path}")
     return questions
@@ -122,9 +124,15 @@ class QuestionResult:
         return None if any(v is None for v in values) else sum(values)
 
     def to_dict(self) -> dict:
-        return dict(question_id=self.question_id, category=self.category, task=task_of(self.category),
-                    seconds=self.seconds, new_tokens=self.new_tokens,
-                    target_forwards=self.total("target_forwards"), turns=[asdict(t) for t in self.turns])
+        return dict(
+            question_id=self.question_id,
+            category=self.category,
+            task=task_of(self.category),
+            seconds=self.seconds,
+            new_tokens=self.new_tokens,
+            target_forwards=self.total("target_forwards"),
+            turns=[asdict(t) for t in self.turns],
+        )
 
 
 def add_counts(into: list[int], counts: list[int]) -> None:
@@ -144,8 +152,9 @@ def group_by_task(results: list[QuestionResult]) -> dict[str, list[int]]:
     return ordered
 
 
-def summarize_rows(rows: list[QuestionResult], *, plain: list[QuestionResult],
-                   reference: list[QuestionResult] | None, greedy: bool) -> dict:
+def summarize_rows(
+    rows: list[QuestionResult], *, plain: list[QuestionResult], reference: list[QuestionResult] | None, greedy: bool
+) -> dict:
     """Figures of one run over some questions, against the plain baseline and its reference.
 
     `plain` is the engine's own plain decoding (speedup is measured against it);
@@ -201,12 +210,20 @@ def acceptance_by_position(results: list[QuestionResult]) -> list[float] | None:
     return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
 
 
-def summarize(results: list[QuestionResult], *, plain: list[QuestionResult],
-              reference: list[QuestionResult] | None = None, greedy: bool = True) -> dict[str, dict]:
+def summarize(
+    results: list[QuestionResult],
+    *,
+    plain: list[QuestionResult],
+    reference: list[QuestionResult] | None = None,
+    greedy: bool = True,
+) -> dict[str, dict]:
     """Per task (the six Spec-Bench tasks) and overall."""
     table = {}
     for task, indices in group_by_task(results).items():
-        table[task] = summarize_rows([results[i] for i in indices], plain=[plain[i] for i in indices],
-                                     reference=None if reference is None else [reference[i] for i in indices],
-                                     greedy=greedy)
+        table[task] = summarize_rows(
+            [results[i] for i in indices],
+            plain=[plain[i] for i in indices],
+            reference=None if reference is None else [reference[i] for i in indices],
+            greedy=greedy,
+        )
     return table

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Drafter, DrafterRegistry, Proposal, TargetInfo
+from quickdraft.drafters.base import AcceptedPath, Drafter, DrafterRegistry, DraftRequest, Proposal, TargetInfo
 
 
 def _ngram(*, target: TargetInfo, **options) -> Drafter:
@@ -67,5 +67,4 @@ def default_registry() -> DrafterRegistry:
     return registry
 
 
-__all__ = ["AcceptedPath", "DraftRequest", "Drafter", "DrafterRegistry", "Proposal", "TargetInfo",
-           "default_registry"]
+__all__ = ["AcceptedPath", "DraftRequest", "Drafter", "DrafterRegistry", "Proposal", "TargetInfo", "default_registry"]

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from quickdraft.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the drafters' modules import this one: types only
+    from quickdraft.kv.cache import KVCache
+    from quickdraft.models.decoder import Decoder
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Proposal:
         return len(self.token_ids) - 1
 
     @classmethod
-    def chain(cls, root: int, draft: Sequence[int], draft_probs: torch.Tensor | None = None) -> "Proposal":
+    def chain(cls, root: int, draft: Sequence[int], draft_probs: torch.Tensor | None = None) -> Proposal:
         tokens = [root, *draft]
         return cls(token_ids=tokens, parents=list(range(-1, len(tokens) - 1)), draft_probs=draft_probs)
 
@@ -100,6 +104,7 @@ class Drafter(Protocol):
 
     def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
         """features [n, len(feature_layers) * D]: the next n cached tokens' target features."""
+        return None  # drafters without feature_layers are never handed any
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         """One proposal per request (None: no draft, plain decoding for it this step)."""
@@ -123,9 +128,9 @@ class TargetInfo:
     device: torch.device
     max_model_len: int  # longest sequence (prompt + output) the engine runs
     max_num_seqs: int  # requests decoded at once
-    model: torch.nn.Module | None = None  # the target Decoder, for drafters that borrow its weights
+    model: Decoder | None = None  # the target, for drafters that borrow its weights
     model_dir: str | None = None  # where the target was loaded from (finds heads shipped for it)
-    cache: object | None = None  # the target's KVCache, for drafters that run the target's own layers
+    cache: KVCache | None = None  # the target's cache, for drafters that run the target's own layers
 
 
 @dataclass
@@ -141,7 +146,5 @@ class DrafterRegistry:
 
     def create(self, method: str, **kwargs) -> Drafter:
         if method not in self.factories:
-            raise ValueError(
-                f"unknown speculative method {method!r}; available: {', '.join(sorted(self.factories))}"
-            )
+            raise ValueError(f"unknown speculative method {method!r}; available: {', '.join(sorted(self.factories))}")
         return self.factories[method](**kwargs)

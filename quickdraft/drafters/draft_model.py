@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder, read_draft_vocab, resolve_model_dir
@@ -66,9 +66,17 @@ class _DraftState:
     chain_nodes: list[int] = field(default_factory=list)  # proposal nodes of the fed chain, by depth
 
 
-class DraftModelDrafter:
-    def __init__(self, *, num_speculative_tokens: int = 5, model: str | None = None,
-                 target: TargetInfo, num_branches: int = 1, seed: int = 0, coupling: str = "keyed"):
+class DraftModelDrafter(Drafter):
+    def __init__(
+        self,
+        *,
+        num_speculative_tokens: int = 5,
+        model: str | None = None,
+        target: TargetInfo,
+        num_branches: int = 1,
+        seed: int = 0,
+        coupling: str = "keyed",
+    ):
         if not model:
             raise ValueError("method 'draft_model' needs a draft 'model' (HF directory or .gguf file)")
         if not isinstance(num_branches, int) or isinstance(num_branches, bool) or num_branches < 1:
@@ -87,19 +95,29 @@ class DraftModelDrafter:
         self.t2d: list[int] | None = None
         if self.d2t is not None:
             if config.vocab_size != self.d2t.shape[0] + 1 or int(self.d2t.max()) >= target.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({config.vocab_size} ids) does not match its "
-                                 f"draft_vocab map ({self.d2t.shape[0]} ids + one for other tokens) and the "
-                                 f"target's {target.vocab_size}")
+                raise ValueError(
+                    f"the draft model's vocabulary ({config.vocab_size} ids) does not match its "
+                    f"draft_vocab map ({self.d2t.shape[0]} ids + one for other tokens) and the "
+                    f"target's {target.vocab_size}"
+                )
             t2d = torch.full((target.vocab_size,), config.vocab_size - 1, dtype=torch.long)
             t2d[self.d2t] = torch.arange(self.d2t.shape[0])
             self.t2d = t2d.tolist()
             self.d2t = self.d2t.to(target.device)
         elif config.vocab_size != target.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens) differs from the "
-                             f"target's ({target.vocab_size}): a draft model must share the target's tokenizer")
-        self.cache = KVCache(num_layers=config.num_layers, num_slots=target.max_num_seqs,
-                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, max_len=max_len,
-                             dtype=target.dtype, device=target.device)
+            raise ValueError(
+                f"the draft model's vocabulary ({config.vocab_size} tokens) differs from the "
+                f"target's ({target.vocab_size}): a draft model must share the target's tokenizer"
+            )
+        self.cache = KVCache(
+            num_layers=config.num_layers,
+            num_slots=target.max_num_seqs,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            max_len=max_len,
+            dtype=target.dtype,
+            device=target.device,
+        )
         self.runner = ModelRunner(model=self.model, cache=self.cache, device=target.device)
         self.seed = seed
         self._states: dict[str, _DraftState] = {}
@@ -182,13 +200,12 @@ class DraftModelDrafter:
         top = torch.topk(logits, self.num_branches).indices.tolist()
         return [t for t in top if t != chosen][: self.num_branches - 1]
 
-    def _build_proposal(self, request: DraftRequest, chain: list[int], rows,
-                        side_tokens) -> tuple[Proposal, list[int]]:
+    def _build_proposal(self, request: DraftRequest, chain: list[int], rows, side_tokens) -> tuple[Proposal, list[int]]:
         """The proposal and the node index of each chain token (the ones the cache holds)."""
         root = request.token_ids[-1]
         if self.num_branches == 1:
             return Proposal.chain(root, chain, draft_probs=self._draft_probs(rows)), list(range(1, len(chain) + 1))
-        tokens, parents, chain_nodes = [root], [-1], []
+        tokens, parents, chain_nodes = [root], [-1], list[int]()
         for token, sides in zip(chain, side_tokens):
             parent = chain_nodes[-1] if chain_nodes else 0
             chain_nodes.append(len(tokens))
@@ -211,11 +228,18 @@ class DraftModelDrafter:
             tokens = feed[i]
             if self.t2d is not None:
                 tokens = [self.t2d[t] for t in tokens]
-            work.append(SequenceWork(slot=state.slot, cache_len=self.cache.lengths[state.slot], token_ids=tokens,
-                                     logits_nodes=[len(tokens) - 1]))
+            work.append(
+                SequenceWork(
+                    slot=state.slot,
+                    cache_len=self.cache.lengths[state.slot],
+                    token_ids=tokens,
+                    logits_nodes=[len(tokens) - 1],
+                )
+            )
         out = self.runner.forward(work)
         for item in work:
             self.cache.commit(item.slot, item.cache_len + len(item.token_ids))
+        assert out.logits is not None  # every item asks for logits
         return self._target_vocab_logits(out.logits)
 
     def _target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -231,8 +255,11 @@ class DraftModelDrafter:
         params = request.params
         if params is None or params.is_greedy:
             return int(logits[0].argmax()), None
-        row = RowContext(params=params, prompt_token_ids=request.prompt_token_ids,
-                         output_token_ids=request.output_token_ids + drafted)
+        row = RowContext(
+            params=params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids + drafted,
+        )
         probs = logits_to_probs(logits, [row])  # [1, V]
         if self.coupling == "keyed":
             seed = request.seed if request.seed is not None else self.seed
@@ -244,6 +271,8 @@ class DraftModelDrafter:
     @staticmethod
     def _draft_probs(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
         """[K + 1, V] with an unused root row, or None when the drafts are point masses."""
-        if rows[0] is None:
+        present = [row for row in rows if row is not None]
+        if not present:
             return None
-        return torch.cat([torch.zeros_like(rows[0])[None], torch.stack(rows)])
+        assert len(present) == len(rows)  # a chain is drawn one way: all rows or none
+        return torch.cat([torch.zeros_like(present[0])[None], torch.stack(present)])

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.tree import DynamicTree, StaticTree
 from quickdraft.heads import head_compute_dtype, quantizes_head, resolve_head_dir
 from quickdraft.kv.cache import KVCache
@@ -65,20 +65,30 @@ class _HeadState:
     num_features: int = 0  # target features observed (= tokens in the target's cache)
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drives any FeatureHead: a trained EAGLE head, or a checkpoint's own MTP layer."""
 
-    def __init__(self, *, target: TargetInfo, head: FeatureHead, num_speculative_tokens: int = 5,
-                 tree: str | list = "dynamic", top_k: int = 4, max_draft_tokens: int = 16,
-                 min_draft_prob: float = 0.0, catch_up_window: int | None = 64):
+    def __init__(
+        self,
+        *,
+        target: TargetInfo,
+        head: FeatureHead,
+        num_speculative_tokens: int = 5,
+        tree: str | list = "dynamic",
+        top_k: int = 4,
+        max_draft_tokens: int = 16,
+        min_draft_prob: float = 0.0,
+        catch_up_window: int | None = 64,
+    ):
         if target.model is None:
             raise ValueError("the eagle drafter needs the target model (TargetInfo.model)")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
         if not isinstance(max_draft_tokens, int) or isinstance(max_draft_tokens, bool) or max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be a positive integer, got {max_draft_tokens!r}")
-        if catch_up_window is not None and (not isinstance(catch_up_window, int) or isinstance(catch_up_window, bool)
-                                            or catch_up_window < 1):
+        if catch_up_window is not None and (
+            not isinstance(catch_up_window, int) or isinstance(catch_up_window, bool) or catch_up_window < 1
+        ):
             raise ValueError(f"catch_up_window must be a positive integer or null, got {catch_up_window!r}")
         self.catch_up_window = catch_up_window
         self.depth = num_speculative_tokens
@@ -93,8 +103,10 @@ class EagleDrafter:
         self.device = target.device
         self.head = head
         if self.head.config.hidden_size != target.model.config.hidden_size:
-            raise ValueError(f"head hidden size {self.head.config.hidden_size} does not match the target's "
-                             f"{target.model.config.hidden_size}")
+            raise ValueError(
+                f"head hidden size {self.head.config.hidden_size} does not match the target's "
+                f"{target.model.config.hidden_size}"
+            )
         if int(self.head.d2t.max()) >= target.vocab_size:
             raise ValueError("the head's draft vocabulary maps to ids outside the target's vocabulary")
         bad_layers = [i for i in self.head.config.feature_layers if not 0 <= i < target.model.config.num_layers]
@@ -104,17 +116,27 @@ class EagleDrafter:
         self.head.linear = default_linear_fn(target.device)
         self.feature_layers = tuple(self.head.config.feature_layers)
         c = self.head.config
-        self.cache = KVCache(num_layers=1, num_slots=target.max_num_seqs, num_kv_heads=c.num_kv_heads,
-                             head_dim=c.head_dim, max_len=head_max_len(target),
-                             dtype=head.dtype, device=target.device)
+        self.cache = KVCache(
+            num_layers=1,
+            num_slots=target.max_num_seqs,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            max_len=head_max_len(target),
+            dtype=head.dtype,
+            device=target.device,
+        )
         # [num_slots, max_len, C]: copy keys of the true entries, by entry index (heads with a copy path)
-        self.copy_key_cache = torch.zeros(target.max_num_seqs, head_max_len(target), c.copy_dim, dtype=head.dtype,
-                                          device=target.device) if c.copy_dim else None
+        self.copy_key_cache = (
+            torch.zeros(target.max_num_seqs, head_max_len(target), c.copy_dim, dtype=head.dtype, device=target.device)
+            if c.copy_dim
+            else None
+        )
         self._states: dict[str, _HeadState] = {}
 
     @classmethod
-    def with_trained_head(cls, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None,
-                          **options) -> EagleDrafter:
+    def with_trained_head(
+        cls, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None, **options
+    ) -> EagleDrafter:
         """`head`: a directory written by `quickdraft train-head`, or a shipped head's name;
         `head_dtype`: how the head computes: "float32", "bfloat16", "float16", or "q8_0" (its
         matrices quantized, float32 elsewhere, on the quantized CPU kernels).  Default: q8_0 when
@@ -132,8 +154,7 @@ class EagleDrafter:
         return drafter
 
     @classmethod
-    def with_mtp_layer(cls, *, target: TargetInfo, head: str | None = None, layer: int = 0,
-                       **options) -> EagleDrafter:
+    def with_mtp_layer(cls, *, target: TargetInfo, head: str | None = None, layer: int = 0, **options) -> EagleDrafter:
         """MTP layer `layer` of the target's own checkpoint, or of `head` (a folder in the nextn
         layout, e.g. one written by `quickdraft train-head --method mtp`)."""
         source = head or target.model_dir
@@ -141,8 +162,16 @@ class EagleDrafter:
             raise ValueError("the mtp drafter needs the target's checkpoint directory or a head folder")
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise ValueError(f"layer must be a non-negative integer, got {layer!r}")
-        module = MtpHead.from_checkpoint(Path(source).expanduser(), target_config=target.model.config, layer=layer,
-                                         dtype=target.dtype, device=target.device, max_len=head_max_len(target))
+        if target.model is None:
+            raise ValueError("the mtp drafter needs the target model (TargetInfo.model)")
+        module = MtpHead.from_checkpoint(
+            Path(source).expanduser(),
+            target_config=target.model.config,
+            layer=layer,
+            dtype=target.dtype,
+            device=target.device,
+            max_len=head_max_len(target),
+        )
         return cls(target=target, head=module, **options)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -197,15 +226,17 @@ class EagleDrafter:
             picks = self._pick_children(torch.stack([hidden[n] for n in expand]), ranks_per_node, copy_sources)
             for node, ranks, (picked_ids, picked_log_probs) in zip(expand, ranks_per_node, picks):
                 keep = [i for i, lp in enumerate(picked_log_probs) if tree.scores[node] + lp >= self.min_log_prob]
-                frontier += tree.add_children(node, [picked_ids[i] for i in keep], [picked_log_probs[i] for i in keep],
-                                              [ranks[i] for i in keep])
+                frontier += tree.add_children(
+                    node, [picked_ids[i] for i in keep], [picked_log_probs[i] for i in keep], [ranks[i] for i in keep]
+                )
         if len(tree.token_ids) == 1:
             return None
         token_ids, parents = tree.pruned(budget)
         return Proposal(token_ids=token_ids, parents=parents)
 
-    def _pick_children(self, features: torch.Tensor, ranks_per_node: list[list[int]],
-                       copy_sources: CopySources | None) -> list[tuple[list[int], list[float]]]:
+    def _pick_children(
+        self, features: torch.Tensor, ranks_per_node: list[list[int]], copy_sources: CopySources | None
+    ) -> list[tuple[list[int], list[float]]]:
         """Per node (head output `features` [m, D]): the target ids and log-probabilities of its
         candidates of the given ranks (0 = most likely)."""
         if copy_sources is None:
@@ -234,6 +265,7 @@ class EagleDrafter:
     def _write_copy_keys(self, state: _HeadState, tokens: list[int], features: torch.Tensor, *, start: int) -> None:
         """Copy keys of true entries start.. from their target features [n, L * D], without running
         the head's block over them (entries a catch-up window skips)."""
+        assert self.copy_key_cache is not None  # only heads with a copy path key their entries
         count = features.shape[0]
         next_tokens = torch.tensor(tokens[start + 1 : start + 1 + count], device=self.device)
         hidden = self.head.input_hidden(next_tokens, self.head.fuse_features(features))  # [n, D]
@@ -251,6 +283,7 @@ class EagleDrafter:
         return self._static_children(tree, node)
 
     def _static_children(self, tree: DynamicTree, node: int) -> list[int]:
+        assert self.static_tree is not None  # only static trees ask
         path = tree.path_ranks(node)
         return [p[-1] for p in self.static_tree.paths if len(p) == len(path) + 1 and p[:-1] == path]
 
@@ -264,15 +297,22 @@ class EagleDrafter:
             if self.copy_key_cache is not None:  # pending holds every owed entry: key the skipped ones
                 self._write_copy_keys(state, tokens, pending[: pending.shape[0] - count], start=state.num_true)
             state.first_true = state.num_features - count  # older entries would only be a gap: restart
-        features = self.head.fuse_features(pending[pending.shape[0] - count:])  # [count, D]
+        features = self.head.fuse_features(pending[pending.shape[0] - count :])  # [count, D]
         state.pending, state.num_pending = [], 0
         start = state.num_features - count
         next_tokens = torch.tensor(tokens[start + 1 : start + 1 + count], device=self.device)
         positions = torch.arange(start + 1, start + 1 + count, device=self.device)
         mask = torch.ones(count, start + count - state.first_true, dtype=torch.bool, device=self.device)
-        mask[:, start - state.first_true:] = torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()
-        out = self._forward(state, next_tokens, features, positions,
-                            store=list(range(start, start + count)), mask=mask, true_entries=True)
+        mask[:, start - state.first_true :] = torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()
+        out = self._forward(
+            state,
+            next_tokens,
+            features,
+            positions,
+            store=list(range(start, start + count)),
+            mask=mask,
+            true_entries=True,
+        )
         state.num_true = start + count
         return out[-1]
 
@@ -296,26 +336,46 @@ class EagleDrafter:
         for row, node in enumerate(nodes):
             hidden[node] = out[row]
 
-    def _forward(self, state: _HeadState, token_ids: torch.Tensor, features: torch.Tensor,
-                 positions: torch.Tensor, *, store: list[int], mask: torch.Tensor,
-                 true_entries: bool = False) -> torch.Tensor:
+    def _forward(
+        self,
+        state: _HeadState,
+        token_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        store: list[int],
+        mask: torch.Tensor,
+        true_entries: bool = False,
+    ) -> torch.Tensor:
         # token_ids [m], features [m, D], positions [m], mask [m, kv_len - first_true] -> outputs [m, D]
         head = self.head
         hidden = head.input_hidden(token_ids, features)
         if true_entries and self.copy_key_cache is not None:  # only true entries are copied from
             self.copy_key_cache[state.slot, store[0] : store[-1] + 1] = head.copy_keys(hidden)
         if head.runs_fused_block(hidden):  # store is the contiguous run ending the attended range
-            return head.fused_block(hidden, positions, cache_keys=self.cache.keys[0], cache_values=self.cache.values[0],
-                                    slot=state.slot, kv_start=state.first_true, mask=mask)
+            return head.fused_block(
+                hidden,
+                positions,
+                cache_keys=self.cache.keys[0],
+                cache_values=self.cache.values[0],
+                slot=state.slot,
+                kv_start=state.first_true,
+                mask=mask,
+            )
         q, k, v = head.attention_inputs(hidden, positions)
         store_index = torch.tensor(store, device=self.device)
-        self.cache.write(0, keys=k, values=v, slot_index=torch.full_like(store_index, state.slot),
-                         store_index=store_index)
-        keys, values = self.cache.read(0, slot=state.slot, start=state.first_true,
-                                       end=state.first_true + mask.shape[1])
+        self.cache.write(
+            0, keys=k, values=v, slot_index=torch.full_like(store_index, state.slot), store_index=store_index
+        )
+        keys, values = self.cache.read(0, slot=state.slot, start=state.first_true, end=state.first_true + mask.shape[1])
         attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=head.attn_scale,
-            enable_gqa=head.config.num_kv_heads != head.config.num_heads)  # [1, H, m, hd]
+            q.transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            scale=head.attn_scale,
+            enable_gqa=head.config.num_kv_heads != head.config.num_heads,
+        )  # [1, H, m, hd]
         return head.block_output(hidden, attended[0].transpose(0, 1).reshape(hidden.shape[0], -1))
 
 

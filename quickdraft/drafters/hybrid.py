@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 
 
 @dataclass
@@ -74,18 +74,31 @@ def path_in_child(accepted: AcceptedPath, mapping: dict[int, int]) -> AcceptedPa
             break
         nodes.append(mapping[node])
     whole = len(nodes) == len(accepted.nodes)
-    return AcceptedPath(nodes=nodes or [0], num_accepted=max(0, len(nodes) - 1),
-                        committed_token_ids=accepted.committed_token_ids, bonus=accepted.bonus and whole)
+    return AcceptedPath(
+        nodes=nodes or [0],
+        num_accepted=max(0, len(nodes) - 1),
+        committed_token_ids=accepted.committed_token_ids,
+        bonus=accepted.bonus and whole,
+    )
 
 
-class HybridDrafter:
-    def __init__(self, *, target: TargetInfo, drafters: list[dict], num_speculative_tokens: int = 5,
-                 max_draft_tokens: int | None = None, skip_after: int | None = None):
+class HybridDrafter(Drafter):
+    def __init__(
+        self,
+        *,
+        target: TargetInfo,
+        drafters: list[dict],
+        num_speculative_tokens: int = 5,
+        max_draft_tokens: int | None = None,
+        skip_after: int | None = None,
+    ):
         from quickdraft.drafters import default_registry
 
         if not isinstance(drafters, list) or len(drafters) < 2 or not all(isinstance(d, dict) for d in drafters):
-            raise ValueError("hybrid needs 'drafters': a list of at least two drafter configs, "
-                             "e.g. [{\"method\": \"suffix\"}, {\"method\": \"eagle3\"}]")
+            raise ValueError(
+                "hybrid needs 'drafters': a list of at least two drafter configs, "
+                'e.g. [{"method": "suffix"}, {"method": "eagle3"}]'
+            )
         registry = default_registry()
         self.children = []
         for config in drafters:
@@ -98,15 +111,17 @@ class HybridDrafter:
         if max_draft_tokens is not None and (not isinstance(max_draft_tokens, int) or max_draft_tokens < 1):
             raise ValueError(f"max_draft_tokens must be a positive integer, got {max_draft_tokens!r}")
         self.max_draft_tokens = max_draft_tokens
-        if skip_after is not None and (not isinstance(skip_after, int) or isinstance(skip_after, bool)
-                                       or skip_after < 1):
+        if skip_after is not None and (
+            not isinstance(skip_after, int) or isinstance(skip_after, bool) or skip_after < 1
+        ):
             raise ValueError(f"skip_after must be a positive integer, got {skip_after!r}")
         self.skip_after = skip_after
         layers = sorted({layer for child in self.children for layer in getattr(child, "feature_layers", ())})
         self.feature_layers = tuple(layers)
         # Which blocks of the concatenated features each child reads: [child] -> positions in `layers`.
-        self._feature_blocks = [[layers.index(layer) for layer in getattr(child, "feature_layers", ())]
-                                for child in self.children]
+        self._feature_blocks = [
+            [layers.index(layer) for layer in getattr(child, "feature_layers", ())] for child in self.children
+        ]
         self._merged: dict[str, MergedTree] = {}
 
     def begin(self, request: DraftRequest) -> None:
@@ -118,7 +133,7 @@ class HybridDrafter:
         width = features.shape[1] // len(self.feature_layers)
         for child, blocks in zip(self.children, self._feature_blocks):
             if blocks:
-                child.observe(request, torch.cat([features[:, b * width: (b + 1) * width] for b in blocks], dim=1))
+                child.observe(request, torch.cat([features[:, b * width : (b + 1) * width] for b in blocks], dim=1))
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         per_child = []  # [child][request index] -> proposal or None
@@ -131,7 +146,7 @@ class HybridDrafter:
                 row[i] = proposal
                 drafted[i] += proposal.num_draft_tokens if proposal is not None else 0
             per_child.append(row)
-        proposals = []
+        proposals: list[Proposal | None] = []
         for index, request in enumerate(requests):
             budget = request.budget if self.max_draft_tokens is None else min(request.budget, self.max_draft_tokens)
             merged = merge_proposals([child_proposals[index] for child_proposals in per_child], budget=budget)

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.tree import DynamicTree
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.heads import head_compute_dtype, resolve_head_dir
@@ -30,10 +30,18 @@ from quickdraft.models.layers import default_linear_fn
 from quickdraft.models.medusa import LayerSkipHead
 
 
-class LayerSkipDrafter:
-    def __init__(self, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None,
-                 num_speculative_tokens: int = 4, top_k: int = 2, max_draft_tokens: int = 12,
-                 min_draft_prob: float = 0.0):
+class LayerSkipDrafter(Drafter):
+    def __init__(
+        self,
+        *,
+        target: TargetInfo,
+        head: str | None = None,
+        head_dtype: str | None = None,
+        num_speculative_tokens: int = 4,
+        top_k: int = 2,
+        max_draft_tokens: int = 12,
+        min_draft_prob: float = 0.0,
+    ):
         if target.model is None or target.cache is None:
             raise ValueError("the [self] drafter needs the target model and its KV cache (TargetInfo)")
         for name, value in (("top_k", top_k), ("max_draft_tokens", max_draft_tokens)):
@@ -41,16 +49,23 @@ class LayerSkipDrafter:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(min_draft_prob, (int, float)) or not 0.0 <= min_draft_prob < 1.0:
             raise ValueError(f"min_draft_prob must be in [0, 1), got {min_draft_prob!r}")
-        self.head = LayerSkipHead.load(resolve_head_dir(head, method="self", model=target.model),
-                                       dtype=head_compute_dtype(head_dtype, default=target.dtype),
-                                       device=target.device)
+        loaded = LayerSkipHead.load(
+            resolve_head_dir(head, method="self", model=target.model),
+            dtype=head_compute_dtype(head_dtype, default=target.dtype),
+            device=target.device,
+        )
+        assert isinstance(loaded, LayerSkipHead)  # load builds an instance of the class it is called on
+        self.head = loaded
         c, num_layers = self.head.config, target.model.config.num_layers
         if c.hidden_size != target.model.config.hidden_size:
-            raise ValueError(f"[self] head hidden size {c.hidden_size} does not match the target's "
-                             f"{target.model.config.hidden_size}")
+            raise ValueError(
+                f"[self] head hidden size {c.hidden_size} does not match the target's {target.model.config.hidden_size}"
+            )
         if not 1 <= self.head.exit_layer < num_layers:
-            raise ValueError(f"[self] head reads layer {c.feature_layer}: the drafter must stop before the "
-                             f"target's last layer ({num_layers - 1})")
+            raise ValueError(
+                f"[self] head reads layer {c.feature_layer}: the drafter must stop before the "
+                f"target's last layer ({num_layers - 1})"
+            )
         if int(self.head.d2t.max()) >= target.vocab_size:
             raise ValueError("the [self] head's draft vocabulary maps to ids outside the target's vocabulary")
         self.head.attach_target(target.model)
@@ -76,14 +91,17 @@ class LayerSkipDrafter:
         frontiers = [[0] for _ in requests]
         budgets = [min(self.max_draft_tokens, r.budget) for r in requests]
         for depth in range(1, max(min(self.depth, r.max_depth) for r in requests) + 1):
-            growing = [i for i, r in enumerate(requests) if frontiers[i] and depth <= min(self.depth, r.max_depth)
-                       and len(trees[i].token_ids) <= budgets[i]]
+            growing = [
+                i
+                for i, r in enumerate(requests)
+                if frontiers[i] and depth <= min(self.depth, r.max_depth) and len(trees[i].token_ids) <= budgets[i]
+            ]
             if not growing:
                 break
             hidden = self._early_layers([requests[i] for i in growing], [trees[i] for i in growing])
             for i, rows in zip(growing, hidden):
                 frontiers[i] = self._grow(trees[i], frontiers[i], rows, depth=depth, budget=budgets[i])
-        proposals = []
+        proposals: list[Proposal | None] = []
         for tree, budget in zip(trees, budgets):
             if len(tree.token_ids) == 1:
                 proposals.append(None)
@@ -94,13 +112,23 @@ class LayerSkipDrafter:
 
     def _early_layers(self, requests: list[DraftRequest], trees: list[DynamicTree]) -> list[torch.Tensor]:
         """Each tree through the target's first layers over its request's cache; [T_i, D] each."""
-        work = [SequenceWork(slot=r.slot, cache_len=len(r.token_ids) - 1, token_ids=list(tree.token_ids),
-                             parents=list(tree.parents)) for r, tree in zip(requests, trees)]
+        work = []
+        for r, tree in zip(requests, trees):
+            assert r.slot is not None  # the engine sets a drafting request's slot
+            work.append(
+                SequenceWork(
+                    slot=r.slot,
+                    cache_len=len(r.token_ids) - 1,
+                    token_ids=list(tree.token_ids),
+                    parents=list(tree.parents),
+                )
+            )
         out = self.runner.forward(work, end_layer=self.head.exit_layer)
         return list(out.forward.hidden_states.split([len(t.token_ids) for t in trees]))
 
-    def _grow(self, tree: DynamicTree, frontier: list[int], hidden: torch.Tensor, *, depth: int,
-              budget: int) -> list[int]:
+    def _grow(
+        self, tree: DynamicTree, frontier: list[int], hidden: torch.Tensor, *, depth: int, budget: int
+    ) -> list[int]:
         """Children for the best frontier nodes (within the budget); returns the new frontier."""
         expand = tree.best_frontier(frontier, 1 if depth == 1 else self.top_k)
         log_probs = torch.log_softmax(self.head(hidden[expand])[0].float(), dim=-1)  # [m, Vd]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.tree import StaticTree, default_medusa_paths
 from quickdraft.heads import head_compute_dtype, resolve_head_dir
 from quickdraft.models.layers import default_linear_fn
@@ -27,22 +27,34 @@ class _MedusaState:
     num_features: int = 0  # target features observed (= tokens in the target's cache)
 
 
-class MedusaDrafter:
-    def __init__(self, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None,
-                 num_speculative_tokens: int | None = None,
-                 tree: str | list = "default", top_k: int = 3):
+class MedusaDrafter(Drafter):
+    def __init__(
+        self,
+        *,
+        target: TargetInfo,
+        head: str | None = None,
+        head_dtype: str | None = None,
+        num_speculative_tokens: int | None = None,
+        tree: str | list = "default",
+        top_k: int = 3,
+    ):
         if target.model is None:
             raise ValueError("the medusa drafter needs the target model (TargetInfo.model)")
         directory = resolve_head_dir(head, method="medusa", model=target.model)
-        self.heads = MedusaHeads.load(directory, dtype=head_compute_dtype(head_dtype, default=target.dtype),
-                                      device=target.device)
+        self.heads = MedusaHeads.load(
+            directory, dtype=head_compute_dtype(head_dtype, default=target.dtype), device=target.device
+        )
         c = self.heads.config
         if c.hidden_size != target.model.config.hidden_size:
-            raise ValueError(f"medusa heads' hidden size {c.hidden_size} does not match the target's "
-                             f"{target.model.config.hidden_size}")
+            raise ValueError(
+                f"medusa heads' hidden size {c.hidden_size} does not match the target's "
+                f"{target.model.config.hidden_size}"
+            )
         if c.feature_layer != target.model.config.num_layers - 1:
-            raise ValueError(f"medusa heads read layer {c.feature_layer}; the target's last layer is "
-                             f"{target.model.config.num_layers - 1}")
+            raise ValueError(
+                f"medusa heads read layer {c.feature_layer}; the target's last layer is "
+                f"{target.model.config.num_layers - 1}"
+            )
         if int(self.heads.d2t.max()) >= target.vocab_size:
             raise ValueError("the medusa heads' draft vocabulary maps to ids outside the target's vocabulary")
         depth = c.num_heads if num_speculative_tokens is None else num_speculative_tokens
@@ -82,13 +94,18 @@ class MedusaDrafter:
         ready = [r for r in requests if self._is_ready(r)]
         proposals: dict[str, Proposal | None] = {r.request_id: None for r in requests}
         if ready:
-            features = torch.stack([self._states[r.request_id].last_feature for r in ready])  # [B, D]
+            features = torch.stack([self._last_feature(r) for r in ready])  # [B, D]
             logits = self.heads(features)  # [K, B, Vd]
             top = torch.topk(logits, self.tree.max_rank, dim=-1).indices  # [K, B, ranks]
             candidates = self.heads.d2t[top].tolist()  # [K][B][ranks] target ids
             for row, request in enumerate(ready):
                 proposals[request.request_id] = self._fill_tree(request, [depth[row] for depth in candidates])
         return [proposals[r.request_id] for r in requests]
+
+    def _last_feature(self, request: DraftRequest) -> torch.Tensor:  # [D] of a ready request
+        feature = self._states[request.request_id].last_feature
+        assert feature is not None  # _is_ready
+        return feature
 
     def _is_ready(self, request: DraftRequest) -> bool:
         state = self._states[request.request_id]
@@ -99,6 +116,7 @@ class MedusaDrafter:
         tree = self.tree.truncated(max_draft_nodes=request.budget, max_depth=request.max_depth)
         if tree is None:
             return None
-        tokens = [request.token_ids[-1]] + [candidates[depth - 1][rank]
-                                            for depth, rank in zip(tree.depths[1:], tree.ranks[1:])]
+        tokens = [request.token_ids[-1]] + [
+            candidates[depth - 1][rank] for depth, rank in zip(tree.depths[1:], tree.ranks[1:])
+        ]
         return Proposal(token_ids=tokens, parents=list(tree.parents))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal
 
 NgramKey = tuple[int, ...]
 
@@ -58,7 +58,7 @@ class NgramIndex:
             end = len(tokens)  # the n-grams ending here are continued by `token`
             tokens.append(token)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                key = tuple(tokens[end - n:end])
+                key = tuple(tokens[end - n : end])
                 positions = continuations.get(key)
                 if positions is None:
                     continuations[key] = [end]
@@ -73,7 +73,7 @@ class NgramIndex:
         tokens = self.token_ids
         num_tokens = len(tokens)
         for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            positions = self.continuations.get(tuple(tokens[num_tokens - n:]))
+            positions = self.continuations.get(tuple(tokens[num_tokens - n :]))
             if positions:
                 for start in reversed(positions[-max_matches_per_n:]):
                     yield n, start
@@ -89,7 +89,7 @@ def continuation(token_ids: list[int], *, start: int, length: int) -> list[int]:
     """
     available = len(token_ids) - start
     if available >= length:
-        return token_ids[start:start + length]
+        return token_ids[start : start + length]
     return [token_ids[start + i % available] for i in range(length)]
 
 
@@ -130,7 +130,7 @@ class DraftTreeBuilder:
         return Proposal(token_ids=self.token_ids, parents=self.parents)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup decoding (vLLM's ``ngram`` method), chains or trees of distinct matches."""
 
     def __init__(
@@ -193,7 +193,8 @@ class NgramDrafter:
         """
         index = self._indexes.get(request.request_id)
         if index is None or not extends_indexed_tokens(
-                index.token_ids, num_prompt_tokens=index.num_prompt_tokens, request=request):
+            index.token_ids, num_prompt_tokens=index.num_prompt_tokens, request=request
+        ):
             index = self._indexes[request.request_id] = self._new_index(request)
             return index
         num_indexed_output = len(index.token_ids) - index.num_prompt_tokens
@@ -218,8 +219,7 @@ class NgramDrafter:
         return tree.proposal()
 
 
-def extends_indexed_tokens(indexed_token_ids: list[int], *, num_prompt_tokens: int,
-                           request: DraftRequest) -> bool:
+def extends_indexed_tokens(indexed_token_ids: list[int], *, num_prompt_tokens: int, request: DraftRequest) -> bool:
     """Whether the request's tokens are the indexed ones plus (maybe) more, checked in O(1):
     same prompt length, no fewer tokens, and the same token at the last indexed position.
     (Shared by the drafters that index a request's tokens incrementally.)"""

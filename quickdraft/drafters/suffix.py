@@ -43,9 +43,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import count as counter
 
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal
 from quickdraft.drafters.ngram import extends_indexed_tokens
-
 
 # An occurrence being extended: (node id, depth of node).  A match: (node id, depth, number
 # of tail tokens matched below a tail node: 0 when the match ends at the node itself).
@@ -127,9 +126,11 @@ class SuffixTrie:
         counts, children = self.counts, self.children
         next_active: list[Cursor] = []
         for node, depth in [(self.ROOT, 0), *active]:
-            child = children[node].get(token)
+            node_children = children[node]
+            assert node_children is not None  # the root and active nodes are dict nodes
+            child = node_children.get(token)
             if child is None:  # first occurrence of this string: a tail node, no more work
-                children[node][token] = self._new_tail_node(sequence_id, end)
+                node_children[token] = self._new_tail_node(sequence_id, end)
                 continue
             if children[child] is None:  # the second occurrence: give the first its next node
                 self._materialize(child, depth=depth + 1)
@@ -142,10 +143,11 @@ class SuffixTrie:
         """Turn a tail node into a dict node whose one child carries the rest of the tail."""
         sequence_id, start = self.tail_sequence_ids[node], self.tail_starts[node]
         tail = self.sequences[sequence_id]
-        self.children[node] = {}
+        node_children: dict[int, int] = {}
+        self.children[node] = node_children
         self.tail_sequence_ids[node] = -1
         if depth < self.max_depth and start < len(tail):
-            self.children[node][tail[start]] = self._new_tail_node(sequence_id, start + 1)
+            node_children[tail[start]] = self._new_tail_node(sequence_id, start + 1)
 
     def insert(self, sequence_id: int, token_ids: list[int]) -> None:
         """Add a whole sequence (which must not change until it is removed)."""
@@ -168,9 +170,11 @@ class SuffixTrie:
             node = self.ROOT
             for depth in range(min(self.max_depth, num_tokens - start)):
                 token = token_ids[start + depth]
-                child = children[node][token]
+                node_children = children[node]
+                assert node_children is not None  # shared paths (count >= 2) are dict nodes
+                child = node_children[token]
                 if counts[child] == 1:  # only this occurrence: drop the whole subtree
-                    del children[node][token]
+                    del node_children[token]
                     self._free_subtree(child)
                     break
                 counts[child] -= 1
@@ -200,8 +204,9 @@ class SuffixTrie:
         stack = [node]
         while stack:
             node = stack.pop()
-            if self.children[node]:
-                stack.extend(self.children[node].values())
+            node_children = self.children[node]
+            if node_children:
+                stack.extend(node_children.values())
             self.counts[node] = 0
             self.children[node] = None
             self.tail_sequence_ids[node] = -1
@@ -223,10 +228,12 @@ class SuffixTrie:
         children = self.children
         for position in range(len(context) - length, len(context)):
             token = context[position]
-            if children[node] is not None:
-                node = children[node].get(token)
-                if node is None:
+            node_children = children[node]
+            if node_children is not None:
+                next_node = node_children.get(token)
+                if next_node is None:
                     return None
+                node = next_node
                 depth += 1
             else:
                 if self._tail_token(node, depth=depth, tail_offset=tail_offset) != token:
@@ -274,11 +281,11 @@ class SuffixTrie:
             return [(token, 1.0, (child, depth + 1, 0))]
         counts = self.counts
         total = sum(counts[child] for child in node_children.values())
-        return [(token, counts[child] / total, (child, depth + 1, 0))
-                for token, child in node_children.items()]
+        return [(token, counts[child] / total, (child, depth + 1, 0)) for token, child in node_children.items()]
 
-    def draft_tree(self, state: MatchState, *, max_draft_nodes: int, min_token_prob: float,
-                   match_len: int) -> DraftTree:
+    def draft_tree(
+        self, state: MatchState, *, max_draft_nodes: int, min_token_prob: float, match_len: int
+    ) -> DraftTree:
         """Best-first expansion from the matched state: the most probable continuations first,
         stopping at max_draft_nodes or when no candidate reaches min_token_prob.
         O(max_draft_nodes * (children per node + log heap))."""
@@ -335,12 +342,16 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
 
 
 def _check_float(name: str, value: object, *, minimum: float, maximum: float = math.inf) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not minimum <= value <= maximum:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not minimum <= value <= maximum
+    ):
         raise ValueError(f"{name} must be a finite number in [{minimum}, {maximum}], got {value!r}")
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """SuffixDecoding drafter (per-request and global suffix tries, frequency-ranked trees)."""
 
     def __init__(
@@ -388,7 +399,7 @@ class SuffixDrafter:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
-        output = state.token_ids[state.num_prompt_tokens:]
+        output = state.token_ids[state.num_prompt_tokens :]
         if output and self.max_cached_requests > 0:
             self._cache_output(output)
 
@@ -405,8 +416,9 @@ class SuffixDrafter:
     # -- per-request state --------------------------------------------------------------
 
     def _new_state(self, request: DraftRequest) -> RequestSuffixState:
-        state = RequestSuffixState(trie=SuffixTrie(max_depth=self.trie_depth),
-                                   num_prompt_tokens=len(request.prompt_token_ids))
+        state = RequestSuffixState(
+            trie=SuffixTrie(max_depth=self.trie_depth), num_prompt_tokens=len(request.prompt_token_ids)
+        )
         state.extend(request.prompt_token_ids)
         state.extend(request.output_token_ids)
         return state
@@ -419,7 +431,8 @@ class SuffixDrafter:
         """
         state = self._requests.get(request.request_id)
         if state is None or not extends_indexed_tokens(
-                state.token_ids, num_prompt_tokens=state.num_prompt_tokens, request=request):
+            state.token_ids, num_prompt_tokens=state.num_prompt_tokens, request=request
+        ):
             state = self._requests[request.request_id] = self._new_state(request)
             return state
         num_indexed_output = len(state.token_ids) - state.num_prompt_tokens
@@ -434,15 +447,17 @@ class SuffixDrafter:
         adaptive = math.floor(self.max_spec_factor * match_len + self.max_spec_offset + 1e-6)
         return max(0, min(self.num_speculative_tokens, budget, adaptive))
 
-    def _draft_from(self, trie: SuffixTrie, *, match_len: int, state: MatchState | None,
-                    budget: int) -> DraftTree | None:
+    def _draft_from(
+        self, trie: SuffixTrie, *, match_len: int, state: MatchState | None, budget: int
+    ) -> DraftTree | None:
         if state is None or match_len == 0:
             return None
         max_draft_nodes = self._draft_budget(match_len=match_len, budget=budget)
         if max_draft_nodes == 0:
             return None
-        tree = trie.draft_tree(state, max_draft_nodes=max_draft_nodes,
-                               min_token_prob=self.min_token_prob, match_len=match_len)
+        tree = trie.draft_tree(
+            state, max_draft_nodes=max_draft_nodes, min_token_prob=self.min_token_prob, match_len=match_len
+        )
         return tree if tree.token_ids else None
 
     def _propose_one(self, request: DraftRequest) -> Proposal | None:
@@ -456,8 +471,7 @@ class SuffixDrafter:
         best = self._draft_from(state.trie, match_len=match_len, state=match, budget=request.budget)
         if self.cached_outputs:
             match_len, match = self.global_trie.longest_match(context, max_length=self.max_tree_depth)
-            cached = self._draft_from(self.global_trie, match_len=match_len, state=match,
-                                      budget=request.budget)
+            cached = self._draft_from(self.global_trie, match_len=match_len, state=match, budget=request.budget)
             if cached is not None and (best is None or cached.score > best.score):
                 best = cached
         if best is None:

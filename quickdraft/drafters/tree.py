@@ -27,8 +27,11 @@ class StaticTree:
     def from_paths(cls, paths) -> StaticTree:
         normalized = []
         for path in paths:
-            if not isinstance(path, (list, tuple)) or not path or not all(
-                    isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
+            if (
+                not isinstance(path, (list, tuple))
+                or not path
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)
+            ):
                 raise ValueError(f"tree path {path!r} must be a non-empty list of candidate ranks >= 0")
             normalized.append(tuple(path))
         if not normalized:
@@ -74,7 +77,7 @@ def default_medusa_paths(*, depth: int, top_k: int) -> list[tuple[int, ...]]:
     for _ in range(depth):
         paths += [spine + (rank,) for rank in range(top_k)]
         spine = spine + (0,)
-    second = (1,)
+    second: tuple[int, ...] = (1,)
     for _ in range(depth - 1):
         second = second + (0,)
         paths.append(second)
@@ -101,8 +104,9 @@ class DynamicTree:
     def __post_init__(self) -> None:
         self.token_ids, self.parents, self.scores, self.depths, self.ranks = [self.root_token], [-1], [0.0], [0], [-1]
 
-    def add_children(self, parent: int, tokens: list[int], log_probs: list[float],
-                     ranks: list[int] | None = None) -> list[int]:
+    def add_children(
+        self, parent: int, tokens: list[int], log_probs: list[float], ranks: list[int] | None = None
+    ) -> list[int]:
         """Children of `parent` with their own draft log-probs; returns their node indices."""
         added = []
         for i, (token, log_prob) in enumerate(zip(tokens, log_probs)):

@@ -127,8 +127,13 @@ class StepCost:
 
     def seconds(self, lengths: list[int]) -> float:
         drafting = [k for k in lengths if k]
-        return self.fixed + self.per_request * len(lengths) + self.per_token * sum(1 + k for k in lengths) + \
-            self.draft_per_request * len(drafting) + self.draft_per_token * sum(drafting)
+        return (
+            self.fixed
+            + self.per_request * len(lengths)
+            + self.per_token * sum(1 + k for k in lengths)
+            + self.draft_per_request * len(drafting)
+            + self.draft_per_token * sum(drafting)
+        )
 
 
 @dataclass
@@ -198,8 +203,10 @@ class ProbeSchedule:
 
 def worth_probing(*, cost: StepCost, throughput: float, max_length: int) -> bool:
     """Whether a request's drafts, if accepted at PROBE_RATE, would pay in a step of `throughput`."""
-    return _best_length(PROBE_RATE, max_length, throughput, cost.per_token + cost.draft_per_token,
-                        cost.draft_per_request) > 0
+    return (
+        _best_length(PROBE_RATE, max_length, throughput, cost.per_token + cost.draft_per_token, cost.draft_per_request)
+        > 0
+    )
 
 
 def step_throughput(*, rates: list[float], lengths: list[int], cost: StepCost) -> float:
@@ -209,14 +216,17 @@ def step_throughput(*, rates: list[float], lengths: list[int], cost: StepCost) -
     return tokens / seconds if seconds > 0 else float("inf")
 
 
-def choose_draft_lengths(*, rates: list[float], max_lengths: list[int], cost: StepCost,
-                         iterations: int = 8) -> list[int]:
+def choose_draft_lengths(
+    *, rates: list[float], max_lengths: list[int], cost: StepCost, iterations: int = 8
+) -> list[int]:
     """Draft lengths (0..max_lengths[r]) maximising expected committed tokens per second."""
     lengths = [0] * len(rates)
     best = step_throughput(rates=rates, lengths=lengths, cost=cost)
     for _ in range(iterations):
-        proposal = [_best_length(rate, limit, best, cost.per_token + cost.draft_per_token, cost.draft_per_request)
-                    for rate, limit in zip(rates, max_lengths)]
+        proposal = [
+            _best_length(rate, limit, best, cost.per_token + cost.draft_per_token, cost.draft_per_request)
+            for rate, limit in zip(rates, max_lengths)
+        ]
         value = step_throughput(rates=rates, lengths=proposal, cost=cost)
         if value <= best * (1 + 1e-9):
             break

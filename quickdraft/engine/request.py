@@ -36,7 +36,7 @@ class Request:
         eos_token_ids: list[int],
         max_model_len: int,
         seed: int,
-        generator: torch.Generator,
+        generator: torch.Generator | None,
         arrival_time: float | None = None,
     ):
         self.request_id = request_id
@@ -55,8 +55,9 @@ class Request:
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter(),
-                                      num_prompt_tokens=len(prompt_token_ids))
+        self.metrics = RequestMetrics(
+            arrival_time=arrival_time or time.perf_counter(), num_prompt_tokens=len(prompt_token_ids)
+        )
         self._stop_token_ids = set(params.stop_token_ids or [])
         self._eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self._max_output = min(
@@ -70,6 +71,13 @@ class Request:
         self._streamed_tokens = 0
 
     # ---- token bookkeeping ------------------------------------------------------------
+    @property
+    def scheduled_slot(self) -> int:
+        """The cache slot of a scheduled request (the scheduler gives one before any forward)."""
+        if self.slot is None:
+            raise RuntimeError(f"request {self.request_id} holds no cache slot")
+        return self.slot
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -86,8 +94,7 @@ class Request:
     def remaining_output_tokens(self) -> int:
         return self._max_output - len(self.output_token_ids)
 
-    def append_token(self, token_id: int, *, now: float,
-                     logprobs: TokenLogprobs | None = None) -> bool:
+    def append_token(self, token_id: int, *, now: float, logprobs: TokenLogprobs | None = None) -> bool:
         """Commit one generated token; returns True when the request is finished by it."""
         self.output_token_ids.append(token_id)
         if self.metrics.first_token_time is None:
@@ -182,8 +189,11 @@ class Request:
         )
 
 
-def make_token_logprobs(*, token_id: int, logprob: float, top_ids: list[int],
-                        top_logprobs: list[float], tokenizer: Tokenizer) -> TokenLogprobs:
-    top = [Logprob(token_id=i, logprob=lp, decoded=tokenizer.decode([i], skip_special_tokens=False))
-           for i, lp in zip(top_ids, top_logprobs)]
+def make_token_logprobs(
+    *, token_id: int, logprob: float, top_ids: list[int], top_logprobs: list[float], tokenizer: Tokenizer
+) -> TokenLogprobs:
+    top = [
+        Logprob(token_id=i, logprob=lp, decoded=tokenizer.decode([i], skip_special_tokens=False))
+        for i, lp in zip(top_ids, top_logprobs)
+    ]
     return TokenLogprobs(token_id=token_id, logprob=logprob, top=top)

@@ -35,8 +35,9 @@ class ModelRunner:
         self.cache = cache
         self.device = device
 
-    def forward(self, work: list[SequenceWork], *, capture_layers: tuple[int, ...] = (),
-                end_layer: int | None = None) -> RunnerOutput:
+    def forward(
+        self, work: list[SequenceWork], *, capture_layers: tuple[int, ...] = (), end_layer: int | None = None
+    ) -> RunnerOutput:
         """One forward over `work`; `end_layer` stops after that many layers (no logits then:
         the output's hidden_states are that layer's)."""
         if not work:
@@ -57,8 +58,12 @@ class ModelRunner:
                     f"cache length {self.cache.max_len}"
                 )
             seq, seq_positions = build_sequence_attention(
-                slot=item.slot, row_start=len(token_ids), cache_len=item.cache_len,
-                parents=item.parents, num_new=num_new, sliding_window=window,
+                slot=item.slot,
+                row_start=len(token_ids),
+                cache_len=item.cache_len,
+                parents=item.parents,
+                num_new=num_new,
+                sliding_window=window,
             )
             sequences.append(seq)
             logits_rows.extend(seq.row_start + node for node in item.logits_nodes)
@@ -76,8 +81,12 @@ class ModelRunner:
             store_index=self._long(store_index),
         )
         out = self.model(
-            self._long(token_ids), self._long(positions), attn=attn, cache=self.cache,
-            capture_layers=capture_layers, end_layer=end_layer,
+            self._long(token_ids),
+            self._long(positions),
+            attn=attn,
+            cache=self.cache,
+            capture_layers=capture_layers,
+            end_layer=end_layer,
             logits_rows=self._long(logits_rows) if logits_rows else None,
         )
         return RunnerOutput(logits=out.logits, logits_offsets=logits_offsets, forward=out)

@@ -70,13 +70,8 @@ class Scheduler:
         """Drop a finished (or aborted) request and free its cache slot at once."""
         if request in self.running:
             self.running.remove(request)
+            assert request.slot is not None  # running requests hold a slot
             self.cache.free(request.slot)
             request.slot = None
         elif request in self.waiting:
             self.waiting.remove(request)
-
-    def find(self, request_id: str) -> Request | None:
-        for req in list(self.waiting) + self.running:
-            if req.request_id == request_id:
-                return req
-        return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.drafters.base import AcceptedPath, DraftRequest, Drafter, Proposal
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal
 from quickdraft.engine.adaptive import (
     PROBE_LENGTH,
     AcceptanceEstimate,
@@ -52,8 +52,7 @@ class Speculator:
         self.config = config
         self.drafter = drafter
         self.max_tree_nodes = max_tree_nodes
-        self.policy = DraftLengthPolicy(maximum=config.num_speculative_tokens,
-                                        dynamic=config.dynamic_draft_length)
+        self.policy = DraftLengthPolicy(maximum=config.num_speculative_tokens, dynamic=config.dynamic_draft_length)
         self._draft_length: dict[str, int] = {}
         self._views: dict[str, DraftRequest] = {}
         self.step_costs = StepCostModel()  # adaptive: fed by the engine after every step
@@ -67,9 +66,15 @@ class Speculator:
         """The drafter's view of a request; shares the request's token lists (no copy)."""
         view = self._views.get(request.request_id)
         if view is None:
-            view = DraftRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                output_token_ids=request.output_token_ids, budget=1, params=request.params,
-                                slot=request.slot, seed=request.seed)
+            view = DraftRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                budget=1,
+                params=request.params,
+                slot=request.slot,
+                seed=request.seed,
+            )
             self._views[request.request_id] = view
             self._draft_length[request.request_id] = self.config.num_speculative_tokens
             self._acceptance[request.request_id] = AcceptanceEstimate(prior=self._all_acceptance.rate)
@@ -100,8 +105,10 @@ class Speculator:
         for request in requests:
             # Nodes are bounded by cache room; depth by the draft length and max_tokens.
             budget = min(cache_room[request.request_id] - 1, self.max_tree_nodes - 1)
-            max_depth = min(self._draft_length.get(request.request_id, self.config.num_speculative_tokens),
-                            request.remaining_output_tokens - 1)
+            max_depth = min(
+                self._draft_length.get(request.request_id, self.config.num_speculative_tokens),
+                request.remaining_output_tokens - 1,
+            )
             limits[request.request_id] = (budget, max_depth)
         if self.config.adaptive:
             limits = self._adaptive_limits(requests, limits)
@@ -120,8 +127,10 @@ class Speculator:
             if proposal is None or proposal.num_draft_tokens == 0:
                 continue
             if proposal.num_draft_tokens > view.budget:
-                raise RuntimeError(f"drafter proposed {proposal.num_draft_tokens} tokens over a budget of "
-                                   f"{view.budget} for request {view.request_id}")
+                raise RuntimeError(
+                    f"drafter proposed {proposal.num_draft_tokens} tokens over a budget of "
+                    f"{view.budget} for request {view.request_id}"
+                )
             last = view.output_token_ids[-1] if view.output_token_ids else view.prompt_token_ids[-1]
             if proposal.token_ids[0] != last:
                 raise RuntimeError(f"proposal root {proposal.token_ids[0]} is not the last committed token {last}")
@@ -152,28 +161,43 @@ class Speculator:
             chosen[request.request_id] = (k, k)
         return chosen
 
-    def observe_step(self, *, num_requests: int, num_tokens: int, forward_seconds: float, decode_only: bool,
-                     num_drafted_requests: int, num_draft_tokens: int, draft_seconds: float) -> None:
+    def observe_step(
+        self,
+        *,
+        num_requests: int,
+        num_tokens: int,
+        forward_seconds: float,
+        decode_only: bool,
+        num_drafted_requests: int,
+        num_draft_tokens: int,
+        draft_seconds: float,
+    ) -> None:
         """A finished step's size and timings, for the cost model of adaptive speculation."""
         if not self.config.adaptive:
             return  # nothing else reads the cost model
         if decode_only:
-            self.step_costs.observe_forward(num_requests=num_requests, num_tokens=num_tokens,
-                                            seconds=forward_seconds)
-        self.step_costs.observe_drafting(num_requests=num_drafted_requests, num_draft_tokens=num_draft_tokens,
-                                         seconds=draft_seconds)
+            self.step_costs.observe_forward(num_requests=num_requests, num_tokens=num_tokens, seconds=forward_seconds)
+        self.step_costs.observe_drafting(
+            num_requests=num_drafted_requests, num_draft_tokens=num_draft_tokens, seconds=draft_seconds
+        )
 
     # ---- verify -----------------------------------------------------------------------
-    def verify(self, *, request: Request, proposal: Proposal, logits: torch.Tensor,
-               eos_token_ids: list[int]) -> AcceptedPath:
+    def verify(
+        self, *, request: Request, proposal: Proposal, logits: torch.Tensor, eos_token_ids: list[int]
+    ) -> AcceptedPath:
         """logits [num_nodes, V]: the target's logits after each tree node."""
         if samples_by_argmax(request.params, num_output_tokens=len(request.output_token_ids)):
             # Greedy without penalties: target_probs would be one-hots of these argmaxes.
-            return verify_greedy(proposal=proposal, target_argmax=argmax_rows(logits).tolist(),
-                                 max_new_tokens=request.remaining_output_tokens)
+            return verify_greedy(
+                proposal=proposal,
+                target_argmax=argmax_rows(logits).tolist(),
+                max_new_tokens=request.remaining_output_tokens,
+            )
         histories = node_histories(request.output_token_ids, proposal)
-        rows = [RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids,
-                           output_token_ids=history) for history in histories]
+        rows = [
+            RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=history)
+            for history in histories
+        ]
         if proposal.draft_probs is None:
             # Point masses: follow the target's own position-keyed draw at each node, computed
             # only along the walked path; the committed tokens are plain decoding's.
@@ -181,11 +205,16 @@ class Speculator:
                 probs = logits_to_probs(logits[node : node + 1], [rows[node]], eos_token_ids=eos_token_ids)
                 return int(sample_keyed(probs, [position_key(request.seed, len(histories[node]))])[0])
 
-            return verify_by_target_choice(proposal=proposal, target_choice=target_choice,
-                                           max_new_tokens=request.remaining_output_tokens)
+            return verify_by_target_choice(
+                proposal=proposal, target_choice=target_choice, max_new_tokens=request.remaining_output_tokens
+            )
         target_probs = logits_to_probs(logits, rows, eos_token_ids=eos_token_ids)  # [num_nodes, V]
-        return verify_proposal(proposal=proposal, target_probs=target_probs, generator=request.generator,
-                               max_new_tokens=request.remaining_output_tokens)
+        return verify_proposal(
+            proposal=proposal,
+            target_probs=target_probs,
+            generator=request.generator,
+            max_new_tokens=request.remaining_output_tokens,
+        )
 
     def record(self, *, request: Request, proposal: Proposal, accepted: AcceptedPath) -> None:
         depths = node_depths(proposal.parents)[1:]
@@ -196,7 +225,8 @@ class Speculator:
                 estimate.record(drafted_depth=max(depths), num_accepted=accepted.num_accepted)
             self._probes[request_id].result(num_accepted=accepted.num_accepted)
         self._draft_length[request_id] = self.policy.next_length(
-            self._draft_length[request_id], drafted=max(depths), accepted=accepted.num_accepted)
+            self._draft_length[request_id], drafted=max(depths), accepted=accepted.num_accepted
+        )
         if not request.is_finished:
             self.drafter.accept(self._views[request_id], accepted)
 

@@ -53,10 +53,14 @@ def resolve_head_dir(head: str | None, *, method: str, model) -> Path:
     if shipped is not None:
         return shipped
     if head:
-        raise FileNotFoundError(f"draft head {head!r} not found: give a directory written by "
-                                f"`quickdraft train-head` or the name of a head shipped for this model")
-    raise ValueError(f"no {method} head is shipped for this target: train one with `quickdraft train-head "
-                     f"--method {method}` and pass {{\"head\": DIR}}")
+        raise FileNotFoundError(
+            f"draft head {head!r} not found: give a directory written by "
+            f"`quickdraft train-head` or the name of a head shipped for this model"
+        )
+    raise ValueError(
+        f"no {method} head is shipped for this target: train one with `quickdraft train-head "
+        f'--method {method}` and pass {{"head": DIR}}'
+    )
 
 
 def quantizes_head(head_dtype: str | None, *, model) -> bool:

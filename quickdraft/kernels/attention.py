@@ -18,8 +18,9 @@ from quickdraft.kernels.build import LazyKernel
 __all__ = ["attention", "kernel_available"]
 
 # -ffp-contract=off: the same bits as the copy of attend_row inside the fused decoder layer
-_KERNEL = LazyKernel("attention_v1", source="attention.cpp", extra_cflags=("-ffp-contract=off",),
-                     what="scaled_dot_product_attention")
+_KERNEL = LazyKernel(
+    "attention_v1", source="attention.cpp", extra_cflags=("-ffp-contract=off",), what="scaled_dot_product_attention"
+)
 
 
 def _extension() -> ModuleType | None:
@@ -30,16 +31,30 @@ def kernel_available() -> bool:
     return _extension() is not None
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None,
-              scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """q [T, H, D], keys / values [Hkv, S, D], mask [T, S] bool (True = may attend) or None
     (all) -> [T, H, D]."""
-    usable = (q.dtype == torch.float32 and q.is_cpu and keys.dtype == torch.float32 and q.shape[-1] % 16 == 0
-              and keys.stride(-1) == 1 and keys.stride(1) == q.shape[-1] and values.stride() == keys.stride())
+    usable = (
+        q.dtype == torch.float32
+        and q.is_cpu
+        and keys.dtype == torch.float32
+        and q.shape[-1] % 16 == 0
+        and keys.stride(-1) == 1
+        and keys.stride(1) == q.shape[-1]
+        and values.stride() == keys.stride()
+    )
     ext = _extension() if usable else None
     if ext is not None:
         return ext.attention(q, keys, values, mask, scale)
     num_heads, num_kv_heads = q.shape[1], keys.shape[0]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                         scale=scale, enable_gqa=num_kv_heads != num_heads)  # [1, H, T, D]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=num_kv_heads != num_heads,
+    )  # [1, H, T, D]
     return out[0].transpose(0, 1)

@@ -30,10 +30,13 @@ def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), w
 
         # The torch version is part of the name: an in-place torch upgrade would not rebuild.
         # torch rebuilds when a source or a flag changes, but not for a header: their hash is a flag.
-        module = load(name=f"quickdraft_{name}_torch" + re.sub(r"\W", "_", torch.__version__),
-                      sources=[str(CSRC / source)],
-                      extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", f"-DQD_HEADERS={_headers_hash()}", *extra_cflags],
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(
+            name=f"quickdraft_{name}_torch" + re.sub(r"\W", "_", torch.__version__),
+            sources=[str(CSRC / source)],
+            extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", f"-DQD_HEADERS={_headers_hash()}", *extra_cflags],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as exc:  # no compiler, build error, import error, ...
         logger.warning("%s: building the C++ kernel failed, using %s: %s", name, what, exc)
         return None

@@ -29,8 +29,20 @@ import torch
 from quickdraft.kernels.build import LazyKernel
 from quickdraft.models.quantized import FORMAT_IDS, OFFSETS, PackedPart, QuantizedWeight, unpack_rows
 
-__all__ = ["AMX_ENV", "ISAS", "ISA_ENV", "active_isa", "amx_extension", "fused_layer_available", "isa_extension",
-           "kernel_available", "norm_matmul", "quant_linear", "quantize_activations", "reference_quant_linear"]
+__all__ = [
+    "AMX_ENV",
+    "ISAS",
+    "ISA_ENV",
+    "active_isa",
+    "amx_extension",
+    "fused_layer_available",
+    "isa_extension",
+    "kernel_available",
+    "norm_matmul",
+    "quant_linear",
+    "quantize_activations",
+    "reference_quant_linear",
+]
 
 ISA_ENV = "QUICKDRAFT_CPU_ISA"
 # The compiled builds, preferred first.
@@ -39,10 +51,18 @@ ISAS = ("avx512", "avx2")
 # -ffp-contract=off: no fused multiply-adds, so the kernel's float operations are the
 # reference's, one rounding each.
 _KERNELS = {
-    "avx512": LazyKernel("quant_linear_v2", source="quant_linear.cpp", extra_cflags=("-ffp-contract=off",),
-                         what="the AVX2 kernel (the torch reference if forced)"),
-    "avx2": LazyKernel("quant_linear_avx2_v2", source="quant_linear.cpp",
-                       extra_cflags=("-ffp-contract=off", "-DQD_ISA_AVX2"), what="the torch reference (slow)"),
+    "avx512": LazyKernel(
+        "quant_linear_v2",
+        source="quant_linear.cpp",
+        extra_cflags=("-ffp-contract=off",),
+        what="the AVX2 kernel (the torch reference if forced)",
+    ),
+    "avx2": LazyKernel(
+        "quant_linear_avx2_v2",
+        source="quant_linear.cpp",
+        extra_cflags=("-ffp-contract=off", "-DQD_ISA_AVX2"),
+        what="the torch reference (slow)",
+    ),
 }
 
 
@@ -52,8 +72,9 @@ _KERNELS = {
 # QUICKDRAFT_CPU_AMX=0 turns it off.
 AMX_ENV = "QUICKDRAFT_CPU_AMX"
 AMX_MIN_ROWS = 12  # below this the tiles, always 16 rows, lose to VNNI (measured in the README)
-_AMX = LazyKernel("quant_amx_v1", source="quant_amx.cpp", extra_cflags=("-ffp-contract=off",),
-                  what="the AVX-512 kernel")
+_AMX = LazyKernel(
+    "quant_amx_v1", source="quant_amx.cpp", extra_cflags=("-ffp-contract=off",), what="the AVX-512 kernel"
+)
 
 
 def amx_extension() -> ModuleType | None:
@@ -121,15 +142,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q.to(torch.int8).reshape(m, k), dx, bsum
 
 
-def _part_reference(part: PackedPart, q: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor,
-                    cols: int) -> torch.Tensor:  # -> [M, rows]
+def _part_reference(
+    part: PackedPart, q: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor, cols: int
+) -> torch.Tensor:  # -> [M, rows]
     parts = unpack_rows(part.format, part.packed.numpy(), rows=np.arange(part.rows), cols=cols)
     wq = torch.from_numpy(parts.q.astype(np.float64))  # [N, K], exact small integers
     xq = q.to(torch.float64)
     m, n = q.shape[0], part.rows
 
     def block_dot(start: int, width: int) -> torch.Tensor:  # [M, N] exact integer dot products
-        return (xq[:, start:start + width] @ wq[:, start:start + width].T).round().to(torch.int64)
+        return (xq[:, start : start + width] @ wq[:, start : start + width].T).round().to(torch.int64)
 
     bsum64 = bsum.to(torch.int64)
     acc = torch.zeros(m, n, dtype=torch.float32)
@@ -162,7 +184,7 @@ def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     q, dx, bsum = quantize_activations(x2)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
     for part in weight.parts:
-        out[:, part.row_start:part.row_start + part.rows] = _part_reference(part, q, dx, bsum, k)
+        out[:, part.row_start : part.row_start + part.rows] = _part_reference(part, q, dx, bsum, k)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -183,8 +205,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
             if amx is not None and part.format == "Q8_0":
                 amx.q8_0_matmul(q, dx, bsum, part.packed, part.rows, k, out, part.row_start)
             else:
-                ext.quant_matmul(q, dx, bsum, part.packed, FORMAT_IDS[part.format], part.rows, k, out,
-                                 part.row_start)
+                ext.quant_matmul(q, dx, bsum, part.packed, FORMAT_IDS[part.format], part.rows, k, out, part.row_start)
         out = out.view(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         out = out + bias.to(out.dtype)
@@ -195,8 +216,9 @@ def _parts(weight: QuantizedWeight) -> list[tuple[int, torch.Tensor, int, int]]:
     return [(FORMAT_IDS[p.format], p.packed, p.rows, p.row_start) for p in weight.parts]
 
 
-def norm_matmul(x: torch.Tensor, *, norm: torch.Tensor, weight: QuantizedWeight, eps: float,
-                segment: int | None = None) -> torch.Tensor:
+def norm_matmul(
+    x: torch.Tensor, *, norm: torch.Tensor, weight: QuantizedWeight, eps: float, segment: int | None = None
+) -> torch.Tensor:
     """rms_norm(x) @ weight.T in one call (``norm_matmul`` in csrc/quant_linear.cpp): x [M, K]
     float32, each row normalized per run of `segment` values (default K) with its slice of
     `norm` [K] -> [M, N].  Needs ``fused_layer_available()``; its normalization rounds like
@@ -204,18 +226,48 @@ def norm_matmul(x: torch.Tensor, *, norm: torch.Tensor, weight: QuantizedWeight,
     return _extension().norm_matmul(x, norm, segment or x.shape[-1], eps, _parts(weight), weight.shape[0])
 
 
-def fused_decoder_layer(hidden: torch.Tensor, *, weights: dict[str, QuantizedWeight],
-                        norms: dict[str, torch.Tensor | None], eps: float, gelu: bool,
-                        rotary: tuple[torch.Tensor, torch.Tensor], cache_keys: torch.Tensor,
-                        cache_values: torch.Tensor, sequences: list[tuple[int, int, int, int, int]],
-                        masks: list[torch.Tensor | None], num_heads: int, num_kv_heads: int, head_dim: int,
-                        scale: float) -> torch.Tensor:  # hidden [N, D] -> [N, D]
+def fused_decoder_layer(
+    hidden: torch.Tensor,
+    *,
+    weights: dict[str, QuantizedWeight],
+    norms: dict[str, torch.Tensor | None],
+    eps: float,
+    gelu: bool,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    cache_keys: torch.Tensor,
+    cache_values: torch.Tensor,
+    sequences: list[tuple[int, int, int, int, int]],
+    masks: list[torch.Tensor | None],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+) -> torch.Tensor:  # hidden [N, D] -> [N, D]
     """One decoder layer in one call (``decoder_layer`` in csrc/quant_linear.cpp); needs the
     AVX-512 kernel (``fused_layer_available()``)."""
     cos, sin = rotary  # [N, 1, hd]
     return _extension().decoder_layer(
-        hidden, _parts(weights["qkv_proj"]), _parts(weights["o_proj"]), _parts(weights["gate_up_proj"]),
-        _parts(weights["down_proj"]), norms["input"], norms["post_attention"], norms["pre_feedforward"],
-        norms["post_feedforward"], norms["qk"], eps, gelu, cos.reshape(cos.shape[0], -1),
-        sin.reshape(sin.shape[0], -1), cache_keys, cache_values, [v for seq in sequences for v in seq], masks,
-        num_heads, num_kv_heads, head_dim, weights["down_proj"].shape[1], scale)
+        hidden,
+        _parts(weights["qkv_proj"]),
+        _parts(weights["o_proj"]),
+        _parts(weights["gate_up_proj"]),
+        _parts(weights["down_proj"]),
+        norms["input"],
+        norms["post_attention"],
+        norms["pre_feedforward"],
+        norms["post_feedforward"],
+        norms["qk"],
+        eps,
+        gelu,
+        cos.reshape(cos.shape[0], -1),
+        sin.reshape(sin.shape[0], -1),
+        cache_keys,
+        cache_values,
+        [v for seq in sequences for v in seq],
+        masks,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        weights["down_proj"].shape[1],
+        scale,
+    )

@@ -99,6 +99,3 @@ class KVCache:
     def read(self, layer: int, *, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         # -> keys, values [Hkv, end - start, hd]: views, no copy
         return self.keys[layer][slot, :, start:end], self.values[layer][slot, :, start:end]
-
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

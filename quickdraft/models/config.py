@@ -28,9 +28,7 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(
-                f"unsupported rope_type {self.rope_type!r}: supported are default, linear, llama3"
-            )
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}: supported are default, linear, llama3")
         if self.theta <= 0:
             raise ValueError(f"rope theta must be positive, got {self.theta}")
 
@@ -71,9 +69,7 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
         if len(self.layer_types) != self.num_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
-            )
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         for layer_type in self.layer_types:
             if layer_type not in (FULL_ATTENTION, SLIDING_ATTENTION):
                 raise ValueError(f"unsupported layer type {layer_type!r}")
@@ -93,7 +89,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+    def from_hf_dict(cls, hf: dict) -> ModelConfig:
         model_type = hf.get("model_type")
         if model_type == "gemma3" and "text_config" in hf:
             # A multimodal Gemma 3 checkpoint: we serve its text decoder only.

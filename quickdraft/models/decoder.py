@@ -84,8 +84,7 @@ class DecoderLayer(torch.nn.Module):
         if self._runs_fused(hidden):
             return self._fused_forward(hidden, rotary=rotary, attn=attn, cache=cache)
         q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear)
-        cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index,
-                    store_index=attn.store_index)
+        cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index, store_index=attn.store_index)
         return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
 
     def _runs_fused(self, hidden: torch.Tensor) -> bool:
@@ -98,8 +97,9 @@ class DecoderLayer(torch.nn.Module):
             return False
         return fused_layer_available()  # the AVX-512 build only: elsewhere the layer below, per matmul
 
-    def _fused_forward(self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor],
-                       attn: AttentionBatch, cache: KVCache) -> torch.Tensor:  # [N, D] -> [N, D]
+    def _fused_forward(
+        self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor], attn: AttentionBatch, cache: KVCache
+    ) -> torch.Tensor:  # [N, D] -> [N, D]
         sequences, masks = [], []
         for seq in attn.sequences:
             kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
@@ -111,24 +111,42 @@ class DecoderLayer(torch.nn.Module):
 
         return fused_decoder_layer(
             hidden,
-            weights={"qkv_proj": self.qkv_proj, "o_proj": self.o_proj, "gate_up_proj": self.gate_up_proj,
-                     "down_proj": self.down_proj},
-            norms={"input": self.input_layernorm.weight, "post_attention": self.post_attention_layernorm.weight,
-                   "pre_feedforward": norm_weight(self.pre_feedforward_layernorm),
-                   "post_feedforward": norm_weight(self.post_feedforward_layernorm),
-                   "qk": norm_weight(self.qk_norm)},
-            eps=self.input_layernorm.eps, gelu=self.gelu, rotary=rotary, cache_keys=cache.keys[self.layer_index],
-            cache_values=cache.values[self.layer_index], sequences=sequences, masks=masks,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.attn_scale)
+            weights={
+                "qkv_proj": self.qkv_proj,
+                "o_proj": self.o_proj,
+                "gate_up_proj": self.gate_up_proj,
+                "down_proj": self.down_proj,
+            },
+            norms={
+                "input": self.input_layernorm.weight,
+                "post_attention": self.post_attention_layernorm.weight,
+                "pre_feedforward": norm_weight(self.pre_feedforward_layernorm),
+                "post_feedforward": norm_weight(self.post_feedforward_layernorm),
+                "qk": norm_weight(self.qk_norm),
+            },
+            eps=self.input_layernorm.eps,
+            gelu=self.gelu,
+            rotary=rotary,
+            cache_keys=cache.keys[self.layer_index],
+            cache_values=cache.values[self.layer_index],
+            sequences=sequences,
+            masks=masks,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            scale=self.attn_scale,
+        )
 
     # The pieces below are also driven by feature-level draft heads that hold a decoder layer
     # of the target's architecture (MTP layers) and attend over their own caches.
-    def attention_inputs(self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor],
-                         linear: LinearFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attention_inputs(
+        self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor], linear: LinearFn
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # hidden [N, D] (the layer's input) -> q [N, H, hd], k and v [N, Hkv, hd]
         x = self.input_layernorm(hidden)
         qkv = linear(x, self.qkv_proj, self.qkv_bias).view(
-            x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        )
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
@@ -161,8 +179,9 @@ class DecoderLayer(torch.nn.Module):
             kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
             mask = seq.sliding_mask if self.is_sliding else seq.full_mask
             keys, values = cache.read(self.layer_index, slot=seq.slot, start=kv_start, end=seq.kv_end)
-            out[seq.row_start : seq.row_end] = attention(q[seq.row_start : seq.row_end], keys, values, mask=mask,
-                                                         scale=self.attn_scale)
+            out[seq.row_start : seq.row_end] = attention(
+                q[seq.row_start : seq.row_end], keys, values, mask=mask, scale=self.attn_scale
+            )
         return out.view(num_tokens, self.q_size)
 
 
@@ -173,11 +192,8 @@ class Decoder(torch.nn.Module):
         self.dtype = dtype
         c = config
         self.embed_tokens = _weight(c.vocab_size, c.hidden_size, dtype)
-        self.layers = torch.nn.ModuleList(
-            DecoderLayer(c, layer_index=i, dtype=dtype) for i in range(c.num_layers)
-        )
-        self.norm = RMSNorm((c.hidden_size,), eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset,
-                            dtype=dtype)
+        self.layers = torch.nn.ModuleList(DecoderLayer(c, layer_index=i, dtype=dtype) for i in range(c.num_layers))
+        self.norm = RMSNorm((c.hidden_size,), eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else _weight(c.vocab_size, c.hidden_size, dtype)
         self.rotary = torch.nn.ModuleDict(
             {
@@ -188,13 +204,12 @@ class Decoder(torch.nn.Module):
         )
         # The reference rounds the embedding scale to the model dtype first.
         self.embed_scale = (
-            None if c.embed_scale is None
-            else torch.tensor(c.embed_scale, dtype=dtype, device="cpu").item()
+            None if c.embed_scale is None else torch.tensor(c.embed_scale, dtype=dtype, device="cpu").item()
         )
         self.linear: LinearFn = F.linear
 
     @property
-    def lm_head_weight(self) -> "torch.Tensor | QuantizedWeight":  # [V, D]
+    def lm_head_weight(self) -> torch.Tensor | QuantizedWeight:  # [V, D]
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, D]

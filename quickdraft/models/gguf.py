@@ -102,7 +102,7 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     # The reader fails with whatever numpy/struct raise on a truncated or garbage file.
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         raise ValueError(f"{path} is not a valid GGUF file ({type(error).__name__}: {error})") from error
 
 
@@ -179,7 +179,7 @@ def dequantize_tensor(
     try:
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weights = np.asarray(weights, dtype=np.float32).reshape(shape)
-    except Exception as error:  # noqa: BLE001 - corrupt tensor data surfaces as numpy errors
+    except Exception as error:
         raise ValueError(f"{source}: cannot dequantize tensor {tensor.name!r}: {error}") from error
     if architecture == "gemma3" and tensor.name.endswith("norm.weight"):
         # Gemma's RMSNorm scales by (1 + w); llama.cpp stores (1 + w) so subtract the 1 back.

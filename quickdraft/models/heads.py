@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available, norm_matmul
 from quickdraft.models.config import RopeConfig
-from quickdraft.models.layers import RotaryTable, apply_rotary
+from quickdraft.models.layers import LinearFn, RotaryTable, apply_rotary
 from quickdraft.models.quantized import QuantizedWeight, embedding_rows, quantize_q8_0
 
 HEAD_CONFIG_FILE = "head_config.json"
@@ -61,8 +61,7 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                     "draft_vocab_size"):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "draft_vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"head config {name} must be a positive integer, got {value!r}")
@@ -95,7 +94,42 @@ class FeatureHead(torch.nn.Module):
 
     # The matmul kernel: torch's (with autograd) for training; drafters install the fast
     # inference kernel of their device (quickdraft.models.layers.default_linear_fn).
-    linear = staticmethod(F.linear)
+    linear: LinearFn = staticmethod(F.linear)  # type: ignore[assignment]
+    config: HeadConfig
+    d2t: torch.Tensor  # [Vd] target id of each draft id
+    t2d: torch.Tensor | None  # [V] draft id of each target id (heads with a copy path)
+
+    # ---- the pieces every head provides ---------------------------------------------------
+    @property
+    def attn_scale(self) -> float:
+        raise NotImplementedError
+
+    def attach_target(self, target) -> None:
+        raise NotImplementedError
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., L * D] -> [..., D]
+        raise NotImplementedError
+
+    def input_hidden(self, token_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:  # -> [..., D]
+        raise NotImplementedError
+
+    def attention_inputs(self, hidden: torch.Tensor, positions: torch.Tensor):  # -> q, k, v
+        raise NotImplementedError
+
+    def block_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:  # -> [N, D]
+        raise NotImplementedError
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., Vd]
+        raise NotImplementedError
+
+    def copy_keys(self, entry_hidden: torch.Tensor) -> torch.Tensor:  # heads with a copy path
+        raise NotImplementedError
+
+    def copy_sources(self, keys: torch.Tensor, values: torch.Tensor) -> CopySources:
+        raise NotImplementedError
+
+    def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,18 +148,22 @@ class FeatureHead(torch.nn.Module):
     def fused_block(self, hidden: torch.Tensor, positions: torch.Tensor, **cache) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no one-call block")
 
-    def training_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
-                        first_anchor: int = 0) -> list[torch.Tensor]:
+    def training_logits(
+        self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0
+    ) -> list[torch.Tensor]:
         return self.unrolled_logits(token_ids, features, depths=depths, first_anchor=first_anchor)
 
     def weights_per_draft_token(self) -> int:
         """Matrix weights one draft token reads: the block, the fusion, the draft LM rows."""
-        return sum(p.numel() for name, p in self.named_parameters() if p.dim() == 2 and name != "lm_head") + \
-            self.lm_rows.numel()
+        return (
+            sum(p.numel() for name, p in self.named_parameters() if p.dim() == 2 and name != "lm_head")
+            + self.lm_rows.numel()
+        )
 
     # ---- training: all positions at once, unrolled over draft depths -------------------
-    def unrolled_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
-                        first_anchor: int = 0) -> list[torch.Tensor]:
+    def unrolled_logits(
+        self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0
+    ) -> list[torch.Tensor]:
         """Draft logits for draft depths 1..depths at anchors first_anchor..T-2 (training-time test).
 
         token_ids [T], features [T - 1, L * D] of one sequence (every token but the last).
@@ -135,8 +173,9 @@ class FeatureHead(torch.nn.Module):
         _, outputs = self.unrolled_features(token_ids, features, depths=depths, first_anchor=first_anchor)
         return [self.draft_logits(output) for output in outputs]
 
-    def unrolled_features(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
-                          first_anchor: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def unrolled_features(
+        self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The true entries' input hidden states [T - 1, D] and the head's output features
         [T - 1 - first_anchor, D] per draft depth 1..depths (what `draft_logits` reads).
 
@@ -162,8 +201,9 @@ class FeatureHead(torch.nn.Module):
                 queries, k, v = self.attention_inputs(hidden, rows + depth)
                 keys.append(k)
                 values.append(v)
-            attended = _unrolled_attention(queries, keys, values, causal=causal, first_anchor=first_anchor,
-                                           scale=self.attn_scale)
+            attended = _unrolled_attention(
+                queries, keys, values, causal=causal, first_anchor=first_anchor, scale=self.attn_scale
+            )
             outputs.append(self.block_output(hidden, attended.reshape(hidden.shape[0], -1)))
         return entry_hidden, outputs
 
@@ -214,7 +254,7 @@ class EagleHead(FeatureHead):
 
     @property
     def attn_scale(self) -> float:
-        return self.config.head_dim ** -0.5
+        return self.config.head_dim**-0.5
 
     # ---- the target's tensors -------------------------------------------------------------
     def attach_target(self, target) -> None:
@@ -237,11 +277,16 @@ class EagleHead(FeatureHead):
             raise RuntimeError("quantize_for_drafting needs the target's LM rows: call attach_target first")
         matrices = {name: getattr(self, name).weight for name in DRAFT_MATRICES if getattr(self, name) is not None}
         matrices["lm_rows"] = self.lm_rows
-        self.draft_weights = {name: QuantizedWeight.from_parts([quantize_q8_0(weight)])
-                              for name, weight in matrices.items()}
+        self.draft_weights = {
+            name: QuantizedWeight.from_parts([quantize_q8_0(weight)]) for name, weight in matrices.items()
+        }
         c = self.config
-        self.fused_drafting = fused_layer_available() and c.hidden_size % 32 == 0 and c.head_dim % 16 == 0 and (
-            c.num_heads * c.head_dim % 32 == 0 and c.intermediate_size % 32 == 0)
+        self.fused_drafting = (
+            fused_layer_available()
+            and c.hidden_size % 32 == 0
+            and c.head_dim % 16 == 0
+            and (c.num_heads * c.head_dim % 32 == 0 and c.intermediate_size % 32 == 0)
+        )
 
     def _matrix(self, name: str):  # the weight a draft step reads: [N, K] float or QuantizedWeight
         packed = self.draft_weights.get(name)
@@ -266,8 +311,13 @@ class EagleHead(FeatureHead):
         if self.runs_fused_block(feature):
             joined = torch.cat([embedded, feature], dim=-1)  # [..., 2D], each half normalized on its own
             norms = torch.cat([self.token_norm.weight, self.feature_norm.weight])
-            out = norm_matmul(joined.reshape(-1, joined.shape[-1]), norm=norms, weight=self.draft_weights["in_proj"],
-                              eps=self.token_norm.eps, segment=feature.shape[-1])
+            out = norm_matmul(
+                joined.reshape(-1, joined.shape[-1]),
+                norm=norms,
+                weight=self.draft_weights["in_proj"],
+                eps=self.token_norm.eps,
+                segment=feature.shape[-1],
+            )
             return out.view(*feature.shape)
         mixed = torch.cat([self.token_norm(embedded), self.feature_norm(feature)], dim=-1)
         return self.linear(mixed, self._matrix("in_proj"), None)
@@ -276,7 +326,8 @@ class EagleHead(FeatureHead):
         # hidden [N, D], positions [N] -> q [N, H, hd], k and v [N, Hkv, hd]
         c = self.config
         qkv = self.linear(self.attn_norm(hidden), self._matrix("qkv_proj"), None).view(
-            hidden.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            hidden.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim
+        )
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
         cos, sin = self.rotary.lookup(positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -294,8 +345,17 @@ class EagleHead(FeatureHead):
         Each torch op costs ~10 us here, more than the head's arithmetic at one row."""
         return self.fused_drafting and hidden.is_cpu and hidden.dtype == torch.float32
 
-    def fused_block(self, hidden: torch.Tensor, positions: torch.Tensor, *, cache_keys: torch.Tensor,
-                    cache_values: torch.Tensor, slot: int, kv_start: int, mask: torch.Tensor) -> torch.Tensor:
+    def fused_block(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        cache_keys: torch.Tensor,
+        cache_values: torch.Tensor,
+        slot: int,
+        kv_start: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """attention_inputs + KV write + attention + block_output in one C++ call (the target's
         decoder layer without its Gemma norms): one call per draft depth instead of ~40 torch
         ops, which cost more than the head's arithmetic.  hidden [m, D] from `input_hidden`,
@@ -307,17 +367,34 @@ class EagleHead(FeatureHead):
         return fused_decoder_layer(
             hidden.contiguous(),
             weights={name: self.draft_weights[name] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
-            norms={"input": self.attn_norm.weight, "post_attention": self.mlp_norm.weight, "pre_feedforward": None,
-                   "post_feedforward": None, "qk": None},
-            eps=self.attn_norm.eps, gelu=c.activation == "gelu_tanh", rotary=self.rotary.lookup(positions),
-            cache_keys=cache_keys, cache_values=cache_values, sequences=[(slot, 0, m, kv_start, kv_end)],
-            masks=[mask.contiguous()], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            scale=self.attn_scale)
+            norms={
+                "input": self.attn_norm.weight,
+                "post_attention": self.mlp_norm.weight,
+                "pre_feedforward": None,
+                "post_feedforward": None,
+                "qk": None,
+            },
+            eps=self.attn_norm.eps,
+            gelu=c.activation == "gelu_tanh",
+            rotary=self.rotary.lookup(positions),
+            cache_keys=cache_keys,
+            cache_values=cache_values,
+            sequences=[(slot, 0, m, kv_start, kv_end)],
+            masks=[mask.contiguous()],
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            scale=self.attn_scale,
+        )
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., Vd]
         if self.runs_fused_block(hidden):
-            logits = norm_matmul(hidden.reshape(-1, hidden.shape[-1]), norm=self.final_norm.weight,
-                                 weight=self.draft_weights["lm_rows"], eps=self.final_norm.eps)
+            logits = norm_matmul(
+                hidden.reshape(-1, hidden.shape[-1]),
+                norm=self.final_norm.weight,
+                weight=self.draft_weights["lm_rows"],
+                eps=self.final_norm.eps,
+            )
             logits = logits.view(*hidden.shape[:-1], -1)
         else:
             logits = self.linear(self.final_norm(hidden), self._matrix("lm_rows"), None)
@@ -348,8 +425,9 @@ class EagleHead(FeatureHead):
         """Copy keys of true entries from their input hidden states (`input_hidden`)."""
         return self.linear(_unit_rms(entry_hidden, eps=self.config.rms_norm_eps), self.copy_key.weight, None)
 
-    def mixture(self, feature: torch.Tensor, *, keys: torch.Tensor, values: torch.Tensor,
-                eligible: torch.Tensor) -> CopyMixture:
+    def mixture(
+        self, feature: torch.Tensor, *, keys: torch.Tensor, values: torch.Tensor, eligible: torch.Tensor
+    ) -> CopyMixture:
         """The draft distribution of rows whose head output is `feature` [m, D] (what
         `draft_logits` reads), copying from sources with copy keys `keys` [n, C] and values
         (target ids) `values` [n]; row r reads the sources where `eligible` [m, n] is true.
@@ -360,14 +438,18 @@ class EagleHead(FeatureHead):
         normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
         query = self.linear(normed, self.copy_query.weight, None)  # [m, C]
         gate_logit = self.linear(normed, self.copy_gate.weight, self.copy_gate.bias)[:, 0].float()  # [m]
-        scores = query.float() @ keys.float().T * self.config.copy_dim ** -0.5  # [m, n]
+        scores = query.float() @ keys.float().T * self.config.copy_dim**-0.5  # [m, n]
         has_source = eligible.any(dim=-1)  # [m]: a row with nothing to copy keeps the vocabulary only
         return CopyMixture(
             vocab_log_probs=torch.log_softmax(self.draft_logits(feature).float(), dim=-1),
             log_keep=F.logsigmoid(-gate_logit).masked_fill(~has_source, 0.0),
             log_gate=F.logsigmoid(gate_logit).masked_fill(~has_source, -math.inf),
             copy_log_weights=torch.log_softmax(scores.masked_fill(~eligible, NEG_LOG), dim=-1),
-            copy_values=values, eligible=eligible, d2t=self.d2t, t2d=self.t2d)
+            copy_values=values,
+            eligible=eligible,
+            d2t=self.d2t,
+            t2d=self.t2d,
+        )
 
     def copy_sources(self, keys: torch.Tensor, values: torch.Tensor) -> CopySources:
         """What every node of one drafting step copies from: the true entries' copy keys [n, C]
@@ -376,9 +458,15 @@ class EagleHead(FeatureHead):
         draft_ids = self.t2d[distinct]  # [U], -1 outside the draft vocabulary
         copied_draft_id = torch.zeros(self.d2t.shape[0], dtype=torch.bool, device=keys.device)
         copied_draft_id[draft_ids[draft_ids >= 0]] = True
-        return CopySources(keys=keys, values=values, inverse=inverse, distinct=distinct,
-                           distinct_draft_ids=draft_ids.clamp_min(0), distinct_in_vocab=(draft_ids >= 0).float(),
-                           copied_draft_id=copied_draft_id)
+        return CopySources(
+            keys=keys,
+            values=values,
+            inverse=inverse,
+            distinct=distinct,
+            distinct_draft_ids=draft_ids.clamp_min(0),
+            distinct_in_vocab=(draft_ids >= 0).float(),
+            copied_draft_id=copied_draft_id,
+        )
 
     def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`mixture(feature, eligible=all sources, ...).top_k(k)` for drafting, where every row
@@ -388,7 +476,7 @@ class EagleHead(FeatureHead):
         normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
         query = self.linear(normed, self.copy_query.weight, None).float()  # [m, C]
         gate = torch.sigmoid(self.linear(normed, self.copy_gate.weight, self.copy_gate.bias).float())  # [m, 1]
-        weights = torch.softmax(query @ sources.keys.float().T * self.config.copy_dim ** -0.5, dim=-1)  # [m, n]
+        weights = torch.softmax(query @ sources.keys.float().T * self.config.copy_dim**-0.5, dim=-1)  # [m, n]
         copied = weights.new_zeros(m, sources.distinct.shape[0]).index_add_(1, sources.inverse, weights)  # [m, U]
         vocab_log_probs = torch.log_softmax(self.draft_logits(feature).float(), dim=-1)  # [m, Vd]
         vocab_of_copied = vocab_log_probs[:, sources.distinct_draft_ids].exp() * sources.distinct_in_vocab  # [m, U]
@@ -396,13 +484,15 @@ class EagleHead(FeatureHead):
         # tokens also copied are scored among copy_scores; max is several times faster than topk
         vocab_top = vocab_log_probs.max(dim=-1, keepdim=True) if k == 1 else vocab_log_probs.topk(k, dim=-1)
         vocab_scores = (torch.log1p(-gate) + vocab_top.values).masked_fill(
-            sources.copied_draft_id[vocab_top.indices], -math.inf)  # [m, k]
+            sources.copied_draft_id[vocab_top.indices], -math.inf
+        )  # [m, k]
         top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
         ids = torch.cat([self.d2t[vocab_top.indices], sources.distinct.expand(m, -1)], dim=1).gather(1, top.indices)
         return ids, top.values
 
-    def unrolled_mixtures(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
-                          first_anchor: int = 0) -> list[CopyMixture]:
+    def unrolled_mixtures(
+        self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0
+    ) -> list[CopyMixture]:
         """The training forward of a head with a copy path: per draft depth, the mixture of the
         rows `unrolled_logits` returns.  Entry i copies x_{i+2}; a row at anchor j (any depth)
         copies from the true entries 0..j-1, whose values are all known there."""
@@ -420,14 +510,17 @@ class EagleHead(FeatureHead):
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.detach().to(dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
-                 for name, tensor in self.state_dict().items()}
+        state = {
+            name: tensor.detach().to(dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+            for name, tensor in self.state_dict().items()
+        }
         save_file(state, str(directory / HEAD_WEIGHTS_FILE))
         (directory / HEAD_CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1))
 
     @classmethod
-    def load(cls, directory: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-             max_len: int = 4096) -> EagleHead:
+    def load(
+        cls, directory: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu", max_len: int = 4096
+    ) -> EagleHead:
         from safetensors.torch import load_file
 
         directory = Path(directory)
@@ -436,11 +529,13 @@ class EagleHead(FeatureHead):
             raise FileNotFoundError(f"no draft head in {directory} (missing {HEAD_CONFIG_FILE})")
         head = cls(HeadConfig.from_dict(json.loads(config_path.read_text())), dtype=dtype, max_len=max_len)
         state = load_file(str(directory / HEAD_WEIGHTS_FILE))
-        missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                                                    for k, v in state.items()}, strict=False)
+        missing, unexpected = head.load_state_dict(
+            {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=False
+        )
         if unexpected or [m for m in missing if not m.startswith("rotary")]:
-            raise ValueError(f"head weights in {directory} do not match its config: missing {missing}, "
-                             f"unexpected {unexpected}")
+            raise ValueError(
+                f"head weights in {directory} do not match its config: missing {missing}, unexpected {unexpected}"
+            )
         return head.to(device).eval()
 
 
@@ -513,7 +608,9 @@ class CopyMixture:
         dropped = ~copyable | is_vocab_id.any(dim=1) | (distinct < 0)  # each candidate token once
         log_gate, log_keep = self.log_gate[:, None], self.log_keep[:, None]
         vocab_scores = torch.logaddexp(log_keep + vocab_top.values, log_gate + vocab_copied.log())
-        copy_scores = torch.logaddexp(log_keep + distinct_vocab, log_gate + copied.log()).masked_fill(dropped, -math.inf)
+        copy_scores = torch.logaddexp(log_keep + distinct_vocab, log_gate + copied.log()).masked_fill(
+            dropped, -math.inf
+        )
         top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
         ids = torch.cat([vocab_ids, distinct.expand(m, -1)], dim=1).gather(1, top.indices)
         return ids, top.values
@@ -523,8 +620,15 @@ def _unit_rms(x: torch.Tensor, *, eps: float) -> torch.Tensor:  # [..., D] -> [.
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def _unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *,
-                        causal: torch.Tensor, first_anchor: int, scale: float) -> torch.Tensor:
+def _unrolled_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    *,
+    causal: torch.Tensor,
+    first_anchor: int,
+    scale: float,
+) -> torch.Tensor:
     """q [m, H, hd] for anchors first_anchor..; keys/values: depth 1 [n, Hkv, hd] read causally
     (causal [m, n]), deeper depths [m, Hkv, hd] only at the query's own anchor (its draft path
     so far).  Returns [m, H, hd]."""

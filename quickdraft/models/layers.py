@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +67,7 @@ class RMSNorm(torch.nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # -> [head_dim // 2]
-    inv_freq = 1.0 / (
-        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

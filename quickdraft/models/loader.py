@@ -83,8 +83,9 @@ def resolve_gguf_path(model: str | os.PathLike | None) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def resolve_quantization(quantization: str | None, *, dtype: str | torch.dtype, gguf_path: Path | None,
-                         device: torch.device) -> str | None:
+def resolve_quantization(
+    quantization: str | None, *, dtype: str | torch.dtype, gguf_path: Path | None, device: torch.device
+) -> str | None:
     """How the target's weights are held: None (floats of the dtype), "gguf" or "q8_0".
 
     "auto" (the default) keeps a GGUF model's weights as stored when the dtype is "auto" and the
@@ -98,13 +99,17 @@ def resolve_quantization(quantization: str | None, *, dtype: str | torch.dtype, 
     if choice == "auto":
         return "gguf" if dtype == "auto" and device.type == "cpu" and gguf_path is not None else None
     if device.type != "cpu":
-        raise ValueError(f"quantization {choice!r} has CPU kernels only: on {device.type} use quantization "
-                         f"'none' (weights dequantized to the dtype)")
+        raise ValueError(
+            f"quantization {choice!r} has CPU kernels only: on {device.type} use quantization "
+            f"'none' (weights dequantized to the dtype)"
+        )
     if resolve_dtype(dtype) != torch.float32:
         raise ValueError(f"quantization {choice!r} computes in float32: use dtype 'auto' or 'float32', not {dtype!r}")
     if choice == "gguf" and gguf_path is None:
-        raise ValueError("quantization 'gguf' needs a .gguf model (or the embedded default); "
-                         "use 'q8_0' to quantize a HF checkpoint at load")
+        raise ValueError(
+            "quantization 'gguf' needs a .gguf model (or the embedded default); "
+            "use 'q8_0' to quantize a HF checkpoint at load"
+        )
     return choice
 
 
@@ -210,27 +215,33 @@ def hf_to_decoder_state(config: ModelConfig, tensors: dict[str, torch.Tensor]) -
     return convert_hf_tensors(config, decoder_plan(config), tensors)
 
 
-def convert_hf_tensors(config: ModelConfig, plan: dict[str, list[str]],
-                       tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def convert_hf_tensors(
+    config: ModelConfig, plan: dict[str, list[str]], tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Our state dict from `plan` (our name -> the HF tensors fused into it)."""
     missing = [name for names in plan.values() for name in names if name not in tensors]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors the config needs: {shown}")
-    state = {ours: torch.cat([tensors[n] for n in theirs]) if len(theirs) > 1 else tensors[theirs[0]]
-             for ours, theirs in plan.items() if not ours.endswith("qk_norm.weight")}
+    state = {
+        ours: torch.cat([tensors[n] for n in theirs]) if len(theirs) > 1 else tensors[theirs[0]]
+        for ours, theirs in plan.items()
+        if not ours.endswith("qk_norm.weight")
+    }
     for ours, (q_name, k_name) in ((o, t) for o, t in plan.items() if o.endswith("qk_norm.weight")):
         # One row per head: H copies of q_norm then Hkv copies of k_norm.
-        state[ours] = torch.cat([tensors[q_name].expand(config.num_heads, -1),
-                                 tensors[k_name].expand(config.num_kv_heads, -1)])
+        state[ours] = torch.cat(
+            [tensors[q_name].expand(config.num_heads, -1), tensors[k_name].expand(config.num_kv_heads, -1)]
+        )
     if config.norm_unit_offset:
         # Gemma's norms scale by (1 + weight) in float32: fold the 1 in once, here.
         state = {name: t.float() + 1.0 if name.endswith("norm.weight") else t for name, t in state.items()}
     return state
 
 
-def hf_tensors_from_state(config: ModelConfig, plan: dict[str, list[str]],
-                          state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_tensors_from_state(
+    config: ModelConfig, plan: dict[str, list[str]], state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The inverse of convert_hf_tensors: our tensors in `state` back under the HF names of `plan`
     (q/k/v and gate/up split, one q_norm and one k_norm row, Gemma norms without the folded 1)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -250,9 +261,15 @@ def hf_tensors_from_state(config: ModelConfig, plan: dict[str, list[str]],
     return tensors
 
 
-def build_decoder(config: ModelConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                  device: torch.device, max_len: int,
-                  quantized: dict[str, QuantizedWeight] | None = None) -> Decoder:
+def build_decoder(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    quantized: dict[str, QuantizedWeight] | None = None,
+) -> Decoder:
     """The decoder with `state`'s tensors; the weights in `quantized` stay quantized (CPU)."""
     with torch.device("meta"):
         decoder = Decoder(config, dtype=dtype, max_len=max_len)
@@ -274,16 +291,23 @@ def build_decoder(config: ModelConfig, state: dict[str, torch.Tensor], *, dtype:
     # Rotary tables are buffers computed from the config, not weights: rebuild them for real.
     for layer_type in decoder.rotary:
         rope = config.rope_by_layer_type[layer_type]
-        decoder.rotary[layer_type] = RotaryTable(rope, head_dim=config.head_dim, max_len=max_len,
-                                                 dtype=dtype).to(device)
+        decoder.rotary[layer_type] = RotaryTable(rope, head_dim=config.head_dim, max_len=max_len, dtype=dtype).to(
+            device
+        )
     decoder.linear = default_linear_fn(device)
     decoder.eval()
     return decoder
 
 
-def load_decoder(model_dir: Path, *, dtype: torch.dtype, device: torch.device, max_len: int,
-                 quantization: str | None = None,
-                 gguf_path: Path | None = None) -> tuple[Decoder, ModelConfig]:
+def load_decoder(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    quantization: str | None = None,
+    gguf_path: Path | None = None,
+) -> tuple[Decoder, ModelConfig]:
     """The target decoder.  quantization None: float weights of `dtype`; "gguf": the weights
     `gguf_path` stores quantized, as stored; "q8_0": linear weights quantized to Q8_0 at load.
     Quantized models compute in float32 on the CPU."""
@@ -302,8 +326,7 @@ def load_decoder(model_dir: Path, *, dtype: torch.dtype, device: torch.device, m
     if quantized is not None and set(quantized) <= set(plan):
         rest = {name: theirs for name, theirs in plan.items() if name not in quantized}
     else:
-        quantized, rest = quantized_state(config, plan, mode=quantization, float_tensors=tensors,
-                                          gguf_path=gguf_path)
+        quantized, rest = quantized_state(config, plan, mode=quantization, float_tensors=tensors, gguf_path=gguf_path)
         if quantization == "gguf" and quantized:
             save_packed(cache_file, quantized)
     if quantization == "gguf":

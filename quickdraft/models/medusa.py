@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.models.layers import LinearFn
+
 MEDUSA_CONFIG_FILE = "medusa_config.json"
 MEDUSA_WEIGHTS_FILE = "medusa.safetensors"
 
@@ -45,6 +47,9 @@ class MedusaConfig:
 
 
 class MedusaHeads(torch.nn.Module):
+    d2t: torch.Tensor  # [Vd] target id of each draft id (a buffer)
+    linear: LinearFn
+
     def __init__(self, config: MedusaConfig, *, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = c = config
@@ -84,8 +89,9 @@ class MedusaHeads(torch.nn.Module):
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    def training_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
-                        first_anchor: int = 0) -> list[torch.Tensor]:
+    def training_logits(
+        self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0
+    ) -> list[torch.Tensor]:
         """Per depth k (1..depths), the logits at anchors first_anchor..T-2 for token anchor+k+1.
         token_ids [T], features [T - 1, D]; same layout as EagleHead.unrolled_logits."""
         if depths > self.config.num_heads:
@@ -102,8 +108,10 @@ class MedusaHeads(torch.nn.Module):
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().to(dtype if t.is_floating_point() else t.dtype).contiguous()
-                 for name, t in self.state_dict().items()}
+        state = {
+            name: t.detach().to(dtype if t.is_floating_point() else t.dtype).contiguous()
+            for name, t in self.state_dict().items()
+        }
         save_file(state, str(directory / MEDUSA_WEIGHTS_FILE))
         (directory / MEDUSA_CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1))
 
@@ -140,8 +148,9 @@ class LayerSkipHead(MedusaHeads):
         """Target layers the drafter runs."""
         return self.config.feature_layer + 1
 
-    def training_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
-                        first_anchor: int = 0) -> list[torch.Tensor]:
+    def training_logits(
+        self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0
+    ) -> list[torch.Tensor]:
         """Same layout as EagleHead.unrolled_logits: depth d at anchor j predicts token j+d+1,
         here from the early-layer feature of token j+d (teacher forcing is exact for a greedy
         chain, which runs the early layers on its own, so far correct, tokens)."""

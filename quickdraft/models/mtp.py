@@ -46,8 +46,15 @@ MTP_CONFIG_FILE = "config.json"
 
 
 class MtpHead(FeatureHead):
-    def __init__(self, target_config: ModelConfig, *, dtype: torch.dtype = torch.float32, max_len: int = 4096,
-                 own_lm_head: bool = False, draft_vocab_size: int | None = None):
+    def __init__(
+        self,
+        target_config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        max_len: int = 4096,
+        own_lm_head: bool = False,
+        draft_vocab_size: int | None = None,
+    ):
         super().__init__()
         c = target_config
         self.target_config = c
@@ -59,15 +66,25 @@ class MtpHead(FeatureHead):
             return RMSNorm((c.hidden_size,), eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
 
         self.enorm, self.hnorm, self.head_norm = norm(), norm(), norm()
-        self.eh_proj = torch.nn.Parameter(torch.empty(c.hidden_size, 2 * c.hidden_size, dtype=dtype),
-                                          requires_grad=False)
-        self.lm_head = torch.nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype),
-                                          requires_grad=False) if own_lm_head else None
-        self.config = HeadConfig(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                 head_dim=c.head_dim, intermediate_size=c.intermediate_size,
-                                 feature_layers=(c.num_layers - 1,),
-                                 draft_vocab_size=draft_vocab_size or c.vocab_size,
-                                 rms_norm_eps=c.rms_norm_eps, activation=c.activation)
+        self.eh_proj = torch.nn.Parameter(
+            torch.empty(c.hidden_size, 2 * c.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.lm_head = (
+            torch.nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype), requires_grad=False)
+            if own_lm_head
+            else None
+        )
+        self.config = HeadConfig(
+            hidden_size=c.hidden_size,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            intermediate_size=c.intermediate_size,
+            feature_layers=(c.num_layers - 1,),
+            draft_vocab_size=draft_vocab_size or c.vocab_size,
+            rms_norm_eps=c.rms_norm_eps,
+            activation=c.activation,
+        )
         self.attn_scale = c.attn_scale
         # [Vd] target ids the head drafts over: the full vocabulary unless trained on a reduced one
         self.register_buffer("d2t", torch.arange(self.config.draft_vocab_size))
@@ -100,6 +117,7 @@ class MtpHead(FeatureHead):
             self.eh_proj.uniform_(-bound, bound)
         for param in self.parameters():
             param.requires_grad_(True)
+
     # ---- pieces the drafter and trainer drive ------------------------------------------------
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] last layer -> [..., D]
         return self._target.norm(features)  # MTP reads the final-normed hidden state
@@ -125,37 +143,53 @@ class MtpHead(FeatureHead):
 
     # ---- the nextn layout ---------------------------------------------------------------------
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, *, target_config: ModelConfig, layer: int = 0,
-                        dtype: torch.dtype, device: torch.device | str = "cpu", max_len: int = 4096) -> MtpHead:
+    def from_checkpoint(
+        cls,
+        model_dir: str | Path,
+        *,
+        target_config: ModelConfig,
+        layer: int = 0,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        max_len: int = 4096,
+    ) -> MtpHead:
         """MTP layer `layer` of a checkpoint in the nextn layout (a model dir, or a dir written by
         ``save``)."""
         model_dir = Path(model_dir)
         hf = read_hf_config(model_dir)
         count = int(hf.get("num_nextn_predict_layers") or 0)
         if count < 1:
-            raise ValueError(f"{model_dir} has no multi-token-prediction layers (num_nextn_predict_layers "
-                             f"is {hf.get('num_nextn_predict_layers')!r} in its config.json)")
+            raise ValueError(
+                f"{model_dir} has no multi-token-prediction layers (num_nextn_predict_layers "
+                f"is {hf.get('num_nextn_predict_layers')!r} in its config.json)"
+            )
         if not 0 <= layer < count:
             raise ValueError(f"MTP layer {layer} requested; {model_dir} has {count}")
         base = target_config.num_layers
         if int(hf.get("num_hidden_layers", base)) != base:
-            raise ValueError(f"{model_dir} holds MTP layers for a {hf.get('num_hidden_layers')}-layer model; "
-                             f"the target has {base}")
+            raise ValueError(
+                f"{model_dir} holds MTP layers for a {hf.get('num_hidden_layers')}-layer model; the target has {base}"
+            )
         index = base + layer
         prefix = f"model.layers.{index}."
         tensors = read_hf_tensors(model_dir, prefix=prefix)
         d2t = read_draft_vocab(model_dir)
-        head = cls(target_config, dtype=dtype, max_len=max_len,
-                   own_lm_head=prefix + "shared_head.head.weight" in tensors,
-                   draft_vocab_size=None if d2t is None else d2t.shape[0])
+        head = cls(
+            target_config,
+            dtype=dtype,
+            max_len=max_len,
+            own_lm_head=prefix + "shared_head.head.weight" in tensors,
+            draft_vocab_size=None if d2t is None else d2t.shape[0],
+        )
         if d2t is not None:
             head.set_draft_vocab(d2t)
         state = convert_hf_tensors(head.layer_config, _nextn_plan(head, index), tensors)
         own = head.state_dict()
         for name, tensor in state.items():
             if own[name].shape != tensor.shape:
-                raise ValueError(f"MTP tensor {name} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(own[name].shape)}")
+                raise ValueError(
+                    f"MTP tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
+                )
             own[name].copy_(tensor)
         return head.to(device).eval()
 
@@ -175,8 +209,11 @@ class MtpHead(FeatureHead):
         save_file(tensors, str(directory / MTP_WEIGHTS_FILE))
         if self.d2t.shape[0] < self.target_config.vocab_size:  # drafted over a reduced vocabulary
             save_file({"d2t": self.d2t.clone()}, str(directory / DRAFT_VOCAB_FILE))
-        config = {"num_hidden_layers": index, "num_nextn_predict_layers": 1,
-                  "note": "MTP layer in the DeepSeek-V3 nextn layout, written by quickdraft train-head"}
+        config = {
+            "num_hidden_layers": index,
+            "num_nextn_predict_layers": 1,
+            "note": "MTP layer in the DeepSeek-V3 nextn layout, written by quickdraft train-head",
+        }
         (directory / MTP_CONFIG_FILE).write_text(json.dumps(config, indent=1))
 
 
@@ -184,8 +221,14 @@ def _nextn_plan(head: MtpHead, index: int) -> dict[str, list[str]]:
     """Our MtpHead parameter -> the checkpoint tensors fused into it."""
     p = f"model.layers.{index}."
     plan = {f"layer.{ours}": theirs for ours, theirs in hf_layer_tensors(head.layer_config, index).items()}
-    plan.update({"enorm.weight": [p + "enorm.weight"], "hnorm.weight": [p + "hnorm.weight"],
-                 "eh_proj": [p + "eh_proj.weight"], "head_norm.weight": [p + "shared_head.norm.weight"]})
+    plan.update(
+        {
+            "enorm.weight": [p + "enorm.weight"],
+            "hnorm.weight": [p + "hnorm.weight"],
+            "eh_proj": [p + "eh_proj.weight"],
+            "head_norm.weight": [p + "shared_head.norm.weight"],
+        }
+    )
     if head.lm_head is not None:
         plan["lm_head"] = [p + "shared_head.head.weight"]
     return plan

@@ -33,8 +33,14 @@ FORMAT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q5_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 TILE_K = {"Q8_0": 32, "Q4_0": 32, "Q5_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 TILE_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q5_0": 352, "Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}
 # Bytes of one GGUF block and the values it holds.
-GGUF_BLOCK = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q5_0": (22, 32), "Q4_K": (144, 256),
-              "Q5_K": (176, 256), "Q6_K": (210, 256)}
+GGUF_BLOCK = {
+    "Q8_0": (34, 32),
+    "Q4_0": (18, 32),
+    "Q5_0": (22, 32),
+    "Q4_K": (144, 256),
+    "Q5_K": (176, 256),
+    "Q6_K": (210, 256),
+}
 # Added to the signed quants so that the kernel multiplies unsigned weights (and subtracts
 # offset * sum(activation quants) instead).
 OFFSETS = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
@@ -87,12 +93,16 @@ def decode_gguf(format: str, raw: np.ndarray, *, rows: int, cols: int) -> QuantP
         raise ValueError(f"{format} rows of {cols} values are not whole blocks of {block_values}")
     raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if raw.size != rows * cols // block_values * block_bytes:
-        raise ValueError(f"{format} [{rows}, {cols}] needs {rows * cols // block_values * block_bytes} bytes, "
-                         f"got {raw.size}")
+        raise ValueError(
+            f"{format} [{rows}, {cols}] needs {rows * cols // block_values * block_bytes} bytes, got {raw.size}"
+        )
     blocks = raw.reshape(rows * cols // block_values, block_bytes)
     parts = _DECODERS[format](blocks)
-    return QuantParts(format=format, q=parts["q"].reshape(rows, cols),
-                      **{name: value.reshape(rows, -1) for name, value in parts.items() if name != "q"})
+    return QuantParts(
+        format=format,
+        q=parts["q"].reshape(rows, cols),
+        **{name: value.reshape(rows, -1) for name, value in parts.items() if name != "q"},
+    )
 
 
 def _half(blocks: np.ndarray) -> np.ndarray:
@@ -135,16 +145,26 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _decode_q4_k(blocks: np.ndarray) -> dict:
     sc, m = _k_scales(blocks[:, 4:16])
-    return {"d": _half(blocks[:, 0:2]), "dmin": _half(blocks[:, 2:4]), "sc": sc, "m": m,
-            "q": _k_nibbles(blocks[:, 16:])}
+    return {
+        "d": _half(blocks[:, 0:2]),
+        "dmin": _half(blocks[:, 2:4]),
+        "sc": sc,
+        "m": m,
+        "q": _k_nibbles(blocks[:, 16:]),
+    }
 
 
 def _decode_q5_k(blocks: np.ndarray) -> dict:
     sc, m = _k_scales(blocks[:, 4:16])
     qh = blocks[:, 16:48]  # bit j of byte l: high bit of value l of sub-block j
     high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    return {"d": _half(blocks[:, 0:2]), "dmin": _half(blocks[:, 2:4]), "sc": sc, "m": m,
-            "q": _k_nibbles(blocks[:, 48:]) | (high.reshape(-1, 256) << 4)}
+    return {
+        "d": _half(blocks[:, 0:2]),
+        "dmin": _half(blocks[:, 2:4]),
+        "sc": sc,
+        "m": m,
+        "q": _k_nibbles(blocks[:, 48:]) | (high.reshape(-1, 256) << 4),
+    }
 
 
 def _decode_q6_k(blocks: np.ndarray) -> dict:
@@ -155,8 +175,14 @@ def _decode_q6_k(blocks: np.ndarray) -> dict:
     return {"sc": blocks[:, 192:208].view(np.int8), "d": _half(blocks[:, 208:210]), "q": q}
 
 
-_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q5_0": _decode_q5_0, "Q4_K": _decode_q4_k,
-             "Q5_K": _decode_q5_k, "Q6_K": _decode_q6_k}
+_DECODERS = {
+    "Q8_0": _decode_q8_0,
+    "Q4_0": _decode_q4_0,
+    "Q5_0": _decode_q5_0,
+    "Q4_K": _decode_q4_k,
+    "Q5_K": _decode_q5_k,
+    "Q6_K": _decode_q6_k,
+}
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantParts:
@@ -213,7 +239,7 @@ def _unpack_quants(section: np.ndarray, bits: int) -> np.ndarray:
     nibbles = section[:, :, :256].reshape(r, b, 4, 16, 4)
     steps = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
     for index, bit in enumerate(range(4, bits)):
-        masks = section[:, :, 256 + 64 * index: 320 + 64 * index].reshape(r, b, 8, 8)
+        masks = section[:, :, 256 + 64 * index : 320 + 64 * index].reshape(r, b, 8, 8)
         flags = np.unpackbits(masks, axis=-1, bitorder="little").reshape(r, b, 8, 16, 4)
         steps = steps | (flags << bit)
     return steps
@@ -247,8 +273,12 @@ def pack(parts: QuantParts) -> np.ndarray:
         if fmt == "Q6_K":
             header = [lanes(parts.d), lanes(parts.sc).reshape(groups, supers, -1)]
         else:
-            header = [lanes(parts.d), lanes(parts.dmin), lanes(parts.sc).reshape(groups, supers, -1),
-                      lanes(parts.m).reshape(groups, supers, -1)]
+            header = [
+                lanes(parts.d),
+                lanes(parts.dmin),
+                lanes(parts.sc).reshape(groups, supers, -1),
+                lanes(parts.m).reshape(groups, supers, -1),
+            ]
         tiles = np.concatenate(header + [subs], axis=-1)
     assert tiles.shape[-1] == TILE_BYTES[fmt], (fmt, tiles.shape)
     return np.ascontiguousarray(tiles).reshape(-1)
@@ -282,12 +312,17 @@ def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int)
     d = lane_values(chosen[:, :, 0:32], np.float16, 1)
     if format == "Q6_K":
         return QuantParts(format=format, q=q, d=d, sc=lane_values(chosen[:, :, 32:288], np.int8, 16))
-    return QuantParts(format=format, q=q, d=d, dmin=lane_values(chosen[:, :, 32:64], np.float16, 1),
-                      sc=lane_values(chosen[:, :, 64:192], np.uint8, 8),
-                      m=lane_values(chosen[:, :, 192:320], np.uint8, 8))
+    return QuantParts(
+        format=format,
+        q=q,
+        d=d,
+        dmin=lane_values(chosen[:, :, 32:64], np.float16, 1),
+        sc=lane_values(chosen[:, :, 64:192], np.uint8, 8),
+        m=lane_values(chosen[:, :, 192:320], np.uint8, 8),
+    )
 
 
-def embedding_rows(weight: "torch.Tensor | QuantizedWeight", token_ids: torch.Tensor) -> torch.Tensor:
+def embedding_rows(weight: torch.Tensor | QuantizedWeight, token_ids: torch.Tensor) -> torch.Tensor:
     """Rows `token_ids` [...] of an embedding, float or quantized -> [..., D]."""
     if isinstance(weight, QuantizedWeight):
         return weight.rows(token_ids)
@@ -328,7 +363,7 @@ class QuantizedWeight:
         self.device = torch.device("cpu")
 
     @classmethod
-    def from_parts(cls, parts_list: list[QuantParts]) -> "QuantizedWeight":
+    def from_parts(cls, parts_list: list[QuantParts]) -> QuantizedWeight:
         """Rows of several decoded tensors stacked (q, k, v or gate, up), same K.  Neighbours of
         one format whose row counts are whole groups are packed together."""
         cols = parts_list[0].shape[1]
@@ -345,8 +380,9 @@ class QuantizedWeight:
         for run in merged:
             rows = sum(p.shape[0] for p in run)
             data = np.concatenate([pack(p) for p in run])
-            packed_parts.append(PackedPart(format=run[0].format, packed=torch.from_numpy(data), row_start=row,
-                                           rows=rows))
+            packed_parts.append(
+                PackedPart(format=run[0].format, packed=torch.from_numpy(data), row_start=row, rows=rows)
+            )
             row += rows
         return cls(packed_parts, shape=(row, cols))
 
@@ -357,7 +393,7 @@ class QuantizedWeight:
     def dim(self) -> int:
         return 2
 
-    def detach(self) -> "QuantizedWeight":
+    def detach(self) -> QuantizedWeight:
         return self
 
     def parts_of_rows(self, rows: torch.Tensor) -> list[tuple[PackedPart, np.ndarray, np.ndarray]]:

@@ -26,8 +26,9 @@ def _is_linear_weight(name: str) -> bool:
 
 def _permuted(parts: QuantParts, order: np.ndarray) -> QuantParts:
     fields = {name: getattr(parts, name) for name in ("q", "d", "dmin", "sc", "m")}
-    return QuantParts(format=parts.format, **{name: None if value is None else value[order]
-                                              for name, value in fields.items()})
+    return QuantParts(
+        format=parts.format, **{name: None if value is None else value[order] for name, value in fields.items()}
+    )
 
 
 def _unpermute_order(rows: int, n_head: int) -> np.ndarray:
@@ -70,7 +71,7 @@ def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
         nonlocal pos
         length = take("Q")
         pos += length
-        return bytes(buffer[pos - length:pos]).decode("utf-8", errors="replace")
+        return bytes(buffer[pos - length : pos]).decode("utf-8", errors="replace")
 
     scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
@@ -117,8 +118,14 @@ def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
         nbytes = int(np.prod(dims, dtype=np.int64)) // block_values * block_bytes
         if start + offset + nbytes > data.size:
             raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
-        tensors.append(GGUFTensor(name=name, format=qtype.name, shape=tuple(int(d) for d in reversed(dims)),
-                                  data=data[start + offset:start + offset + nbytes]))
+        tensors.append(
+            GGUFTensor(
+                name=name,
+                format=qtype.name,
+                shape=tuple(int(d) for d in reversed(dims)),
+                data=data[start + offset : start + offset + nbytes],
+            )
+        )
     return str(fields.get("general.architecture")), tensors
 
 
@@ -202,11 +209,16 @@ def save_packed(path: Path, quantized: dict[str, QuantizedWeight]) -> None:
 
     from safetensors.torch import save_file
 
-    layout = {name: {"shape": list(weight.shape),
-                     "parts": [[part.format, part.rows, part.row_start] for part in weight.parts]}
-              for name, weight in quantized.items()}
-    tensors = {f"{name}#{index}": part.packed for name, weight in quantized.items()
-               for index, part in enumerate(weight.parts)}
+    layout = {
+        name: {
+            "shape": list(weight.shape),
+            "parts": [[part.format, part.rows, part.row_start] for part in weight.parts],
+        }
+        for name, weight in quantized.items()
+    }
+    tensors = {
+        f"{name}#{index}": part.packed for name, weight in quantized.items() for index, part in enumerate(weight.parts)
+    }
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(temporary), metadata={"layout": json.dumps(layout)})
@@ -229,12 +241,19 @@ def load_packed(path: Path) -> dict[str, QuantizedWeight] | None:
     try:
         with safe_open(str(path), "pt") as file:
             layout = json.loads(file.metadata()["layout"])
-            return {name: QuantizedWeight(
-                # cloned: the tensors would otherwise live on the file's memory map
-                [PackedPart(format=fmt, packed=file.get_tensor(f"{name}#{index}").clone(), row_start=start,
-                            rows=rows)
-                 for index, (fmt, rows, start) in enumerate(entry["parts"])], shape=tuple(entry["shape"]))
-                for name, entry in layout.items()}
+            return {
+                name: QuantizedWeight(
+                    # cloned: the tensors would otherwise live on the file's memory map
+                    [
+                        PackedPart(
+                            format=fmt, packed=file.get_tensor(f"{name}#{index}").clone(), row_start=start, rows=rows
+                        )
+                        for index, (fmt, rows, start) in enumerate(entry["parts"])
+                    ],
+                    shape=tuple(entry["shape"]),
+                )
+                for name, entry in layout.items()
+            }
     except Exception as err:  # a truncated or foreign file: rebuild it
         logger.warning("ignoring the packed-weight cache %s: %s", path, err)
         return None

@@ -377,7 +377,7 @@ class Tokenizer:
             raise FileNotFoundError(f"Tokenizer file not found: {tokenizer_file}")
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        except Exception as error:  # noqa: BLE001 - the Rust library raises a bare Exception
+        except Exception as error:
             raise ValueError(f"Cannot parse {tokenizer_file}: {error}") from error
         config = _read_json(path / "tokenizer_config.json", required=True)
         extra_eos: list[int] = []

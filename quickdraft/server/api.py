@@ -55,17 +55,20 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 def create_app(server: QuickdraftServer) -> FastAPI:
-    app = FastAPI(title="quickdraft", summary="OpenAI-compatible API with lossless speculative decoding",
-                  lifespan=server.lifespan)
+    app = FastAPI(
+        title="quickdraft", summary="OpenAI-compatible API with lossless speculative decoding", lifespan=server.lifespan
+    )
     _install_error_handlers(app, server)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
     # The last added runs first: the key is checked before anything else happens.
-    app.add_middleware(EndCancelledRequests, is_shutting_down=lambda: server.shutting_down,
-                       error=server.shutdown_error)
+    app.add_middleware(EndCancelledRequests, is_shutting_down=lambda: server.shutting_down, error=server.shutdown_error)
     if server.config.api_key is not None:
-        app.add_middleware(ApiKeyCheck, api_key=server.config.api_key,
-                           on_reject=lambda scope, err: _record_rejection(server, Request(scope), err))
+        app.add_middleware(
+            ApiKeyCheck,
+            api_key=server.config.api_key,
+            on_reject=lambda scope, err: _record_rejection(server, Request(scope), err),
+        )
     return app
 
 
@@ -92,13 +95,18 @@ def _install_error_handlers(app: FastAPI, server: QuickdraftServer) -> None:
     async def http_error(request: Request, err: StarletteHTTPException):
         # The router's own errors (unknown route, wrong method): keep their headers (Allow).
         message = f"{err.detail}: {request.method} {request.url.path}"
-        return respond(request, APIError(status=err.status_code, message=message,
-                                         code=DEFAULT_CODES.get(err.status_code), headers=err.headers))
+        return respond(
+            request,
+            APIError(
+                status=err.status_code, message=message, code=DEFAULT_CODES.get(err.status_code), headers=err.headers
+            ),
+        )
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, err: Exception):
-        return respond(request, APIError(status=500, message=f"internal error: {type(err).__name__}: {err}",
-                                         code="internal_error"))
+        return respond(
+            request, APIError(status=500, message=f"internal error: {type(err).__name__}: {err}", code="internal_error")
+        )
 
 
 def _scenario_of(request: Request, server: QuickdraftServer) -> str:
@@ -109,8 +117,14 @@ def _scenario_of(request: Request, server: QuickdraftServer) -> str:
 # ---- /v1/models, /health, /metrics -----------------------------------------------------------
 def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
     def model_card() -> dict[str, Any]:
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "quickdraft",
-                "max_model_len": server.max_model_len, "speculative_method": server.method}
+        return {
+            "id": server.model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "quickdraft",
+            "max_model_len": server.max_model_len,
+            "speculative_method": server.method,
+        }
 
     @app.get("/v1/models")
     async def list_models():
@@ -119,8 +133,12 @@ def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
     @app.get("/v1/models/{model_id:path}")  # :path, since model names may hold a "/"
     async def retrieve_model(model_id: str):
         if model_id != server.model_name:
-            raise APIError(status=404, param="model", code="model_not_found",
-                           message=f"model: {model_id!r} does not exist; this server serves {server.model_name!r}")
+            raise APIError(
+                status=404,
+                param="model",
+                code="model_not_found",
+                message=f"model: {model_id!r} does not exist; this server serves {server.model_name!r}",
+            )
         return model_card()
 
     # HEAD too: load balancers and uptime checkers probe with it (uvicorn sends no body).
@@ -133,9 +151,14 @@ def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
             status = "engine_stopped"
         else:
             status = "ok"
-        body = {"status": status, "model": server.model_name, "method": server.method,
-                "in_flight": server.admission.in_flight, "max_queue": server.admission.max_in_flight,
-                "engine": asdict(stats)}
+        body = {
+            "status": status,
+            "model": server.model_name,
+            "method": server.method,
+            "in_flight": server.admission.in_flight,
+            "max_queue": server.admission.max_in_flight,
+            "engine": asdict(stats),
+        }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
@@ -151,8 +174,16 @@ class Generation:
     the request when it has not finished and gives back its admission place.
     """
 
-    def __init__(self, *, server: QuickdraftServer, prompt_token_ids: list[int], params: SamplingParams,
-                 scenario: str, prompt_param: str, id_prefix: str):
+    def __init__(
+        self,
+        *,
+        server: QuickdraftServer,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        scenario: str,
+        prompt_param: str,
+        id_prefix: str,
+    ):
         self.server = server
         self.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = now_seconds()
@@ -174,9 +205,14 @@ class Generation:
         """Take an admission place, submit, wait until the engine admitted the request."""
         self.server.admission.enter()
         self._admitted_place = True
-        submission = Submission(request_id=self.request_id, prompt_token_ids=self._prompt_token_ids,
-                                params=self._params, scenario=self._scenario, submitted_at=time.perf_counter(),
-                                deliver=self._deliver)
+        submission = Submission(
+            request_id=self.request_id,
+            prompt_token_ids=self._prompt_token_ids,
+            params=self._params,
+            scenario=self._scenario,
+            submitted_at=time.perf_counter(),
+            deliver=self._deliver,
+        )
         try:
             self.server.engine_loop.submit(submission)
         except LoopStopped as err:
@@ -233,8 +269,16 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         prepared = _prepare(server, request=request, body=body)
         prompt_token_ids = await server.preprocessor.run(_completion_prompt, server, body)
-        return await _generate(server, body=body, request=request, prepared=prepared, prompt_token_ids=prompt_token_ids,
-                               prompt_param="prompt", id_prefix="cmpl", writer_class=CompletionWriter)
+        return await _generate(
+            server,
+            body=body,
+            request=request,
+            prepared=prepared,
+            prompt_token_ids=prompt_token_ids,
+            prompt_param="prompt",
+            id_prefix="cmpl",
+            writer_class=CompletionWriter,
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -243,22 +287,32 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         prepared = _prepare(server, request=request, body=body)
         prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
-        return await _generate(server, body=body, request=request, prepared=prepared,
-                               prompt_token_ids=prompt_token_ids, prompt_param="messages",
-                               id_prefix="chatcmpl", writer_class=ChatWriter)
+        return await _generate(
+            server,
+            body=body,
+            request=request,
+            prepared=prepared,
+            prompt_token_ids=prompt_token_ids,
+            prompt_param="messages",
+            id_prefix="chatcmpl",
+            writer_class=ChatWriter,
+        )
 
 
-async def _read_request(server: QuickdraftServer, request: Request, *,
-                        model: type[SamplingFields]) -> SamplingFields | None:
+async def _read_request(
+    server: QuickdraftServer, request: Request, *, model: type[SamplingFields]
+) -> SamplingFields | None:
     """The validated body (parsed on a preprocessing thread), or None if the client left."""
     if server.shutting_down:  # before reading a body that would be refused anyway
         raise shutting_down()
-    raw = await read_body(request, max_bytes=server.config.max_request_bytes,
-                          idle_timeout=server.config.request_read_timeout_seconds)
+    raw = await read_body(
+        request, max_bytes=server.config.max_request_bytes, idle_timeout=server.config.request_read_timeout_seconds
+    )
     if raw is None:
         return None
-    return await server.preprocessor.run(parse_request, raw, content_type=request.headers.get("content-type"),
-                                         model=model)
+    return await server.preprocessor.run(
+        parse_request, raw, content_type=request.headers.get("content-type"), model=model
+    )
 
 
 async def read_body(request: Request, *, max_bytes: int, idle_timeout: float) -> bytes | None:
@@ -276,9 +330,13 @@ async def read_body(request: Request, *, max_bytes: int, idle_timeout: float) ->
         try:
             message = await asyncio.wait_for(request.receive(), idle_timeout)
         except TimeoutError:
-            raise APIError(status=408, code="request_timeout", headers={"Connection": "close"},
-                           message=f"no data of the request body arrived for {idle_timeout:g} s "
-                                   "(--request-read-timeout); closing the connection") from None
+            raise APIError(
+                status=408,
+                code="request_timeout",
+                headers={"Connection": "close"},
+                message=f"no data of the request body arrived for {idle_timeout:g} s "
+                "(--request-read-timeout); closing the connection",
+            ) from None
         if message["type"] == "http.disconnect":
             return None
         chunk = message.get("body", b"")
@@ -298,9 +356,11 @@ def _content_length(request: Request) -> int | None:
 
 
 def _body_too_large(max_bytes: int, *, size: str) -> APIError:
-    return APIError(status=413, code="request_too_large",
-                    message=f"the request body ({size}) is larger than this server takes: {max_bytes} bytes "
-                            "(--max-request-bytes)")
+    return APIError(
+        status=413,
+        code="request_too_large",
+        message=f"the request body ({size}) is larger than this server takes: {max_bytes} bytes (--max-request-bytes)",
+    )
 
 
 def _completion_prompt(server: QuickdraftServer, body: CompletionRequest) -> list[int]:
@@ -311,13 +371,29 @@ def _completion_prompt(server: QuickdraftServer, body: CompletionRequest) -> lis
     return token_ids
 
 
-async def _generate(server: QuickdraftServer, *, body, request: Request, prepared, prompt_token_ids: list[int],
-                    prompt_param: str, id_prefix: str, writer_class):
+async def _generate(
+    server: QuickdraftServer,
+    *,
+    body,
+    request: Request,
+    prepared,
+    prompt_token_ids: list[int],
+    prompt_param: str,
+    id_prefix: str,
+    writer_class,
+):
     """Run the prompt through the engine loop, answer (streamed or whole)."""
-    generation = Generation(server=server, prompt_token_ids=prompt_token_ids, params=prepared.params,
-                            scenario=prepared.scenario, prompt_param=prompt_param, id_prefix=id_prefix)
-    writer = writer_class(server=server, generation=generation, include_usage=body.include_usage,
-                          include_token_ids=body.return_token_ids)
+    generation = Generation(
+        server=server,
+        prompt_token_ids=prompt_token_ids,
+        params=prepared.params,
+        scenario=prepared.scenario,
+        prompt_param=prompt_param,
+        id_prefix=id_prefix,
+    )
+    writer = writer_class(
+        server=server, generation=generation, include_usage=body.include_usage, include_token_ids=body.return_token_ids
+    )
     return await _respond(generation, writer=writer, stream=body.stream, request=request)
 
 
@@ -334,8 +410,12 @@ def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields
     scenario = server.scenarios.resolve(raw_scenario)
     request.state.scenario = scenario
     if body.model is not None and body.model != server.model_name:
-        raise APIError(status=404, param="model", code="model_not_found",
-                       message=f"model: {body.model!r} does not exist; this server serves {server.model_name!r}")
+        raise APIError(
+            status=404,
+            param="model",
+            code="model_not_found",
+            message=f"model: {body.model!r} does not exist; this server serves {server.model_name!r}",
+        )
     body.check_unsupported()
     return _Prepared(params=body.sampling_params(), scenario=scenario)
 
@@ -344,9 +424,12 @@ def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[
     """The conversation rendered and tokenized, checked against the context (on a preprocessing thread)."""
     tokenizer = server.tokenizer
     if tokenizer.chat_template is None:
-        raise bad_request(f"messages: the model {server.model_name!r} has no chat template, so it cannot take "
-                          "chat messages; use /v1/completions with a prompt", param="messages",
-                          code="chat_template_missing")
+        raise bad_request(
+            f"messages: the model {server.model_name!r} has no chat template, so it cannot take "
+            "chat messages; use /v1/completions with a prompt",
+            param="messages",
+            code="chat_template_missing",
+        )
     try:
         text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
     except Exception as err:  # the template's own checks (roles must alternate, ...) raise
@@ -359,9 +442,12 @@ def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[
 
 def _check_prompt_length(server: QuickdraftServer, prompt_token_ids: list[int], *, param: str) -> None:
     if len(prompt_token_ids) >= server.max_model_len:
-        raise bad_request(f"{param}: the prompt has {len(prompt_token_ids)} tokens, but the model's context "
-                          f"(max_model_len) is {server.max_model_len}: no room to generate", param=param,
-                          code="context_length_exceeded")
+        raise bad_request(
+            f"{param}: the prompt has {len(prompt_token_ids)} tokens, but the model's context "
+            f"(max_model_len) is {server.max_model_len}: no room to generate",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 async def _respond(generation: Generation, *, writer: ResponseWriter, stream: bool, request: Request) -> Response:
@@ -411,8 +497,9 @@ class ServerSentEvents(StreamingResponse):
     """
 
     def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -443,8 +530,9 @@ class ResponseWriter:
     object_name: str  # "text_completion" / "chat.completion"
     chunk_object_name: str
 
-    def __init__(self, *, server: QuickdraftServer, generation: Generation, include_usage: bool,
-                 include_token_ids: bool = False):
+    def __init__(
+        self, *, server: QuickdraftServer, generation: Generation, include_usage: bool, include_token_ids: bool = False
+    ):
         self.server = server
         self.generation = generation
         self.include_usage = include_usage
@@ -461,17 +549,25 @@ class ResponseWriter:
         return self.server.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.generation.request_id, "object": object_name, "created": self.generation.created,
-                "model": self.server.model_name}
+        return {
+            "id": self.generation.request_id,
+            "object": object_name,
+            "created": self.generation.created,
+            "model": self.server.model_name,
+        }
 
     def _speculation(self, output: RequestOutput) -> dict[str, Any]:
         return speculation_body(output.metrics, method=self.server.method, adaptive=self.server.adaptive)
 
     def full_body(self, final: Progress) -> dict[str, Any]:
         output = final.output
-        return {**self._envelope(self.object_name), "choices": [self._full_choice(output)],
-                "usage": usage_of(output), "speculation": self._speculation(output),
-                "seed": output.seed}  # replays a sampled answer (drawn by the engine when not given)
+        return {
+            **self._envelope(self.object_name),
+            "choices": [self._full_choice(output)],
+            "usage": usage_of(output),
+            "speculation": self._speculation(output),
+            "seed": output.seed,
+        }  # replays a sampled answer (drawn by the engine when not given)
 
     def _full_choice(self, output: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
@@ -492,8 +588,14 @@ class ResponseWriter:
                 if chunk is not None:
                     yield chunk
                 if event.finished and self.include_usage:
-                    yield sse({**self._envelope(self.chunk_object_name), "choices": [],
-                               "usage": usage_of(event.output), "speculation": self._speculation(event.output)})
+                    yield sse(
+                        {
+                            **self._envelope(self.chunk_object_name),
+                            "choices": [],
+                            "usage": usage_of(event.output),
+                            "speculation": self._speculation(event.output),
+                        }
+                    )
         except APIError as err:
             yield sse(err.body())
         yield sse("[DONE]")
@@ -518,15 +620,19 @@ class CompletionWriter(ResponseWriter):
         logprobs = None
         if completion.logprobs is not None:
             logprobs = CompletionLogprobs(decode=self._decode_token).body(completion.logprobs)
-        return self._with_token_ids({"index": 0, "text": completion.text, "logprobs": logprobs,
-                                     "finish_reason": completion.finish_reason}, completion.token_ids)
+        return self._with_token_ids(
+            {"index": 0, "text": completion.text, "logprobs": logprobs, "finish_reason": completion.finish_reason},
+            completion.token_ids,
+        )
 
     def _progress_chunk(self, event: Progress) -> str | None:
         if not (event.text or event.finished or event.logprobs or self._has_new_tokens_to_send(event)):
             return None
         logprobs = self._stream_logprobs.body(event.logprobs) if event.logprobs is not None else None
-        choice = self._with_token_ids({"index": 0, "text": event.text, "logprobs": logprobs,
-                                       "finish_reason": event.finish_reason}, event.token_ids)
+        choice = self._with_token_ids(
+            {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason},
+            event.token_ids,
+        )
         if event.finished:
             return self._chunk([choice], speculation=self._speculation(event.output), seed=event.output.seed)
         return self._chunk([choice])
@@ -541,25 +647,42 @@ class ChatWriter(ResponseWriter):
         logprobs = None
         if completion.logprobs is not None:
             logprobs = chat_logprobs_body(completion.logprobs, decode=self._decode_token)
-        return self._with_token_ids({"index": 0, "message": {"role": "assistant", "content": completion.text},
-                                     "logprobs": logprobs, "finish_reason": completion.finish_reason},
-                                    completion.token_ids)
+        return self._with_token_ids(
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+            },
+            completion.token_ids,
+        )
 
     def _opening_chunks(self) -> list[str]:
         # OpenAI's first chunk announces the role.
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])]
+        return [
+            self._chunk(
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
+        ]
 
     def _progress_chunk(self, event: Progress) -> str | None:
         logprobs = chat_logprobs_body(event.logprobs, decode=self._decode_token) if event.logprobs else None
         if event.text or logprobs or self._has_new_tokens_to_send(event):
-            content_chunk = self._chunk([self._with_token_ids({"index": 0, "delta": {"content": event.text},
-                                                               "logprobs": logprobs, "finish_reason": None},
-                                                              event.token_ids)])
+            content_chunk = self._chunk(
+                [
+                    self._with_token_ids(
+                        {"index": 0, "delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None},
+                        event.token_ids,
+                    )
+                ]
+            )
         else:
             content_chunk = ""
         if not event.finished:
             return content_chunk or None
-        final = self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
-                            speculation=self._speculation(event.output), seed=event.output.seed)
+        final = self._chunk(
+            [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
+            speculation=self._speculation(event.output),
+            seed=event.output.seed,
+        )
         return content_chunk + final

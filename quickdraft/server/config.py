@@ -57,17 +57,23 @@ class ServerConfig:
         if self.api_key is not None and not _is_token(self.api_key):
             # Clients send the key in a header (`Bearer <key>`): it must be something a header carries.
             raise ValueError("api_key must be a non-empty string of printable ASCII characters without spaces")
-        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
-                                                   or not self.served_model_name.strip()):
+        if self.served_model_name is not None and (
+            not isinstance(self.served_model_name, str) or not self.served_model_name.strip()
+        ):
             raise ValueError(f"served_model_name must be a non-empty string, got {self.served_model_name!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r}")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            seed=self.seed, speculative_config=self.speculative_config,
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            seed=self.seed,
+            speculative_config=self.speculative_config,
         )
 
     @property

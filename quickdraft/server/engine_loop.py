@@ -220,15 +220,15 @@ class EngineLoop:
 
     def _add(self, submission: Submission) -> None:
         try:
-            self._engine.add_request(prompt_token_ids=submission.prompt_token_ids, params=submission.params,
-                                     request_id=submission.request_id)
+            self._engine.add_request(
+                prompt_token_ids=submission.prompt_token_ids, params=submission.params, request_id=submission.request_id
+            )
         except (ValueError, TypeError) as err:
             _deliver(submission, Rejected(message=str(err)))
             return
         except Exception as err:  # not the request's fault: say so with a 500
             logger.exception("add_request failed")
-            _deliver(submission, Failed(status=500, message=f"could not queue the request: {err}",
-                                        code="engine_error"))
+            _deliver(submission, Failed(status=500, message=f"could not queue the request: {err}", code="engine_error"))
             return
         self._tracked[submission.request_id] = _Tracked(submission)
         _deliver(submission, Admitted())
@@ -264,11 +264,18 @@ class EngineLoop:
         logprobs = self._new_logprobs(tracked, num_new=len(delta.token_ids))
         tracked.num_sent_tokens += len(delta.token_ids)
         if delta.finished:
-            self._forget(tracked, finish_reason=delta.finish_reason or "stop",
-                         metrics=delta.output.metrics)
-        _deliver(tracked.submission, Progress(text=delta.text, token_ids=list(delta.token_ids), logprobs=logprobs,
-                                              finished=delta.finished, finish_reason=delta.finish_reason,
-                                              output=delta.output))
+            self._forget(tracked, finish_reason=delta.finish_reason or "stop", metrics=delta.output.metrics)
+        _deliver(
+            tracked.submission,
+            Progress(
+                text=delta.text,
+                token_ids=list(delta.token_ids),
+                logprobs=logprobs,
+                finished=delta.finished,
+                finish_reason=delta.finish_reason,
+                output=delta.output,
+            ),
+        )
 
     def _new_logprobs(self, tracked: _Tracked, *, num_new: int) -> list[TokenLogprobs] | None:
         if tracked.submission.params.logprobs is None:
@@ -297,17 +304,23 @@ class EngineLoop:
         self._tracked.pop(request_id, None)
         self._engine.release(request_id)
         if metrics is not None:
-            self._metrics.record_request(FinishedRequest(scenario=tracked.submission.scenario,
-                                                         submitted_at=tracked.submission.submitted_at,
-                                                         finish_reason=finish_reason, metrics=metrics))
+            self._metrics.record_request(
+                FinishedRequest(
+                    scenario=tracked.submission.scenario,
+                    submitted_at=tracked.submission.submitted_at,
+                    finish_reason=finish_reason,
+                    metrics=metrics,
+                )
+            )
 
     def _fail_running(self, err: Exception) -> None:
         """step() raised: fail the requests that were in it, keep the waiting ones."""
         logger.error("engine step failed: %s", err, exc_info=err)
         self._failed_steps += 1
         self._metrics.record_failed_step()
-        failure = Failed(status=500, message=f"generation failed inside the engine: {type(err).__name__}: {err}",
-                         code="engine_error")
+        failure = Failed(
+            status=500, message=f"generation failed inside the engine: {type(err).__name__}: {err}", code="engine_error"
+        )
         for request_id in list(self._tracked):
             if self._was_running(request_id):
                 self._abort(request_id, notify=failure, finish_reason="error")
@@ -330,12 +343,17 @@ class EngineLoop:
 
     def _publish_stats(self, *, alive: bool = True) -> None:
         scheduler, cache = self._engine.scheduler, self._engine.cache
-        self.stats = LoopStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
-                               free_slots=cache.num_free_slots, num_slots=cache.num_slots,
-                               tracked_requests=len(self._tracked), steps=self._steps,
-                               failed_steps=self._failed_steps, alive=alive)
-        self._metrics.set_load(running=self.stats.running, waiting=self.stats.waiting,
-                               free_slots=self.stats.free_slots)
+        self.stats = LoopStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            free_slots=cache.num_free_slots,
+            num_slots=cache.num_slots,
+            tracked_requests=len(self._tracked),
+            steps=self._steps,
+            failed_steps=self._failed_steps,
+            alive=alive,
+        )
+        self._metrics.set_load(running=self.stats.running, waiting=self.stats.waiting, free_slots=self.stats.free_slots)
 
 
 def _deliver(submission: Submission, event: LoopEvent) -> None:

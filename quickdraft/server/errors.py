@@ -60,8 +60,14 @@ def error_body(*, status: int, message: str, param: str | None = None, code: str
     error_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     if code is None:
         code = DEFAULT_CODES.get(status, "invalid_request" if status < 500 else "internal_error")
-    return {"error": {"message": _encodable(message), "type": error_type,
-                      "param": None if param is None else _encodable(param), "code": code}}
+    return {
+        "error": {
+            "message": _encodable(message),
+            "type": error_type,
+            "param": None if param is None else _encodable(param),
+            "code": code,
+        }
+    }
 
 
 def _encodable(text: str) -> str:
@@ -75,11 +81,16 @@ def bad_request(message: str, *, param: str | None, code: str | None = "invalid_
 
 
 def queue_full(*, in_flight: int, max_in_flight: int) -> APIError:
-    return APIError(status=429, code="queue_full", headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_SECONDS)},
-                    message=f"too many requests in flight ({in_flight}, --max-queue {max_in_flight}); retry later")
+    return APIError(
+        status=429,
+        code="queue_full",
+        headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_SECONDS)},
+        message=f"too many requests in flight ({in_flight}, --max-queue {max_in_flight}); retry later",
+    )
 
 
 def shutting_down() -> APIError:
     # Connection: close, so a client's pool does not reuse a connection that is about to go away.
-    return APIError(status=503, message="the server is shutting down", code="shutting_down",
-                    headers={"Connection": "close"})
+    return APIError(
+        status=503, message="the server is shutting down", code="shutting_down", headers={"Connection": "close"}
+    )

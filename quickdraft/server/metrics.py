@@ -86,59 +86,87 @@ class ServerMetrics:
         return Histogram(name, documentation, REQUEST_LABELS, buckets=buckets, registry=self.registry)
 
     def _define_request_metrics(self) -> None:
-        self.requests = self._counter("quickdraft_requests", "Requests that left the engine, by finish reason",
-                                      ("finish_reason",))
-        self.request_errors = self._counter("quickdraft_request_errors",
-                                            "Requests answered with an error status (4xx before the engine, "
-                                            "5xx inside it)", ("status",))
+        self.requests = self._counter(
+            "quickdraft_requests", "Requests that left the engine, by finish reason", ("finish_reason",)
+        )
+        self.request_errors = self._counter(
+            "quickdraft_request_errors",
+            "Requests answered with an error status (4xx before the engine, 5xx inside it)",
+            ("status",),
+        )
         self.prompt_tokens = self._counter("quickdraft_prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = self._counter("quickdraft_generation_tokens", "Generated tokens")
-        self.target_forwards = self._counter("quickdraft_target_forwards",
-                                             "Target forwards that committed tokens (prefill included)")
+        self.target_forwards = self._counter(
+            "quickdraft_target_forwards", "Target forwards that committed tokens (prefill included)"
+        )
         self.drafts = self._counter("quickdraft_drafts", "Proposals verified (forwards with a draft)")
         self.draft_tokens = self._counter("quickdraft_draft_tokens", "Draft tokens proposed")
         self.accepted_tokens = self._counter("quickdraft_accepted_tokens", "Draft tokens accepted")
         self.accepted_by_position = self._counter(
-            "quickdraft_accepted_tokens_by_position", "Drafts whose accepted path reached draft depth `position`",
-            ("position",))
+            "quickdraft_accepted_tokens_by_position",
+            "Drafts whose accepted path reached draft depth `position`",
+            ("position",),
+        )
         self.drafted_by_position = self._counter(
-            "quickdraft_drafted_tokens_by_position", "Drafts that reached draft depth `position`", ("position",))
-        self.draft_seconds = self._counter("quickdraft_draft_seconds",
-                                           "Seconds of drafting phases of the steps each request was in")
-        self.verify_seconds = self._counter("quickdraft_verify_seconds",
-                                            "Seconds of verifying forwards of the steps each request was in")
+            "quickdraft_drafted_tokens_by_position", "Drafts that reached draft depth `position`", ("position",)
+        )
+        self.draft_seconds = self._counter(
+            "quickdraft_draft_seconds", "Seconds of drafting phases of the steps each request was in"
+        )
+        self.verify_seconds = self._counter(
+            "quickdraft_verify_seconds", "Seconds of verifying forwards of the steps each request was in"
+        )
         # Adaptive speculation's per-step decision; plain share = length "0" / all, and the
         # companion sum gives the mean chosen length (PromQL cannot average a label's value).
         self.draft_length_choices = self._counter(
             "quickdraft_draft_length_choices",
-            "Decoding steps by the draft length adaptive speculation chose (0 = plain decoding)", ("length",))
+            "Decoding steps by the draft length adaptive speculation chose (0 = plain decoding)",
+            ("length",),
+        )
         self.chosen_draft_length = self._counter(
-            "quickdraft_chosen_draft_length",
-            "Sum of the draft lengths adaptive speculation chose over decoding steps")
-        self.acceptance_length = self._histogram("quickdraft_acceptance_length",
-                                                 "Tokens committed per target forward, per request",
-                                                 ACCEPTANCE_LENGTH_BUCKETS)
-        self.ttft = self._histogram("quickdraft_time_to_first_token_seconds",
-                                    "Submission to first generated token", LATENCY_BUCKETS)
-        self.tpot = self._histogram("quickdraft_time_per_output_token_seconds",
-                                    "Mean seconds per output token after the first", TPOT_BUCKETS)
-        self.e2e = self._histogram("quickdraft_e2e_request_latency_seconds",
-                                   "Submission to the end of the request", LATENCY_BUCKETS)
-        self.queue_time = self._histogram("quickdraft_queue_time_seconds",
-                                          "Submission to the first step that scheduled the request",
-                                          LATENCY_BUCKETS)
+            "quickdraft_chosen_draft_length", "Sum of the draft lengths adaptive speculation chose over decoding steps"
+        )
+        self.acceptance_length = self._histogram(
+            "quickdraft_acceptance_length",
+            "Tokens committed per target forward, per request",
+            ACCEPTANCE_LENGTH_BUCKETS,
+        )
+        self.ttft = self._histogram(
+            "quickdraft_time_to_first_token_seconds", "Submission to first generated token", LATENCY_BUCKETS
+        )
+        self.tpot = self._histogram(
+            "quickdraft_time_per_output_token_seconds", "Mean seconds per output token after the first", TPOT_BUCKETS
+        )
+        self.e2e = self._histogram(
+            "quickdraft_e2e_request_latency_seconds", "Submission to the end of the request", LATENCY_BUCKETS
+        )
+        self.queue_time = self._histogram(
+            "quickdraft_queue_time_seconds", "Submission to the first step that scheduled the request", LATENCY_BUCKETS
+        )
 
     def _define_engine_metrics(self) -> None:
-        self.batch_size = Histogram("quickdraft_batch_size", "Requests in each engine step", ENGINE_LABELS,
-                                    buckets=BATCH_SIZE_BUCKETS, registry=self.registry)
-        self.steps_failed = Counter("quickdraft_failed_steps", "Engine steps that raised (their requests "
-                                    "were failed with a 500)", ENGINE_LABELS, registry=self.registry)
-        self.running = Gauge("quickdraft_running_requests", "Requests holding a cache slot", ENGINE_LABELS,
-                             registry=self.registry)
-        self.waiting = Gauge("quickdraft_waiting_requests", "Requests waiting for a cache slot", ENGINE_LABELS,
-                             registry=self.registry)
-        self.free_slots = Gauge("quickdraft_free_cache_slots", "Free KV cache slots", ENGINE_LABELS,
-                                registry=self.registry)
+        self.batch_size = Histogram(
+            "quickdraft_batch_size",
+            "Requests in each engine step",
+            ENGINE_LABELS,
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=self.registry,
+        )
+        self.steps_failed = Counter(
+            "quickdraft_failed_steps",
+            "Engine steps that raised (their requests were failed with a 500)",
+            ENGINE_LABELS,
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "quickdraft_running_requests", "Requests holding a cache slot", ENGINE_LABELS, registry=self.registry
+        )
+        self.waiting = Gauge(
+            "quickdraft_waiting_requests", "Requests waiting for a cache slot", ENGINE_LABELS, registry=self.registry
+        )
+        self.free_slots = Gauge(
+            "quickdraft_free_cache_slots", "Free KV cache slots", ENGINE_LABELS, registry=self.registry
+        )
         # Create the unlabelled-by-scenario series now so a fresh server already exposes them.
         for metric in (self.batch_size, self.steps_failed, self.running, self.waiting, self.free_slots):
             metric.labels(**self._engine_labels)

@@ -113,8 +113,13 @@ class EndCancelledRequests:
             await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
         elif response.is_event_stream and not response.complete:
             payload = json.dumps(error.body(), separators=(",", ":"))
-            await send({"type": "http.response.body", "body": f"data: {payload}\n\ndata: [DONE]\n\n".encode(),
-                        "more_body": False})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": f"data: {payload}\n\ndata: [DONE]\n\n".encode(),
+                    "more_body": False,
+                }
+            )
 
 
 class _ResponseState:

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.server.errors import bad_request
 from quickdraft.server.validation import non_json_body_error, validation_error_to_api_error
 
@@ -74,13 +73,15 @@ def is_json_content_type(content_type: str) -> bool:
 
 def _load_json(raw: bytes) -> Any:
     if not raw.strip():
-        raise bad_request("the request body is empty: send a JSON object with the request's fields", param=None,
-                          code="invalid_body")
+        raise bad_request(
+            "the request body is empty: send a JSON object with the request's fields", param=None, code="invalid_body"
+        )
     try:
         return json.loads(raw)
     except UnicodeDecodeError as err:
-        raise bad_request(f"malformed JSON body: not valid UTF-8 ({err.reason} at byte {err.start})", param=None,
-                          code="invalid_json") from None
+        raise bad_request(
+            f"malformed JSON body: not valid UTF-8 ({err.reason} at byte {err.start})", param=None, code="invalid_json"
+        ) from None
     except json.JSONDecodeError as err:
         raise bad_request(f"malformed JSON body: {err}", param=None, code="invalid_json") from None
     except RecursionError:
@@ -99,8 +100,11 @@ def check_text(request: BaseModel) -> None:
         found = _find_surrogate(getattr(request, name), path=name)
         if found is not None:
             path, where = found
-            raise bad_request(f"{path} contains an unpaired UTF-16 surrogate {where}: text must be valid Unicode",
-                              param=path, code="invalid_unicode")
+            raise bad_request(
+                f"{path} contains an unpaired UTF-16 surrogate {where}: text must be valid Unicode",
+                param=path,
+                code="invalid_unicode",
+            )
 
 
 def _find_surrogate(value: Any, *, path: str) -> tuple[str, str] | None:
@@ -140,5 +144,3 @@ def surrogate_index(text: str) -> int | None:
 
 def _escaped(char: str) -> str:
     return f"\\u{ord(char):04x}"
-
-

@@ -93,8 +93,9 @@ class SamplingFields(StrictModel):
         if self.n != 1:
             raise bad_request(f"n: only n=1 is supported, got {self.n}", param="n", code="unsupported_value")
         if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", param="logit_bias",
-                              code="unsupported_parameter")
+            raise bad_request(
+                "logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter"
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
@@ -104,14 +105,22 @@ class SamplingFields(StrictModel):
         """SamplingParams keyword arguments of the fields set (defaults are SamplingParams')."""
         kwargs: dict[str, Any] = {
             "temperature": 1.0 if self.temperature is None else self.temperature,
-            "seed": self.seed, "stop": self.stop, "min_tokens": self.min_tokens,
-            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+            "stop": self.stop,
+            "min_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
-        optional = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                    "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
-                    "frequency_penalty": self.frequency_penalty}
+        optional = {
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
         kwargs.update({name: value for name, value in optional.items() if value is not None})
         return kwargs
 
@@ -137,8 +146,9 @@ class CompletionRequest(SamplingFields):
         if self.suffix:
             raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
         if self.best_of not in (None, 1):
-            raise bad_request(f"best_of: only 1 is supported, got {self.best_of}", param="best_of",
-                              code="unsupported_value")
+            raise bad_request(
+                f"best_of: only 1 is supported, got {self.best_of}", param="best_of", code="unsupported_value"
+            )
 
     def sampling_params(self) -> SamplingParams:
         kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
@@ -149,8 +159,11 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise bad_request(f"prompt: one prompt per request is supported, got a list of {len(prompt)}",
-                                  param="prompt", code="unsupported_value")
+                raise bad_request(
+                    f"prompt: one prompt per request is supported, got a list of {len(prompt)}",
+                    param="prompt",
+                    code="unsupported_value",
+                )
             prompt = prompt[0]
         if isinstance(prompt, list) and not prompt:
             raise bad_request("prompt: the prompt is empty", param="prompt")
@@ -173,14 +186,17 @@ class ChatCompletionRequest(SamplingFields):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.tools:
-            raise bad_request("tools (function calling) is not supported by this server", param="tools",
-                              code="unsupported_parameter")
+            raise bad_request(
+                "tools (function calling) is not supported by this server", param="tools", code="unsupported_parameter"
+            )
         if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported by this server", param="tool_choice",
-                              code="unsupported_parameter")
+            raise bad_request(
+                "tool_choice is not supported by this server", param="tool_choice", code="unsupported_parameter"
+            )
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request("response_format: only {\"type\": \"text\"} is supported", param="response_format",
-                              code="unsupported_value")
+            raise bad_request(
+                'response_format: only {"type": "text"} is supported', param="response_format", code="unsupported_value"
+            )
         if self.store:
             raise bad_request("store is not supported by this server", param="store", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
@@ -213,20 +229,22 @@ def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str]) ->
         param = renamed.get(field_name, field_name if field_name in kwargs else None)
         message = str(err)
         if param is not None and param != field_name:
-            message = f"{param}{message[len(field_name):]}"
+            message = f"{param}{message[len(field_name) :]}"
         raise bad_request(message, param=param) from err
 
 
 def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> None:
     temperature = kwargs["temperature"]
     if temperature != 0 and not MIN_POSITIVE_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
-        raise bad_request(f"temperature must be 0 (greedy) or in [{MIN_POSITIVE_TEMPERATURE}, {MAX_TEMPERATURE}], "
-                          f"got {temperature!r}", param="temperature")
+        raise bad_request(
+            f"temperature must be 0 (greedy) or in [{MIN_POSITIVE_TEMPERATURE}, {MAX_TEMPERATURE}], "
+            f"got {temperature!r}",
+            param="temperature",
+        )
     penalty = kwargs.get("repetition_penalty")
     low, high = REPETITION_PENALTY_RANGE
     if penalty is not None and not low <= penalty <= high:
-        raise bad_request(f"repetition_penalty must be in [{low}, {high}], got {penalty!r}",
-                          param="repetition_penalty")
+        raise bad_request(f"repetition_penalty must be in [{low}, {high}], got {penalty!r}", param="repetition_penalty")
     seed = kwargs.get("seed")
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise bad_request(f"seed must fit in 64 bits, got {seed!r}", param="seed")
@@ -238,13 +256,17 @@ def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> 
 
 # ---- responses ---------------------------------------------------------------------------
 def usage_body(*, num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
 
 
 def usage_of(output: RequestOutput) -> dict[str, int]:
-    return usage_body(num_prompt_tokens=len(output.prompt_token_ids),
-                      num_completion_tokens=len(output.outputs[0].token_ids))
+    return usage_body(
+        num_prompt_tokens=len(output.prompt_token_ids), num_completion_tokens=len(output.outputs[0].token_ids)
+    )
 
 
 def speculation_body(metrics: RequestMetrics, *, method: str, adaptive: bool) -> dict[str, Any]:
@@ -297,11 +319,21 @@ def chat_logprobs_body(token_logprobs: list[TokenLogprobs], *, decode) -> dict[s
     content = []
     for entry in token_logprobs:
         token = decode(entry.token_id)
-        content.append({
-            "token": token, "logprob": entry.logprob, "bytes": list(token.encode("utf-8")),
-            "top_logprobs": [{"token": top.decoded or "", "logprob": top.logprob,
-                              "bytes": list((top.decoded or "").encode("utf-8"))} for top in entry.top],
-        })
+        content.append(
+            {
+                "token": token,
+                "logprob": entry.logprob,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": top.decoded or "",
+                        "logprob": top.logprob,
+                        "bytes": list((top.decoded or "").encode("utf-8")),
+                    }
+                    for top in entry.top
+                ],
+            }
+        )
     return {"content": content}
 
 

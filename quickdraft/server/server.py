@@ -115,20 +115,29 @@ class QuickdraftServer:
         """
         grace = self.config.shutdown_grace_seconds
         if not self.shutting_down and self.admission.in_flight > 0:
-            logger.info("shutdown: refusing new requests; %d in flight get up to %g s to finish",
-                        self.admission.in_flight, grace)
+            logger.info(
+                "shutdown: refusing new requests; %d in flight get up to %g s to finish",
+                self.admission.in_flight,
+                grace,
+            )
         self.begin_shutdown()
         if await self._wait_for_in_flight(timeout=grace, hurry=hurry):
             return
-        logger.warning("shutdown: %d request(s) still running after the %g s grace period; ending them",
-                       self.admission.in_flight, grace)
+        logger.warning(
+            "shutdown: %d request(s) still running after the %g s grace period; ending them",
+            self.admission.in_flight,
+            grace,
+        )
         await asyncio.to_thread(self.engine_loop.stop, timeout=10.0, failure=self.shutdown_failure())
         await self._wait_for_in_flight(timeout=SHUTDOWN_FLUSH_SECONDS, hurry=hurry)
 
     def shutdown_failure(self) -> Failed:
-        return Failed(status=503, code="server_shutdown",
-                      message=f"the server shut down before the request finished (shutdown grace period "
-                              f"{self.config.shutdown_grace_seconds:g} s)")
+        return Failed(
+            status=503,
+            code="server_shutdown",
+            message=f"the server shut down before the request finished (shutdown grace period "
+            f"{self.config.shutdown_grace_seconds:g} s)",
+        )
 
     def shutdown_error(self) -> APIError:
         failure = self.shutdown_failure()
@@ -229,19 +238,30 @@ class HeaderDeadlineProtocol(H11Protocol):
         self._header_deadline = None
         # IDLE: h11 has not seen a whole request line and headers since the deadline was armed.
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            logger.info("closed a connection whose request headers did not arrive within %.1f s",
-                        self.header_timeout_seconds)
+            logger.info(
+                "closed a connection whose request headers did not arrive within %.1f s", self.header_timeout_seconds
+            )
             self.transport.close()
 
 
 def uvicorn_config(server: QuickdraftServer) -> uvicorn.Config:
     config = server.config
-    protocol = type("HeaderDeadlineProtocol", (HeaderDeadlineProtocol,),
-                    {"header_timeout_seconds": config.request_read_timeout_seconds})
+    protocol = type(
+        "HeaderDeadlineProtocol",
+        (HeaderDeadlineProtocol,),
+        {"header_timeout_seconds": config.request_read_timeout_seconds},
+    )
     # The grace period is spent in DrainingUvicornServer.shutdown; uvicorn's own wait is for
     # the last answers to be written.
-    return uvicorn.Config(server.app, host=config.host, port=config.port, log_level=config.log_level,
-                          lifespan="on", timeout_graceful_shutdown=SHUTDOWN_FLUSH_SECONDS, http=protocol)
+    return uvicorn.Config(
+        server.app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=SHUTDOWN_FLUSH_SECONDS,
+        http=protocol,
+    )
 
 
 class ServerThread:
@@ -256,8 +276,12 @@ class ServerThread:
         port = self._listener.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}"
         self.uvicorn_server = DrainingUvicornServer(uvicorn_config(server), quickdraft_server=server)
-        self.thread = threading.Thread(target=self.uvicorn_server.run, kwargs={"sockets": [self._listener]},
-                                       daemon=True, name=f"quickdraft-server-{port}")
+        self.thread = threading.Thread(
+            target=self.uvicorn_server.run,
+            kwargs={"sockets": [self._listener]},
+            daemon=True,
+            name=f"quickdraft-server-{port}",
+        )
         self.thread.start()
         deadline = time.monotonic() + start_timeout
         while not self.uvicorn_server.started:
@@ -280,6 +304,12 @@ def run_server(config: ServerConfig) -> None:
     """Load the model, serve until SIGINT/SIGTERM, shut down gracefully."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = QuickdraftServer(config)
-    logger.info("serving %s (speculation: %s) on http://%s:%d/v1%s", server.model_name, server.method,
-                config.host, config.port, " (API key required)" if config.api_key is not None else "")
+    logger.info(
+        "serving %s (speculation: %s) on http://%s:%d/v1%s",
+        server.model_name,
+        server.method,
+        config.host,
+        config.port,
+        " (API key required)" if config.api_key is not None else "",
+    )
     DrainingUvicornServer(uvicorn_config(server), quickdraft_server=server).run()

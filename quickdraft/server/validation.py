@@ -21,17 +21,24 @@ def validation_error_to_api_error(errors: Sequence[dict[str, Any]]) -> APIError:
         return bad_request(f"malformed JSON body: {detail}", param=None, code="invalid_json")
     param = field_path(first.get("loc", ()))
     if first.get("type") == "string_unicode":  # a name pydantic cannot read (values are checked later)
-        return bad_request(f"{param or 'a field name of the body'}: not valid Unicode (an unpaired UTF-16 "
-                           "surrogate)", param=param, code="invalid_unicode")
+        return bad_request(
+            f"{param or 'a field name of the body'}: not valid Unicode (an unpaired UTF-16 surrogate)",
+            param=param,
+            code="invalid_unicode",
+        )
     if param is None:
         return _body_error(first)
     if first.get("type") == "extra_forbidden":
-        return bad_request(f"{param}: unrecognized request argument (not a parameter this server supports)",
-                           param=param, code="unsupported_parameter")
+        return bad_request(
+            f"{param}: unrecognized request argument (not a parameter this server supports)",
+            param=param,
+            code="unsupported_parameter",
+        )
     # A union field fails once per member: say all of what it could have been.
     messages = list(dict.fromkeys(e.get("msg", "") for e in errors if field_path(e.get("loc", ())) == param))
-    return bad_request(f"{param}: {' or '.join(messages)} (got {_describe(first.get('input'))})", param=param,
-                       code="invalid_type")
+    return bad_request(
+        f"{param}: {' or '.join(messages)} (got {_describe(first.get('input'))})", param=param, code="invalid_type"
+    )
 
 
 def _body_error(error: dict[str, Any]) -> APIError:
@@ -39,8 +46,11 @@ def _body_error(error: dict[str, Any]) -> APIError:
     body = error.get("input")
     if isinstance(body, (bytes, str)):  # a non-JSON content type: FastAPI did not parse it
         return non_json_body_error(body)
-    return bad_request(f"the request body must be a JSON object with the request's fields (got {_describe(body)})",
-                       param=None, code="invalid_body")
+    return bad_request(
+        f"the request body must be a JSON object with the request's fields (got {_describe(body)})",
+        param=None,
+        code="invalid_body",
+    )
 
 
 def non_json_body_error(body: bytes | str) -> APIError:
@@ -49,16 +59,23 @@ def non_json_body_error(body: bytes | str) -> APIError:
         json.loads(body)
     except (ValueError, RecursionError) as err:
         return bad_request(f"malformed JSON body: {err}", param=None, code="invalid_json")
-    return bad_request("the request body must be JSON sent with Content-Type: application/json",
-                       param=None, code="invalid_body")
+    return bad_request(
+        "the request body must be JSON sent with Content-Type: application/json", param=None, code="invalid_body"
+    )
 
 
 def _describe(value: Any) -> str:
     """The JSON type of a value, for messages (never the value itself: it may be huge)."""
     if value is None:
         return "null"
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-             dict: "an object"}
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }
     return names.get(type(value), type(value).__name__)
 
 

@@ -22,12 +22,37 @@ from pathlib import Path
 import torch
 
 LANGUAGES = ("German", "French", "Spanish", "Italian", "Portuguese", "Dutch")
-WRITING = ("a short story", "a poem", "a product description", "an email to a colleague", "a blog post intro",
-           "a dialogue between two friends", "a persuasive paragraph", "a short speech")
-TOPICS = ("a lighthouse keeper", "the first day of spring", "a lost umbrella", "a robot learning to cook",
-          "a mountain village", "an old library", "a city at night", "a chess tournament", "the ocean",
-          "a new coffee shop", "learning a language", "a rainy afternoon", "space travel", "a garden",
-          "a train journey", "friendship", "a museum visit", "winter holidays", "a science fair")
+WRITING = (
+    "a short story",
+    "a poem",
+    "a product description",
+    "an email to a colleague",
+    "a blog post intro",
+    "a dialogue between two friends",
+    "a persuasive paragraph",
+    "a short speech",
+)
+TOPICS = (
+    "a lighthouse keeper",
+    "the first day of spring",
+    "a lost umbrella",
+    "a robot learning to cook",
+    "a mountain village",
+    "an old library",
+    "a city at night",
+    "a chess tournament",
+    "the ocean",
+    "a new coffee shop",
+    "learning a language",
+    "a rainy afternoon",
+    "space travel",
+    "a garden",
+    "a train journey",
+    "friendship",
+    "a museum visit",
+    "winter holidays",
+    "a science fair",
+)
 
 
 def text_snippets() -> tuple[list[str], list[str]]:
@@ -35,11 +60,49 @@ def text_snippets() -> tuple[list[str], list[str]]:
     import pydoc_data.topics
 
     texts = list(pydoc_data.topics.topics.values())
-    for name in ("collections", "itertools", "functools", "json", "re", "pathlib", "datetime", "statistics",
-                 "random", "string", "textwrap", "heapq", "bisect", "argparse", "logging", "unittest",
-                 "sqlite3", "csv", "decimal", "fractions", "math", "os", "shutil", "subprocess", "threading",
-                 "asyncio", "typing", "dataclasses", "enum", "inspect", "contextlib", "abc", "http.client",
-                 "urllib.parse", "email", "zipfile", "tarfile", "hashlib", "secrets", "uuid", "calendar"):
+    for name in (
+        "collections",
+        "itertools",
+        "functools",
+        "json",
+        "re",
+        "pathlib",
+        "datetime",
+        "statistics",
+        "random",
+        "string",
+        "textwrap",
+        "heapq",
+        "bisect",
+        "argparse",
+        "logging",
+        "unittest",
+        "sqlite3",
+        "csv",
+        "decimal",
+        "fractions",
+        "math",
+        "os",
+        "shutil",
+        "subprocess",
+        "threading",
+        "asyncio",
+        "typing",
+        "dataclasses",
+        "enum",
+        "inspect",
+        "contextlib",
+        "abc",
+        "http.client",
+        "urllib.parse",
+        "email",
+        "zipfile",
+        "tarfile",
+        "hashlib",
+        "secrets",
+        "uuid",
+        "calendar",
+    ):
         try:
             module = __import__(name, fromlist=["_"])
         except ImportError:
@@ -55,7 +118,11 @@ def text_snippets() -> tuple[list[str], list[str]]:
     for text in texts:
         for block in re.split(r"\n\s*\n", text):
             block = " ".join(block.split())
-            if 200 <= len(block) <= 1200 and block.count(">>>") == 0 and sum(c.isalpha() for c in block) > 0.7 * len(block):
+            if (
+                200 <= len(block) <= 1200
+                and block.count(">>>") == 0
+                and sum(c.isalpha() for c in block) > 0.7 * len(block)
+            ):
                 paragraphs.append(block)
                 sentences += [s for s in re.split(r"(?<=[.!?])\s+", block) if 40 <= len(s) <= 200]
     return sorted(set(paragraphs)), sorted(set(sentences))
@@ -63,11 +130,15 @@ def text_snippets() -> tuple[list[str], list[str]]:
 
 def word_problem(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 40), rng.randint(2, 25), rng.randint(2, 9)
-    item, person = rng.choice(["apples", "books", "pencils", "tickets", "cookies", "boxes"]), rng.choice(
-        ["Maria", "Tom", "Aisha", "Ken", "Lena", "Omar"])
+    item, person = (
+        rng.choice(["apples", "books", "pencils", "tickets", "cookies", "boxes"]),
+        rng.choice(["Maria", "Tom", "Aisha", "Ken", "Lena", "Omar"]),
+    )
     templates = [
-        f"{person} buys {a} {item} at ${b} each and pays with a ${a * b + rng.randint(1, 50)} bill. How much change does {person} get?",
-        f"A class has {a} students. Each student brings {c} {item}. The teacher adds {b} more. How many {item} are there?",
+        f"{person} buys {a} {item} at ${b} each and pays with a ${a * b + rng.randint(1, 50)} bill. "
+        f"How much change does {person} get?",
+        f"A class has {a} students. Each student brings {c} {item}. The teacher adds {b} more. "
+        f"How many {item} are there?",
         f"{person} reads {b} pages a day. How many days does it take to read a book of {a * b + c} pages?",
         f"A train travels {a * 10} km in {c} hours. What is its average speed? Then how far does it go in {b} hours?",
         f"Solve for x: {c}x + {a} = {c * b + a}.",
@@ -99,25 +170,38 @@ def build_prompts(count: int, *, seed: int, mix: str = "tasks", transcripts: lis
     paragraphs, sentences = text_snippets()
     if mix == "articles":
         return _article_prompts(count, rng=rng, transcripts=transcripts, paragraphs=paragraphs)
-    makers = _docs_makers(rng, paragraphs, sentences) if mix == "docs" else \
-        _task_makers(rng, paragraphs, sentences, german_sentences())
+    makers = (
+        _docs_makers(rng, paragraphs, sentences)
+        if mix == "docs"
+        else _task_makers(rng, paragraphs, sentences, german_sentences())
+    )
     return [f"User: {rng.choice(makers)()}\nAssistant:" for _ in range(count)]
 
 
-FOLLOW_UPS = ("Rewrite your previous answer in fewer words.", "Now explain it to a child.",
-              "Can you give an example?", "Summarize your answer in one sentence.",
-              "Translate your answer into French.", "What are the weaknesses of your answer?",
-              "Make it more formal.", "Now write it as a list of bullet points.",
-              "Add a title and a conclusion.", "Why is that so? Explain step by step.",
-              "Continue the text.", "Rewrite it from a different point of view.")
+FOLLOW_UPS = (
+    "Rewrite your previous answer in fewer words.",
+    "Now explain it to a child.",
+    "Can you give an example?",
+    "Summarize your answer in one sentence.",
+    "Translate your answer into French.",
+    "What are the weaknesses of your answer?",
+    "Make it more formal.",
+    "Now write it as a list of bullet points.",
+    "Add a title and a conclusion.",
+    "Why is that so? Explain step by step.",
+    "Continue the text.",
+    "Rewrite it from a different point of view.",
+)
 
 
 def _article_prompts(count: int, *, rng: random.Random, transcripts: list[str], paragraphs: list[str]) -> list[str]:
     answers = [a for a in (answer_text(t) for t in transcripts) if len(a) >= 200 and is_prose(a)]
     finished = [t.rstrip() for t in transcripts if len(answer_text(t)) >= 40]
     if not answers or not finished:
-        raise ValueError("the articles mix builds on earlier answers: give transcripts (train-head: --extra-data) "
-                         "with answers of at least 200 characters")
+        raise ValueError(
+            "the articles mix builds on earlier answers: give transcripts (train-head: --extra-data) "
+            "with answers of at least 200 characters"
+        )
 
     def passage() -> str:  # the target's own prose, or a documentation paragraph
         return rng.choice(answers) if rng.random() < 0.6 else rng.choice(paragraphs)
@@ -132,9 +216,14 @@ def _article_prompts(count: int, *, rng: random.Random, transcripts: list[str], 
 
     def question_over_passages() -> str:
         text, titles = titled_passages()
-        question = rng.choice([f"What is {rng.choice(titles)}?", f"What does the text say about {rng.choice(titles)}?",
-                               f"Who or what is {rng.choice(titles)} according to the passage?",
-                               trivia_question(rng)])
+        question = rng.choice(
+            [
+                f"What is {rng.choice(titles)}?",
+                f"What does the text say about {rng.choice(titles)}?",
+                f"Who or what is {rng.choice(titles)} according to the passage?",
+                trivia_question(rng),
+            ]
+        )
         return f"{text}\n{question}"
 
     prompts = []
@@ -165,8 +254,10 @@ def _docs_makers(rng: random.Random, paragraphs: list[str], sentences: list[str]
         lambda: f"Summarize the following text in a few sentences.\n\n{rng.choice(paragraphs)}",
         lambda: f"Translate the following sentence into {rng.choice(LANGUAGES)}: {rng.choice(sentences)}",
         lambda: f"Explain in simple terms: {rng.choice(sentences)}",
-        lambda: f"Read the passage and answer the question.\n\nPassage: {rng.choice(paragraphs)}\n\n"
-                f"Question: What is the main point of this passage?",
+        lambda: (
+            f"Read the passage and answer the question.\n\nPassage: {rng.choice(paragraphs)}\n\n"
+            f"Question: What is the main point of this passage?"
+        ),
         lambda: f"Write {rng.choice(WRITING)} about {rng.choice(TOPICS)}.",
         lambda: f"{word_problem(rng)} Let's think step by step.",
         lambda: f"What does this mean, and when would you use it? {rng.choice(sentences)}",
@@ -198,23 +289,94 @@ def _task_makers(rng: random.Random, paragraphs: list[str], sentences: list[str]
     return makers
 
 
-ROLES = ("a pirate captain", "a famous detective", "a medieval knight", "a friendly doctor", "a strict teacher",
-         "a travel guide in Rome", "a chef", "an astronaut", "a sports coach", "a wise old wizard")
-REQUESTS = ("Give three tips about", "Describe the pros and cons of", "Compare two ways of thinking about",
-            "Explain to a child", "What are common misconceptions about", "Write a short review of",
-            "List five facts about", "Plan a weekend around")
+ROLES = (
+    "a pirate captain",
+    "a famous detective",
+    "a medieval knight",
+    "a friendly doctor",
+    "a strict teacher",
+    "a travel guide in Rome",
+    "a chef",
+    "an astronaut",
+    "a sports coach",
+    "a wise old wizard",
+)
+REQUESTS = (
+    "Give three tips about",
+    "Describe the pros and cons of",
+    "Compare two ways of thinking about",
+    "Explain to a child",
+    "What are common misconceptions about",
+    "Write a short review of",
+    "List five facts about",
+    "Plan a weekend around",
+)
 LANGUAGES_CODE = ("Python", "C++", "JavaScript", "Java")
-CODE_TASKS = ("reverses a string", "finds the nth Fibonacci number", "checks whether a number is prime",
-              "sorts a list of numbers", "counts the words in a text", "finds the largest element of an array",
-              "merges two sorted lists", "computes the factorial of n", "removes duplicates from a list")
-COUNTRIES = ("France", "Japan", "Brazil", "Canada", "Egypt", "India", "Australia", "Mexico", "Norway", "Kenya",
-             "Italy", "Germany", "Spain", "China", "Argentina", "Greece", "Turkey", "Sweden", "Peru", "Vietnam")
-THINGS = ("the telephone", "the printing press", "the light bulb", "penicillin", "the steam engine",
-          "the World Wide Web", "the airplane", "the bicycle", "the camera", "the radio", "the vaccine")
-EVENTS = ("the first Olympic Games", "the moon landing", "the fall of the Berlin Wall", "the French Revolution",
-          "the first World Cup", "the invention of writing", "the building of the pyramids")
-SUBJECTS = ("the song Yesterday", "the novel Moby Dick", "the movie Titanic", "the Mona Lisa",
-            "the TV show Friends", "the opera Carmen", "the game of chess", "the Harry Potter books")
+CODE_TASKS = (
+    "reverses a string",
+    "finds the nth Fibonacci number",
+    "checks whether a number is prime",
+    "sorts a list of numbers",
+    "counts the words in a text",
+    "finds the largest element of an array",
+    "merges two sorted lists",
+    "computes the factorial of n",
+    "removes duplicates from a list",
+)
+COUNTRIES = (
+    "France",
+    "Japan",
+    "Brazil",
+    "Canada",
+    "Egypt",
+    "India",
+    "Australia",
+    "Mexico",
+    "Norway",
+    "Kenya",
+    "Italy",
+    "Germany",
+    "Spain",
+    "China",
+    "Argentina",
+    "Greece",
+    "Turkey",
+    "Sweden",
+    "Peru",
+    "Vietnam",
+)
+THINGS = (
+    "the telephone",
+    "the printing press",
+    "the light bulb",
+    "penicillin",
+    "the steam engine",
+    "the World Wide Web",
+    "the airplane",
+    "the bicycle",
+    "the camera",
+    "the radio",
+    "the vaccine",
+)
+EVENTS = (
+    "the first Olympic Games",
+    "the moon landing",
+    "the fall of the Berlin Wall",
+    "the French Revolution",
+    "the first World Cup",
+    "the invention of writing",
+    "the building of the pyramids",
+)
+SUBJECTS = (
+    "the song Yesterday",
+    "the novel Moby Dick",
+    "the movie Titanic",
+    "the Mona Lisa",
+    "the TV show Friends",
+    "the opera Carmen",
+    "the game of chess",
+    "the Harry Potter books",
+)
 
 
 def trivia_question(rng: random.Random) -> str:
@@ -244,8 +406,13 @@ def german_sentences() -> list[str]:
         except (OSError, UnicodeDecodeError, ValueError):
             continue  # a catalogue in another encoding or damaged: not needed
         for text in catalog.values():
-            if isinstance(text, str) and 40 <= len(text) <= 200 and " " in text and "%" not in text \
-                    and "\n" not in text:
+            if (
+                isinstance(text, str)
+                and 40 <= len(text) <= 200
+                and " " in text
+                and "%" not in text
+                and "\n" not in text
+            ):
                 found.add(text)
     return sorted(found)
 
@@ -287,10 +454,6 @@ class Sequence:
 class DataShard:
     sequences: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_answer_tokens(self) -> int:
-        return sum(len(s.token_ids) - s.num_prompt_tokens for s in self.sequences)
-
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
@@ -309,20 +472,29 @@ class DataShard:
         with safe_open(str(path), "pt") as f:
             meta = json.loads(f.metadata()["num_prompt_tokens"])
         tensors = load_file(str(path))
-        return cls([Sequence(token_ids=tensors[f"tokens.{i}"].tolist(), num_prompt_tokens=n,
-                             features=tensors[f"features.{i}"]) for i, n in enumerate(meta)])
+        return cls(
+            [
+                Sequence(
+                    token_ids=tensors[f"tokens.{i}"].tolist(), num_prompt_tokens=n, features=tensors[f"features.{i}"]
+                )
+                for i, n in enumerate(meta)
+            ]
+        )
 
 
-def generate_shard(llm, prompts: list[str], *, feature_layers: tuple[int, ...], max_new_tokens: int,
-                   temperature: float, seed: int) -> DataShard:
+def generate_shard(
+    llm, prompts: list[str], *, feature_layers: tuple[int, ...], max_new_tokens: int, temperature: float, seed: int
+) -> DataShard:
     """The target answers `prompts` (batched); returns the sequences with their features."""
     from quickdraft.sampling_params import SamplingParams
 
     recorder = FeatureRecorder(feature_layers)
     llm.engine.set_drafter(recorder)
     try:
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
+            for i in range(len(prompts))
+        ]
         outputs = llm.generate(prompts, params)
     finally:
         llm.engine.set_speculative_config(None)
@@ -330,6 +502,9 @@ def generate_shard(llm, prompts: list[str], *, feature_layers: tuple[int, ...], 
     for output in outputs:
         tokens = output.prompt_token_ids + output.outputs[0].token_ids
         features = torch.cat(recorder.features.pop(output.request_id))
-        shard.sequences.append(Sequence(token_ids=tokens, num_prompt_tokens=len(output.prompt_token_ids),
-                                        features=features[: len(tokens) - 1]))
+        shard.sequences.append(
+            Sequence(
+                token_ids=tokens, num_prompt_tokens=len(output.prompt_token_ids), features=features[: len(tokens) - 1]
+            )
+        )
     return shard

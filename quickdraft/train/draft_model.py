@@ -24,6 +24,7 @@ from quickdraft.models.decoder import DecoderLayer
 from quickdraft.models.layers import RMSNorm, RotaryTable
 from quickdraft.models.loader import DRAFT_VOCAB_FILE, hf_layer_tensors, hf_tensors_from_state, read_hf_config
 
+
 def source_layers(num_target_layers: int, num_layers: int) -> list[int]:
     """Evenly spaced target layers (first and last included) to initialise `num_layers` from."""
     if not 1 <= num_layers <= num_target_layers:
@@ -34,18 +35,34 @@ def source_layers(num_target_layers: int, num_layers: int) -> list[int]:
 
 
 class DraftLM(torch.nn.Module):
-    def __init__(self, target_config: ModelConfig, *, num_layers: int, draft_vocab_size: int, max_len: int,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        target_config: ModelConfig,
+        *,
+        num_layers: int,
+        draft_vocab_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.sources = source_layers(target_config.num_layers, num_layers)
         self.config = c = dataclasses.replace(
-            target_config, num_layers=num_layers, vocab_size=draft_vocab_size + 1, tie_word_embeddings=True,
-            layer_types=tuple(target_config.layer_types[i] for i in self.sources))
+            target_config,
+            num_layers=num_layers,
+            vocab_size=draft_vocab_size + 1,
+            tie_word_embeddings=True,
+            layer_types=tuple(target_config.layer_types[i] for i in self.sources),
+        )
         self.embed_tokens = torch.nn.Parameter(torch.zeros(c.vocab_size, c.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(DecoderLayer(c, layer_index=i, dtype=dtype) for i in range(num_layers))
         self.norm = RMSNorm((c.hidden_size,), eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
-        self.rotary = torch.nn.ModuleDict({kind: RotaryTable(rope, head_dim=c.head_dim, max_len=max_len, dtype=dtype)
-                                           for kind, rope in c.rope_by_layer_type.items() if kind in c.layer_types})
+        self.rotary = torch.nn.ModuleDict(
+            {
+                kind: RotaryTable(rope, head_dim=c.head_dim, max_len=max_len, dtype=dtype)
+                for kind, rope in c.rope_by_layer_type.items()
+                if kind in c.layer_types
+            }
+        )
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))  # [Vd] target ids
         self.embed_scale = c.embed_scale
         self._t2d: torch.Tensor | None = None
@@ -88,15 +105,21 @@ class DraftLM(torch.nn.Module):
             rotary = self.rotary[c.layer_types[layer.layer_index]].lookup(positions)
             q, k, v = layer.attention_inputs(hidden, rotary=rotary, linear=F.linear)
             attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-                scale=c.attn_scale, enable_gqa=c.num_kv_heads != c.num_heads)[0].transpose(0, 1)
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=mask,
+                scale=c.attn_scale,
+                enable_gqa=c.num_kv_heads != c.num_heads,
+            )[0].transpose(0, 1)
             hidden = layer.block_output(hidden, attended.reshape(len(positions), -1), linear=F.linear)
         logits = F.linear(self.norm(hidden), self.embed_tokens[: self.other_token])
         cap = c.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def training_logits(self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int,
-                        first_anchor: int = 0) -> list[torch.Tensor]:
+    def training_logits(
+        self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0
+    ) -> list[torch.Tensor]:
         """EagleHead.unrolled_logits' layout: depth d at anchor j predicts token j+d+1 (from the
         model's prediction after token j+d; a greedy chain only goes on while it is right)."""
         n = token_ids.shape[0] - 1
@@ -115,14 +138,20 @@ class DraftLM(torch.nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         plan = {"embed_tokens": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
         for index in range(self.config.num_layers):
-            plan.update({f"layers.{index}.{ours}": theirs
-                         for ours, theirs in hf_layer_tensors(self.config, index).items()})
+            plan.update(
+                {f"layers.{index}.{ours}": theirs for ours, theirs in hf_layer_tensors(self.config, index).items()}
+            )
         tensors = hf_tensors_from_state(self.config, plan, self.state_dict())
         save_file({name: t.to(dtype) for name, t in tensors.items()}, str(directory / "model.safetensors"))
         save_file({"d2t": self.d2t.clone()}, str(directory / DRAFT_VOCAB_FILE))
         hf = read_hf_config(Path(target_dir))
-        hf.update(num_hidden_layers=self.config.num_layers, vocab_size=self.config.vocab_size, tie_word_embeddings=True,
-                  quickdraft_draft_of=str(target_dir), quickdraft_source_layers=self.sources)
+        hf.update(
+            num_hidden_layers=self.config.num_layers,
+            vocab_size=self.config.vocab_size,
+            tie_word_embeddings=True,
+            quickdraft_draft_of=str(target_dir),
+            quickdraft_source_layers=self.sources,
+        )
         if "layer_types" in hf:
             hf["layer_types"] = list(self.config.layer_types)
         hf.pop("sliding_window_pattern", None)

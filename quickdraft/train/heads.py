@@ -30,11 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.models.heads import EagleHead, HeadConfig
-from quickdraft.models.mtp import MtpHead
 from quickdraft.models.medusa import LayerSkipHead, MedusaConfig, MedusaHeads
+from quickdraft.models.mtp import MtpHead
+from quickdraft.train.data import MIXES_ON_TRANSCRIPTS, PROMPT_MIXES, DataShard, Sequence, build_prompts, generate_shard
 from quickdraft.train.draft_model import DraftLM
-from quickdraft.train.data import (MIXES_ON_TRANSCRIPTS, PROMPT_MIXES, DataShard, Sequence, build_prompts,
-                                   generate_shard)
 
 METHODS = ("eagle3", "medusa", "self", "draft", "mtp")
 RESUMABLE_HEADS = {"eagle3": EagleHead, "medusa": MedusaHeads, "self": LayerSkipHead}  # init_head can start them
@@ -81,8 +80,10 @@ class TrainHeadConfig:
         if self.init_head is not None:
             self.init_head = Path(self.init_head)
             if self.method not in RESUMABLE_HEADS:
-                raise ValueError(f"init_head: a {self.method} head cannot be started from a trained one; "
-                                 f"these can: {list(RESUMABLE_HEADS)}")
+                raise ValueError(
+                    f"init_head: a {self.method} head cannot be started from a trained one; "
+                    f"these can: {list(RESUMABLE_HEADS)}"
+                )
             if not self.init_head.is_dir():
                 raise ValueError(f"init_head {str(self.init_head)!r} is not a head folder")
         for folder in self.extra_data:
@@ -93,9 +94,22 @@ class TrainHeadConfig:
         if self.method not in METHODS:
             raise ValueError(f"unknown head method {self.method!r}; trainable here: {list(METHODS)}")
         if not isinstance(self.num_prompts, int) or self.num_prompts < (0 if self.extra_data else 1):
-            raise ValueError(f"num_prompts must be a positive integer (0 only with extra_data), got {self.num_prompts!r}")
-        for name in ("shard_prompts", "medusa_heads", "draft_layers", "max_new_tokens", "draft_vocab_size",
-                     "train_depths", "val_depths", "epochs", "sequences_per_step", "max_seq_len", "checkpoint_every"):
+            raise ValueError(
+                f"num_prompts must be a positive integer (0 only with extra_data), got {self.num_prompts!r}"
+            )
+        for name in (
+            "shard_prompts",
+            "medusa_heads",
+            "draft_layers",
+            "max_new_tokens",
+            "draft_vocab_size",
+            "train_depths",
+            "val_depths",
+            "epochs",
+            "sequences_per_step",
+            "max_seq_len",
+            "checkpoint_every",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -144,24 +158,39 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     llm = _load_target(config)
     target = llm.engine.model
     layers = config.feature_layers or default_feature_layers(target.config.num_layers)
-    extra = [DataShard.load(path) for folder in config.extra_data for path in sorted(folder.glob("shard-*.safetensors"))]
-    transcripts = [llm.tokenizer.decode(s.token_ids) for shard in extra for s in shard.sequences] \
-        if config.prompt_mix in MIXES_ON_TRANSCRIPTS else []
+    extra = [
+        DataShard.load(path) for folder in config.extra_data for path in sorted(folder.glob("shard-*.safetensors"))
+    ]
+    transcripts = (
+        [llm.tokenizer.decode(s.token_ids) for shard in extra for s in shard.sequences]
+        if config.prompt_mix in MIXES_ON_TRANSCRIPTS
+        else []
+    )
     shards = _build_data(config, llm, layers, transcripts=transcripts, progress=progress) + extra
     report.seconds["data"] = time.perf_counter() - start
     sequences = [s for shard in shards for s in shard.sequences]
     random.Random(config.seed).shuffle(sequences)
     if len(sequences) <= config.val_sequences:
-        raise ValueError(f"{len(sequences)} sequences of data: fewer than val_sequences ({config.val_sequences}) "
-                         f"plus one to train on")
-    val, train = sequences[: config.val_sequences], sequences[config.val_sequences:]
+        raise ValueError(
+            f"{len(sequences)} sequences of data: fewer than val_sequences ({config.val_sequences}) "
+            f"plus one to train on"
+        )
+    val, train = sequences[: config.val_sequences], sequences[config.val_sequences :]
     max_len = config.max_seq_len + config.val_depths + 2
     if config.init_head is None:
         d2t, coverage = draft_vocabulary(train, config.draft_vocab_size, vocab_size=target.config.vocab_size)
-        head = new_head(target, method=config.method, layers=layers, draft_vocab_size=len(d2t),
-                        intermediate_size=config.intermediate_size, medusa_heads=config.medusa_heads,
-                        exit_layer=config.exit_layer, draft_layers=config.draft_layers, max_len=max_len,
-                        copy_dim=config.copy_dim)
+        head = new_head(
+            target,
+            method=config.method,
+            layers=layers,
+            draft_vocab_size=len(d2t),
+            intermediate_size=config.intermediate_size,
+            medusa_heads=config.medusa_heads,
+            exit_layer=config.exit_layer,
+            draft_layers=config.draft_layers,
+            max_len=max_len,
+            copy_dim=config.copy_dim,
+        )
         head.set_draft_vocab(d2t)
     else:
         head = load_trained_head(config.method, config.init_head, max_len=max_len, copy_dim=config.copy_dim)
@@ -172,8 +201,9 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     target_dir = llm.engine.model_dir
     del llm
     t2d = target_to_draft(d2t, vocab_size=target.config.vocab_size)
-    columns = feature_columns(data_layers=layers, head_layers=head_feature_layers(head),
-                              hidden_size=target.config.hidden_size)
+    columns = feature_columns(
+        data_layers=layers, head_layers=head_feature_layers(head), hidden_size=target.config.hidden_size
+    )
     train = [s.with_features(s.features[:, columns]) for s in train] if columns is not None else train
     val = [s.with_features(s.features[:, columns]) for s in val] if columns is not None else val
     started = time.perf_counter()
@@ -181,7 +211,8 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     report.seconds["train"] = time.perf_counter() - started
     started = time.perf_counter()
     report.val_accuracy_by_depth, report.val_chain_acceptance_length = validate(
-        head, val, t2d, depths=config.validation_depths, max_seq_len=config.max_seq_len)
+        head, val, t2d, depths=config.validation_depths, max_seq_len=config.max_seq_len
+    )
     report.seconds["validate"] = time.perf_counter() - started
     report.parameters = sum(p.numel() for p in head.parameters())
     report.draft_token_cost = draft_token_cost(head, target)
@@ -200,9 +231,19 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1}))
 
 
-def new_head(target, *, method: str = "eagle3", layers, draft_vocab_size: int, intermediate_size: int | None,
-             max_len: int, medusa_heads: int = 4, exit_layer: int | None = None, draft_layers: int = 2,
-             copy_dim: int = 0):
+def new_head(
+    target,
+    *,
+    method: str = "eagle3",
+    layers,
+    draft_vocab_size: int,
+    intermediate_size: int | None,
+    max_len: int,
+    medusa_heads: int = 4,
+    exit_layer: int | None = None,
+    draft_layers: int = 2,
+    copy_dim: int = 0,
+):
     c = target.config
     if method == "mtp":
         head = MtpHead(c, draft_vocab_size=draft_vocab_size, max_len=max_len)
@@ -214,15 +255,32 @@ def new_head(target, *, method: str = "eagle3", layers, draft_vocab_size: int, i
         exit_layer = exit_layer or c.num_layers // 2 + 1
         if not 1 <= exit_layer < c.num_layers:
             raise ValueError(f"exit_layer must be in 1..{c.num_layers - 1} for a {c.num_layers}-layer target")
-        return LayerSkipHead(MedusaConfig(hidden_size=c.hidden_size, num_heads=1, draft_vocab_size=draft_vocab_size,
-                                          feature_layer=exit_layer - 1))
+        return LayerSkipHead(
+            MedusaConfig(
+                hidden_size=c.hidden_size, num_heads=1, draft_vocab_size=draft_vocab_size, feature_layer=exit_layer - 1
+            )
+        )
     if method == "medusa":
-        return MedusaHeads(MedusaConfig(hidden_size=c.hidden_size, num_heads=medusa_heads,
-                                        draft_vocab_size=draft_vocab_size, feature_layer=c.num_layers - 1))
-    config = HeadConfig(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                        head_dim=c.head_dim, intermediate_size=intermediate_size or c.intermediate_size,
-                        feature_layers=tuple(layers), draft_vocab_size=draft_vocab_size,
-                        rms_norm_eps=c.rms_norm_eps, activation=c.activation, copy_dim=copy_dim)
+        return MedusaHeads(
+            MedusaConfig(
+                hidden_size=c.hidden_size,
+                num_heads=medusa_heads,
+                draft_vocab_size=draft_vocab_size,
+                feature_layer=c.num_layers - 1,
+            )
+        )
+    config = HeadConfig(
+        hidden_size=c.hidden_size,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        intermediate_size=intermediate_size or c.intermediate_size,
+        feature_layers=tuple(layers),
+        draft_vocab_size=draft_vocab_size,
+        rms_norm_eps=c.rms_norm_eps,
+        activation=c.activation,
+        copy_dim=copy_dim,
+    )
     return EagleHead(config, max_len=max_len)
 
 
@@ -234,8 +292,10 @@ def load_trained_head(method: str, directory: Path, *, max_len: int, copy_dim: i
     head = cls.load(directory, dtype=torch.float32, **options)
     if copy_dim:
         if head.config.copy_dim:
-            raise ValueError(f"init_head {str(directory)!r} already has a copy path (copy_dim "
-                             f"{head.config.copy_dim}); leave copy_dim at 0 to go on training it")
+            raise ValueError(
+                f"init_head {str(directory)!r} already has a copy path (copy_dim "
+                f"{head.config.copy_dim}); leave copy_dim at 0 to go on training it"
+            )
         head = head.with_fresh_copy_path(copy_dim)
     return head
 
@@ -247,7 +307,7 @@ def has_copy_path(head) -> bool:
 def vocabulary_coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
     """Share of the answer tokens of `sequences` that the draft vocabulary `d2t` holds."""
     vocabulary = set(d2t.tolist())
-    answers = [t for s in sequences for t in s.token_ids[s.num_prompt_tokens:]]
+    answers = [t for s in sequences for t in s.token_ids[s.num_prompt_tokens :]]
     return sum(t in vocabulary for t in answers) / len(answers) if answers else 0.0
 
 
@@ -256,7 +316,7 @@ def draft_vocabulary(sequences: list[Sequence], size: int, *, vocab_size: int) -
     answer tokens they cover."""
     counts = Counter()
     for s in sequences:
-        counts.update(s.token_ids[s.num_prompt_tokens:])
+        counts.update(s.token_ids[s.num_prompt_tokens :])
     ranked = [token for token, _ in counts.most_common(size)]
     if len(ranked) < size:  # pad with the lowest unused ids so the table has its full size
         used = set(ranked)
@@ -292,20 +352,26 @@ def feature_columns(*, data_layers, head_layers, hidden_size: int) -> torch.Tens
 def draft_token_cost(head, target) -> float:
     """Matrix weights read per draft token (the head's share + draft LM rows) over the target's."""
     head_weights = head.weights_per_draft_token()
-    target_weights = sum(t.numel() for name, t in target.state_dict().items()
-                         if t.dim() == 2 and not name.startswith("rotary"))
+    target_weights = sum(
+        t.numel() for name, t in target.state_dict().items() if t.dim() == 2 and not name.startswith("rotary")
+    )
     return head_weights / target_weights
 
 
 def _load_target(config: TrainHeadConfig):
     from quickdraft.llm import LLM
 
-    return LLM(config.target, dtype=config.dtype, device=config.device, max_num_seqs=16,
-               max_model_len=config.max_seq_len, seed=config.seed)
+    return LLM(
+        config.target,
+        dtype=config.dtype,
+        device=config.device,
+        max_num_seqs=16,
+        max_model_len=config.max_seq_len,
+        seed=config.seed,
+    )
 
 
-def _build_data(config: TrainHeadConfig, llm, layers, *, transcripts: list[str],
-                progress: bool) -> list[DataShard]:
+def _build_data(config: TrainHeadConfig, llm, layers, *, transcripts: list[str], progress: bool) -> list[DataShard]:
     from tqdm import tqdm
 
     data_dir = config.out / "data"
@@ -316,13 +382,19 @@ def _build_data(config: TrainHeadConfig, llm, layers, *, transcripts: list[str],
     bar = tqdm(total=config.num_prompts, desc="target answers (data)", unit="prompt", disable=not progress)
     for index in range(num_shards):
         path = data_dir / f"shard-{index:04d}.safetensors"
-        chunk = prompts[index * config.shard_prompts: (index + 1) * config.shard_prompts]
+        chunk = prompts[index * config.shard_prompts : (index + 1) * config.shard_prompts]
         if path.is_file():
             shard = DataShard.load(path)
         else:
             sampled = random.Random(config.seed + index).random() < config.sampled_fraction
-            shard = generate_shard(llm, chunk, feature_layers=layers, max_new_tokens=config.max_new_tokens,
-                                   temperature=0.7 if sampled else 0.0, seed=config.seed + index * 1000)
+            shard = generate_shard(
+                llm,
+                chunk,
+                feature_layers=layers,
+                max_new_tokens=config.max_new_tokens,
+                temperature=0.7 if sampled else 0.0,
+                seed=config.seed + index * 1000,
+            )
             shard.save(path)
         shards.append(shard)
         bar.update(len(chunk))
@@ -335,12 +407,13 @@ def _fitting_prompts(config: TrainHeadConfig, tokenizer, *, transcripts: list[st
     if not config.num_prompts:
         return []
     limit = config.max_seq_len - config.max_new_tokens
-    candidates = build_prompts(4 * config.num_prompts, seed=config.seed, mix=config.prompt_mix,
-                               transcripts=transcripts)
+    candidates = build_prompts(4 * config.num_prompts, seed=config.seed, mix=config.prompt_mix, transcripts=transcripts)
     fitting = [p for p in candidates if len(tokenizer.encode(p)) <= limit][: config.num_prompts]
     if len(fitting) < config.num_prompts:
-        raise ValueError(f"only {len(fitting)} prompts fit max_seq_len {config.max_seq_len} with "
-                         f"{config.max_new_tokens} new tokens; raise max_seq_len or lower max_new_tokens")
+        raise ValueError(
+            f"only {len(fitting)} prompts fit max_seq_len {config.max_seq_len} with "
+            f"{config.max_new_tokens} new tokens; raise max_seq_len or lower max_new_tokens"
+        )
     return fitting
 
 
@@ -351,8 +424,9 @@ def _sequence_loss(head: EagleHead, seq: Sequence, t2d: torch.Tensor, *, depths:
     anchors = torch.arange(first_anchor, len(tokens) - 1)
     if has_copy_path(head):
         return _copy_sequence_loss(head, tokens, seq, first_anchor=first_anchor, depths=depths)
-    logits = head.training_logits(tokens, seq.features[: len(tokens) - 1].float(), depths=depths,
-                                  first_anchor=first_anchor)
+    logits = head.training_logits(
+        tokens, seq.features[: len(tokens) - 1].float(), depths=depths, first_anchor=first_anchor
+    )
     total, count = 0.0, 0
     for depth, depth_logits in enumerate(logits, start=1):
         labels, inside = depth_labels(tokens, anchors, depth=depth, t2d=t2d, first_target=seq.num_prompt_tokens)
@@ -368,8 +442,9 @@ def _sequence_loss(head: EagleHead, seq: Sequence, t2d: torch.Tensor, *, depths:
 def _copy_sequence_loss(head: EagleHead, tokens: torch.Tensor, seq: Sequence, *, first_anchor: int, depths: int):
     """_sequence_loss of a head with a copy path: -log of the mixture's probability of the true
     token, which now also counts tokens outside the draft vocabulary that the context holds."""
-    mixtures = head.unrolled_mixtures(tokens, seq.features[: len(tokens) - 1].float(), depths=depths,
-                                      first_anchor=first_anchor)
+    mixtures = head.unrolled_mixtures(
+        tokens, seq.features[: len(tokens) - 1].float(), depths=depths, first_anchor=first_anchor
+    )
     anchors = torch.arange(first_anchor, len(tokens) - 1)
     total, count = 0.0, 0
     for depth, mixture in enumerate(mixtures, start=1):
@@ -383,8 +458,9 @@ def _copy_sequence_loss(head: EagleHead, tokens: torch.Tensor, seq: Sequence, *,
     return total, count
 
 
-def depth_targets(tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int,
-                  first_target: int) -> tuple[torch.Tensor, torch.Tensor]:
+def depth_targets(
+    tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int, first_target: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Target ids of depth `depth` at `anchors` (0 where there is none) and the mask of anchors
     whose target exists and is at or past `first_target` (see depth_labels)."""
     target_index = anchors + depth + 1
@@ -394,8 +470,9 @@ def depth_targets(tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int,
     return targets, inside
 
 
-def depth_labels(tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int, t2d: torch.Tensor,
-                 first_target: int) -> tuple[torch.Tensor, torch.Tensor]:
+def depth_labels(
+    tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int, t2d: torch.Tensor, first_target: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft-vocabulary labels of depth `depth` at `anchors` (depth k at anchor j predicts token
     j + k + 1) and the mask of anchors whose target exists and is at or past `first_target`.
     Labels are -100 outside the mask and for tokens outside the draft vocabulary."""
@@ -405,8 +482,9 @@ def depth_labels(tokens: torch.Tensor, anchors: torch.Tensor, *, depth: int, t2d
     return labels, inside
 
 
-def _train(config: TrainHeadConfig, head, train: list[Sequence], t2d: torch.Tensor,
-           *, progress: bool) -> tuple[float | None, int]:
+def _train(
+    config: TrainHeadConfig, head, train: list[Sequence], t2d: torch.Tensor, *, progress: bool
+) -> tuple[float | None, int]:
     from tqdm import tqdm
 
     params = [p for p in head.parameters() if p.requires_grad]
@@ -431,16 +509,19 @@ def _train(config: TrainHeadConfig, head, train: list[Sequence], t2d: torch.Tens
     last_loss = None
     while step < total_steps:
         epoch, within = divmod(step, steps_per_epoch)
-        batch = orders[epoch][within * config.sequences_per_step: (within + 1) * config.sequences_per_step]
-        lr = config.learning_rate * min(1.0, (step + 1) / config.warmup_steps) * \
-            0.5 * (1 + math.cos(math.pi * step / total_steps))
+        batch = orders[epoch][within * config.sequences_per_step : (within + 1) * config.sequences_per_step]
+        lr = (
+            config.learning_rate
+            * min(1.0, (step + 1) / config.warmup_steps)
+            * 0.5
+            * (1 + math.cos(math.pi * step / total_steps))
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         loss_sum, tokens = 0.0, 0
         for index in batch:
-            loss, count = _sequence_loss(head, train[index], t2d, depths=config.depths,
-                                         max_seq_len=config.max_seq_len)
+            loss, count = _sequence_loss(head, train[index], t2d, depths=config.depths, max_seq_len=config.max_seq_len)
             if count:
                 loss.backward()
                 loss_sum += float(loss.detach())
@@ -462,8 +543,9 @@ def _train(config: TrainHeadConfig, head, train: list[Sequence], t2d: torch.Tens
 
 
 @torch.no_grad()
-def validate(head, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
-             max_seq_len: int) -> tuple[list[float], float]:
+def validate(
+    head, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int, max_seq_len: int
+) -> tuple[list[float], float]:
     """Per-depth top-1 accuracy over answer positions, and the acceptance length a greedy chain
     of `depths` draft tokens reaches when it decodes the answers step by step (a head with a copy
     path: top-1 of its vocabulary/copy mixture over target ids).
@@ -481,8 +563,9 @@ def validate(head, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
         n = len(tokens) - 1
         first = max(0, min(seq.num_prompt_tokens - 1, n - 1))  # anchor whose root is the first answer token
         hits = torch.zeros(n - first, depths, dtype=torch.bool)
-        for depth, depth_hits, inside in _top1_hits(head, tokens, seq.features[:n].float(), t2d, depths=depths,
-                                                    first_anchor=first):
+        for depth, depth_hits, inside in _top1_hits(
+            head, tokens, seq.features[:n].float(), t2d, depths=depths, first_anchor=first
+        ):
             hits[:, depth - 1] = depth_hits
             correct[depth - 1] += int(hits[inside, depth - 1].sum())
             total[depth - 1] += int(inside.sum())
@@ -498,8 +581,9 @@ def validate(head, sequences: list[Sequence], t2d: torch.Tensor, *, depths: int,
     return accuracy, committed / steps if steps else 0.0
 
 
-def _top1_hits(head, tokens: torch.Tensor, features: torch.Tensor, t2d: torch.Tensor, *, depths: int,
-               first_anchor: int):
+def _top1_hits(
+    head, tokens: torch.Tensor, features: torch.Tensor, t2d: torch.Tensor, *, depths: int, first_anchor: int
+):
     """Per depth: (depth, whether the head's most likely token is the true one [m], which rows
     have a true token [m]), at anchors first_anchor..T-2.  A head with a copy path is judged by
     its mixture over target ids, the others by their draft logits."""
@@ -527,12 +611,18 @@ def _jsonable(value):
 def _write_manifest(config: TrainHeadConfig, report: TrainReport, layers) -> None:
     options = {k: _jsonable(v) for k, v in asdict(config).items()}
     manifest = dict(
-        method=config.method, target=config.target or "embedded Gemma 3 270M (GGUF Q4_K_M)",
-        command=config.command, feature_layers=list(layers), options=options,
-        data=(f"target's own answers (greedy, and temperature 0.7 for a share of shards) to prompts of the "
-              f"{config.prompt_mix!r} mix (quickdraft.train.data.build_prompts: templates over the Python "
-              f"documentation, the system's German gettext catalogues, word lists), plus the shards of "
-              f"{[str(d) for d in config.extra_data]}; no Spec-Bench questions"),
-        report=asdict(report), date=time.strftime("%Y-%m-%d %H:%M"),
+        method=config.method,
+        target=config.target or "embedded Gemma 3 270M (GGUF Q4_K_M)",
+        command=config.command,
+        feature_layers=list(layers),
+        options=options,
+        data=(
+            f"target's own answers (greedy, and temperature 0.7 for a share of shards) to prompts of the "
+            f"{config.prompt_mix!r} mix (quickdraft.train.data.build_prompts: templates over the Python "
+            f"documentation, the system's German gettext catalogues, word lists), plus the shards of "
+            f"{[str(d) for d in config.extra_data]}; no Spec-Bench questions"
+        ),
+        report=asdict(report),
+        date=time.strftime("%Y-%m-%d %H:%M"),
     )
     (config.out / "head" / "manifest.json").write_text(json.dumps(manifest, indent=1))

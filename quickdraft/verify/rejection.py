@@ -89,10 +89,9 @@ def verify_proposal(
             # Bonus (leaf), or the cap: the next token from the node's unmodified target row.
             token = _draw_token(target_probs[node : node + 1], generator)
             return _result(path=path, committed=committed + [token], bonus=not kids)
-        child, recovered = _resolve_children(
-            kids=kids, proposal=proposal, row=target_probs[node], generator=generator
-        )
+        child, recovered = _resolve_children(kids=kids, proposal=proposal, row=target_probs[node], generator=generator)
         if child is None:
+            assert recovered is not None  # no accepted child: a recovered token
             return _result(path=path, committed=committed + [recovered], bonus=False)
         path.append(child)
         committed.append(proposal.token_ids[child])
@@ -115,9 +114,7 @@ def verify_batch(
         )
     return [
         verify_proposal(proposal=proposal, target_probs=probs, generator=gen, max_new_tokens=cap)
-        for proposal, probs, gen, cap in zip(
-            proposals, target_probs_list, generators, max_new_tokens_list
-        )
+        for proposal, probs, gen, cap in zip(proposals, target_probs_list, generators, max_new_tokens_list)
     ]
 
 
@@ -133,8 +130,9 @@ def verify_greedy(
     recovered or bonus token is the argmax; this walks the same tree with plain ints, so a
     greedy step never builds [num_nodes, V] probability rows.
     """
-    return verify_by_target_choice(proposal=proposal, target_choice=target_argmax.__getitem__,
-                                   max_new_tokens=max_new_tokens)
+    return verify_by_target_choice(
+        proposal=proposal, target_choice=target_argmax.__getitem__, max_new_tokens=max_new_tokens
+    )
 
 
 def verify_by_target_choice(
@@ -181,9 +179,7 @@ def _resolve_children(
         if point is not None:
             return _resolve_point_mass(kids=kids, proposal=proposal, token=point)
     if proposal.draft_probs is None:
-        return _resolve_deterministic(
-            kids=kids, token_ids=proposal.token_ids, row=row, generator=generator
-        )
+        return _resolve_deterministic(kids=kids, token_ids=proposal.token_ids, row=row, generator=generator)
     return _resolve_sampled(
         kids=kids,
         token_ids=proposal.token_ids,
@@ -193,9 +189,7 @@ def _resolve_children(
     )
 
 
-def _resolve_point_mass(
-    *, kids: list[int], proposal: Proposal, token: int
-) -> tuple[int | None, int | None]:
+def _resolve_point_mass(*, kids: list[int], proposal: Proposal, token: int) -> tuple[int | None, int | None]:
     """Target row = point mass at ``token``: what both conventions give, without randomness.
 
     Deterministic: acceptance probability is 1 for ``token``, 0 otherwise, and zeroing a
@@ -337,19 +331,14 @@ def _children_of(parents: list[int]) -> list[list[int]]:  # per node: children i
 
 
 def _result(*, path: list[int], committed: list[int], bonus: bool) -> AcceptedPath:
-    return AcceptedPath(
-        nodes=list(path), num_accepted=len(path) - 1, committed_token_ids=committed, bonus=bonus
-    )
+    return AcceptedPath(nodes=list(path), num_accepted=len(path) - 1, committed_token_ids=committed, bonus=bonus)
 
 
-def _check_inputs(
-    *, proposal: Proposal, target_probs: torch.Tensor, max_new_tokens: int | None
-) -> None:
+def _check_inputs(*, proposal: Proposal, target_probs: torch.Tensor, max_new_tokens: int | None) -> None:
     num_nodes = len(proposal.token_ids)
     if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes:
         raise ValueError(
-            f"target_probs must be [{num_nodes}, V] for {num_nodes} nodes, "
-            f"got {tuple(target_probs.shape)}"
+            f"target_probs must be [{num_nodes}, V] for {num_nodes} nodes, got {tuple(target_probs.shape)}"
         )
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -358,9 +347,7 @@ def _check_inputs(
         return
     vocab = target_probs.shape[1]
     if draft_probs.dim() != 2 or draft_probs.shape[1] != vocab:
-        raise ValueError(
-            f"draft_probs must be [{num_nodes}, {vocab}], got {tuple(draft_probs.shape)}"
-        )
+        raise ValueError(f"draft_probs must be [{num_nodes}, {vocab}], got {tuple(draft_probs.shape)}")
     bad = [t for t in proposal.token_ids[1:] if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"draft token ids {bad} out of range for vocabulary size {vocab}")

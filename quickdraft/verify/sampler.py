@@ -137,8 +137,7 @@ def _modifies_logits(row: RowContext) -> bool:
 
 def modifies_logits(params: SamplingParams, *, num_output_tokens: int) -> bool:
     """Whether penalties or min_tokens change the logits of a row with this many outputs."""
-    return _modifies_logits(RowContext(params=params, prompt_token_ids=(),
-                                       output_token_ids=range(num_output_tokens)))
+    return _modifies_logits(RowContext(params=params, prompt_token_ids=(), output_token_ids=range(num_output_tokens)))
 
 
 def samples_by_argmax(params: SamplingParams, *, num_output_tokens: int) -> bool:
@@ -148,7 +147,7 @@ def samples_by_argmax(params: SamplingParams, *, num_output_tokens: int) -> bool
 
 
 def _flat_keys(
-    per_row_ids: Sequence[tuple[int, Sequence[int]]],  # (row, token ids) pairs
+    per_row_ids: Sequence[tuple[int, Sequence[int] | torch.Tensor]],  # (row, token ids) pairs
     vocab: int,
     device: torch.device,
 ) -> torch.Tensor:  # [T] int64: row * V + token, an index into logits.view(-1)
@@ -197,9 +196,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
         flat[keys] -= freq * counts.to(torch.float32) + pres
 
 
-def _apply_min_tokens(
-    logits: torch.Tensor, rows: Sequence[RowContext], *, eos_token_ids: Sequence[int]
-) -> None:
+def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowContext], *, eos_token_ids: Sequence[int]) -> None:
     """In place: forbid stopping tokens while a row has fewer than min_tokens outputs."""
     blocked = []
     for i, row in enumerate(rows):
@@ -265,9 +262,7 @@ def _apply_filters(probs: torch.Tensor, params: Sequence[SamplingParams]) -> Non
         ks = torch.tensor([_effective_top_k(params[i], vocab) for i in k_rows], device=device)
         kept, sorted_vals, kth = top_k_filter(probs[idx], ks)
         probs[idx] = kept
-        topk_prefix = _TopKPrefix(
-            position={row: j for j, row in enumerate(k_rows)}, sorted_vals=sorted_vals, kth=kth
-        )
+        topk_prefix = _TopKPrefix(position={row: j for j, row in enumerate(k_rows)}, sorted_vals=sorted_vals, kth=kth)
 
     if p_rows:
         _apply_top_p_rows(probs, params, p_rows, topk_prefix)
@@ -302,12 +297,11 @@ def _apply_top_p_rows(
 
     if without_k:
         idx = _index(without_k, device)
-        top_p = torch.tensor(
-            [params[i].top_p for i in without_k], dtype=torch.float64, device=device
-        )
+        top_p = torch.tensor([params[i].top_p for i in without_k], dtype=torch.float64, device=device)
         probs[idx] = top_p_filter(probs[idx], top_p)
 
     if with_k:
+        assert topk_prefix is not None  # with_k rows are the prefix's
         # After top_k a row keeps its sorted top-k values plus, possibly, ties equal to the
         # k-th value beyond them; so the top-k prefix stands in for the full sort, and if
         # top_p is not reached inside it the cut is the k-th value itself.
@@ -315,9 +309,7 @@ def _apply_top_p_rows(
         idx = _index(with_k, device)
         sub = probs[idx]  # [M, V], already top-k filtered
         top_p = torch.tensor([params[i].top_p for i in with_k], dtype=torch.float64, device=device)
-        threshold, reached = _top_p_cut(
-            topk_prefix.sorted_vals[pos], total=sub.double().sum(dim=-1), top_p=top_p
-        )
+        threshold, reached = _top_p_cut(topk_prefix.sorted_vals[pos], total=sub.double().sum(dim=-1), top_p=top_p)
         threshold = torch.where(reached, threshold, topk_prefix.kth[pos])
         probs[idx] = sub.masked_fill(sub < threshold.unsqueeze(1), 0.0)
 
@@ -349,7 +341,7 @@ def top_p_filter(
     top_p: torch.Tensor,  # [N] in (0, 1]
 ) -> torch.Tensor:  # [N, V]
     """Keep the smallest most-likely prefix whose mass reaches ``top_p`` of the row's mass."""
-    num_rows, vocab = probs.shape
+    _num_rows, vocab = probs.shape
     total = probs.double().sum(dim=-1)  # [N]
     probe = min(vocab, _TOP_P_PROBE)
     prefix = torch.topk(probs, probe, dim=-1, sorted=True).values  # [N, probe] descending
@@ -510,9 +502,7 @@ def uniform(
         counts = [counts] * len(generators)
     if len(counts) != len(generators):
         raise ValueError(f"got {len(counts)} counts for {len(generators)} generators")
-    return [
-        torch.rand(n, generator=g, device=device, dtype=dtype) for g, n in zip(generators, counts)
-    ]
+    return [torch.rand(n, generator=g, device=device, dtype=dtype) for g, n in zip(generators, counts)]
 
 
 # --------------------------------------------------------------------------------------

@@ -57,8 +57,9 @@ def test_each_question_is_answered_by_every_run_with_the_first_rotating(tmp_path
     backends = [FakeBackend(name, log) for name in ("a", "b", "c")]
     questions = [Question(question_id=i, category="qa", turns=["hi"]) for i in range(4)]
     progress = FakeProgress()
-    reports = _run_interleaved(backends, questions, tokenizer=FakeTokenizer(), options=options(tmp_path),
-                               progress=progress, memory_base=0)
+    reports = _run_interleaved(
+        backends, questions, tokenizer=FakeTokenizer(), options=options(tmp_path), progress=progress, memory_base=0
+    )
     order = [name for event, name in log if event == "activate"]
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
     assert [e for e in log if e[0] == "open"] == [("open", n) for n in "abc"]
@@ -74,8 +75,9 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path):
     backends = [FakeBackend("a", log), FakeBackend("b", log, fail_on_question=1)]
     questions = [Question(question_id=i, category="qa", turns=["hi"]) for i in range(3)]
     progress = FakeProgress()
-    ok, failed = _run_interleaved(backends, questions, tokenizer=FakeTokenizer(), options=options(tmp_path),
-                                  progress=progress, memory_base=0)
+    ok, failed = _run_interleaved(
+        backends, questions, tokenizer=FakeTokenizer(), options=options(tmp_path), progress=progress, memory_base=0
+    )
     assert failed.error == "RuntimeError: drafter broke" and failed.results is None
     assert ok.error is None and len(ok.results) == 3
     assert [name for event, name in log if event == "activate"].count("b") == 2  # not asked after failing

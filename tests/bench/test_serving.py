@@ -40,9 +40,25 @@ def questions_file(tmp_path_factory):
 
 
 def run_bench(model, questions, out, *extra) -> int:
-    return main(["bench", "serve", "--model", str(model), "--questions", str(questions), "--max-model-len", "128",
-                 "--max-tokens", str(MAX_TOKENS), "--speculative-config", json.dumps(NGRAM), "--out", str(out),
-                 *extra])
+    return main(
+        [
+            "bench",
+            "serve",
+            "--model",
+            str(model),
+            "--questions",
+            str(questions),
+            "--max-model-len",
+            "128",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--speculative-config",
+            json.dumps(NGRAM),
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +79,7 @@ def test_every_mode_runs_every_level_in_full(report):
     _, data, _ = report
     levels = levels_by_key(data)
     assert set(levels) == {(mode, c) for mode in MODES for c in (1, 2)}
-    for (mode, concurrency), level in levels.items():
+    for (_mode, concurrency), level in levels.items():
         assert level["planned"] == concurrency * 2 and not level["stopped_by_time_limit"]
         assert [r["index"] for r in level["requests"]] == list(range(concurrency * 2))
         summary = level["summary"]
@@ -101,8 +117,9 @@ def test_greedy_outputs_are_identical_in_every_mode(report, tiny_checkpoints):
     llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128)
     texts = {q["question_id"]: conversation_prompt(q["turns"][:1], []) for q in QUESTIONS}
     off = levels[("off", 2)]["requests"]
-    expected = llm.generate([texts[r["question_id"]] for r in off], SamplingParams(max_tokens=MAX_TOKENS,
-                                                                                  temperature=0))
+    expected = llm.generate(
+        [texts[r["question_id"]] for r in off], SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    )
     assert [r["token_ids"] for r in off] == [o.outputs[0].token_ids for o in expected]
 
 
@@ -113,15 +130,17 @@ def test_speculation_figures_come_from_the_server(report):
         off, always, adaptive = (levels[(mode, concurrency)] for mode in MODES)
         assert off["summary"]["draft_tokens"] == 0 and off["summary"]["draft_length_choices"] == []
         assert always["summary"]["draft_tokens"] > 0 and always["summary"]["draft_length_choices"] == []
-        assert all(r["speculation"]["method"] == "ngram" and not r["speculation"]["adaptive"]
-                   for r in always["requests"])
+        assert all(
+            r["speculation"]["method"] == "ngram" and not r["speculation"]["adaptive"] for r in always["requests"]
+        )
         choices = adaptive["summary"]["draft_length_choices"]
         assert sum(choices) == sum(sum(r["speculation"]["draft_length_choices"]) for r in adaptive["requests"]) > 0
         assert len(choices) <= NGRAM["num_speculative_tokens"] + 1
         assert adaptive["summary"]["plain_step_share"] == pytest.approx(choices[0] / sum(choices))
         assert off["summary"]["throughput_vs_off"] is None
         assert always["summary"]["throughput_vs_off"] == pytest.approx(
-            always["summary"]["tokens_per_second"] / off["summary"]["tokens_per_second"])
+            always["summary"]["tokens_per_second"] / off["summary"]["tokens_per_second"]
+        )
 
 
 def test_summary_has_command_machine_and_a_row_per_mode_and_level(report):
@@ -139,8 +158,23 @@ def test_summary_has_command_machine_and_a_row_per_mode_and_level(report):
 
 def test_time_limit_stops_new_requests_and_is_reported(tiny_checkpoints, questions_file, tmp_path):
     out = tmp_path / "out"
-    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--concurrency", "2",
-                     "--requests-per-client", "3", "--time-limit", "0.000001", "--modes", "off", "adaptive") == 0
+    assert (
+        run_bench(
+            tiny_checkpoints["gemma3"],
+            questions_file,
+            out,
+            "--concurrency",
+            "2",
+            "--requests-per-client",
+            "3",
+            "--time-limit",
+            "0.000001",
+            "--modes",
+            "off",
+            "adaptive",
+        )
+        == 0
+    )
     data = json.loads((out / JSON_FILE).read_text())
     assert [level["mode"] for level in data["levels"]] == ["off", "adaptive"]
     for level in data["levels"]:
@@ -150,17 +184,20 @@ def test_time_limit_stops_new_requests_and_is_reported(tiny_checkpoints, questio
     assert "2/6 (time limit)" in summary_md
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--speculative-config", '{"method": "ngram", "adaptive": true}'], "without 'adaptive'"),
-    (["--speculative-config", '{"method": "ngram", "dynamic_draft_length": true}'], "choose one"),
-    (["--speculative-config", "[1]"], "must be a JSON object"),
-    (["--speculative-config", '{"method": "ngram"}', "--concurrency", "0"], "concurrency must be an integer >= 1"),
-    (["--speculative-config", '{"method": "ngram"}', "--concurrency", "2", "2"], "distinct"),
-    (["--speculative-config", '{"method": "ngram"}', "--time-limit", "0"], "time_limit_seconds must be"),
-    (["--speculative-config", '{"method": "ngram"}', "--questions", "/nonexistent.jsonl"], "not found"),
-    (["--speculative-config", '{"method": "ngram"}', "--modes", "adaptive"], "must include 'off'"),
-    (["--speculative-config", '{"method": "ngram"}', "--modes", "off", "fast"], "modes must be distinct names"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--speculative-config", '{"method": "ngram", "adaptive": true}'], "without 'adaptive'"),
+        (["--speculative-config", '{"method": "ngram", "dynamic_draft_length": true}'], "choose one"),
+        (["--speculative-config", "[1]"], "must be a JSON object"),
+        (["--speculative-config", '{"method": "ngram"}', "--concurrency", "0"], "concurrency must be an integer >= 1"),
+        (["--speculative-config", '{"method": "ngram"}', "--concurrency", "2", "2"], "distinct"),
+        (["--speculative-config", '{"method": "ngram"}', "--time-limit", "0"], "time_limit_seconds must be"),
+        (["--speculative-config", '{"method": "ngram"}', "--questions", "/nonexistent.jsonl"], "not found"),
+        (["--speculative-config", '{"method": "ngram"}', "--modes", "adaptive"], "must include 'off'"),
+        (["--speculative-config", '{"method": "ngram"}', "--modes", "off", "fast"], "modes must be distinct names"),
+    ],
+)
 def test_bad_options_are_clear_errors(extra, message, capsys):
     assert main(["bench", "serve", *extra]) == 2
     assert message in capsys.readouterr().err
@@ -178,8 +215,10 @@ def test_options_validate_without_the_cli():
 
 
 def test_prompts_that_do_not_fit_are_left_out_and_named():
-    questions = [Question(question_id=1, category="qa", turns=["short"]),
-                 Question(question_id=2, category="rag", turns=["long " * 50])]
+    questions = [
+        Question(question_id=1, category="qa", turns=["short"]),
+        Question(question_id=2, category="rag", turns=["long " * 50]),
+    ]
     prompts, skipped = select_prompts(questions, count_tokens=len, max_model_len=100, max_tokens=10)
     assert [p.question_id for p in prompts] == [1] and skipped == [2]
     with pytest.raises(ValueError, match="no question's first turn fits max_model_len 10"):
@@ -187,23 +226,34 @@ def test_prompts_that_do_not_fit_are_left_out_and_named():
 
 
 def test_interleave_by_task_takes_turns_in_spec_bench_order():
-    questions = [Question(question_id=i, category=c, turns=["t"])
-                 for i, c in enumerate(["rag", "rag", "coding", "writing", "qa", "translation"])]
+    questions = [
+        Question(question_id=i, category=c, turns=["t"])
+        for i, c in enumerate(["rag", "rag", "coding", "writing", "qa", "translation"])
+    ]
     assert [q.question_id for q in interleave_by_task(questions)] == [2, 5, 4, 0, 3, 1]
 
 
 def test_compare_outputs_finds_a_differing_request():
     def level(mode, outputs):
-        return LevelResult(mode=mode, concurrency=1, planned=len(outputs), wall_seconds=1.0,
-                           stopped_by_time_limit=False,
-                           requests=[RequestRecord(index=i, question_id=i, task="qa", token_ids=tokens,
-                                                   finish_reason="length") for i, tokens in enumerate(outputs)])
+        return LevelResult(
+            mode=mode,
+            concurrency=1,
+            planned=len(outputs),
+            wall_seconds=1.0,
+            stopped_by_time_limit=False,
+            requests=[
+                RequestRecord(index=i, question_id=i, task="qa", token_ids=tokens, finish_reason="length")
+                for i, tokens in enumerate(outputs)
+            ],
+        )
 
     baseline = level("off", [[1, 2], [3, 4], [5]])
     assert compare_outputs(level("adaptive", [[1, 2], [3, 4], [5]]), baseline=baseline) == dict(
-        exact=True, compared=3, differing=[])
+        exact=True, compared=3, differing=[]
+    )
     assert compare_outputs(level("adaptive", [[1, 2], [3, 9], [5]]), baseline=baseline) == dict(
-        exact=False, compared=3, differing=[1])
+        exact=False, compared=3, differing=[1]
+    )
     assert compare_outputs(level("off", []), baseline=None)["exact"] is None
 
 

@@ -23,8 +23,10 @@ def write_questions(path, rows):
 
 
 def test_load_questions_groups_and_limits(tmp_path):
-    rows = [{"question_id": i, "category": c, "turns": ["hi"]} for i, c in
-            enumerate(["writing", "coding", "qa", "qa", "qa", "rag"])]
+    rows = [
+        {"question_id": i, "category": c, "turns": ["hi"]}
+        for i, c in enumerate(["writing", "coding", "qa", "qa", "qa", "rag"])
+    ]
     path = write_questions(tmp_path / "q.jsonl", rows)
     questions = load_questions(path, per_task=2)
     assert [q.question_id for q in questions] == [0, 1, 2, 3, 5]
@@ -37,7 +39,7 @@ def test_load_questions_groups_and_limits(tmp_path):
 def test_bad_question_file_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"question_id": 1, "category": "qa", "turns": ["x"]}\n{"oops": 1}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         load_questions(path)
     path.write_text('{"question_id": 1, "category": "qa", "turns": []}\n')
     with pytest.raises(ValueError, match="turns"):
@@ -50,7 +52,7 @@ def test_unknown_category_and_empty_selection_are_errors(tmp_path):
         load_questions(path, categories=("poetry",))
     with pytest.raises(ValueError, match="no questions"):
         load_questions(path, categories=("rag",))
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl"):
         load_questions(tmp_path / "missing.jsonl")
 
 
@@ -59,17 +61,28 @@ def test_multi_turn_prompt_feeds_earlier_answers():
 
 
 def turn(seconds, tokens, forwards, *, ttft=0.1, drafted=None, accepted=None, ids=None):
-    return TurnRecord(seconds=seconds, ttft=ttft, token_ids=ids or [1] * tokens, text="", target_forwards=forwards,
-                      draft_tokens=None if drafted is None else sum(drafted),
-                      accepted_tokens=None if accepted is None else sum(accepted),
-                      accepted_per_position=accepted, drafted_per_position=drafted)
+    return TurnRecord(
+        seconds=seconds,
+        ttft=ttft,
+        token_ids=ids or [1] * tokens,
+        text="",
+        target_forwards=forwards,
+        draft_tokens=None if drafted is None else sum(drafted),
+        accepted_tokens=None if accepted is None else sum(accepted),
+        accepted_per_position=accepted,
+        drafted_per_position=drafted,
+    )
 
 
 def test_summary_definitions():
-    plain = [QuestionResult(1, "qa", [turn(2.0, 10, 10, ids=[1] * 10)]),
-             QuestionResult(2, "rag", [turn(4.0, 10, 10, ids=[2] * 10)])]
-    spec = [QuestionResult(1, "qa", [turn(1.0, 10, 4, drafted=[4, 4, 4], accepted=[3, 2, 1], ids=[1] * 10)]),
-            QuestionResult(2, "rag", [turn(4.0, 10, 10, drafted=[], accepted=[], ids=[3] * 10)])]
+    plain = [
+        QuestionResult(1, "qa", [turn(2.0, 10, 10, ids=[1] * 10)]),
+        QuestionResult(2, "rag", [turn(4.0, 10, 10, ids=[2] * 10)]),
+    ]
+    spec = [
+        QuestionResult(1, "qa", [turn(1.0, 10, 4, drafted=[4, 4, 4], accepted=[3, 2, 1], ids=[1] * 10)]),
+        QuestionResult(2, "rag", [turn(4.0, 10, 10, drafted=[], accepted=[], ids=[3] * 10)]),
+    ]
     table = summarize(spec, plain=plain, reference=plain)
     assert list(table) == ["qa", "rag", "overall"]
     assert table["qa"]["speedup"] == 2.0 and table["qa"]["mean_accepted_tokens"] == 2.5

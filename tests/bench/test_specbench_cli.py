@@ -27,8 +27,24 @@ def questions_file(tmp_path):
 
 
 def run_bench(model, questions, out, *extra):
-    return main(["bench", "specbench", "--questions", str(questions), "--model", str(model), "--max-new-tokens", "12",
-                 "--max-model-len", "256", "--out", str(out), "--no-progress", *extra])
+    return main(
+        [
+            "bench",
+            "specbench",
+            "--questions",
+            str(questions),
+            "--model",
+            str(model),
+            "--max-new-tokens",
+            "12",
+            "--max-model-len",
+            "256",
+            "--out",
+            str(out),
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +53,18 @@ def greedy_report(tiny_checkpoints, tmp_path_factory):
     questions = tmp / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
     out = tmp / "out"
-    code = run_bench(tiny_checkpoints["gemma3"], questions, out, "--speculative-config", NGRAM,
-                     "--speculative-config", '{"method": "suffix"}', "--peers", "transformers", "llama-cpp")
+    code = run_bench(
+        tiny_checkpoints["gemma3"],
+        questions,
+        out,
+        "--speculative-config",
+        NGRAM,
+        "--speculative-config",
+        '{"method": "suffix"}',
+        "--peers",
+        "transformers",
+        "llama-cpp",
+    )
     assert code == 0
     return out, json.loads((out / JSON_FILE).read_text())
 
@@ -58,8 +84,10 @@ def test_every_output_file_is_written(greedy_report):
 def test_runs_cover_plain_methods_and_peers(greedy_report):
     _, data = greedy_report
     runs = runs_by_name(data)
-    assert list(runs)[:3] == ["quickdraft plain", 'quickdraft ngram num_speculative_tokens=4', "quickdraft suffix"]
-    assert {"transformers plain", "transformers prompt lookup", "llama.cpp plain", "llama.cpp prompt lookup"} <= set(runs)
+    assert list(runs)[:3] == ["quickdraft plain", "quickdraft ngram num_speculative_tokens=4", "quickdraft suffix"]
+    assert {"transformers plain", "transformers prompt lookup", "llama.cpp plain", "llama.cpp prompt lookup"} <= set(
+        runs
+    )
     for name in ("transformers plain", "transformers prompt lookup"):
         assert runs[name]["error"] is None, runs[name]["error"]
     # llama.cpp reads GGUF only: on an HF directory it is reported with the reason, not dropped.
@@ -99,7 +127,7 @@ def test_speculation_is_exact_and_counted(greedy_report):
     runs = runs_by_name(data)
     plain = runs["quickdraft plain"]
     assert plain["summary"]["overall"]["mean_accepted_tokens"] == pytest.approx(1.0)
-    for name in ('quickdraft ngram num_speculative_tokens=4', "quickdraft suffix"):
+    for name in ("quickdraft ngram num_speculative_tokens=4", "quickdraft suffix"):
         run = runs[name]
         assert run["summary"]["overall"]["exact_match"] == 1.0
         assert run["summary"]["overall"]["mean_accepted_tokens"] > 1.0  # the prompts repeat themselves
@@ -121,27 +149,42 @@ def test_summary_table_lists_every_run(greedy_report):
     for run in data["runs"]:
         assert run["name"] in text
     assert "did not finish" in text and "llama.cpp plain:" in text
-    ngram_row = next(line for line in text.splitlines() if line.startswith('| quickdraft ngram'))
-    overall = runs_by_name(data)['quickdraft ngram num_speculative_tokens=4']["summary"]["overall"]
+    ngram_row = next(line for line in text.splitlines() if line.startswith("| quickdraft ngram"))
+    overall = runs_by_name(data)["quickdraft ngram num_speculative_tokens=4"]["summary"]["overall"]
     assert f"{overall['speedup']:.2f}x ({overall['mean_accepted_tokens']:.2f})" in ngram_row
 
 
 def test_sampled_run_reports_acceptance_not_exactness(tiny_checkpoints, questions_file, tmp_path, capsys):
     out = tmp_path / "sampled"
-    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--speculative-config", NGRAM,
-                     "--temperature", "0.3", "--seed", "3") == 0
+    assert (
+        run_bench(
+            tiny_checkpoints["gemma3"],
+            questions_file,
+            out,
+            "--speculative-config",
+            NGRAM,
+            "--temperature",
+            "0.3",
+            "--seed",
+            "3",
+        )
+        == 0
+    )
     assert "temperature 0.3" in capsys.readouterr().out
-    run = runs_by_name(json.loads((out / JSON_FILE).read_text()))['quickdraft ngram num_speculative_tokens=4']
+    run = runs_by_name(json.loads((out / JSON_FILE).read_text()))["quickdraft ngram num_speculative_tokens=4"]
     assert run["summary"]["overall"]["exact_match"] is None
     assert run["summary"]["overall"]["acceptance_rate"] is not None
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--peers", "vllm"], "unknown peers"),
-    (["--categories", "poetry"], "unknown categories"),
-    (["--speculative-config", "[1]"], "JSON object"),
-    (["--temperature", "-1"], "temperature"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--peers", "vllm"], "unknown peers"),
+        (["--categories", "poetry"], "unknown categories"),
+        (["--speculative-config", "[1]"], "JSON object"),
+        (["--temperature", "-1"], "temperature"),
+    ],
+)
 def test_bad_options_are_clear_errors(tiny_checkpoints, questions_file, tmp_path, capsys, extra, message):
     assert run_bench(tiny_checkpoints["gemma3"], questions_file, tmp_path / "o", *extra) == 2
     assert message in capsys.readouterr().err
@@ -156,7 +199,7 @@ def test_missing_questions_file_is_named(tmp_path, capsys):
 def test_report_command_rebuilds_the_same_tables(greedy_report, tmp_path, capsys):
     import shutil
 
-    out, data = greedy_report
+    out, _data = greedy_report
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     (copy / SUMMARY_FILE).unlink()
@@ -173,9 +216,20 @@ def test_draft_model_config_adds_the_transformers_assistant_peer(tiny_checkpoint
     questions.write_text(json.dumps(QUESTIONS[1]) + "\n")
     draft = str(tiny_checkpoints["gemma3"])  # the target as its own assistant: a valid draft model
     out = tmp_path / "out"
-    assert run_bench(tiny_checkpoints["gemma3"], questions, out, "--speculative-config",
-                     json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 3}),
-                     "--peers", "transformers", "--peer-draft-tokens", "3") == 0
+    assert (
+        run_bench(
+            tiny_checkpoints["gemma3"],
+            questions,
+            out,
+            "--speculative-config",
+            json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 3}),
+            "--peers",
+            "transformers",
+            "--peer-draft-tokens",
+            "3",
+        )
+        == 0
+    )
     runs = runs_by_name(json.loads((out / JSON_FILE).read_text()))
     assistant = runs[f"transformers assistant {tiny_checkpoints['gemma3'].name}"]
     assert assistant["error"] is None, assistant["error"]
@@ -187,13 +241,24 @@ def test_draft_model_config_adds_the_transformers_assistant_peer(tiny_checkpoint
 
 def test_interleaved_runs_answer_the_same_and_stay_exact(tiny_checkpoints, questions_file, tmp_path):
     out = tmp_path / "interleaved"
-    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--speculative-config", NGRAM,
-                     "--speculative-config", '{"method": "suffix"}', "--interleave") == 0
+    assert (
+        run_bench(
+            tiny_checkpoints["gemma3"],
+            questions_file,
+            out,
+            "--speculative-config",
+            NGRAM,
+            "--speculative-config",
+            '{"method": "suffix"}',
+            "--interleave",
+        )
+        == 0
+    )
     data = json.loads((out / JSON_FILE).read_text())
     assert "interleaved question by question" in data["header"]
     runs = runs_by_name(data)
     plain = runs["quickdraft plain"]
-    for name in ('quickdraft ngram num_speculative_tokens=4', "quickdraft suffix"):
+    for name in ("quickdraft ngram num_speculative_tokens=4", "quickdraft suffix"):
         run = runs[name]
         assert run["error"] is None
         assert [q["question_id"] for q in run["questions"]] == [q["question_id"] for q in plain["questions"]]
@@ -207,8 +272,12 @@ def test_run_labels_are_short_and_configurable():
 
     assert method_label({"method": "suffix"}) == "suffix"
     assert method_label({"method": "ngram", "num_speculative_tokens": 4}) == "ngram num_speculative_tokens=4"
-    hybrid = {"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}],
-              "skip_after": 2, "max_draft_tokens": 12}
+    hybrid = {
+        "method": "hybrid",
+        "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}],
+        "skip_after": 2,
+        "max_draft_tokens": 12,
+    }
     label = method_label(hybrid)
     assert label.startswith("hybrid drafters=suffix+eagle3") and len(label) <= 32
     assert method_label({**hybrid, "label": "hybrid copy"}) == "hybrid copy"
@@ -218,8 +287,10 @@ def test_plots_stay_readable_with_many_long_runs(tmp_path):
     from quickdraft.bench.plots import plot_speedup_by_task
 
     tasks = ["multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag", "overall"]
-    summaries = {f"quickdraft run number {i} with a long descriptive name": {t: {"speedup": 1 + i / 10}
-                                                                             for t in tasks} for i in range(9)}
+    summaries = {
+        f"quickdraft run number {i} with a long descriptive name": {t: {"speedup": 1 + i / 10} for t in tasks}
+        for i in range(9)
+    }
     path = tmp_path / "speedup.png"
     plot_speedup_by_task(summaries, path, title="nine runs")
     import matplotlib.image

@@ -26,14 +26,14 @@ def assert_valid_proposal(proposal: Proposal, req: DraftRequest) -> None:
     assert all(0 <= parent < node for node, parent in enumerate(proposal.parents) if node > 0)
     assert 1 <= proposal.num_draft_tokens <= req.budget
     assert proposal.draft_probs is None
-    siblings = Counter((proposal.parents[node], proposal.token_ids[node])
-                       for node in range(1, len(proposal.token_ids)))
+    siblings = Counter((proposal.parents[node], proposal.token_ids[node]) for node in range(1, len(proposal.token_ids)))
     assert max(siblings.values()) == 1, "duplicate siblings"
 
 
 def make_request(prompt, output=(), *, budget: int, request_id: str = "r") -> DraftRequest:
-    return DraftRequest(request_id=request_id, prompt_token_ids=list(prompt),
-                        output_token_ids=list(output), budget=budget)
+    return DraftRequest(
+        request_id=request_id, prompt_token_ids=list(prompt), output_token_ids=list(output), budget=budget
+    )
 
 
 def propose(drafter, req) -> Proposal | None:
@@ -44,8 +44,15 @@ def propose(drafter, req) -> Proposal | None:
 def commit(drafter, req, token_ids) -> None:
     """What the engine does after verification: extend the output, then tell the drafter."""
     req.output_token_ids.extend(token_ids)
-    drafter.accept(req, AcceptedPath(nodes=list(range(len(token_ids))), num_accepted=len(token_ids) - 1,
-                                     committed_token_ids=list(token_ids), bonus=False))
+    drafter.accept(
+        req,
+        AcceptedPath(
+            nodes=list(range(len(token_ids))),
+            num_accepted=len(token_ids) - 1,
+            committed_token_ids=list(token_ids),
+            bonus=False,
+        ),
+    )
 
 
 def mean_step_seconds(drafter, req, *, steps: int = 200, seed: int = 0) -> float:

@@ -42,8 +42,11 @@ def test_greedy_equals_plain_in_a_mixed_batch(tiny_checkpoints, other_gemma, pla
 
 def test_sampled_with_the_target_as_draft_accepts_almost_everything(tiny_checkpoints):
     target = str(tiny_checkpoints["gemma3"])
-    llm = LLM(target, max_model_len=256, speculative_config={"method": "draft_model", "model": target,
-                                                            "num_speculative_tokens": 3})
+    llm = LLM(
+        target,
+        max_model_len=256,
+        speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3},
+    )
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, seed=3)
     first = llm.generate([repetitive_prompts()[1]], params)[0].outputs[0].token_ids
     again = llm.generate([repetitive_prompts()[1]], params)[0].outputs[0].token_ids
@@ -58,11 +61,19 @@ SAMPLING = {
 }
 
 
-@pytest.mark.parametrize("num_branches, sampling, draft", [
-    (1, "top_k", "far"), (1, "top_p", "far"), (1, "min_p", "far"),
-    (1, "top_k", "close"), (1, "top_p", "close"), (1, "min_p", "close"),
-    (2, "top_k", "far"), (2, "top_k", "close"),
-])
+@pytest.mark.parametrize(
+    "num_branches, sampling, draft",
+    [
+        (1, "top_k", "far"),
+        (1, "top_p", "far"),
+        (1, "min_p", "far"),
+        (1, "top_k", "close"),
+        (1, "top_p", "close"),
+        (1, "min_p", "close"),
+        (2, "top_k", "far"),
+        (2, "top_k", "close"),
+    ],
+)
 def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gemma, num_branches, sampling, draft):
     """The rejection coupling: chain (sampled drafts, min(1, p/q)) and tree (top-k side leaves,
     point masses), with a draft distribution far from the target (another random model) and
@@ -72,9 +83,18 @@ def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gem
     base = repetitive_prompts()[1][:5]
     params = [SamplingParams(max_tokens=3, seed=s, **SAMPLING[sampling]) for s in range(1200)]
     plain = count_outputs(LLM(target, max_model_len=64, max_num_seqs=8), base, params)
-    spec_llm = LLM(target, max_model_len=64, max_num_seqs=8,
-                   speculative_config={"method": "draft_model", "model": draft_model, "coupling": "rejection",
-                                       "num_speculative_tokens": 2, "num_branches": num_branches})
+    spec_llm = LLM(
+        target,
+        max_model_len=64,
+        max_num_seqs=8,
+        speculative_config={
+            "method": "draft_model",
+            "model": draft_model,
+            "coupling": "rejection",
+            "num_speculative_tokens": 2,
+            "num_branches": num_branches,
+        },
+    )
     spec = count_outputs(spec_llm, base, params)
     assert spec_llm.get_metrics().num_accepted_tokens > 100
     assert same_distribution_p_value(plain, spec) > 1e-3
@@ -83,8 +103,7 @@ def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, other_gem
 @pytest.mark.parametrize("sampling", ["top_k", "top_p", "min_p"])
 @pytest.mark.parametrize("draft", ["far", "close"])
 @pytest.mark.parametrize("num_branches", [1, 2])
-def test_keyed_coupling_returns_the_seeded_plain_tokens(tiny_checkpoints, other_gemma, sampling, draft,
-                                                        num_branches):
+def test_keyed_coupling_returns_the_seeded_plain_tokens(tiny_checkpoints, other_gemma, sampling, draft, num_branches):
     """Drafts drawn with the target's own position-keyed noise: every seeded request commits
     exactly the tokens of the seeded plain run, and a draft close to the target is accepted."""
     target = str(tiny_checkpoints["gemma3"])
@@ -92,9 +111,17 @@ def test_keyed_coupling_returns_the_seeded_plain_tokens(tiny_checkpoints, other_
     prompts = [p[:6] for p in repetitive_prompts()]
     params = [SamplingParams(max_tokens=12, seed=s, **SAMPLING[sampling]) for s in range(len(prompts))]
     plain = LLM(target, max_model_len=64, max_num_seqs=4).generate(prompts, params)
-    spec_llm = LLM(target, max_model_len=64, max_num_seqs=4,
-                   speculative_config={"method": "draft_model", "model": draft_model,
-                                       "num_speculative_tokens": 3, "num_branches": num_branches})
+    spec_llm = LLM(
+        target,
+        max_model_len=64,
+        max_num_seqs=4,
+        speculative_config={
+            "method": "draft_model",
+            "model": draft_model,
+            "num_speculative_tokens": 3,
+            "num_branches": num_branches,
+        },
+    )
     spec = spec_llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     metrics = spec_llm.get_metrics()
@@ -112,8 +139,14 @@ def test_coupling_is_checked(tiny_checkpoints):
 def test_vocabulary_mismatch_is_a_clear_error(tiny_checkpoints, tmp_path):
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=300)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=300,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(tiny_checkpoints["llama"]), speculative_model=str(tmp_path / "small"))
@@ -131,7 +164,9 @@ def test_draft_cache_rolls_back_to_the_accepted_prefix(tiny_checkpoints, other_g
     target = str(tiny_checkpoints["gemma3"])
     llm = LLM(target, max_model_len=256, speculative_model=str(other_gemma), num_speculative_tokens=4)
     engine = llm.engine
-    request_id = engine.add_request(prompt_token_ids=repetitive_prompts()[0], params=SamplingParams(max_tokens=25, **GREEDY))
+    request_id = engine.add_request(
+        prompt_token_ids=repetitive_prompts()[0], params=SamplingParams(max_tokens=25, **GREEDY)
+    )
     drafter = engine.speculator.drafter
     while engine.has_unfinished_requests():
         engine.step()
@@ -144,9 +179,17 @@ def test_draft_cache_rolls_back_to_the_accepted_prefix(tiny_checkpoints, other_g
 
 def test_tree_mode_greedy_equals_plain_and_uses_side_branches(tiny_checkpoints, other_gemma, plain):
     target = str(tiny_checkpoints["gemma3"])
-    llm = LLM(target, max_model_len=256, max_num_seqs=3,
-              speculative_config={"method": "draft_model", "model": str(other_gemma), "num_speculative_tokens": 3,
-                                  "num_branches": 3})
+    llm = LLM(
+        target,
+        max_model_len=256,
+        max_num_seqs=3,
+        speculative_config={
+            "method": "draft_model",
+            "model": str(other_gemma),
+            "num_speculative_tokens": 3,
+            "num_branches": 3,
+        },
+    )
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain
     metrics = llm.get_metrics()

@@ -14,13 +14,30 @@ from tests.stats_checks import assert_speculation_keeps_sampling
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def random_head(directory, *, feature_layers=(0, 1, 3), draft_vocab=200, seed=0, hidden=64, vocab_size=320,
-                copy_dim=0, copy_gate_bias=None):
+def random_head(
+    directory,
+    *,
+    feature_layers=(0, 1, 3),
+    draft_vocab=200,
+    seed=0,
+    hidden=64,
+    vocab_size=320,
+    copy_dim=0,
+    copy_gate_bias=None,
+):
     """A random head saved to `directory`; copy_dim > 0 gives it a random copy path whose gate's
     bias is `copy_gate_bias` (a large one makes the copy distribution dominate)."""
     torch.manual_seed(seed)
-    config = HeadConfig(hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
-                        feature_layers=feature_layers, draft_vocab_size=draft_vocab, copy_dim=copy_dim)
+    config = HeadConfig(
+        hidden_size=hidden,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        feature_layers=feature_layers,
+        draft_vocab_size=draft_vocab,
+        copy_dim=copy_dim,
+    )
     head = EagleHead(config)
     with torch.no_grad():
         for param in head.parameters():
@@ -48,23 +65,31 @@ def plain(tiny_checkpoints):
     outs = {}
     for arch in ("gemma3", "llama"):
         llm = LLM(str(tiny_checkpoints[arch]), max_model_len=256, max_num_seqs=4)
-        outs[arch] = [o.outputs[0].token_ids
-                      for o in llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))]
+        outs[arch] = [
+            o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
+        ]
     return outs
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
-@pytest.mark.parametrize("shape", [
-    dict(top_k=1),  # a chain
-    dict(top_k=3, max_draft_tokens=10),  # EAGLE-2 dynamic tree
-    dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),  # static tree
-    dict(top_k=2, min_draft_prob=0.004),  # unsure paths cut short (this random head is flat: ~1/200)
-    dict(top_k=2, head_dtype="bfloat16"),  # the head computes in bf16, the target in fp32
-    dict(top_k=2, catch_up_window=3),  # the head's context restarts at almost every catch-up
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(top_k=1),  # a chain
+        dict(top_k=3, max_draft_tokens=10),  # EAGLE-2 dynamic tree
+        dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),  # static tree
+        dict(top_k=2, min_draft_prob=0.004),  # unsure paths cut short (this random head is flat: ~1/200)
+        dict(top_k=2, head_dtype="bfloat16"),  # the head computes in bf16, the target in fp32
+        dict(top_k=2, catch_up_window=3),  # the head's context restarts at almost every catch-up
+    ],
+)
 def test_greedy_equals_plain(tiny_checkpoints, head_dir, plain, arch, shape):
-    llm = LLM(str(tiny_checkpoints[arch]), max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 4, **shape})
+    llm = LLM(
+        str(tiny_checkpoints[arch]),
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 4, **shape},
+    )
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain[arch]
     metrics = llm.get_metrics()
@@ -75,8 +100,12 @@ def test_greedy_equals_plain(tiny_checkpoints, head_dir, plain, arch, shape):
 
 def test_features_reach_the_head_in_step_with_the_tokens(tiny_checkpoints, head_dir):
     """The head's true entries cover every cached token of the request, none twice."""
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_batched_tokens=16,  # chunked prefill
-              speculative_config={"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 3})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        max_num_batched_tokens=16,  # chunked prefill
+        speculative_config={"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 3},
+    )
     drafter = llm.engine.speculator.drafter
     seen = []
     original = drafter._propose_one
@@ -99,23 +128,36 @@ def test_unrolled_attention_is_masked_attention_over_all_depths():
     keys = [torch.randn(n, kv_heads, dim) for _ in range(3)]
     values = [torch.randn(n, kv_heads, dim) for _ in range(3)]
     causal = torch.ones(n, n, dtype=torch.bool).tril()
-    got = _unrolled_attention(q, keys, values, causal=causal, first_anchor=0, scale=dim ** -0.5)
+    got = _unrolled_attention(q, keys, values, causal=causal, first_anchor=0, scale=dim**-0.5)
     mask = torch.cat([causal, torch.eye(n, dtype=torch.bool), torch.eye(n, dtype=torch.bool)], dim=1)
     expected = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], torch.cat(keys).transpose(0, 1)[None], torch.cat(values).transpose(0, 1)[None],
-        attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        q.transpose(0, 1)[None],
+        torch.cat(keys).transpose(0, 1)[None],
+        torch.cat(values).transpose(0, 1)[None],
+        attn_mask=mask,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
     torch.testing.assert_close(got, expected)
     # Outputs from a later first anchor only: the same rows.
-    later = _unrolled_attention(q[2:], [keys[0], keys[1][2:], keys[2][2:]], [values[0], values[1][2:], values[2][2:]],
-                                causal=causal[2:], first_anchor=2, scale=dim ** -0.5)
+    later = _unrolled_attention(
+        q[2:],
+        [keys[0], keys[1][2:], keys[2][2:]],
+        [values[0], values[1][2:], values[2][2:]],
+        causal=causal[2:],
+        first_anchor=2,
+        scale=dim**-0.5,
+    )
     torch.testing.assert_close(later, expected[2:])
 
 
 def test_training_forward_matches_drafting(tiny_checkpoints, head_dir):
     """Depth-1 and depth-2 logits of the unrolled training forward equal what the drafter computes
     incrementally (catch-up over true pairs, then one draft entry) for the same tokens."""
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
-              speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 1})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=128,
+        speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 1},
+    )
     drafter = llm.engine.speculator.drafter
     head = drafter.head
     torch.manual_seed(1)
@@ -128,11 +170,11 @@ def test_training_forward_matches_drafting(tiny_checkpoints, head_dir):
         torch.testing.assert_close(partial, full[3:], rtol=1e-4, atol=1e-4)
     from quickdraft.drafters.tree import DynamicTree
 
-    request, state, root_hidden = _caught_up_on_six_pairs(drafter, tokens, features)
+    _request, state, root_hidden = _caught_up_on_six_pairs(drafter, tokens, features)
     with torch.inference_mode():
         torch.testing.assert_close(head.draft_logits(root_hidden), unrolled[0][5], rtol=1e-4, atol=1e-4)
         tree = DynamicTree(root_token=int(tokens[6]))
-        child, = tree.add_children(0, [int(tokens[7])], [0.0])
+        (child,) = tree.add_children(0, [int(tokens[7])], [0.0])
         hidden, entry = {0: root_hidden}, {0: None}
         drafter._feed_nodes(state, tree, [child], hidden, entry)
         torch.testing.assert_close(head.draft_logits(hidden[child]), unrolled[1][5], rtol=1e-4, atol=1e-4)
@@ -145,8 +187,11 @@ def observed_with_window(checkpoint, head, *, window: int, seed: int):
     pending rows after each chunk)."""
     from quickdraft.drafters.base import DraftRequest
 
-    llm = LLM(str(checkpoint), max_model_len=128,
-              speculative_config={"method": "eagle3", "head": str(head), "top_k": 1, "catch_up_window": window})
+    llm = LLM(
+        str(checkpoint),
+        max_model_len=128,
+        speculative_config={"method": "eagle3", "head": str(head), "top_k": 1, "catch_up_window": window},
+    )
     drafter = llm.engine.speculator.drafter
     torch.manual_seed(seed)
     tokens = torch.randint(3, 320, (12,))
@@ -165,14 +210,15 @@ def test_catch_up_window_feeds_only_the_last_tokens(tiny_checkpoints, head_dir):
     the unrolled head's over the window's tokens alone (RoPE is relative, so positions may shift),
     and a request that does not draft holds at most a window of pending features (plus one chunk)."""
     window = 4
-    drafter, request, tokens, features, pending = observed_with_window(tiny_checkpoints["gemma3"], head_dir,
-                                                                       window=window, seed=2)
+    drafter, request, tokens, features, pending = observed_with_window(
+        tiny_checkpoints["gemma3"], head_dir, window=window, seed=2
+    )
     assert max(pending) < window + 2
     state = drafter._states["r"]
     with torch.inference_mode():
         root_hidden = drafter._catch_up(state, request.token_ids)
         head = drafter.head
-        expected = head.unrolled_logits(tokens[11 - window:], features[11 - window:], depths=1)[0][-1]
+        expected = head.unrolled_logits(tokens[11 - window :], features[11 - window :], depths=1)[0][-1]
         torch.testing.assert_close(head.draft_logits(root_hidden), expected, rtol=1e-4, atol=1e-4)
     assert (state.first_true, state.num_true, state.num_pending) == (11 - window, 11, 0)
     drafter.finish("r")
@@ -182,9 +228,11 @@ def test_catch_up_window_feeds_only_the_last_tokens(tiny_checkpoints, head_dir):
 def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, head_fixture, request):
     head = request.getfixturevalue(head_fixture)
     assert_speculation_keeps_sampling(
-        str(tiny_checkpoints["gemma3"]), {"method": "eagle3", "head": str(head), "num_speculative_tokens": 2,
-                                          "top_k": 3, "max_draft_tokens": 6}, prompt=repetitive_prompts()[1][:5],
-        require_accepts=False)
+        str(tiny_checkpoints["gemma3"]),
+        {"method": "eagle3", "head": str(head), "num_speculative_tokens": 2, "top_k": 3, "max_draft_tokens": 6},
+        prompt=repetitive_prompts()[1][:5],
+        require_accepts=False,
+    )
 
 
 def test_bad_heads_are_clear_errors(tiny_checkpoints, head_dir, tmp_path):
@@ -210,27 +258,42 @@ def test_bad_heads_are_clear_errors(tiny_checkpoints, head_dir, tmp_path):
 
 
 def test_min_draft_prob_drafts_only_confident_paths(tiny_checkpoints, head_dir):
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256,
-              speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 2,
-                                  "num_speculative_tokens": 4, "min_draft_prob": 0.999})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        speculative_config={
+            "method": "eagle3",
+            "head": str(head_dir),
+            "top_k": 2,
+            "num_speculative_tokens": 4,
+            "min_draft_prob": 0.999,
+        },
+    )
     llm.generate(repetitive_prompts()[:2], SamplingParams(max_tokens=20, **GREEDY))
     assert llm.get_metrics().num_draft_tokens == 0  # a random head is never that sure
 
 
 # ---- heads with a copy path ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
-@pytest.mark.parametrize("shape", [
-    dict(top_k=1),  # a chain
-    dict(top_k=3, max_draft_tokens=10),  # EAGLE-2 dynamic tree
-    dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),  # static tree
-    dict(top_k=2, catch_up_window=3),  # the copy sources restart with the head's context
-    dict(top_k=2, head_dtype="bfloat16"),  # copy keys kept in bf16
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(top_k=1),  # a chain
+        dict(top_k=3, max_draft_tokens=10),  # EAGLE-2 dynamic tree
+        dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),  # static tree
+        dict(top_k=2, catch_up_window=3),  # the copy sources restart with the head's context
+        dict(top_k=2, head_dtype="bfloat16"),  # copy keys kept in bf16
+    ],
+)
 def test_copy_head_greedy_equals_plain(tiny_checkpoints, copy_head_dir, plain, arch, shape):
-    llm = LLM(str(tiny_checkpoints[arch]), max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "eagle3", "head": str(copy_head_dir), "num_speculative_tokens": 4,
-                                  **shape})
+    llm = LLM(
+        str(tiny_checkpoints[arch]),
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "eagle3", "head": str(copy_head_dir), "num_speculative_tokens": 4, **shape},
+    )
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain[arch]
     metrics = llm.get_metrics()
@@ -242,8 +305,9 @@ def test_copy_sources_cover_the_whole_context_past_a_catch_up_window(tiny_checkp
     """A catch-up window restarts the head's attention, but a copy head still copies from every
     entry: the skipped ones get the same copy keys the training forward computes."""
     window = 4
-    drafter, request, tokens, features, pending = observed_with_window(tiny_checkpoints["gemma3"], copy_head_dir,
-                                                                       window=window, seed=3)
+    drafter, request, tokens, features, pending = observed_with_window(
+        tiny_checkpoints["gemma3"], copy_head_dir, window=window, seed=3
+    )
     assert pending[-1] == 11  # nothing dropped: the skipped entries need their copy keys
     state = drafter._states["r"]
     with torch.inference_mode():
@@ -265,9 +329,14 @@ def _one_row(mixture, row: int, *, repeat: int):
     def pick(t):
         return t[row : row + 1].expand(repeat, *t.shape[1:])
 
-    return dataclasses.replace(mixture, vocab_log_probs=pick(mixture.vocab_log_probs), log_keep=pick(mixture.log_keep),
-                               log_gate=pick(mixture.log_gate), copy_log_weights=pick(mixture.copy_log_weights),
-                               eligible=pick(mixture.eligible))
+    return dataclasses.replace(
+        mixture,
+        vocab_log_probs=pick(mixture.vocab_log_probs),
+        log_keep=pick(mixture.log_keep),
+        log_gate=pick(mixture.log_gate),
+        copy_log_weights=pick(mixture.copy_log_weights),
+        eligible=pick(mixture.eligible),
+    )
 
 
 def _distribution(mixture, row: int, *, vocab_size: int = 320) -> torch.Tensor:  # [V] probabilities of one row
@@ -279,8 +348,11 @@ def test_copy_head_drafting_matches_training(tiny_checkpoints, copy_head_dir):
     """The mixture the drafter computes at the root (depth 1) and at a depth-2 node equals the
     unrolled training forward's for the same tokens and features, over every target id; it is a
     distribution; and the drafter's children are its top ids with their log-probabilities."""
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
-              speculative_config={"method": "eagle3", "head": str(copy_head_dir), "top_k": 3})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=128,
+        speculative_config={"method": "eagle3", "head": str(copy_head_dir), "top_k": 3},
+    )
     drafter = llm.engine.speculator.drafter
     head = drafter.head
     torch.manual_seed(1)
@@ -302,11 +374,11 @@ def test_copy_head_drafting_matches_training(tiny_checkpoints, copy_head_dir):
         expected = _distribution(unrolled[0], 5)
         torch.testing.assert_close(_distribution(root, 0), expected, rtol=1e-4, atol=1e-5)
         assert float(expected.sum()) == pytest.approx(1.0, abs=1e-5)
-        (ids, log_probs), = drafter._pick_children(root_hidden[None], [[0, 1, 2]], sources)
+        ((ids, log_probs),) = drafter._pick_children(root_hidden[None], [[0, 1, 2]], sources)
         assert ids == expected.topk(3).indices.tolist()
         assert log_probs == pytest.approx(expected.topk(3).values.log().tolist(), abs=1e-4)
         tree = DynamicTree(root_token=int(tokens[6]))
-        child, = tree.add_children(0, [int(tokens[7])], [0.0])
+        (child,) = tree.add_children(0, [int(tokens[7])], [0.0])
         hidden, entry = {0: root_hidden}, {0: None}
         drafter._feed_nodes(state, tree, [child], hidden, entry)
         deeper = head.mixture(hidden[child][None], **every_source)
@@ -319,8 +391,16 @@ def copying_head(directory, *, draft_vocab: torch.Tensor):
     the normalised embedding of its token (features ignored), copy queries and keys are that
     embedding scaled, so a row attends to the earlier entries with its own token, and the gate is
     ~1.  It proposes what followed the last occurrences of the current token."""
-    config = HeadConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
-                        feature_layers=(0, 1, 3), draft_vocab_size=draft_vocab.shape[0], copy_dim=64)
+    config = HeadConfig(
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        feature_layers=(0, 1, 3),
+        draft_vocab_size=draft_vocab.shape[0],
+        copy_dim=64,
+    )
     head = EagleHead(config)
     with torch.no_grad():
         head.o_proj.weight.zero_()
@@ -344,9 +424,11 @@ def test_copy_head_drafts_the_repeated_continuation(tiny_checkpoints, tmp_path):
     passage = [int(outside[0]), *order[:5].tolist()]  # the first token is outside the draft vocabulary
     tokens = [int(order[5])] + passage * 2  # root: the passage's last token, seen once before
     head_dir = copying_head(tmp_path / "copying", draft_vocab=draft_vocab)
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
-              speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 1,
-                                  "num_speculative_tokens": 4})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=128,
+        speculative_config={"method": "eagle3", "head": str(head_dir), "top_k": 1, "num_speculative_tokens": 4},
+    )
     drafter = llm.engine.speculator.drafter
     from quickdraft.drafters.base import DraftRequest
 
@@ -373,15 +455,17 @@ def _caught_up_on_six_pairs(drafter, tokens, features):
 
 
 @pytest.mark.parametrize("head_dtype,quantized_head", [(None, True), ("float32", False), ("q8_0", True)])
-def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, head_dir, head_dtype,
-                                                              quantized_head):
+def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, head_dir, head_dtype, quantized_head):
     from quickdraft.kernels.quant_linear import kernel_available
 
     path = str(tiny_checkpoints["llama"])
     params = SamplingParams(max_tokens=30, **GREEDY)
-    expected = [o.outputs[0].token_ids
-                for o in LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0")
-                .generate(repetitive_prompts(), params)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0").generate(
+            repetitive_prompts(), params
+        )
+    ]
     spec = {"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 4, "top_k": 2}
     if head_dtype is not None:
         spec["head_dtype"] = head_dtype
@@ -391,8 +475,15 @@ def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, 
     expect_quantized = quantized_head and (head_dtype == "q8_0" or kernel_available())
     assert bool(head.draft_weights) == expect_quantized
     if expect_quantized:
-        assert set(head.draft_weights) == {"fuse", "in_proj", "qkv_proj", "o_proj", "gate_up_proj", "down_proj",
-                                           "lm_rows"}
+        assert set(head.draft_weights) == {
+            "fuse",
+            "in_proj",
+            "qkv_proj",
+            "o_proj",
+            "gate_up_proj",
+            "down_proj",
+            "lm_rows",
+        }
         assert head.draft_weights["lm_rows"].shape == head.lm_rows.shape
     assert [o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), params)] == expected
     assert llm.get_metrics().num_draft_tokens > 20
@@ -440,23 +531,36 @@ def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
     generator = torch.Generator().manual_seed(4)
     hidden = torch.randn(3, c.hidden_size, generator=generator)
     positions = torch.tensor([7, 8, 8])
-    caches = [KVCache(num_layers=1, num_slots=2, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_len=16,
-                      dtype=torch.float32) for _ in range(2)]
+    caches = [
+        KVCache(
+            num_layers=1, num_slots=2, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_len=16, dtype=torch.float32
+        )
+        for _ in range(2)
+    ]
     earlier = torch.randn(2, c.num_kv_heads, 6, c.head_dim, generator=generator)
     for cache in caches:  # six earlier entries of slot 1, the same in both
         cache.keys[0][1, :, :6] = earlier[0]
         cache.values[0][1, :, :6] = earlier[1]
-    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 0, 0], [1, 1, 0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1, 0, 1]],
-                        dtype=torch.bool)  # entries 1..8 of slot 1; rows 6..8 are the new ones (a tree)
+    mask = torch.tensor(
+        [[1, 1, 0, 1, 1, 1, 0, 0], [1, 1, 0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1, 0, 1]], dtype=torch.bool
+    )  # entries 1..8 of slot 1; rows 6..8 are the new ones (a tree)
     with torch.inference_mode():
         assert head.runs_fused_block(hidden)
-        fused = head.fused_block(hidden, positions, cache_keys=caches[0].keys[0], cache_values=caches[0].values[0],
-                                 slot=1, kv_start=1, mask=mask)
+        fused = head.fused_block(
+            hidden,
+            positions,
+            cache_keys=caches[0].keys[0],
+            cache_values=caches[0].values[0],
+            slot=1,
+            kv_start=1,
+            mask=mask,
+        )
         q, k, v = head.attention_inputs(hidden, positions)
         caches[1].write(0, keys=k, values=v, slot_index=torch.tensor([1, 1, 1]), store_index=torch.tensor([6, 7, 8]))
         keys, values = caches[1].read(0, slot=1, start=1, end=9)
-        attended = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                                  scale=head.attn_scale, enable_gqa=True)
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=head.attn_scale, enable_gqa=True
+        )
         expected = head.block_output(hidden, attended[0].transpose(0, 1).reshape(3, -1))
     torch.testing.assert_close(fused, expected, rtol=2e-2, atol=2e-2)
     assert (fused - expected).abs().max() < 0.02 * expected.abs().max()

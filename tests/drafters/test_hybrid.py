@@ -50,10 +50,13 @@ def plain(tiny_checkpoints):
     return [o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))]
 
 
-@pytest.mark.parametrize("children", [
-    [{"method": "suffix"}, {"method": "eagle3", "top_k": 2}],
-    [{"method": "ngram", "num_speculative_tokens": 3}, {"method": "draft_model"}],
-])
+@pytest.mark.parametrize(
+    "children",
+    [
+        [{"method": "suffix"}, {"method": "eagle3", "top_k": 2}],
+        [{"method": "ngram", "num_speculative_tokens": 3}, {"method": "draft_model"}],
+    ],
+)
 def test_hybrid_greedy_equals_plain(tiny_checkpoints, tmp_path, plain, children):
     target = str(tiny_checkpoints["gemma3"])
     head = random_head(tmp_path / "head")
@@ -62,9 +65,17 @@ def test_hybrid_greedy_equals_plain(tiny_checkpoints, tmp_path, plain, children)
             child["head"] = str(head)
         if child["method"] == "draft_model":
             child["model"] = target
-    llm = LLM(target, max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "hybrid", "drafters": children, "num_speculative_tokens": 4,
-                                  "max_draft_tokens": 8})
+    llm = LLM(
+        target,
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={
+            "method": "hybrid",
+            "drafters": children,
+            "num_speculative_tokens": 4,
+            "max_draft_tokens": 8,
+        },
+    )
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain
     metrics = llm.get_metrics()
@@ -75,9 +86,12 @@ def test_skip_after_asks_the_head_only_when_retrieval_is_short(tiny_checkpoints,
     target = str(tiny_checkpoints["gemma3"])
     eagle = {"method": "eagle3", "head": str(random_head(tmp_path / "h")), "top_k": 1}
     children = [{"method": "ngram", "num_speculative_tokens": 4}, eagle]
-    llm = LLM(target, max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "hybrid", "drafters": children, "num_speculative_tokens": 4,
-                                  "skip_after": 2})
+    llm = LLM(
+        target,
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "hybrid", "drafters": children, "num_speculative_tokens": 4, "skip_after": 2},
+    )
     hybrid = llm.engine.speculator.drafter
     ngram, head = hybrid.children
     asked = {"ngram": 0, "head": 0, "long_matches": 0}
@@ -109,5 +123,11 @@ def test_bad_hybrid_configs(tiny_checkpoints):
     with pytest.raises(ValueError, match="unknown speculative method"):
         LLM(path, speculative_config={"method": "hybrid", "drafters": [{"method": "ngram"}, {"method": "nope"}]})
     with pytest.raises(ValueError, match="skip_after"):
-        LLM(path, speculative_config={"method": "hybrid", "drafters": [{"method": "ngram"}, {"method": "suffix"}],
-                                      "skip_after": 0})
+        LLM(
+            path,
+            speculative_config={
+                "method": "hybrid",
+                "drafters": [{"method": "ngram"}, {"method": "suffix"}],
+                "skip_after": 0,
+            },
+        )

@@ -14,12 +14,23 @@ from tests.stats_checks import assert_speculation_keeps_sampling
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def random_heads(directory, *, num_heads=3, hidden=64, feature_layer=3, draft_vocab=200, seed=0, vocab_size=320,
-                 scale=0.3, kind=MedusaHeads):
+def random_heads(
+    directory,
+    *,
+    num_heads=3,
+    hidden=64,
+    feature_layer=3,
+    draft_vocab=200,
+    seed=0,
+    vocab_size=320,
+    scale=0.3,
+    kind=MedusaHeads,
+):
     """Random heads of `kind` (MedusaHeads, or LayerSkipHead with one head) saved to `directory`."""
     torch.manual_seed(seed)
-    heads = kind(MedusaConfig(hidden_size=hidden, num_heads=num_heads, draft_vocab_size=draft_vocab,
-                              feature_layer=feature_layer))
+    heads = kind(
+        MedusaConfig(hidden_size=hidden, num_heads=num_heads, draft_vocab_size=draft_vocab, feature_layer=feature_layer)
+    )
     with torch.no_grad():
         heads.weight.normal_(0.0, scale)
         heads.bias.normal_(0.0, scale)
@@ -34,14 +45,25 @@ def heads_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
-@pytest.mark.parametrize("shape", [dict(), dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
-                                   dict(num_speculative_tokens=1, top_k=4), dict(head_dtype="bfloat16")])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),
+        dict(tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+        dict(num_speculative_tokens=1, top_k=4),
+        dict(head_dtype="bfloat16"),
+    ],
+)
 def test_greedy_equals_plain(tiny_checkpoints, heads_dir, arch, shape):
     path = str(tiny_checkpoints[arch])
     params = SamplingParams(max_tokens=30, **GREEDY)
     plain = LLM(path, max_model_len=256, max_num_seqs=4).generate(repetitive_prompts(), params)
-    llm = LLM(path, max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "medusa", "head": str(heads_dir), **shape})
+    llm = LLM(
+        path,
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "medusa", "head": str(heads_dir), **shape},
+    )
     outs = llm.generate(repetitive_prompts(), params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     metrics = llm.get_metrics()
@@ -51,15 +73,17 @@ def test_greedy_equals_plain(tiny_checkpoints, heads_dir, arch, shape):
 
 def test_tree_is_filled_by_depth_and_rank(tiny_checkpoints, heads_dir):
     """Node (depth k, rank r) holds head k's r-th best token, under whichever parent."""
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=64,
-              speculative_config={"method": "medusa", "head": str(heads_dir),
-                                  "tree": [[0], [1], [0, 0], [1, 0], [0, 1]]})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=64,
+        speculative_config={"method": "medusa", "head": str(heads_dir), "tree": [[0], [1], [0, 0], [1, 0], [0, 1]]},
+    )
     drafter = llm.engine.speculator.drafter
     request = DraftRequest(request_id="r", prompt_token_ids=[5, 6, 7, 8], output_token_ids=[], budget=10)
     drafter.begin(request)
     feature = torch.randn(3, 64)
     drafter.observe(request, feature)
-    proposal, = drafter.propose([request])
+    (proposal,) = drafter.propose([request])
     with torch.no_grad():
         logits = drafter.heads(feature[-1:])[:, 0]  # [K, Vd]
     best = [drafter.heads.d2t[logits[k].topk(2).indices].tolist() for k in range(2)]
@@ -72,9 +96,12 @@ def test_tree_is_filled_by_depth_and_rank(tiny_checkpoints, heads_dir):
 
 
 def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, heads_dir):
-    assert_speculation_keeps_sampling(str(tiny_checkpoints["gemma3"]),
-                                      {"method": "medusa", "head": str(heads_dir), "top_k": 3},
-                                      prompt=repetitive_prompts()[1][:5], require_accepts=False)
+    assert_speculation_keeps_sampling(
+        str(tiny_checkpoints["gemma3"]),
+        {"method": "medusa", "head": str(heads_dir), "top_k": 3},
+        prompt=repetitive_prompts()[1][:5],
+        require_accepts=False,
+    )
 
 
 def test_bad_heads_are_clear_errors(tiny_checkpoints, heads_dir, tmp_path):
@@ -84,8 +111,14 @@ def test_bad_heads_are_clear_errors(tiny_checkpoints, heads_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         LLM(path, speculative_config={"method": "medusa", "head": str(tmp_path / "missing")})
     with pytest.raises(ValueError, match="heads draft 3 depths"):
-        LLM(path, speculative_config={"method": "medusa", "head": str(heads_dir), "tree": [[0], [0, 0], [0, 0, 0],
-                                                                                          [0, 0, 0, 0]]})
+        LLM(
+            path,
+            speculative_config={
+                "method": "medusa",
+                "head": str(heads_dir),
+                "tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
+            },
+        )
     with pytest.raises(ValueError, match="tree must be"):
         LLM(path, speculative_config={"method": "medusa", "head": str(heads_dir), "tree": "wide"})
     with pytest.raises(ValueError, match="hidden size"):

@@ -13,16 +13,15 @@ from tests.drafters.proposal_checks import (
     propose,
 )
 
-
 request = functools.partial(make_request, budget=5)
 
 
 def brute_force_chain(tokens, *, length, min_n, max_n):
     """Reference prompt lookup: longest n first, most recent earlier occurrence first."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[len(tokens) - n:]
+        suffix = tokens[len(tokens) - n :]
         for start in range(len(tokens) - 1, n - 1, -1):  # start: where the continuation begins
-            if tokens[start - n:start] == suffix:
+            if tokens[start - n : start] == suffix:
                 return continuation(tokens, start=start, length=length)
     return None
 
@@ -32,11 +31,18 @@ def brute_force_chain(tokens, *, length, min_n, max_n):
 # ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_speculative_tokens=0), dict(prompt_lookup_max=0), dict(prompt_lookup_min=0),
-    dict(prompt_lookup_min=3, prompt_lookup_max=2), dict(num_branches=0), dict(num_branches=1.5),
-    dict(num_speculative_tokens=True),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_speculative_tokens=0),
+        dict(prompt_lookup_max=0),
+        dict(prompt_lookup_min=0),
+        dict(prompt_lookup_min=3, prompt_lookup_max=2),
+        dict(num_branches=0),
+        dict(num_branches=1.5),
+        dict(num_speculative_tokens=True),
+    ],
+)
 def test_invalid_arguments_raise(kwargs):
     with pytest.raises(ValueError):
         NgramDrafter(**kwargs)
@@ -44,8 +50,12 @@ def test_invalid_arguments_raise(kwargs):
 
 def test_defaults_follow_vllm_names():
     drafter = NgramDrafter()
-    assert (drafter.num_speculative_tokens, drafter.prompt_lookup_max, drafter.prompt_lookup_min,
-            drafter.num_branches) == (5, 4, 1, 1)
+    assert (
+        drafter.num_speculative_tokens,
+        drafter.prompt_lookup_max,
+        drafter.prompt_lookup_min,
+        drafter.num_branches,
+    ) == (5, 4, 1, 1)
 
 
 # ------------------------------------------------------------------------------------
@@ -67,8 +77,9 @@ def test_longest_ngram_wins_over_a_more_recent_shorter_one():
     proposal = propose(drafter, request([7, 8, 1, 5, 8, 2, 6, 7, 8]))
     assert proposal.token_ids == [8, 1]
     # with bigrams off, the most recent unigram match wins
-    proposal = propose(NgramDrafter(num_speculative_tokens=1, prompt_lookup_max=1),
-                       request([7, 8, 1, 5, 8, 2, 6, 7, 8]))
+    proposal = propose(
+        NgramDrafter(num_speculative_tokens=1, prompt_lookup_max=1), request([7, 8, 1, 5, 8, 2, 6, 7, 8])
+    )
     assert proposal.token_ids == [8, 2]
 
 
@@ -159,8 +170,9 @@ def test_incremental_index_equals_a_fresh_rebuild():
         propose(drafter, req)
         commit(drafter, req, [rng.randrange(6) for _ in range(rng.randrange(1, 4))])
     incremental = drafter._indexes["r"]
-    fresh = NgramIndex(min_n=1, max_n=3, max_positions_per_ngram=drafter.max_matches_per_n,
-                       num_prompt_tokens=len(req.prompt_token_ids))
+    fresh = NgramIndex(
+        min_n=1, max_n=3, max_positions_per_ngram=drafter.max_matches_per_n, num_prompt_tokens=len(req.prompt_token_ids)
+    )
     fresh.extend(req.prompt_token_ids + req.output_token_ids)
     assert incremental.token_ids == fresh.token_ids
     assert incremental.continuations == fresh.continuations
@@ -202,8 +214,11 @@ def test_random_streams_give_valid_proposals_matching_a_brute_force_search(num_b
     rng = random.Random(num_branches)
     drafter = NgramDrafter(num_speculative_tokens=4, prompt_lookup_max=3, num_branches=num_branches)
     for request_index in range(6):
-        req = request([rng.randrange(5) for _ in range(rng.randrange(0, 30))],
-                      budget=rng.randrange(1, 9), request_id=str(request_index))
+        req = request(
+            [rng.randrange(5) for _ in range(rng.randrange(0, 30))],
+            budget=rng.randrange(1, 9),
+            request_id=str(request_index),
+        )
         if rng.random() < 0.5:
             drafter.begin(req)
         for _ in range(25):

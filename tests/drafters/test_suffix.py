@@ -15,7 +15,6 @@ from tests.drafters.proposal_checks import (
     propose,
 )
 
-
 request = functools.partial(make_request, budget=8)
 
 
@@ -62,13 +61,13 @@ def substring_counts(sequences, *, max_depth) -> dict[tuple[int, ...], int]:
     for seq in sequences:
         for start in range(len(seq)):
             for length in range(1, min(max_depth, len(seq) - start) + 1):
-                counts[tuple(seq[start:start + length])] += 1
+                counts[tuple(seq[start : start + length])] += 1
     return dict(counts)
 
 
 def occurs_in(needle, haystacks) -> bool:
     needle = list(needle)
-    return any(hay[i:i + len(needle)] == needle for hay in haystacks for i in range(len(hay)))
+    return any(hay[i : i + len(needle)] == needle for hay in haystacks for i in range(len(hay)))
 
 
 # ------------------------------------------------------------------------------------
@@ -76,11 +75,20 @@ def occurs_in(needle, haystacks) -> bool:
 # ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_speculative_tokens=0), dict(max_tree_depth=0), dict(max_cached_requests=-1),
-    dict(min_token_prob=1.5), dict(min_token_prob=-0.1), dict(max_spec_factor=-1.0),
-    dict(max_spec_offset=float("nan")), dict(num_speculative_tokens=2.0), dict(max_cached_requests=True),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_speculative_tokens=0),
+        dict(max_tree_depth=0),
+        dict(max_cached_requests=-1),
+        dict(min_token_prob=1.5),
+        dict(min_token_prob=-0.1),
+        dict(max_spec_factor=-1.0),
+        dict(max_spec_offset=float("nan")),
+        dict(num_speculative_tokens=2.0),
+        dict(max_cached_requests=True),
+    ],
+)
 def test_invalid_arguments_raise(kwargs):
     with pytest.raises(ValueError):
         SuffixDrafter(**kwargs)
@@ -136,20 +144,20 @@ def test_draft_size_grows_with_the_match_length(match_len):
     # a 10-token pattern followed by a 20-token unique continuation; the context ends
     # with the pattern's last match_len tokens (preceded by an unseen token)
     pattern, follow = list(range(100, 110)), list(range(200, 220))
-    prompt = pattern + follow + [300] + pattern[10 - match_len:]
+    prompt = pattern + follow + [300] + pattern[10 - match_len :]
     default = propose(SuffixDrafter(), request(prompt, budget=20))
-    assert default.token_ids[1:] == follow[:min(8, match_len)]
+    assert default.token_ids[1:] == follow[: min(8, match_len)]
     half = propose(SuffixDrafter(max_spec_factor=0.5), request(prompt, budget=20))
     if match_len < 2:
         assert half is None
     else:
-        assert half.token_ids[1:] == follow[:min(8, match_len // 2)]
+        assert half.token_ids[1:] == follow[: min(8, match_len // 2)]
     flat = propose(SuffixDrafter(max_spec_factor=0.0, max_spec_offset=2.0), request(prompt, budget=20))
     assert flat.token_ids[1:] == follow[:2]
     short = propose(SuffixDrafter(max_tree_depth=3), request(prompt, budget=20))
-    assert short.token_ids[1:] == follow[:min(3, match_len)]
+    assert short.token_ids[1:] == follow[: min(3, match_len)]
     capped = propose(SuffixDrafter(), request(prompt, budget=2))
-    assert capped.token_ids[1:] == follow[:min(2, match_len)]
+    assert capped.token_ids[1:] == follow[: min(2, match_len)]
 
 
 def test_output_tokens_are_indexed_as_they_are_committed():
@@ -212,7 +220,7 @@ def test_removing_every_sequence_empties_the_trie():
     assert trie_counts(trie) == substring_counts(sequences, max_depth=5)
     for removed in range(len(sequences)):
         trie.remove(removed)
-        assert trie_counts(trie) == substring_counts(sequences[removed + 1:], max_depth=5)
+        assert trie_counts(trie) == substring_counts(sequences[removed + 1 :], max_depth=5)
     assert trie.num_nodes() == 0 and trie.children[SuffixTrie.ROOT] == {} and trie.sequences == {}
 
 
@@ -226,7 +234,7 @@ def test_memory_stays_bounded_over_many_requests():
         drafter.begin(req)
         for start in range(0, len(output), 4):  # 4 tokens committed per step
             propose(drafter, req)
-            commit(drafter, req, output[start:start + 4])
+            commit(drafter, req, output[start : start + 4])
         drafter.finish(req.request_id)
         if index % 40 == 39:
             node_counts.append(drafter.global_trie.num_nodes())
@@ -275,13 +283,13 @@ def test_state_is_built_lazily_and_rebuilt_when_the_request_changed():
 
 def test_random_streams_give_valid_proposals_seen_in_the_text():
     rng = random.Random(7)
-    drafter = SuffixDrafter(num_speculative_tokens=5, max_tree_depth=6, max_cached_requests=4,
-                            min_token_prob=0.0, max_spec_offset=2.0)
+    drafter = SuffixDrafter(
+        num_speculative_tokens=5, max_tree_depth=6, max_cached_requests=4, min_token_prob=0.0, max_spec_offset=2.0
+    )
     live: list[DraftRequest] = []
     for step in range(400):
         if not live or (len(live) < 4 and rng.random() < 0.1):
-            req = request([rng.randrange(5) for _ in range(rng.randrange(0, 25))],
-                          request_id=f"q{step}")
+            req = request([rng.randrange(5) for _ in range(rng.randrange(0, 25))], request_id=f"q{step}")
             if rng.random() < 0.5:
                 drafter.begin(req)
             live.append(req)
@@ -309,7 +317,8 @@ def test_random_streams_give_valid_proposals_seen_in_the_text():
     assert drafter._requests == {}
     assert len(drafter.cached_outputs) == 4
     assert trie_counts(drafter.global_trie) == substring_counts(
-        list(drafter.cached_outputs.values()), max_depth=drafter.trie_depth)
+        list(drafter.cached_outputs.values()), max_depth=drafter.trie_depth
+    )
 
 
 def test_long_context_step_is_incremental():

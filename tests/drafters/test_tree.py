@@ -49,7 +49,7 @@ def test_dynamic_tree_scores_expansion_and_pruning():
     a, b = tree.add_children(0, [1, 2], [math.log(0.6), math.log(0.3)])
     assert tree.best_frontier([a, b], 1) == [a]
     aa, ab = tree.add_children(a, [3, 4], [math.log(0.9), math.log(0.05)])
-    ba, = tree.add_children(b, [5], [math.log(0.9)])
+    (ba,) = tree.add_children(b, [5], [math.log(0.9)])
     assert tree.scores[aa] == pytest.approx(math.log(0.54))
     assert tree.best_frontier([aa, ab, ba], 2) == [aa, ba]
     tokens, parents = tree.pruned(3)
@@ -62,8 +62,8 @@ def test_dynamic_tree_scores_expansion_and_pruning():
 
 def test_dynamic_tree_pruning_keeps_ancestors_on_ties():
     tree = DynamicTree(root_token=0)
-    a, = tree.add_children(0, [1], [0.0])  # probability 1: the child ties its parent
-    aa, = tree.add_children(a, [2], [0.0])
+    (a,) = tree.add_children(0, [1], [0.0])  # probability 1: the child ties its parent
+    (_aa,) = tree.add_children(a, [2], [0.0])
     tree.add_children(0, [3], [math.log(0.5)])
     tokens, parents = tree.pruned(2)
     assert tokens == [0, 1, 2] and parents == [-1, 0, 1]

@@ -22,8 +22,9 @@ from tests.engine.test_speculative import GREEDY, GarbageDrafter, OracleDrafter,
 COSTS = StepCost(fixed=1.0, per_request=0.0, per_token=0.05, draft_per_request=0.0, draft_per_token=0.01)
 
 
-@pytest.mark.parametrize("rate, depth, tokens", [(0.5, 0, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75),
-                                                 (0.0, 4, 1.0), (1.0, 4, 5.0), (0.9, 3, 3.439)])
+@pytest.mark.parametrize(
+    "rate, depth, tokens", [(0.5, 0, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75), (0.0, 4, 1.0), (1.0, 4, 5.0), (0.9, 3, 3.439)]
+)
 def test_expected_tokens_of_a_chain(rate, depth, tokens):
     assert expected_tokens(rate, depth) == pytest.approx(tokens)
 
@@ -37,8 +38,9 @@ def test_good_drafts_get_long_chains_and_garbage_none():
 
 def test_busier_batches_draft_less():
     """The same acceptance with more requests: each verified token is a larger share of the step."""
-    lengths = [choose_draft_lengths(rates=[0.6] * batch, max_lengths=[8] * batch, cost=COSTS)[0]
-               for batch in (1, 4, 16, 32)]
+    lengths = [
+        choose_draft_lengths(rates=[0.6] * batch, max_lengths=[8] * batch, cost=COSTS)[0] for batch in (1, 4, 16, 32)
+    ]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
     costly = StepCost(fixed=1.0, per_request=0.0, per_token=0.5, draft_per_request=0.0, draft_per_token=0.1)
     assert choose_draft_lengths(rates=[0.6] * 32, max_lengths=[8] * 32, cost=costly) == [0] * 32
@@ -49,8 +51,13 @@ def test_choice_beats_every_uniform_length():
     cost = StepCost(fixed=1.0, per_request=0.2, per_token=0.1, draft_per_request=0.05, draft_per_token=0.02)
 
     def throughput(lengths):
-        seconds = 1.0 + 0.2 * 3 + 0.1 * sum(1 + k for k in lengths) + 0.05 * sum(1 for k in lengths if k) \
+        seconds = (
+            1.0
+            + 0.2 * 3
+            + 0.1 * sum(1 + k for k in lengths)
+            + 0.05 * sum(1 for k in lengths if k)
             + 0.02 * sum(lengths)
+        )
         return sum(expected_tokens(a, k) for a, k in zip(rates, lengths)) / seconds
 
     assert cost.seconds([0, 2, 5]) == pytest.approx(1.0 + 0.6 + 0.1 * 10 + 0.05 * 2 + 0.02 * 7)
@@ -86,8 +93,9 @@ def test_cost_fit_recovers_the_step_costs_and_falls_back_to_the_prior_split():
     assert per_request == pytest.approx(per_token, rel=0.02)  # the prior's split
     assert _DecayedFit(decay=1.0, num_features=2).solve(prior=(1.0, 0.05)) is None
     model = StepCostModel()
-    assert model.cost() == StepCost(fixed=1.0, per_request=0.05, per_token=0.05, draft_per_request=0.0,
-                                    draft_per_token=pytest.approx(0.011))
+    assert model.cost() == StepCost(
+        fixed=1.0, per_request=0.05, per_token=0.05, draft_per_request=0.0, draft_per_token=pytest.approx(0.011)
+    )
     model.observe_forward(num_requests=2, num_tokens=2, seconds=0.5)
     assert model.cost().seconds([0, 0]) == pytest.approx(0.5)
 
@@ -105,8 +113,12 @@ def test_adaptive_config_is_validated():
 
 
 def _adaptive_llm(tiny_checkpoints, drafter) -> LLM:
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 6, "adaptive": True})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 6, "adaptive": True},
+    )
     llm.engine.speculator.drafter = drafter
     return llm
 

@@ -21,7 +21,7 @@ def reference_greedy(path, token_ids: list[int], num_tokens: int) -> list[int]:
     with torch.no_grad():
         for _ in range(num_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(token_ids):]
+    return ids[len(token_ids) :]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,8 @@ def test_chunked_prefill_equals_single_prefill(tiny_checkpoints):
     tokens = prompt(60, seed=40)
     whole = LLM(path, max_model_len=128).generate([tokens], SamplingParams(max_tokens=10, **GREEDY))
     chunked = LLM(path, max_model_len=128, max_num_batched_tokens=7).generate(
-        [tokens], SamplingParams(max_tokens=10, **GREEDY))
+        [tokens], SamplingParams(max_tokens=10, **GREEDY)
+    )
     assert whole[0].outputs[0].token_ids == chunked[0].outputs[0].token_ids
 
 
@@ -66,10 +67,18 @@ def test_seed_reproduces_and_is_independent_of_the_batch(gemma_llm):
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=1234)
     first = gemma_llm.generate(["abc"], params)[0].outputs[0].token_ids
     again = gemma_llm.generate(["abc"], params)[0].outputs[0].token_ids
-    mixed = gemma_llm.generate(
-        ["zzz", "abc", "qq"],
-        [SamplingParams(temperature=1.0, max_tokens=12), params, SamplingParams(temperature=0.5, max_tokens=5, seed=9)],
-    )[1].outputs[0].token_ids
+    mixed = (
+        gemma_llm.generate(
+            ["zzz", "abc", "qq"],
+            [
+                SamplingParams(temperature=1.0, max_tokens=12),
+                params,
+                SamplingParams(temperature=0.5, max_tokens=5, seed=9),
+            ],
+        )[1]
+        .outputs[0]
+        .token_ids
+    )
     other = gemma_llm.generate(["abc"], SamplingParams(temperature=1.0, max_tokens=12, seed=4321))
     assert first == again == mixed
     assert other[0].outputs[0].token_ids != first
@@ -83,8 +92,9 @@ def test_stop_string_spanning_tokens(gemma_llm):
     cut = gemma_llm.generate(["hello"], SamplingParams(max_tokens=16, stop=[stop], **GREEDY))[0].outputs[0]
     assert cut.text == full.text[:5]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
-    kept = gemma_llm.generate(["hello"], SamplingParams(max_tokens=16, stop=stop, include_stop_str_in_output=True,
-                                                        **GREEDY))[0].outputs[0]
+    kept = gemma_llm.generate(
+        ["hello"], SamplingParams(max_tokens=16, stop=stop, include_stop_str_in_output=True, **GREEDY)
+    )[0].outputs[0]
     assert kept.text == full.text[:8]
 
 
@@ -176,11 +186,14 @@ def test_chat_uses_the_template_and_errors_without_one(tiny_checkpoints, gemma_l
     assert out.prompt_token_ids == expected
     with pytest.raises(ValueError, match="chat template"):
         gemma_llm.chat(messages)
-    custom = gemma_llm.chat(messages, SamplingParams(max_tokens=2, **GREEDY), chat_template="{{ messages[0]['content'] }}!")
+    custom = gemma_llm.chat(
+        messages, SamplingParams(max_tokens=2, **GREEDY), chat_template="{{ messages[0]['content'] }}!"
+    )
     assert custom[0].prompt == "hi!"
 
 
 # ---- bad input ---------------------------------------------------------------------------
+
 
 def test_prompt_longer_than_context_is_rejected(gemma_llm):
     with pytest.raises(ValueError, match="max_model_len"):
@@ -206,7 +219,7 @@ def test_invalid_arguments(gemma_llm):
 def test_missing_model(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         LLM(str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         LLM(str(tmp_path))
 
 
@@ -216,7 +229,7 @@ def test_unsupported_architecture(tiny_checkpoints, tmp_path):
     config = json.loads((bad / "config.json").read_text())
     config["model_type"] = "gpt2"
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported architecture.*gpt2"):
+    with pytest.raises(ValueError, match=r"unsupported architecture.*gpt2"):
         LLM(str(bad))
 
 
@@ -225,7 +238,7 @@ def test_corrupt_weights(tiny_checkpoints, tmp_path):
     shutil.copytree(tiny_checkpoints["llama"], bad)
     weights = bad / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(ValueError, match="model.safetensors"):
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
         LLM(str(bad))
 
 

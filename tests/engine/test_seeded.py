@@ -36,9 +36,12 @@ def batch_prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory):
     root = tmp_path_factory.mktemp("seeded_heads")
-    return {"eagle3": random_head(root / "eagle3"), "eagle3-copy": random_head(root / "copy", copy_dim=16,
-                                                                            copy_gate_bias=1.5),
-            "medusa": random_heads(root / "medusa"), "self": random_self_head(root / "self")}
+    return {
+        "eagle3": random_head(root / "eagle3"),
+        "eagle3-copy": random_head(root / "copy", copy_dim=16, copy_gate_bias=1.5),
+        "medusa": random_heads(root / "medusa"),
+        "self": random_self_head(root / "self"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +61,28 @@ def drafter_configs(tiny_checkpoints, heads) -> dict[str, dict]:
         "medusa": {"method": "medusa", "head": str(heads["medusa"])},
         "self": {"method": "self", "head": str(heads["self"])},
         "draft_model": {"method": "draft_model", "model": target, "num_speculative_tokens": 3},
-        "draft_model-tree": {"method": "draft_model", "model": target, "num_speculative_tokens": 3,
-                             "num_branches": 2},
+        "draft_model-tree": {"method": "draft_model", "model": target, "num_speculative_tokens": 3, "num_branches": 2},
         "hybrid": {"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "ngram"}]},
         "adaptive": {"method": "suffix", "num_speculative_tokens": 6, "adaptive": True},
     }
 
 
-@pytest.mark.parametrize("name", ["ngram", "ngram-tree", "suffix", "eagle3", "eagle3-copy", "medusa", "self",
-                                  "draft_model", "draft_model-tree", "hybrid", "adaptive"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ngram",
+        "ngram-tree",
+        "suffix",
+        "eagle3",
+        "eagle3-copy",
+        "medusa",
+        "self",
+        "draft_model",
+        "draft_model-tree",
+        "hybrid",
+        "adaptive",
+    ],
+)
 def test_seeded_speculative_equals_seeded_plain(tiny_checkpoints, heads, plain_seeded, name):
     spec = drafter_configs(tiny_checkpoints, heads)[name]
     llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=8, speculative_config=spec)
@@ -78,8 +94,12 @@ def test_seeded_speculative_equals_seeded_plain(tiny_checkpoints, heads, plain_s
 @pytest.mark.parametrize("tree", [False, True])
 def test_garbage_drafts_and_other_requests_change_nothing(tiny_checkpoints, plain_seeded, tree):
     """Random drafts, requests alone or beside others, in another order: same tokens per seed."""
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=8,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        max_num_seqs=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 6},
+    )
     llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=tree, seed=5)
     prompts, params = batch_prompts(), seeded_params(100)
     alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
@@ -96,7 +116,8 @@ def test_unseeded_requests_get_a_seed_that_replays_them(tiny_checkpoints):
     first = llm.generate([repetitive_prompts()[0]], params)[0]
     assert isinstance(first.seed, int)
     replay = LLM(path, max_model_len=128).generate(
-        [repetitive_prompts()[0]], SamplingParams(max_tokens=12, temperature=1.0, seed=first.seed))[0]
+        [repetitive_prompts()[0]], SamplingParams(max_tokens=12, temperature=1.0, seed=first.seed)
+    )[0]
     assert replay.outputs[0].token_ids == first.outputs[0].token_ids
     second = llm.generate([repetitive_prompts()[0]], params)[0]
     assert second.seed != first.seed

@@ -51,7 +51,7 @@ class OracleDrafter(GarbageDrafter):
     def propose(self, requests):
         proposals = []
         for req in requests:
-            future = self.continuations[tuple(req.prompt_token_ids)][len(req.output_token_ids):]
+            future = self.continuations[tuple(req.prompt_token_ids)][len(req.output_token_ids) :]
             draft = [t if self.rng.random() > self.corrupt else 7 for t in future[: req.budget]]
             proposals.append(Proposal.chain(req.token_ids[-1], draft) if draft else None)
         return proposals
@@ -95,12 +95,15 @@ def plain_outputs(tiny_checkpoints):
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
-@pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 5},
-    {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 3},
-    {"method": "suffix", "num_speculative_tokens": 8},
-    {"method": "ngram", "num_speculative_tokens": 3, "dynamic_draft_length": True},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 5},
+        {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 3},
+        {"method": "suffix", "num_speculative_tokens": 8},
+        {"method": "ngram", "num_speculative_tokens": 3, "dynamic_draft_length": True},
+    ],
+)
 def test_greedy_speculation_equals_plain(tiny_checkpoints, plain_outputs, arch, spec):
     llm = LLM(str(tiny_checkpoints[arch]), max_model_len=256, max_num_seqs=4, speculative_config=spec)
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=40, **GREEDY))
@@ -112,8 +115,12 @@ def test_greedy_speculation_equals_plain(tiny_checkpoints, plain_outputs, arch, 
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_garbage_drafter_keeps_greedy_exact(tiny_checkpoints, plain_outputs, tree):
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 6},
+    )
     llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=tree)
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=40, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs["gemma3"]
@@ -125,8 +132,12 @@ def test_garbage_drafter_keeps_greedy_exact(tiny_checkpoints, plain_outputs, tre
 def test_long_accepts_metrics_and_max_tokens(tiny_checkpoints, plain_outputs):
     prompts = repetitive_prompts()
     continuations = {tuple(p): out for p, out in zip(prompts, plain_outputs["gemma3"])}
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 5},
+    )
     llm.engine.speculator.drafter = OracleDrafter(continuations=continuations, corrupt=0.15)
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs["gemma3"]
@@ -166,8 +177,11 @@ def test_logprobs_under_speculation_match_plain(tiny_checkpoints):
     path = str(tiny_checkpoints["llama"])
     params = SamplingParams(max_tokens=20, logprobs=2, **GREEDY)
     plain = LLM(path, max_model_len=128).generate([repetitive_prompts()[0]], params)[0].outputs[0]
-    spec = LLM(path, max_model_len=128, speculative_config={"method": "ngram"}).generate(
-        [repetitive_prompts()[0]], params)[0].outputs[0]
+    spec = (
+        LLM(path, max_model_len=128, speculative_config={"method": "ngram"})
+        .generate([repetitive_prompts()[0]], params)[0]
+        .outputs[0]
+    )
     assert [e.token_id for e in spec.logprobs] == plain.token_ids
     for a, b in zip(spec.logprobs, plain.logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
@@ -175,8 +189,11 @@ def test_logprobs_under_speculation_match_plain(tiny_checkpoints):
 
 
 def test_seeded_sampling_under_speculation_is_reproducible(tiny_checkpoints):
-    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=128,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
     params = SamplingParams(temperature=0.7, top_k=20, max_tokens=30, seed=5)
     first = llm.generate([repetitive_prompts()[0]], params)[0].outputs[0].token_ids
     again = llm.generate([repetitive_prompts()[0]], params)[0].outputs[0].token_ids
@@ -202,8 +219,9 @@ def test_sampled_first_tokens_have_the_target_distribution(tiny_checkpoints):
     params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=4, seed=s) for s in range(1500)]
 
     plain = count_outputs(LLM(path, max_model_len=64, max_num_seqs=8), base, params)
-    spec_llm = LLM(path, max_model_len=64, max_num_seqs=8,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec_llm = LLM(
+        path, max_model_len=64, max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+    )
     # Random trees over the tokens seen at each position, so accepts and rejects are both frequent.
     seen = {i: sorted({key[i] for key in plain}) for i in range(3)}
     spec_llm.engine.speculator.drafter = PositionalDrafter(choices=seen, seed=1)

@@ -27,15 +27,15 @@ def _inputs(T: int, H: int, Hkv: int, D: int, S: int, *, seed: int):
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_close_to_torch_and_rows_invariant(H, Hkv, D, T):
     q, keys, values, mask = _inputs(T, H, Hkv, D, 37, seed=T * 100 + D)
-    out = attention(q, keys, values, mask=mask, scale=D ** -0.5)
-    expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                              scale=D ** -0.5, enable_gqa=Hkv != H)[0].transpose(0, 1)
+    out = attention(q, keys, values, mask=mask, scale=D**-0.5)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=D**-0.5, enable_gqa=Hkv != H
+    )[0].transpose(0, 1)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    alone = torch.cat([attention(q[t : t + 1], keys, values, mask=mask[t : t + 1], scale=D ** -0.5)
-                       for t in range(T)])
+    alone = torch.cat([attention(q[t : t + 1], keys, values, mask=mask[t : t + 1], scale=D**-0.5) for t in range(T)])
     assert torch.equal(out, alone)
     perm = torch.randperm(T, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(attention(q[perm], keys, values, mask=mask[perm], scale=D ** -0.5), out[perm])
+    assert torch.equal(attention(q[perm], keys, values, mask=mask[perm], scale=D**-0.5), out[perm])
 
 
 def test_a_row_that_sees_nothing_is_zero():

@@ -259,7 +259,7 @@ def test_thread_safety():
             for it in range(20):
                 x = _x(m, 640, dtype, seed=tid * 100 + it)
                 _assert_close(skinny_linear(x, w, b), x, w, b)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]

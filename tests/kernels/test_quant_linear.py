@@ -54,7 +54,7 @@ def random_gguf(fmt: str, rows: int, cols: int, *, seed: int) -> np.ndarray:
     raw = rng.integers(0, 256, size=(rows * cols // block_values, block_bytes), dtype=np.uint8)
     for at in _HALF_FIELDS[fmt]:
         scales = rng.uniform(0.002, 0.02, size=raw.shape[0]).astype(np.float16)
-        raw[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+        raw[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
 
 
@@ -90,8 +90,12 @@ def test_pack_round_trip(fmt, rows):
 def test_quantized_weight_rows_and_fused_parts():
     q5, ref5 = weight("Q5_0", 24, 64, seed=2)  # not whole groups: kept as its own part
     q8, ref8 = weight("Q8_0", 16, 64, seed=3)
-    fused = QuantizedWeight.from_parts([decode_gguf("Q5_0", random_gguf("Q5_0", 24, 64, seed=2), rows=24, cols=64),
-                                        decode_gguf("Q8_0", random_gguf("Q8_0", 16, 64, seed=3), rows=16, cols=64)])
+    fused = QuantizedWeight.from_parts(
+        [
+            decode_gguf("Q5_0", random_gguf("Q5_0", 24, 64, seed=2), rows=24, cols=64),
+            decode_gguf("Q8_0", random_gguf("Q8_0", 16, 64, seed=3), rows=16, cols=64),
+        ]
+    )
     assert [p.format for p in fused.parts] == ["Q5_0", "Q8_0"]
     expected = torch.cat([ref5, ref8])
     assert torch.equal(fused.dequantize(), expected)
@@ -162,10 +166,10 @@ def test_batch_invariance_every_width(isa, fmt):
     switches to AMX tiles from AMX_MIN_ROWS rows on, where the CPU has them)."""
     w, _ = weight(fmt, 48, cols_for(fmt), seed=6)
     x = torch.randn(64, cols_for(fmt))
-    alone = torch.cat([quant_linear(x[i:i + 1], w) for i in range(64)])
+    alone = torch.cat([quant_linear(x[i : i + 1], w) for i in range(64)])
     for width in range(1, 65):
         start = (7 * width) % (65 - width)
-        assert torch.equal(quant_linear(x[start:start + width], w), alone[start:start + width]), width
+        assert torch.equal(quant_linear(x[start : start + width], w), alone[start : start + width]), width
     # rows of other requests mixed in, in another order
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     assert torch.equal(quant_linear(x[perm], w), alone[perm])
@@ -180,7 +184,7 @@ def test_kernel_exact_at_extreme_quants(isa, fmt):
     raw = random_gguf(fmt, 32, cols, seed=8).reshape(32 * cols // GGUF_BLOCK[fmt][1], -1)
     keep = np.zeros(raw.shape[1], dtype=bool)
     for at in _HALF_FIELDS[fmt]:
-        keep[at:at + 2] = True
+        keep[at : at + 2] = True
     if fmt == "Q8_0":  # rows 0..15 all -128 (0x80), rows 16..31 all +127
         extreme = np.where(np.arange(raw.shape[0])[:, None] < raw.shape[0] // 2, 0x80, 0x7F).astype(np.uint8)
         raw[:, ~keep] = np.broadcast_to(extreme, (raw.shape[0], int((~keep).sum())))
@@ -236,7 +240,7 @@ def test_isa_choice(monkeypatch):
 def test_reference_batch_invariance():
     w, _ = weight("Q4_K", 20, 256, seed=7)
     x = torch.randn(9, 256)
-    alone = torch.cat([reference_quant_linear(x[i:i + 1], w) for i in range(9)])
+    alone = torch.cat([reference_quant_linear(x[i : i + 1], w) for i in range(9)])
     assert torch.equal(reference_quant_linear(x, w), alone)
 
 
@@ -278,5 +282,5 @@ def test_norm_matmul_is_rms_norm_then_the_kernel(segment):
     pieces = x.view(9, -1, width)
     normed = (pieces * torch.rsqrt(pieces.pow(2).mean(-1, keepdim=True) + 1e-6)).view(9, 128) * norm
     torch.testing.assert_close(out, reference_quant_linear(normed, w), rtol=2e-2, atol=2e-2)
-    alone = torch.cat([norm_matmul(x[i:i + 1], norm=norm, weight=w, eps=1e-6, segment=segment) for i in range(9)])
+    alone = torch.cat([norm_matmul(x[i : i + 1], norm=norm, weight=w, eps=1e-6, segment=segment) for i in range(9)])
     assert torch.equal(out, alone)

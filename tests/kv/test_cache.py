@@ -49,8 +49,7 @@ def test_rollback_equals_never_writing(tiny_checkpoints, arch):
     runner.forward([SequenceWork(slot=0, cache_len=len(context) - 1, token_ids=garbage)])
     cache.commit(0, len(context))  # keep only the root: the 5 drafts were rejected
     follow = [42, 43, 44]
-    out = runner.forward([SequenceWork(slot=0, cache_len=len(context), token_ids=follow,
-                                       logits_nodes=[0, 1, 2])])
+    out = runner.forward([SequenceWork(slot=0, cache_len=len(context), token_ids=follow, logits_nodes=[0, 1, 2])])
     expected = reference_logits(path, context + follow)[-3:]
     torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=1e-4)
 
@@ -61,7 +60,7 @@ def test_compacted_tree_path_equals_chain(tiny_checkpoints, arch):
     path = tiny_checkpoints[arch]
     context = prompt(15, seed=12)
     #          root a   b   c   b1  b2  b1x
-    parents = [-1,  0,  0,  0,  2,  2,  4]
+    parents = [-1, 0, 0, 0, 2, 2, 4]
     nodes = [context[-1], 50, 51, 52, 53, 54, 55]
     accepted_nodes = [0, 2, 4, 6]  # root -> b -> b1 -> b1x
     runner, cache = make_runner(path)
@@ -73,7 +72,8 @@ def test_compacted_tree_path_equals_chain(tiny_checkpoints, arch):
     cache.commit(1, cache_len + len(accepted_nodes))
     accepted_tokens = [nodes[n] for n in accepted_nodes]
     follow = [60, 61]
-    out = runner.forward([SequenceWork(slot=1, cache_len=cache_len + len(accepted_nodes), token_ids=follow,
-                                       logits_nodes=[0, 1])])
+    out = runner.forward(
+        [SequenceWork(slot=1, cache_len=cache_len + len(accepted_nodes), token_ids=follow, logits_nodes=[0, 1])]
+    )
     expected = reference_logits(path, context[:-1] + accepted_tokens + follow)[-2:]
     torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=1e-4)

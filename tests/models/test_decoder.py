@@ -15,8 +15,14 @@ from tests.conftest import ARCHS
 
 def make_runner(path, *, num_slots=2, max_len=128, dtype=torch.float32):
     model, config = load_decoder(path, dtype=dtype, device=torch.device("cpu"), max_len=max_len)
-    cache = KVCache(num_layers=config.num_layers, num_slots=num_slots, num_kv_heads=config.num_kv_heads,
-                    head_dim=config.head_dim, max_len=max_len, dtype=dtype)
+    cache = KVCache(
+        num_layers=config.num_layers,
+        num_slots=num_slots,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=max_len,
+        dtype=dtype,
+    )
     return ModelRunner(model=model, cache=cache, device=torch.device("cpu")), cache
 
 
@@ -40,10 +46,8 @@ def prompt(n: int, seed: int = 1) -> list[int]:
 def test_prefill_logits_match_transformers(tiny_checkpoints, arch):
     tokens = prompt(40)  # longer than gemma's sliding window of 8
     runner, _ = make_runner(tiny_checkpoints[arch])
-    out = runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=tokens,
-                                       logits_nodes=list(range(len(tokens))))])
-    torch.testing.assert_close(out.logits, reference_logits(tiny_checkpoints[arch], tokens),
-                               rtol=1e-4, atol=1e-4)
+    out = runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))])
+    torch.testing.assert_close(out.logits, reference_logits(tiny_checkpoints[arch], tokens), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -52,14 +56,14 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_checkpoints, arch):
     runner, cache = make_runner(tiny_checkpoints[arch])
     got = []
     cache_len = 0
-    for chunk in ([tokens[:7], tokens[7:19]] + [[t] for t in tokens[19:]]):
-        out = runner.forward([SequenceWork(slot=1, cache_len=cache_len, token_ids=chunk,
-                                           logits_nodes=list(range(len(chunk))))])
+    for chunk in [tokens[:7], tokens[7:19]] + [[t] for t in tokens[19:]]:
+        out = runner.forward(
+            [SequenceWork(slot=1, cache_len=cache_len, token_ids=chunk, logits_nodes=list(range(len(chunk))))]
+        )
         got.append(out.logits)
         cache_len += len(chunk)
         cache.commit(1, cache_len)
-    torch.testing.assert_close(torch.cat(got), reference_logits(tiny_checkpoints[arch], tokens),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(got), reference_logits(tiny_checkpoints[arch], tokens), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -67,13 +71,22 @@ def test_tree_forward_equals_each_path_run_alone(tiny_checkpoints, arch):
     """Every tree node's logits equal those of its root-to-node path decoded as a chain."""
     context = prompt(12, seed=3)
     #          root  a   b   a1  a2  b1  a1x
-    parents = [-1,   0,  0,  1,  1,  2,  3]
+    parents = [-1, 0, 0, 1, 1, 2, 3]
     nodes = [context[-1], 11, 12, 13, 14, 15, 16]
     runner, cache = make_runner(tiny_checkpoints[arch])
     runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=context[:-1])])
     cache.commit(0, len(context) - 1)
-    tree = runner.forward([SequenceWork(slot=0, cache_len=len(context) - 1, token_ids=nodes,
-                                        parents=parents, logits_nodes=list(range(len(nodes))))])
+    tree = runner.forward(
+        [
+            SequenceWork(
+                slot=0,
+                cache_len=len(context) - 1,
+                token_ids=nodes,
+                parents=parents,
+                logits_nodes=list(range(len(nodes))),
+            )
+        ]
+    )
     for node in range(len(nodes)):
         path = []
         walk = node
@@ -88,11 +101,13 @@ def test_tree_forward_equals_each_path_run_alone(tiny_checkpoints, arch):
 def test_batched_sequences_equal_single(tiny_checkpoints):
     path = tiny_checkpoints["gemma3"]
     a, b = prompt(20, seed=4), prompt(9, seed=5)
-    runner, cache = make_runner(path)
-    both = runner.forward([
-        SequenceWork(slot=0, cache_len=0, token_ids=a, logits_nodes=[len(a) - 1]),
-        SequenceWork(slot=1, cache_len=0, token_ids=b, logits_nodes=[len(b) - 1]),
-    ])
+    runner, _cache = make_runner(path)
+    both = runner.forward(
+        [
+            SequenceWork(slot=0, cache_len=0, token_ids=a, logits_nodes=[len(a) - 1]),
+            SequenceWork(slot=1, cache_len=0, token_ids=b, logits_nodes=[len(b) - 1]),
+        ]
+    )
     torch.testing.assert_close(both.logits[0], reference_logits(path, a)[-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(both.logits[1], reference_logits(path, b)[-1], rtol=1e-4, atol=1e-4)
 
@@ -103,8 +118,9 @@ def test_layer_range_and_captured_hidden_states(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
     tokens = prompt(10, seed=6)
     runner, cache = make_runner(path)
-    full = runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=[9])],
-                          capture_layers=(0, 2))
+    full = runner.forward(
+        [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=[9])], capture_layers=(0, 2)
+    )
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         hidden = ref(torch.tensor([tokens]), output_hidden_states=True).hidden_states
@@ -114,12 +130,20 @@ def test_layer_range_and_captured_hidden_states(tiny_checkpoints):
     model = runner.model
     from quickdraft.models.attention import AttentionBatch, build_sequence_attention
 
-    seq, positions = build_sequence_attention(slot=1, row_start=0, cache_len=0, parents=None,
-                                              num_new=10, sliding_window=None)
+    seq, positions = build_sequence_attention(
+        slot=1, row_start=0, cache_len=0, parents=None, num_new=10, sliding_window=None
+    )
     attn = AttentionBatch([seq], torch.full((10,), 1), torch.arange(10))
     low = model(torch.tensor(tokens), torch.tensor(positions), attn=attn, cache=cache, end_layer=2)
-    high = model(None, torch.tensor(positions), attn=attn, cache=cache, start_layer=2,
-                 hidden_states=low.hidden_states, logits_rows=torch.tensor([9]))
+    high = model(
+        None,
+        torch.tensor(positions),
+        attn=attn,
+        cache=cache,
+        start_layer=2,
+        hidden_states=low.hidden_states,
+        logits_rows=torch.tensor([9]),
+    )
     torch.testing.assert_close(high.logits, full.logits, rtol=1e-5, atol=1e-5)
 
 
@@ -129,8 +153,9 @@ def test_bfloat16_close_to_float32(tiny_checkpoints):
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
         runner, _ = make_runner(path, dtype=dtype)
-        logits[dtype] = runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=tokens,
-                                                     logits_nodes=[15])]).logits.float()
+        logits[dtype] = runner.forward(
+            [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=[15])]
+        ).logits.float()
     torch.testing.assert_close(logits[torch.bfloat16], logits[torch.float32], rtol=0.1, atol=0.1)
 
 

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import gguf
@@ -108,7 +108,7 @@ def _train_bpe(*, pre_tokenizer, normalizer, vocab_size: int, byte_level: bool) 
     return tokenizer
 
 
-@lru_cache(maxsize=None)
+@cache
 def _spiece_pieces() -> tuple[str, ...]:
     """SentencePiece-style pieces ("▁the"), in merge order: id order is merge priority, as in Gemma."""
     trained = _train_bpe(
@@ -213,23 +213,38 @@ _GGUF_ARCH = {
 def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None = None):
     """A random tiny HF causal LM (hidden 64). Every parameter is random, norms included."""
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, max_position_embeddings=256,
-        bos_token_id=2, eos_token_id=1, pad_token_id=0, attn_implementation="eager",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        attn_implementation="eager",
     )
     if architecture == "gemma3":
         # 6 layers so one is global; a 4-token window so the sliding layers differ from global ones.
         # head_dim 256 as in the real model: transformers' own GGUF reader assumes
         # query_pre_attn_scalar = 256 whatever the file says, and we compare against it.
         config = transformers.Gemma3TextConfig(
-            num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
-            query_pre_attn_scalar=256, sliding_window=4, **common,
+            num_hidden_layers=6,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4,
+            **common,
         )
         model_class = transformers.Gemma3ForCausalLM
     elif architecture == "llama":
         rope = {"rope_type": "default", "rope_theta": 10000.0} | (rope_scaling or {})
         config = transformers.LlamaConfig(
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-            rope_parameters=rope, **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters=rope,
+            **common,
         )
         model_class = transformers.LlamaForCausalLM
     elif architecture == "qwen2":
@@ -239,8 +254,12 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
         model_class = transformers.Qwen2ForCausalLM
     else:  # qwen3, with head_dim != hidden / heads
         config = transformers.Qwen3Config(
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            tie_word_embeddings=False, **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            **common,
         )
         model_class = transformers.Qwen3ForCausalLM
     torch.manual_seed(0)
@@ -253,8 +272,10 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
 
 def _llama_permute(weights: np.ndarray, *, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permute for Llama Q/K rows. weights: (n_head * head_dim, ...)."""
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
-        weights.shape
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
     )
 
 
@@ -357,8 +378,12 @@ def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, q
 
 # Llama 3.1's rope scaling, shrunk to a 256-token model (only in the `rope_freqs` tensor of a GGUF)
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
 }
 
 
@@ -499,7 +524,10 @@ def test_llama3_rope_recovered_from_rope_freqs(converted):
     llama31 = dict(LLAMA3_ROPE, original_max_position_embeddings=8192)
     factors = llama_cpp_rope_factors(llama31, head_dim=128)
     assert qgguf.llama3_rope_scaling(factors, theta=500000.0, head_dim=128) == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
     assert qgguf.llama3_rope_scaling(np.ones(64, dtype=np.float32), theta=500000.0, head_dim=128) is None
@@ -510,7 +538,11 @@ def test_llama3_rope_recovered_from_rope_freqs(converted):
 def test_output_files(converted, tiny_ggufs):
     model_dir = converted["gemma3-mixed"]
     assert sorted(p.name for p in model_dir.iterdir()) == [
-        "config.json", "model.safetensors", SOURCE_MARKER, "tokenizer.json", "tokenizer_config.json",
+        "config.json",
+        "model.safetensors",
+        SOURCE_MARKER,
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert tokenizer_config["bos_token"] == "<bos>" and tokenizer_config["eos_token"] == "<eos>"
@@ -545,7 +577,7 @@ def test_interrupted_conversion_leaves_nothing(tiny_ggufs, tmp_path, monkeypatch
 def test_invalid_file_raises_value_error_naming_it(content, tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(content)
-    with pytest.raises(ValueError, match="broken.gguf"):
+    with pytest.raises(ValueError, match=r"broken\.gguf"):
         convert_gguf_to_hf_dir(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -560,7 +592,7 @@ def test_truncated_file_raises_value_error_naming_it(tiny_ggufs, tmp_path):
 
 
 def test_missing_file_raises_file_not_found(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
         convert_gguf_to_hf_dir(tmp_path / "nope.gguf", tmp_path / "out")
 
 

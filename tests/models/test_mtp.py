@@ -45,8 +45,11 @@ def write_mtp_checkpoint(source, out, reference, *, seed: int):
     gen = torch.Generator().manual_seed(seed)
     hidden = reference.config.hidden_size
     prefix = f"model.layers.{NUM_LAYERS}."
-    tensors = {name.replace("model.layers.0.", prefix): t.detach().clone()
-               for name, t in reference.state_dict().items() if name.startswith("model.layers.0.")}
+    tensors = {
+        name.replace("model.layers.0.", prefix): t.detach().clone()
+        for name, t in reference.state_dict().items()
+        if name.startswith("model.layers.0.")
+    }
     tensors[prefix + "shared_head.norm.weight"] = reference.state_dict()["model.norm.weight"].clone()
     tensors[prefix + "enorm.weight"] = torch.randn(hidden, generator=gen) * 0.3 + 1
     tensors[prefix + "hnorm.weight"] = torch.randn(hidden, generator=gen) * 0.3 + 1
@@ -82,8 +85,9 @@ def test_mtp_logits_match_an_independent_reference(mtp_checkpoints, arch):
     path, reference, tensors = mtp_checkpoints[arch]
     llm = LLM(str(path), max_model_len=128)
     target = llm.engine.model
-    shard = generate_shard(llm, [repetitive_prompts()[0]], feature_layers=(NUM_LAYERS - 1,), max_new_tokens=10,
-                           temperature=0.0, seed=0)
+    shard = generate_shard(
+        llm, [repetitive_prompts()[0]], feature_layers=(NUM_LAYERS - 1,), max_new_tokens=10, temperature=0.0, seed=0
+    )
     seq = shard.sequences[0]
     tokens = torch.tensor(seq.token_ids)
     head = MtpHead.from_checkpoint(path, target_config=target.config, dtype=torch.float32, max_len=128)
@@ -96,8 +100,13 @@ def test_mtp_logits_match_an_independent_reference(mtp_checkpoints, arch):
         embeds = hf_target.get_input_embeddings()(tokens[1:])  # [T - 1, D], Gemma's scale included
         prefix = f"model.layers.{NUM_LAYERS}."
         gemma = arch == "gemma3"
-        mixed = torch.cat([_rms(embeds, tensors[prefix + "enorm.weight"], unit_offset=gemma),
-                           _rms(final_hidden, tensors[prefix + "hnorm.weight"], unit_offset=gemma)], dim=-1)
+        mixed = torch.cat(
+            [
+                _rms(embeds, tensors[prefix + "enorm.weight"], unit_offset=gemma),
+                _rms(final_hidden, tensors[prefix + "hnorm.weight"], unit_offset=gemma),
+            ],
+            dim=-1,
+        )
         inputs = mixed @ tensors[prefix + "eh_proj.weight"].T
         reference.set_input_embeddings(hf_target.get_input_embeddings())
         reference.lm_head = hf_target.lm_head
@@ -127,8 +136,12 @@ def test_mtp_greedy_equals_plain(mtp_checkpoints, arch, shape):
     path, _, _ = mtp_checkpoints[arch]
     params = SamplingParams(max_tokens=30, **GREEDY)
     plain = LLM(str(path), max_model_len=256, max_num_seqs=4).generate(repetitive_prompts(), params)
-    llm = LLM(str(path), max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 3, **shape})
+    llm = LLM(
+        str(path),
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 3, **shape},
+    )
     outs = llm.generate(repetitive_prompts(), params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     metrics = llm.get_metrics()

@@ -32,8 +32,14 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
 
 def load(path: Path, quantization: str | None):
     model_dir = resolve_model_dir(path)
-    return load_decoder(model_dir, dtype=torch.float32, device=CPU, max_len=128, quantization=quantization,
-                        gguf_path=resolve_gguf_path(path))
+    return load_decoder(
+        model_dir,
+        dtype=torch.float32,
+        device=CPU,
+        max_len=128,
+        quantization=quantization,
+        gguf_path=resolve_gguf_path(path),
+    )
 
 
 @pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16"])
@@ -54,13 +60,24 @@ def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
 
 
 def _quantized_weights(model) -> dict[str, QuantizedWeight]:
-    return {f"{module_name}.{attr}".lstrip("."): value for module_name, module in model.named_modules()
-            for attr, value in vars(module).items() if isinstance(value, QuantizedWeight)}
+    return {
+        f"{module_name}.{attr}".lstrip("."): value
+        for module_name, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, QuantizedWeight)
+    }
 
 
 def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3):
-    cache = KVCache(num_layers=config.num_layers, num_slots=slots, num_kv_heads=config.num_kv_heads,
-                    head_dim=config.head_dim, max_len=128, dtype=torch.float32, device=CPU)
+    cache = KVCache(
+        num_layers=config.num_layers,
+        num_slots=slots,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=128,
+        dtype=torch.float32,
+        device=CPU,
+    )
     runner = ModelRunner(model=model, cache=cache, device=CPU)
     for slot in range(slots if prefix else 0):  # no prefix: nothing to prefill
         runner.forward([SequenceWork(slot=slot, cache_len=0, token_ids=prefix, logits_nodes=[0])])
@@ -72,17 +89,38 @@ def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
     model, config = load(tiny_gguf_paths[name], "gguf")
     prefix, rest = PROMPT[:12], PROMPT[12:]
     n = len(prefix)
-    alone = _logits(model, config, [[SequenceWork(slot=0, cache_len=n + i, token_ids=[rest[i]], logits_nodes=[0])]
-                                    for i in range(len(rest))], prefix=prefix, slots=1)
+    alone = _logits(
+        model,
+        config,
+        [[SequenceWork(slot=0, cache_len=n + i, token_ids=[rest[i]], logits_nodes=[0])] for i in range(len(rest))],
+        prefix=prefix,
+        slots=1,
+    )
     alone = torch.cat(alone)
-    chain_and_other, tree = _logits(model, config, [
-        # a chain of all six beside another request's tree
-        [SequenceWork(slot=2, cache_len=n, token_ids=[7, 8, 9, 10], parents=[-1, 0, 0, 1], logits_nodes=[0, 1, 2, 3]),
-         SequenceWork(slot=1, cache_len=n, token_ids=rest, logits_nodes=list(range(len(rest))))],
-        # the first three inside a tree with wrong siblings
-        [SequenceWork(slot=0, cache_len=n, token_ids=[rest[0], 99, rest[1], 98, rest[2]], parents=[-1, 0, 0, 2, 2],
-                      logits_nodes=[0, 2, 4])],
-    ], prefix=prefix)
+    chain_and_other, tree = _logits(
+        model,
+        config,
+        [
+            # a chain of all six beside another request's tree
+            [
+                SequenceWork(
+                    slot=2, cache_len=n, token_ids=[7, 8, 9, 10], parents=[-1, 0, 0, 1], logits_nodes=[0, 1, 2, 3]
+                ),
+                SequenceWork(slot=1, cache_len=n, token_ids=rest, logits_nodes=list(range(len(rest)))),
+            ],
+            # the first three inside a tree with wrong siblings
+            [
+                SequenceWork(
+                    slot=0,
+                    cache_len=n,
+                    token_ids=[rest[0], 99, rest[1], 98, rest[2]],
+                    parents=[-1, 0, 0, 2, 2],
+                    logits_nodes=[0, 2, 4],
+                )
+            ],
+        ],
+        prefix=prefix,
+    )
     assert torch.equal(chain_and_other[4:], alone)
     assert torch.equal(tree, alone[:3])
 
@@ -96,10 +134,20 @@ def test_prefill_rows_equal_decoded_rows(tiny_gguf_paths, monkeypatch, amx):
 
     monkeypatch.setenv(AMX_ENV, amx)
     model, config = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
-    wide, = _logits(model, config, [[SequenceWork(slot=0, cache_len=0, token_ids=PROMPT,
-                                                  logits_nodes=list(range(len(PROMPT))))]], prefix=[], slots=1)
-    alone = _logits(model, config, [[SequenceWork(slot=0, cache_len=i, token_ids=[PROMPT[i]], logits_nodes=[0])]
-                                    for i in range(len(PROMPT))], prefix=[], slots=1)
+    (wide,) = _logits(
+        model,
+        config,
+        [[SequenceWork(slot=0, cache_len=0, token_ids=PROMPT, logits_nodes=list(range(len(PROMPT))))]],
+        prefix=[],
+        slots=1,
+    )
+    alone = _logits(
+        model,
+        config,
+        [[SequenceWork(slot=0, cache_len=i, token_ids=[PROMPT[i]], logits_nodes=[0])] for i in range(len(PROMPT))],
+        prefix=[],
+        slots=1,
+    )
     assert torch.equal(wide, torch.cat(alone))
 
 
@@ -120,8 +168,9 @@ def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, tree):
     plain = LLM(path, max_model_len=128, max_num_seqs=4)
     assert plain.engine.quantization == "gguf"
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    llm = LLM(path, max_model_len=128, max_num_seqs=4, speculative_config={"method": "ngram",
-                                                                            "num_speculative_tokens": 6})
+    llm = LLM(
+        path, max_model_len=128, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 6}
+    )
     llm.engine.speculator.drafter = GarbageDrafter(vocab_size=plain.engine.model_config.vocab_size, tree=tree)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.get_metrics().num_draft_tokens > 50
@@ -133,8 +182,13 @@ def test_q8_0_at_load_speculative_equals_plain(tiny_checkpoints):
     plain = LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0")
     assert _quantized_weights(plain.engine.model)
     expected = [o.outputs[0].token_ids for o in plain.generate(repetitive_prompts(), params)]
-    spec = LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0",
-               speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    spec = LLM(
+        path,
+        max_model_len=256,
+        max_num_seqs=4,
+        quantization="q8_0",
+        speculative_config={"method": "suffix", "num_speculative_tokens": 6},
+    )
     assert [o.outputs[0].token_ids for o in spec.generate(repetitive_prompts(), params)] == expected
     assert spec.get_metrics().num_accepted_tokens > 0
 
@@ -150,7 +204,7 @@ def test_quantization_choices_and_errors(tiny_checkpoints, tiny_gguf_paths):
     assert resolve(None, dtype="auto", gguf_path=gguf_path, device=torch.device("cuda")) is None
     with pytest.raises(ValueError, match="unknown quantization 'q3'"):
         resolve("q3", dtype="auto", gguf_path=gguf_path, device=CPU)
-    with pytest.raises(ValueError, match="needs a .gguf model"):
+    with pytest.raises(ValueError, match=r"needs a \.gguf model"):
         LLM(str(tiny_checkpoints["llama"]), quantization="gguf", max_model_len=64)
     with pytest.raises(ValueError, match="computes in float32"):
         LLM(str(gguf_path), quantization="gguf", dtype="bfloat16", max_model_len=64)
@@ -185,16 +239,28 @@ def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
     layers carry such a flip along, so: one layer's output elementwise (flips rare), the whole
     model's next-token choices (nearly all equal)."""
     model, config = load(tiny_gguf_paths[name], "gguf")
-    work = [[SequenceWork(slot=0, cache_len=1, token_ids=PROMPT[1:], logits_nodes=list(range(len(PROMPT) - 1)))],
-            [SequenceWork(slot=0, cache_len=len(PROMPT), token_ids=[5, 6, 7], parents=[-1, 0, 0],
-                          logits_nodes=[0, 1, 2]),
-             SequenceWork(slot=1, cache_len=1, token_ids=PROMPT[1:9], logits_nodes=[7])]]
+    work = [
+        [SequenceWork(slot=0, cache_len=1, token_ids=PROMPT[1:], logits_nodes=list(range(len(PROMPT) - 1)))],
+        [
+            SequenceWork(
+                slot=0, cache_len=len(PROMPT), token_ids=[5, 6, 7], parents=[-1, 0, 0], logits_nodes=[0, 1, 2]
+            ),
+            SequenceWork(slot=1, cache_len=1, token_ids=PROMPT[1:9], logits_nodes=[7]),
+        ],
+    ]
     results = {}
     for fused in (False, True):
         _set_fused(model, fused)
         logits = torch.cat(_logits(model, config, work, prefix=[2], slots=2))
-        cache = KVCache(num_layers=config.num_layers, num_slots=1, num_kv_heads=config.num_kv_heads,
-                        head_dim=config.head_dim, max_len=128, dtype=torch.float32, device=CPU)
+        cache = KVCache(
+            num_layers=config.num_layers,
+            num_slots=1,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            max_len=128,
+            dtype=torch.float32,
+            device=CPU,
+        )
         runner = ModelRunner(model=model, cache=cache, device=CPU)
         first_layer = runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=PROMPT)], end_layer=1)
         results[fused] = (logits, first_layer.forward.hidden_states)
@@ -216,6 +282,8 @@ def test_packed_weights_are_cached_beside_the_conversion(tiny_gguf_paths):
         assert torch.equal(_quantized_weights(second)[name].dequantize(), weight.dequantize()), name
     cache_file.write_bytes(b"not a safetensors file")
     third, _ = load(path, "gguf")  # a broken cache is rebuilt, not trusted
-    assert torch.equal(_quantized_weights(third)["layers.0.qkv_proj"].dequantize(),
-                       _quantized_weights(first)["layers.0.qkv_proj"].dequantize())
+    assert torch.equal(
+        _quantized_weights(third)["layers.0.qkv_proj"].dequantize(),
+        _quantized_weights(first)["layers.0.qkv_proj"].dequantize(),
+    )
     assert cache_file.stat().st_size > 1000

@@ -40,7 +40,8 @@ def test_logits_match_transformers(llm, reference):
     for text in PROMPTS[:3]:
         ids = llm.tokenizer.encode(text)
         out = llm.engine.runner.forward(
-            [SequenceWork(slot=0, cache_len=0, token_ids=ids, logits_nodes=list(range(len(ids))))])
+            [SequenceWork(slot=0, cache_len=0, token_ids=ids, logits_nodes=list(range(len(ids))))]
+        )
         with torch.no_grad():
             expected = reference(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(out.logits, expected, rtol=1e-3, atol=2e-3)
@@ -52,9 +53,8 @@ def test_greedy_tokens_match_transformers(llm, reference):
     for text, output in zip(PROMPTS, ours):
         ids = torch.tensor([output.prompt_token_ids])
         with torch.no_grad():
-            ref = reference.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0)
-        assert output.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), text
+            ref = reference.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert output.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), text
 
 
 def test_embedded_model_reloads_fast():
@@ -65,11 +65,14 @@ def test_embedded_model_reloads_fast():
     assert time.perf_counter() - start < 5.0
 
 
-@pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 5},
-    {"method": "suffix"},
-    {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 2, "dynamic_draft_length": True},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 5},
+        {"method": "suffix"},
+        {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 2, "dynamic_draft_length": True},
+    ],
+)
 def test_speculative_greedy_equals_plain(spec):
     assert speculative_metrics_if_exact(spec, max_tokens=40).acceptance_length > 1.2
 
@@ -101,8 +104,9 @@ def test_eagle_head_greedy_equals_plain(tmp_path, shape):
     """Any head keeps the output exact: here an untrained one sized for Gemma 3 270M."""
     from tests.drafters.test_eagle import random_head
 
-    head = str(random_head(tmp_path / "head", feature_layers=(1, 9, 17), draft_vocab=2048, hidden=640,
-                           vocab_size=262144))
+    head = str(
+        random_head(tmp_path / "head", feature_layers=(1, 9, 17), draft_vocab=2048, hidden=640, vocab_size=262144)
+    )
     eagle = {"method": "eagle3", "head": head, "num_speculative_tokens": 4}
     spec = {"method": "hybrid", "drafters": [{"method": "suffix"}, eagle]} if shape == "hybrid" else {**eagle, **shape}
     assert speculative_metrics_if_exact(spec, max_tokens=24).num_drafts > 0
@@ -115,34 +119,51 @@ def test_medusa_and_self_heads_greedy_equal_plain(tmp_path, kind):
     from tests.drafters.test_medusa import random_heads
 
     if kind == "medusa":
-        head = random_heads(tmp_path / "h", num_heads=3, hidden=640, feature_layer=17, draft_vocab=2048,
-                            vocab_size=262144)
+        head = random_heads(
+            tmp_path / "h", num_heads=3, hidden=640, feature_layer=17, draft_vocab=2048, vocab_size=262144
+        )
         spec = {"method": "medusa", "head": str(head)}
     else:
-        head = random_self_head(tmp_path / "h", feature_layer=5, hidden=640, draft_vocab=2048, vocab_size=262144,
-                                scale=0.02)
-        spec = {"model": "[self]", "head": str(head), "num_speculative_tokens": 3,
-                "top_k": 1 if kind == "self-chain" else 2}
+        head = random_self_head(
+            tmp_path / "h", feature_layer=5, hidden=640, draft_vocab=2048, vocab_size=262144, scale=0.02
+        )
+        spec = {
+            "model": "[self]",
+            "head": str(head),
+            "num_speculative_tokens": 3,
+            "top_k": 1 if kind == "self-chain" else 2,
+        }
     assert speculative_metrics_if_exact(spec, max_tokens=24).num_drafts > 0
 
 
-@pytest.mark.parametrize("options", [
-    {"top_k": 1},  # the default head (with a copy path), a chain
-    {"top_k": 3, "max_draft_tokens": 10},  # its mixture's top-k children in a dynamic tree
-    {"head": "eagle3-nocopy", "top_k": 1},  # the head without a copy path, by its name
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"top_k": 1},  # the default head (with a copy path), a chain
+        {"top_k": 3, "max_draft_tokens": 10},  # its mixture's top-k children in a dynamic tree
+        {"head": "eagle3-nocopy", "top_k": 1},  # the head without a copy path, by its name
+    ],
+)
 def test_shipped_eagle3_heads_load_by_name_and_draft_usefully(options):
     """{"method": "eagle3"} finds the heads shipped for the embedded model; output stays exact."""
-    metrics = speculative_metrics_if_exact({"method": "eagle3", "num_speculative_tokens": 4, "head_dtype": "bfloat16",
-                                            **options}, max_tokens=48)
+    metrics = speculative_metrics_if_exact(
+        {"method": "eagle3", "num_speculative_tokens": 4, "head_dtype": "bfloat16", **options}, max_tokens=48
+    )
     assert metrics.acceptance_length > 1.3  # an untrained head stays near 1.0
 
 
 def test_shipped_hybrid_of_the_demo_is_exact():
     """The demo's hybrid (suffix, then the shipped copy head where retrieval drafts under 2 tokens,
     its paths cut below probability 0.2) keeps the output exact and drafts."""
-    spec = {"method": "hybrid", "skip_after": 2, "max_draft_tokens": 12, "drafters": [
-        {"method": "suffix"}, {"method": "eagle3", "top_k": 1, "head_dtype": "bfloat16", "min_draft_prob": 0.2}]}
+    spec = {
+        "method": "hybrid",
+        "skip_after": 2,
+        "max_draft_tokens": 12,
+        "drafters": [
+            {"method": "suffix"},
+            {"method": "eagle3", "top_k": 1, "head_dtype": "bfloat16", "min_draft_prob": 0.2},
+        ],
+    }
     assert speculative_metrics_if_exact(spec, max_tokens=48).acceptance_length > 1.3
 
 
@@ -151,8 +172,9 @@ SEEDED = [
     SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True),
     SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=12, max_tokens=32, ignore_eos=True),
     SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.2, seed=13, max_tokens=32, ignore_eos=True),
-    SamplingParams(temperature=1.2, presence_penalty=0.5, frequency_penalty=0.3, seed=14, max_tokens=32,
-                   ignore_eos=True),
+    SamplingParams(
+        temperature=1.2, presence_penalty=0.5, frequency_penalty=0.3, seed=14, max_tokens=32, ignore_eos=True
+    ),
     SamplingParams(temperature=0.6, top_k=5, min_tokens=8, seed=15, max_tokens=32),
     SamplingParams(temperature=0, seed=16, max_tokens=32, ignore_eos=True),
 ]
@@ -164,13 +186,17 @@ def seeded_plain():
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 5},
-    {"method": "suffix"},
-    {"method": "eagle3", "top_k": 3, "max_draft_tokens": 10},
-    {"method": "hybrid", "skip_after": 2, "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}]},
-    "draft_model",
-], ids=str)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 5},
+        {"method": "suffix"},
+        {"method": "eagle3", "top_k": 3, "max_draft_tokens": 10},
+        {"method": "hybrid", "skip_after": 2, "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}]},
+        "draft_model",
+    ],
+    ids=str,
+)
 def test_seeded_sampled_speculation_equals_seeded_plain(seeded_plain, spec):
     """Position-keyed sampling on the real model: the same seeded tokens with any drafter."""
     from quickdraft.models.gguf import default_model_dir

@@ -33,15 +33,32 @@ def test_whole_forward_batch_invariant(llm):
     n = len(prefix)
     for slot in range(3):
         _forward(llm, [SequenceWork(slot=slot, cache_len=0, token_ids=prefix, logits_nodes=[0])])
-    alone = torch.cat([_forward(llm, [SequenceWork(slot=0, cache_len=n + i, token_ids=[tok], logits_nodes=[0])])
-                       for i, tok in enumerate(rest)])
-    chain = _forward(llm, [
-        SequenceWork(slot=2, cache_len=n, token_ids=[ids[3], 7, 8, 9], parents=[-1, 0, 0, 1], logits_nodes=[0, 3]),
-        SequenceWork(slot=1, cache_len=n, token_ids=rest, logits_nodes=list(range(len(rest)))),
-    ])[2:]
+    alone = torch.cat(
+        [
+            _forward(llm, [SequenceWork(slot=0, cache_len=n + i, token_ids=[tok], logits_nodes=[0])])
+            for i, tok in enumerate(rest)
+        ]
+    )
+    chain = _forward(
+        llm,
+        [
+            SequenceWork(slot=2, cache_len=n, token_ids=[ids[3], 7, 8, 9], parents=[-1, 0, 0, 1], logits_nodes=[0, 3]),
+            SequenceWork(slot=1, cache_len=n, token_ids=rest, logits_nodes=list(range(len(rest)))),
+        ],
+    )[2:]
     assert torch.equal(chain, alone)
-    tree = _forward(llm, [SequenceWork(slot=1, cache_len=n, token_ids=[rest[0], 3, rest[1], 5, 6, rest[2]],
-                                       parents=[-1, 0, 0, 2, 2, 2], logits_nodes=[0, 2, 5])])
+    tree = _forward(
+        llm,
+        [
+            SequenceWork(
+                slot=1,
+                cache_len=n,
+                token_ids=[rest[0], 3, rest[1], 5, 6, rest[2]],
+                parents=[-1, 0, 0, 2, 2, 2],
+                logits_nodes=[0, 2, 5],
+            )
+        ],
+    )
     assert torch.equal(tree, alone[:3])
 
 

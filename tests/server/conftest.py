@@ -63,8 +63,7 @@ def start_server(config: ServerConfig) -> RunningServer:
 
 
 def tiny_server_config(path, **overrides) -> ServerConfig:
-    settings = dict(model=str(path), max_model_len=128, max_num_seqs=4, log_level="warning",
-                    shutdown_grace_seconds=5.0)
+    settings = dict(model=str(path), max_model_len=128, max_num_seqs=4, log_level="warning", shutdown_grace_seconds=5.0)
     settings.update(overrides)
     return ServerConfig(**settings)
 
@@ -80,8 +79,15 @@ def plain_server(tiny_checkpoints):
 @pytest.fixture(scope="session")
 def ngram_server(tiny_checkpoints):
     """qwen3 (has a chat template), n-gram speculation, room for many clients."""
-    running = start_server(tiny_server_config(tiny_checkpoints["qwen3"], served_model_name="tiny-qwen",
-                                              speculative_config=NGRAM_CONFIG, max_num_seqs=8, max_queue=256))
+    running = start_server(
+        tiny_server_config(
+            tiny_checkpoints["qwen3"],
+            served_model_name="tiny-qwen",
+            speculative_config=NGRAM_CONFIG,
+            max_num_seqs=8,
+            max_queue=256,
+        )
+    )
     yield running
     running.stop()
 
@@ -89,8 +95,11 @@ def ngram_server(tiny_checkpoints):
 @pytest.fixture(scope="session")
 def suffix_server(tiny_checkpoints):
     """gemma3, suffix-tree speculation."""
-    running = start_server(tiny_server_config(tiny_checkpoints["gemma3"], served_model_name="tiny-gemma-suffix",
-                                              speculative_config={"method": "suffix"}))
+    running = start_server(
+        tiny_server_config(
+            tiny_checkpoints["gemma3"], served_model_name="tiny-gemma-suffix", speculative_config={"method": "suffix"}
+        )
+    )
     yield running
     running.stop()
 
@@ -106,8 +115,11 @@ def offline_llms(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def metrics_server(tiny_checkpoints):
     """A fresh server, so its counters hold only this module's requests."""
-    running = start_server(tiny_server_config(tiny_checkpoints["qwen3"], served_model_name="metered",
-                                              speculative_config=NGRAM_CONFIG, max_scenarios=4))
+    running = start_server(
+        tiny_server_config(
+            tiny_checkpoints["qwen3"], served_model_name="metered", speculative_config=NGRAM_CONFIG, max_scenarios=4
+        )
+    )
     yield running
     running.stop()
 
@@ -115,7 +127,10 @@ def metrics_server(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def adaptive_server(tiny_checkpoints):
     """A fresh server with adaptive n-gram speculation (draft length chosen per step)."""
-    running = start_server(tiny_server_config(tiny_checkpoints["qwen3"], served_model_name="adaptive",
-                                              speculative_config=ADAPTIVE_NGRAM_CONFIG))
+    running = start_server(
+        tiny_server_config(
+            tiny_checkpoints["qwen3"], served_model_name="adaptive", speculative_config=ADAPTIVE_NGRAM_CONFIG
+        )
+    )
     yield running
     running.stop()

@@ -19,15 +19,17 @@ def offline_greedy(llm, prompts, *, max_tokens=MAX_TOKENS):
     return [out.outputs[0] for out in outputs]
 
 
-@pytest.mark.parametrize(("server_fixture", "arch"), [("plain_server", "gemma3"), ("ngram_server", "qwen3"),
-                                                      ("suffix_server", "gemma3")])
+@pytest.mark.parametrize(
+    ("server_fixture", "arch"), [("plain_server", "gemma3"), ("ngram_server", "qwen3"), ("suffix_server", "gemma3")]
+)
 def test_greedy_completions_equal_offline_generate(request, offline_llms, server_fixture, arch):
     server = request.getfixturevalue(server_fixture)
     client = server.openai_client()
     expected = offline_greedy(offline_llms[arch], PROMPTS)
     for prompt, reference in zip(PROMPTS, expected):
-        response = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=MAX_TOKENS,
-                                             temperature=0)
+        response = client.completions.create(
+            model=server.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
         choice = response.choices[0]
         assert choice.text == reference.text
         assert choice.finish_reason == reference.finish_reason
@@ -38,22 +40,23 @@ def test_greedy_completions_equal_offline_generate(request, offline_llms, server
 def test_speculation_figures_are_the_requests_own(ngram_server):
     client = ngram_server.openai_client()
     # A tiny random model falls into loops under greedy decoding: n-gram lookup then drafts.
-    response = client.completions.create(model=ngram_server.model_name, prompt="x y x y x y x y", max_tokens=48,
-                                         temperature=0)
+    response = client.completions.create(
+        model=ngram_server.model_name, prompt="x y x y x y x y", max_tokens=48, temperature=0
+    )
     figures = response.model_extra["speculation"]
     assert figures["method"] == "ngram"
     assert figures["drafts"] > 0 and figures["draft_tokens"] >= figures["drafts"]
     assert 0 <= figures["accepted_tokens"] <= figures["draft_tokens"]
     assert figures["acceptance_rate"] == pytest.approx(figures["accepted_tokens"] / figures["draft_tokens"])
-    assert figures["acceptance_length"] == pytest.approx(
-        response.usage.completion_tokens / figures["target_forwards"])
+    assert figures["acceptance_length"] == pytest.approx(response.usage.completion_tokens / figures["target_forwards"])
     assert sum(figures["accepted_per_position"]) == figures["accepted_tokens"]
     assert figures["target_forwards"] < response.usage.completion_tokens  # speculation saved forwards
 
 
 def test_plain_server_reports_no_drafts(plain_server):
-    response = plain_server.openai_client().completions.create(model=plain_server.model_name, prompt="hi",
-                                                               max_tokens=5, temperature=0)
+    response = plain_server.openai_client().completions.create(
+        model=plain_server.model_name, prompt="hi", max_tokens=5, temperature=0
+    )
     figures = response.model_extra["speculation"]
     assert figures["method"] == "none" and figures["draft_tokens"] == 0 and figures["acceptance_rate"] is None
     assert figures["acceptance_length"] == 1.0
@@ -63,7 +66,8 @@ def test_chat_equals_offline_chat(ngram_server, offline_llms):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi twice."}]
     reference = offline_llms["qwen3"].chat(messages, SamplingParams(temperature=0, max_tokens=16))[0]
     response = ngram_server.openai_client().chat.completions.create(
-        model=ngram_server.model_name, messages=messages, max_completion_tokens=16, temperature=0)
+        model=ngram_server.model_name, messages=messages, max_completion_tokens=16, temperature=0
+    )
     assert response.object == "chat.completion"
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == reference.outputs[0].text
@@ -75,17 +79,33 @@ def test_seeded_sampling_equals_offline(plain_server, offline_llms):
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=12)
     reference = offline_llms["gemma3"].generate(["Once upon"], params)[0].outputs[0].text
     client = plain_server.openai_client()
-    texts = [client.completions.create(model=plain_server.model_name, prompt="Once upon", max_tokens=12,
-                                       temperature=0.9, top_p=0.9, seed=7, extra_body={"top_k": 50}).choices[0].text
-             for _ in range(2)]
+    texts = [
+        client.completions.create(
+            model=plain_server.model_name,
+            prompt="Once upon",
+            max_tokens=12,
+            temperature=0.9,
+            top_p=0.9,
+            seed=7,
+            extra_body={"top_k": 50},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert texts == [reference, reference]
 
 
 def test_streaming_completion_with_usage(ngram_server, offline_llms):
     reference = offline_greedy(offline_llms["qwen3"], [PROMPTS[1]])[0]
     stream = ngram_server.openai_client().completions.create(
-        model=ngram_server.model_name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        model=ngram_server.model_name,
+        prompt=PROMPTS[1],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
     assert text == reference.text
@@ -101,8 +121,11 @@ def test_streaming_completion_with_usage(ngram_server, offline_llms):
 def test_streaming_chat_deltas(ngram_server, offline_llms):
     messages = [{"role": "user", "content": "Count: 1 2 3 1 2 3"}]
     reference = offline_llms["qwen3"].chat(messages, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
-    chunks = list(ngram_server.openai_client().chat.completions.create(
-        model=ngram_server.model_name, messages=messages, max_tokens=24, temperature=0, stream=True))
+    chunks = list(
+        ngram_server.openai_client().chat.completions.create(
+            model=ngram_server.model_name, messages=messages, max_tokens=24, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
@@ -112,15 +135,21 @@ def test_streaming_chat_deltas(ngram_server, offline_llms):
 
 
 def test_raw_sse_framing_ends_with_done(plain_server):
-    body = {"model": plain_server.model_name, "prompt": "abc", "max_tokens": 6, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": plain_server.model_name,
+        "prompt": "abc",
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{plain_server.api_url}/completions", json=body, timeout=30) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
     assert all(line.startswith("data: ") for line in events)
     assert events[-1] == "data: [DONE]"
-    payloads = [json.loads(line[len("data: "):]) for line in events[:-1]]
+    payloads = [json.loads(line[len("data: ") :]) for line in events[:-1]]
     assert all(p["object"] == "text_completion" and p["model"] == plain_server.model_name for p in payloads)
     assert len({p["id"] for p in payloads}) == 1
     assert payloads[-1]["usage"]["completion_tokens"] == 6 and payloads[-1]["choices"] == []
@@ -132,8 +161,13 @@ def test_concurrent_requests_equal_offline(ngram_server, offline_llms):
     client = ngram_server.openai_client()
 
     def complete(prompt):
-        return client.completions.create(model=ngram_server.model_name, prompt=prompt, max_tokens=MAX_TOKENS,
-                                         temperature=0).choices[0].text
+        return (
+            client.completions.create(
+                model=ngram_server.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+            )
+            .choices[0]
+            .text
+        )
 
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         assert list(pool.map(complete, prompts)) == expected
@@ -148,10 +182,12 @@ def test_token_id_prompt_equals_text_prompt(plain_server, offline_llms):
 
 
 def test_completion_logprobs_match_offline(plain_server, offline_llms):
-    reference = offline_llms["gemma3"].generate(
-        ["abc"], SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0].outputs[0]
-    response = plain_server.openai_client().completions.create(model=plain_server.model_name, prompt="abc",
-                                                               max_tokens=5, temperature=0, logprobs=2)
+    reference = (
+        offline_llms["gemma3"].generate(["abc"], SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0].outputs[0]
+    )
+    response = plain_server.openai_client().completions.create(
+        model=plain_server.model_name, prompt="abc", max_tokens=5, temperature=0, logprobs=2
+    )
     logprobs = response.choices[0].logprobs
     assert logprobs.token_logprobs == pytest.approx([entry.logprob for entry in reference.logprobs])
     assert all(len(top) <= 2 for top in logprobs.top_logprobs) and len(logprobs.tokens) == 5
@@ -159,11 +195,24 @@ def test_completion_logprobs_match_offline(plain_server, offline_llms):
 
 
 def test_chat_logprobs_streamed_one_per_token(ngram_server):
-    chunks = list(ngram_server.openai_client().chat.completions.create(
-        model=ngram_server.model_name, messages=[{"role": "user", "content": "a a a a"}], max_tokens=10,
-        temperature=0, stream=True, logprobs=True, top_logprobs=3, stream_options={"include_usage": True}))
-    entries = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
-               for entry in chunk.choices[0].logprobs.content]
+    chunks = list(
+        ngram_server.openai_client().chat.completions.create(
+            model=ngram_server.model_name,
+            messages=[{"role": "user", "content": "a a a a"}],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=3,
+            stream_options={"include_usage": True},
+        )
+    )
+    entries = [
+        entry
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
     assert len(entries) == chunks[-1].usage.completion_tokens
     assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in entries)
 
@@ -182,9 +231,11 @@ def test_models_health_and_metrics_endpoints(ngram_server):
 def test_seeded_suffix_server_returns_the_plain_servers_text(plain_server, suffix_server):
     """Position-keyed sampling: the suffix drafter's growing cache changes nothing in a seeded
     answer, call after call, and it equals the plain server's."""
+
     def complete(server, **extra):
         return server.openai_client().completions.create(
-            model=server.model_name, prompt="a b c a b c a b c a b", max_tokens=16, temperature=0.8, **extra)
+            model=server.model_name, prompt="a b c a b c a b c a b", max_tokens=16, temperature=0.8, **extra
+        )
 
     plain = complete(plain_server, seed=42)
     assert plain.model_dump()["seed"] == 42
@@ -196,14 +247,16 @@ def test_unseeded_answers_return_the_seed_that_replays_them(plain_server):
     client = plain_server.openai_client()
 
     def complete(**extra):
-        return client.completions.create(model=plain_server.model_name, prompt="tell me", temperature=1.0,
-                                         max_tokens=12, **extra)
+        return client.completions.create(
+            model=plain_server.model_name, prompt="tell me", temperature=1.0, max_tokens=12, **extra
+        )
 
     first = complete()
     seed = first.model_dump()["seed"]
     assert isinstance(seed, int)
     assert complete(seed=seed).choices[0].text == first.choices[0].text
     assert complete().model_dump()["seed"] != seed
-    stream = client.completions.create(model=plain_server.model_name, prompt="x", max_tokens=4, temperature=1.0,
-                                       seed=5, stream=True)
+    stream = client.completions.create(
+        model=plain_server.model_name, prompt="x", max_tokens=4, temperature=1.0, seed=5, stream=True
+    )
     assert [chunk.model_dump().get("seed") for chunk in stream][-1] == 5

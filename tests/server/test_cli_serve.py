@@ -25,18 +25,50 @@ def test_serve_help_lists_the_options(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = capsys.readouterr().out
-    for option in ("MODEL", "--speculative-config", "--host", "--port", "--max-model-len", "--max-num-seqs",
-                   "--dtype", "--device", "--max-queue", "--served-model-name", "--max-request-bytes",
-                   "--request-read-timeout", "--api-key", "QUICKDRAFT_API_KEY"):
+    for option in (
+        "MODEL",
+        "--speculative-config",
+        "--host",
+        "--port",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--dtype",
+        "--device",
+        "--max-queue",
+        "--served-model-name",
+        "--max-request-bytes",
+        "--request-read-timeout",
+        "--api-key",
+        "QUICKDRAFT_API_KEY",
+    ):
         assert option in text, option
 
 
 def test_serve_options_reach_the_config(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(quickdraft.server, "run_server", seen.append)
-    code = main(["serve", str(tmp_path), "--speculative-config", '{"method": "suffix"}', "--host", "0.0.0.0",
-                 "--port", "9001", "--max-model-len", "256", "--max-num-seqs", "3", "--dtype", "bfloat16",
-                 "--max-queue", "5", "--served-model-name", "mine"])
+    code = main(
+        [
+            "serve",
+            str(tmp_path),
+            "--speculative-config",
+            '{"method": "suffix"}',
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9001",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "3",
+            "--dtype",
+            "bfloat16",
+            "--max-queue",
+            "5",
+            "--served-model-name",
+            "mine",
+        ]
+    )
     assert code == 0
     config = seen[0]
     assert config.model == str(tmp_path) and config.speculative_config == {"method": "suffix"}
@@ -58,8 +90,23 @@ def test_serve_hardening_options_reach_the_config(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(quickdraft.server, "run_server", seen.append)
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert main(["serve", str(tmp_path), "--max-request-bytes", "1000", "--request-read-timeout", "2.5",
-                 "--api-key", "sk-flag", "--shutdown-grace", "4"]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                str(tmp_path),
+                "--max-request-bytes",
+                "1000",
+                "--request-read-timeout",
+                "2.5",
+                "--api-key",
+                "sk-flag",
+                "--shutdown-grace",
+                "4",
+            ]
+        )
+        == 0
+    )
     config = seen[-1]
     assert (config.max_request_bytes, config.request_read_timeout_seconds) == (1000, 2.5)
     assert (config.api_key, config.shutdown_grace_seconds) == ("sk-flag", 4.0)
@@ -114,8 +161,13 @@ class ServeProcess:
     """`python -m quickdraft serve ...` on a free port; its log collected as it comes."""
 
     def __init__(self, *args: str):
-        self.process = subprocess.Popen([sys.executable, "-m", "quickdraft", "serve", *args, "--port", "0"],
-                                        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "quickdraft", "serve", *args, "--port", "0"],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.log: list[str] = []
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
@@ -173,8 +225,17 @@ def assert_clean_log(log: list[str]) -> None:
 
 
 def test_sigterm_drains_ends_the_rest_with_503s_and_exits_0(tiny_checkpoints):
-    serving = ServeProcess(str(tiny_checkpoints["llama"]), "--max-model-len", "16384", "--max-num-seqs", "2",
-                           "--shutdown-grace", "1", "--log-level", "info")
+    serving = ServeProcess(
+        str(tiny_checkpoints["llama"]),
+        "--max-model-len",
+        "16384",
+        "--max-num-seqs",
+        "2",
+        "--shutdown-grace",
+        "1",
+        "--log-level",
+        "info",
+    )
     try:
         url = f"{serving.base_url}/v1/completions"
         with ThreadPoolExecutor(max_workers=1) as pool, httpx.Client(timeout=60) as client:

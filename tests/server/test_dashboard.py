@@ -31,9 +31,20 @@ def test_dashboard_is_valid_json_with_a_scenario_variable():
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and all(panel.get("targets") for panel in dashboard["panels"])
     titles = " ".join(panel["title"].lower() for panel in dashboard["panels"])
-    for topic in ("acceptance rate", "acceptance length", "position", "throughput", "time to first token",
-                  "per output token", "end-to-end", "queue", "batch size", "drafter vs verifier",
-                  "plain-decoding share", "mean draft length"):
+    for topic in (
+        "acceptance rate",
+        "acceptance length",
+        "position",
+        "throughput",
+        "time to first token",
+        "per output token",
+        "end-to-end",
+        "queue",
+        "batch size",
+        "drafter vs verifier",
+        "plain-decoding share",
+        "mean draft length",
+    ):
         assert topic in titles, topic
 
 
@@ -44,7 +55,8 @@ def test_every_queried_metric_exists(metrics_server, adaptive_server):
     send_traffic(adaptive_server)
     assert httpx.post(f"{metrics_server.api_url}/completions", json={"prompt": "x", "n": 2}).status_code == 400
     exposed = set(scrape(metrics_server)) | set(scrape(adaptive_server))
-    queried = {name for query in dashboard_queries(json.loads(DASHBOARD.read_text()))
-               for name in METRIC_NAME.findall(query)}
+    queried = {
+        name for query in dashboard_queries(json.loads(DASHBOARD.read_text())) for name in METRIC_NAME.findall(query)
+    }
     assert len(queried) >= 15
     assert not queried - exposed, f"dashboard queries metrics /metrics lacks: {sorted(queried - exposed)}"

@@ -27,16 +27,24 @@ def loop(tiny_checkpoints):
 
 def submit(loop, request_id, *, prompt_token_ids=(5, 6, 7), **params) -> queue.Queue:
     events: queue.Queue = queue.Queue()
-    loop.submit(Submission(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                           params=SamplingParams(temperature=0, **params), scenario="default", submitted_at=0.0,
-                           deliver=events.put))
+    loop.submit(
+        Submission(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=SamplingParams(temperature=0, **params),
+            scenario="default",
+            submitted_at=0.0,
+            deliver=events.put,
+        )
+    )
     return events
 
 
 def drain_until_finished(events: queue.Queue) -> list:
     received = [events.get(timeout=TIMEOUT)]
     while not (isinstance(received[-1], Progress) and received[-1].finished) and not isinstance(
-            received[-1], (Rejected, Failed)):
+        received[-1], (Rejected, Failed)
+    ):
         received.append(events.get(timeout=TIMEOUT))
     return received
 

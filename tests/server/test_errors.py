@@ -29,49 +29,55 @@ def assert_openai_error(response, *, status, param):
     return error
 
 
-@pytest.mark.parametrize(("change", "param"), [
-    ({"n": 2}, "n"),
-    ({"temperature": -1}, "temperature"),
-    ({"temperature": 1e-30}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_k": -5}, "top_k"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"presence_penalty": 3}, "presence_penalty"),
-    ({"seed": 2**70}, "seed"),
-    ({"logprobs": 50}, "logprobs"),
-    ({"stop": [""]}, "stop"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"echo": True}, "echo"),
-    ({"suffix": "tail"}, "suffix"),
-    ({"best_of": 3}, "best_of"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": ["one", "two"]}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [5, 10_000_000]}, "prompt"),  # out of the vocabulary: refused by the engine itself
-    ({"prompt": "word " * 200}, "prompt"),  # over max_model_len (128)
-    ({"temperature": "hot"}, "temperature"),
-    ({"stream": "yes"}, "stream"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"prompt": 3}, "prompt"),
-    ({"frobnicate": 1}, "frobnicate"),
-    ({"metadata": {"scenario": 5}}, "metadata.scenario"),
-])
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": 1e-30}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"seed": 2**70}, "seed"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "tail"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [5, 10_000_000]}, "prompt"),  # out of the vocabulary: refused by the engine itself
+        ({"prompt": "word " * 200}, "prompt"),  # over max_model_len (128)
+        ({"temperature": "hot"}, "temperature"),
+        ({"stream": "yes"}, "stream"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"prompt": 3}, "prompt"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"metadata": {"scenario": 5}}, "metadata.scenario"),
+    ],
+)
 def test_completion_errors_name_the_field(plain_server, change, param):
     assert_openai_error(post(plain_server, "/completions", {**COMPLETION, **change}), status=400, param=param)
 
 
-@pytest.mark.parametrize(("change", "param"), [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": "word " * 200}]}, "messages"),
-    ({"max_completion_tokens": 0, "max_tokens": None}, "max_completion_tokens"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"n": 3}, "n"),
-])
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "word " * 200}]}, "messages"),
+        ({"max_completion_tokens": 0, "max_tokens": None}, "max_completion_tokens"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 3}, "n"),
+    ],
+)
 def test_chat_errors_name_the_field(ngram_server, change, param):
     assert_openai_error(post(ngram_server, "/chat/completions", {**CHAT, **change}), status=400, param=param)
 
@@ -85,7 +91,8 @@ def test_unknown_model_is_404_naming_model(plain_server):
 def test_chat_without_template_is_a_clear_400(plain_server):
     with pytest.raises(openai.BadRequestError) as caught:
         plain_server.openai_client().chat.completions.create(
-            model=plain_server.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            model=plain_server.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
     assert caught.value.body["code"] == "chat_template_missing"
     assert "chat template" in caught.value.body["message"]
 
@@ -109,16 +116,76 @@ def test_unknown_route_and_method_use_the_openai_shape(plain_server):
 
 
 # ---- fuzzing ---------------------------------------------------------------------------
-FUZZ_VALUES = [None, True, False, 0, -1, 1, 2, 7, 1e308, -1e308, 0.5, 1e-9, 2**64, -(2**63) - 1, "", "x",
-               "\u0000\ud7ff", "🙂" * 3, "\ud800", "ab\udfffc", [], [1], [-1], [[1, 2]], ["a", 1], {}, {"a": 1},
-               {"include_usage": "y"},
-               [{"role": "user"}], [{"role": "user", "content": None}], [{"role": "user", "content": [
-                   {"type": "text", "text": "hi"}]}], [{"role": "tool", "content": "x"}], "NaN"]
-FUZZ_KEYS = ["prompt", "messages", "model", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens",
-             "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "stream", "stream_options", "metadata", "logit_bias",
-             "stop_token_ids", "min_tokens", "ignore_eos", "echo", "best_of", "suffix", "tools", "user",
-             "include_stop_str_in_output", "skip_special_tokens", "response_format", "zzz"]
+FUZZ_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    7,
+    1e308,
+    -1e308,
+    0.5,
+    1e-9,
+    2**64,
+    -(2**63) - 1,
+    "",
+    "x",
+    "\u0000\ud7ff",
+    "🙂" * 3,
+    "\ud800",
+    "ab\udfffc",
+    [],
+    [1],
+    [-1],
+    [[1, 2]],
+    ["a", 1],
+    {},
+    {"a": 1},
+    {"include_usage": "y"},
+    [{"role": "user"}],
+    [{"role": "user", "content": None}],
+    [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    [{"role": "tool", "content": "x"}],
+    "NaN",
+]
+FUZZ_KEYS = [
+    "prompt",
+    "messages",
+    "model",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stream",
+    "stream_options",
+    "metadata",
+    "logit_bias",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+    "echo",
+    "best_of",
+    "suffix",
+    "tools",
+    "user",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "response_format",
+    "zzz",
+]
 # Generation lengths stay small so hundreds of requests take seconds.
 MAX_FUZZ_TOKENS = 3
 
@@ -163,8 +230,9 @@ def test_fuzzed_bodies_never_get_a_5xx(plain_server, ngram_server):
     statuses = []
     with httpx.Client(timeout=30) as client:
         for i in range(300):
-            server, path, base = ((plain_server, "/completions", COMPLETION) if i % 2 == 0
-                                  else (ngram_server, "/chat/completions", CHAT))
+            server, path, base = (
+                (plain_server, "/completions", COMPLETION) if i % 2 == 0 else (ngram_server, "/chat/completions", CHAT)
+            )
             body = mutate(base, rng)
             # json.dumps escapes lone surrogates as \udXXX, as JavaScript clients send them
             # (httpx's json= would fail to encode them on this side).
@@ -179,8 +247,9 @@ def test_fuzzed_bodies_never_get_a_5xx(plain_server, ngram_server):
                 assert "error" in response.json(), response.text
             statuses.append(response.status_code)
         for raw in raw_bodies(rng):
-            response = client.post(f"{plain_server.api_url}/completions", content=raw,
-                                   headers={"Content-Type": "application/json"})
+            response = client.post(
+                f"{plain_server.api_url}/completions", content=raw, headers={"Content-Type": "application/json"}
+            )
             # A flipped byte can leave valid JSON (a 200); anything else is the client's error.
             assert response.status_code == 200 or 400 <= response.status_code < 500, (raw[:80], response.text)
     # The fuzzing reached both sides: accepted requests and refusals.

@@ -25,9 +25,15 @@ READ_TIMEOUT_SECONDS = 0.5
 @pytest.fixture(scope="module")
 def guarded_server(tiny_checkpoints):
     """An API key, a small body limit, a short read timeout, and a model name with a "/"."""
-    running = start_server(tiny_server_config(tiny_checkpoints["qwen3"], served_model_name="team/guarded",
-                                              api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES,
-                                              request_read_timeout_seconds=READ_TIMEOUT_SECONDS))
+    running = start_server(
+        tiny_server_config(
+            tiny_checkpoints["qwen3"],
+            served_model_name="team/guarded",
+            api_key=API_KEY,
+            max_request_bytes=MAX_REQUEST_BYTES,
+            request_read_timeout_seconds=READ_TIMEOUT_SECONDS,
+        )
+    )
     yield running
     running.stop()
 
@@ -82,8 +88,11 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
 
 
 def post_raw(sock: socket.socket, path: str, body: bytes, *, extra_headers: str = "") -> None:
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n{extra_headers}\r\n".encode() + body)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra_headers}\r\n".encode()
+        + body
+    )
 
 
 def recv_until_closed(sock: socket.socket, *, timeout: float) -> bytes:
@@ -103,8 +112,11 @@ def test_a_huge_prompt_does_not_stall_other_requests(plain_server):
     outcome = {}
 
     def send_huge_prompt():
-        outcome["response"] = httpx.post(f"{plain_server.api_url}/completions", timeout=120,
-                                         json={"model": plain_server.model_name, "prompt": prompt, "max_tokens": 2})
+        outcome["response"] = httpx.post(
+            f"{plain_server.api_url}/completions",
+            timeout=120,
+            json={"model": plain_server.model_name, "prompt": prompt, "max_tokens": 2},
+        )
 
     sender = threading.Thread(target=send_huge_prompt)
     latencies = []
@@ -130,8 +142,15 @@ def test_a_50_mb_body_while_streams_run_is_refused_and_stalls_no_one(plain_serve
     huge = b"x" * (50 * 1024 * 1024)
     url = f"{plain_server.api_url}/completions"
     assert httpx.post(url, json={"prompt": "go", "max_tokens": 2}, timeout=60).status_code == 200  # warm
-    stream_body = {"model": plain_server.model_name, "prompt": "go", "max_tokens": 100, "ignore_eos": True,
-                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    stream_body = {
+        "model": plain_server.model_name,
+        "prompt": "go",
+        "max_tokens": 100,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     gaps: list[float] = []
     streamed_tokens: list[int] = []
     refusals: list[int] = []
@@ -186,8 +205,10 @@ def test_tokenizer_encodes_like_the_backend_without_holding_the_gil(plain_server
         tokenizer = server.server.tokenizer
         for text in texts:
             for add_special_tokens in (True, False):
-                assert (tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-                        == tokenizer.backend.encode(text, add_special_tokens=add_special_tokens).ids), text
+                assert (
+                    tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+                    == tokenizer.backend.encode(text, add_special_tokens=add_special_tokens).ids
+                ), text
 
 
 # ---- 2: request size limit -----------------------------------------------------------------
@@ -207,8 +228,12 @@ def test_body_without_content_length_is_cut_while_reading(guarded_server):
         for _ in range(8):
             yield b" " * 1024
 
-    response = httpx.post(f"{guarded_server.api_url}/completions", content=chunks(),
-                          headers={**auth(), "Content-Type": "application/json"}, timeout=30)
+    response = httpx.post(
+        f"{guarded_server.api_url}/completions",
+        content=chunks(),
+        headers={**auth(), "Content-Type": "application/json"},
+        timeout=30,
+    )
     assert "content-length" not in response.request.headers
     assert_error(response, status=413, code="request_too_large")
 
@@ -216,25 +241,37 @@ def test_body_without_content_length_is_cut_while_reading(guarded_server):
 def test_declared_length_past_the_limit_is_refused_before_the_body(guarded_server):
     with connect(guarded_server) as sock:
         # Only the headers: a 10 MB body is announced but never sent, and still the answer comes.
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     f"Authorization: Bearer {API_KEY}\r\nContent-Length: 10000000\r\n\r\n".encode())
-        status, headers, body = read_response(sock)
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Length: 10000000\r\n\r\n".encode()
+        )
+        status, _headers, body = read_response(sock)
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
     assert "10000000 bytes" in json.loads(body)["error"]["message"]
 
 
 # ---- 3: unpaired surrogates --------------------------------------------------------------
-@pytest.mark.parametrize(("path", "raw_body", "param", "index"), [
-    ("/completions", rb'{"prompt": "\ud800", "max_tokens": 2}', "prompt", 0),
-    ("/completions", rb'{"prompt": ["ab\udfff"], "max_tokens": 2}', "prompt.0", 2),
-    ("/completions", rb'{"prompt": "ok", "stop": ["fine", "x\ud83d"], "max_tokens": 2}', "stop.1", 1),
-    ("/completions", rb'{"prompt": "ok", "stop": "\udc00", "max_tokens": 2}', "stop", 0),
-    ("/chat/completions", rb'{"messages": [{"role": "user", "content": "hi \ud800"}], "max_tokens": 2}',
-     "messages.0.content", 3),
-    ("/chat/completions",
-     rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}], "max_tokens": 2}',
-     "messages.0.content.0.text", 0),
-])
+@pytest.mark.parametrize(
+    ("path", "raw_body", "param", "index"),
+    [
+        ("/completions", rb'{"prompt": "\ud800", "max_tokens": 2}', "prompt", 0),
+        ("/completions", rb'{"prompt": ["ab\udfff"], "max_tokens": 2}', "prompt.0", 2),
+        ("/completions", rb'{"prompt": "ok", "stop": ["fine", "x\ud83d"], "max_tokens": 2}', "stop.1", 1),
+        ("/completions", rb'{"prompt": "ok", "stop": "\udc00", "max_tokens": 2}', "stop", 0),
+        (
+            "/chat/completions",
+            rb'{"messages": [{"role": "user", "content": "hi \ud800"}], "max_tokens": 2}',
+            "messages.0.content",
+            3,
+        ),
+        (
+            "/chat/completions",
+            rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}], "max_tokens": 2}',
+            "messages.0.content.0.text",
+            0,
+        ),
+    ],
+)
 def test_unpaired_surrogates_are_a_400_naming_the_field(ngram_server, path, raw_body, param, index):
     with connect(ngram_server) as sock:
         post_raw(sock, f"/v1{path}", raw_body)
@@ -252,8 +289,9 @@ def test_unpaired_surrogates_are_a_400_naming_the_field(ngram_server, path, raw_
 
 def test_a_paired_surrogate_escape_is_ordinary_text(ngram_server):
     raw = rb'{"prompt": "smile \ud83d\ude00", "max_tokens": 2}'  # one character, U+1F600
-    response = httpx.post(f"{ngram_server.api_url}/completions", content=raw,
-                          headers={"Content-Type": "application/json"}, timeout=30)
+    response = httpx.post(
+        f"{ngram_server.api_url}/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert response.status_code == 200, response.text
 
 
@@ -293,8 +331,11 @@ def test_head_health_answers_200_without_a_body(plain_server):
 def test_a_client_stalling_mid_body_is_dropped(guarded_server):
     with connect(guarded_server) as sock:
         started = time.monotonic()
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n".encode() + b'{"prompt": "')
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n".encode()
+            + b'{"prompt": "'
+        )
         answer = recv_until_closed(sock, timeout=10)  # returns once the server closed the connection
         elapsed = time.monotonic() - started
     assert answer.startswith(b"HTTP/1.1 408 "), answer
@@ -317,7 +358,7 @@ def test_header_deadline_rearms_after_each_response_on_a_kept_alive_connection(g
     with connect(guarded_server) as sock:
         for _ in range(3):  # each request well inside its own deadline, together past one
             time.sleep(READ_TIMEOUT_SECONDS * 0.5)
-            sock.sendall("GET /health HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
             status, _, _ = read_response(sock)
             assert status == 200
         sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # then half a request, and silence
@@ -329,11 +370,13 @@ def test_header_deadline_rearms_after_each_response_on_a_kept_alive_connection(g
 def test_a_slow_but_steady_client_is_not_dropped(guarded_server):
     body = body_of_size(400)
     with connect(guarded_server) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        )
         for start in range(0, len(body), 100):  # each pause shorter than the timeout, the total longer
             time.sleep(READ_TIMEOUT_SECONDS * 0.5)
-            sock.sendall(body[start:start + 100])
+            sock.sendall(body[start : start + 100])
         status, _, answer = read_response(sock)
     assert status == 200, answer
 
@@ -343,8 +386,9 @@ def test_api_key_is_required_on_v1_routes(guarded_server):
     completion = keyed_client(guarded_server).completions.create(model="team/guarded", prompt="hi", max_tokens=2)
     assert completion.usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError) as caught:
-        keyed_client(guarded_server, api_key="sk-wrong").completions.create(model="team/guarded", prompt="hi",
-                                                                             max_tokens=2)
+        keyed_client(guarded_server, api_key="sk-wrong").completions.create(
+            model="team/guarded", prompt="hi", max_tokens=2
+        )
     assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         keyed_client(guarded_server, api_key="sk-wrong").models.list()
@@ -352,8 +396,9 @@ def test_api_key_is_required_on_v1_routes(guarded_server):
     error = assert_error(missing, status=401, code="invalid_api_key")
     assert error["type"] == "invalid_request_error" and "Authorization: Bearer" in error["message"]
     assert missing.headers["www-authenticate"] == "Bearer"
-    lower_case_scheme = httpx.get(f"{guarded_server.api_url}/models", timeout=10,
-                                  headers={"Authorization": f"bearer {API_KEY}"})
+    lower_case_scheme = httpx.get(
+        f"{guarded_server.api_url}/models", timeout=10, headers={"Authorization": f"bearer {API_KEY}"}
+    )
     assert lower_case_scheme.status_code == 200
     # Probes and scrapers need no key.
     assert httpx.get(f"{guarded_server.base_url}/health", timeout=10).status_code == 200
@@ -364,8 +409,12 @@ def test_api_key_is_checked_before_the_body(guarded_server):
     url = f"{guarded_server.api_url}/completions"
     malformed = httpx.post(url, content=b"{nope", headers={"Content-Type": "application/json"}, timeout=10)
     assert_error(malformed, status=401, code="invalid_api_key")
-    too_large = httpx.post(url, content=body_of_size(MAX_REQUEST_BYTES + 1), timeout=10,
-                           headers={"Authorization": "Bearer sk-wrong", "Content-Type": "application/json"})
+    too_large = httpx.post(
+        url,
+        content=body_of_size(MAX_REQUEST_BYTES + 1),
+        timeout=10,
+        headers={"Authorization": "Bearer sk-wrong", "Content-Type": "application/json"},
+    )
     assert_error(too_large, status=401, code="invalid_api_key")
     assert_error(httpx.get(f"{guarded_server.api_url}/nothing", timeout=10), status=401, code="invalid_api_key")
 
@@ -378,8 +427,9 @@ def test_every_error_has_a_string_code(plain_server, guarded_server):
         "malformed JSON": httpx.post(f"{api}/completions", content=b'{"prompt": ', headers=json_headers),
         "empty body": httpx.post(f"{api}/completions", content=b"", headers=json_headers),
         "not an object": httpx.post(f"{api}/completions", json=[1]),
-        "form body": httpx.post(f"{api}/completions", content=b"prompt=x",
-                                headers={"Content-Type": "application/x-www-form-urlencoded"}),
+        "form body": httpx.post(
+            f"{api}/completions", content=b"prompt=x", headers={"Content-Type": "application/x-www-form-urlencoded"}
+        ),
         "missing field": httpx.post(f"{api}/completions", json={"max_tokens": 2}),
         "wrong type": httpx.post(f"{api}/completions", json={"prompt": "x", "max_tokens": "2"}),
         "bad value": httpx.post(f"{api}/completions", json={"prompt": "x", "top_p": 0}),
@@ -387,8 +437,11 @@ def test_every_error_has_a_string_code(plain_server, guarded_server):
         "unknown model": httpx.post(f"{api}/completions", json={"model": "nope", "prompt": "x"}),
         "unknown model card": httpx.get(f"{api}/models/nope"),
         "wrong method": httpx.delete(f"{api}/completions"),
-        "too large": httpx.post(f"{guarded_server.api_url}/completions", headers={**auth(), **json_headers},
-                                content=body_of_size(MAX_REQUEST_BYTES + 1)),
+        "too large": httpx.post(
+            f"{guarded_server.api_url}/completions",
+            headers={**auth(), **json_headers},
+            content=body_of_size(MAX_REQUEST_BYTES + 1),
+        ),
         "no key": httpx.get(f"{guarded_server.api_url}/models"),
     }
     statuses = set()
@@ -415,8 +468,11 @@ def run_cancelled(app, *, shutting_down: bool) -> list[dict]:
         sent.append(message)
 
     async def scenario():
-        guard = EndCancelledRequests(app, is_shutting_down=lambda: shutting_down,
-                                     error=lambda: APIError(status=503, message="gone", code="server_shutdown"))
+        guard = EndCancelledRequests(
+            app,
+            is_shutting_down=lambda: shutting_down,
+            error=lambda: APIError(status=503, message="gone", code="server_shutdown"),
+        )
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
         task = asyncio.ensure_future(guard(scope, receive, send))
         await asyncio.sleep(0.05)

@@ -20,21 +20,33 @@ def test_counters_add_up_to_the_responses(metrics_server):
         assert total(samples, "quickdraft_requests_total", **where) == len(mine)
         assert total(samples, "quickdraft_prompt_tokens_total", **where) == sum(u["prompt_tokens"] for u, _ in mine)
         assert total(samples, "quickdraft_generation_tokens_total", **where) == sum(
-            u["completion_tokens"] for u, _ in mine)
-        for metric, field in [("drafts", "drafts"), ("draft_tokens", "draft_tokens"),
-                              ("accepted_tokens", "accepted_tokens"), ("target_forwards", "target_forwards")]:
+            u["completion_tokens"] for u, _ in mine
+        )
+        for metric, field in [
+            ("drafts", "drafts"),
+            ("draft_tokens", "draft_tokens"),
+            ("accepted_tokens", "accepted_tokens"),
+            ("target_forwards", "target_forwards"),
+        ]:
             assert total(samples, f"quickdraft_{metric}_total", **where) == sum(s[field] for _, s in mine), metric
-        for metric, field in [("accepted_tokens_by_position", "accepted_per_position"),
-                              ("drafted_tokens_by_position", "drafted_per_position")]:
+        for metric, field in [
+            ("accepted_tokens_by_position", "accepted_per_position"),
+            ("drafted_tokens_by_position", "drafted_per_position"),
+        ]:
             depth = max((len(s[field]) for _, s in mine), default=0)
             for position in range(1, depth + 1):
                 expected = sum(s[field][position - 1] for _, s in mine if len(s[field]) >= position)
                 assert total(samples, f"quickdraft_{metric}_total", **where, position=str(position)) == expected
-        for histogram in ("quickdraft_time_to_first_token_seconds", "quickdraft_e2e_request_latency_seconds",
-                          "quickdraft_queue_time_seconds", "quickdraft_acceptance_length"):
+        for histogram in (
+            "quickdraft_time_to_first_token_seconds",
+            "quickdraft_e2e_request_latency_seconds",
+            "quickdraft_queue_time_seconds",
+            "quickdraft_acceptance_length",
+        ):
             assert total(samples, f"{histogram}_count", **where) == len(mine), histogram
         assert total(samples, "quickdraft_draft_seconds_total", **where) == pytest.approx(
-            sum(s["draft_seconds"] for _, s in mine))
+            sum(s["draft_seconds"] for _, s in mine)
+        )
     assert sum(s["draft_tokens"] for _, _, s in results) > 0  # the figures above were not all zero
     assert total(samples, "quickdraft_batch_size_count", **labels) > 0
     assert total(samples, "quickdraft_free_cache_slots", **labels) == 4
@@ -50,8 +62,9 @@ def test_errors_are_counted_by_status_and_scenario(metrics_server):
 def test_scenario_cardinality_is_bounded(metrics_server):
     client = metrics_server.openai_client()
     for i in range(6):  # max_scenarios=4: default, other, and two more (code and chat came first)
-        client.completions.create(model="metered", prompt="z", max_tokens=2, extra_body={"metadata": {
-            "scenario": f"flood-{i}"}})
+        client.completions.create(
+            model="metered", prompt="z", max_tokens=2, extra_body={"metadata": {"scenario": f"flood-{i}"}}
+        )
     scenarios = {s.labels["scenario"] for s in scrape(metrics_server)["quickdraft_requests_total"]}
     assert len(scenarios) <= 4 and "other" in scenarios
 

@@ -23,8 +23,13 @@ def wait_until_idle(server) -> dict:
     while True:
         health = httpx.get(f"{server.base_url}/health", timeout=10).json()
         engine = health["engine"]
-        idle = (health["in_flight"] == 0 and engine["tracked_requests"] == 0 and engine["running"] == 0
-                and engine["waiting"] == 0 and engine["free_slots"] == engine["num_slots"])
+        idle = (
+            health["in_flight"] == 0
+            and engine["tracked_requests"] == 0
+            and engine["running"] == 0
+            and engine["waiting"] == 0
+            and engine["free_slots"] == engine["num_slots"]
+        )
         if idle:
             return health
         assert time.monotonic() < deadline, f"requests or cache slots leaked: {health}"
@@ -33,17 +38,26 @@ def wait_until_idle(server) -> dict:
 
 def engine_holds_no_request(server) -> bool:
     def check(engine):
-        return (not engine.has_unfinished_requests() and not engine._requests
-                and engine.cache.num_free_slots == engine.cache.num_slots)
+        return (
+            not engine.has_unfinished_requests()
+            and not engine._requests
+            and engine.cache.num_free_slots == engine.cache.num_slots
+        )
 
     return server.inspect_engine(check)
 
 
 async def streaming_client(client: httpx.AsyncClient, server, rng: random.Random, index: int) -> str:
     """One client: streams a completion, maybe hanging up after a few chunks or before any."""
-    body = {"model": server.model_name, "prompt": f"{index} {index + 1} " * rng.randint(1, 4),
-            "max_tokens": rng.randint(4, 16), "temperature": rng.choice([0, 0.8]), "seed": index, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": server.model_name,
+        "prompt": f"{index} {index + 1} " * rng.randint(1, 4),
+        "max_tokens": rng.randint(4, 16),
+        "temperature": rng.choice([0, 0.8]),
+        "seed": index,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     hang_up_after = rng.choice([None, None, 0, 1, 3])  # chunks read before disconnecting
     async with client.stream("POST", f"{server.api_url}/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
@@ -65,7 +79,7 @@ async def impatient_client(client: httpx.AsyncClient, server, rng: random.Random
     give_up_after = rng.choice([None, None, rng.uniform(0.0, 0.05)])
     try:
         return await asyncio.wait_for(streaming_client(client, server, rng, index), timeout=give_up_after)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return "cancelled"
 
 
@@ -73,8 +87,12 @@ def abort_count(server) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "quickdraft_requests_total" and sample.labels["finish_reason"] == "abort")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "quickdraft_requests_total" and sample.labels["finish_reason"] == "abort"
+    )
 
 
 def test_64_streaming_clients_with_random_disconnects(ngram_server, offline_llms):
@@ -96,29 +114,44 @@ def test_64_streaming_clients_with_random_disconnects(ngram_server, offline_llms
     from quickdraft import SamplingParams
 
     expected = offline_llms["qwen3"].generate(["after the storm"], SamplingParams(temperature=0, max_tokens=8))
-    response = ngram_server.openai_client().completions.create(model=ngram_server.model_name,
-                                                               prompt="after the storm", max_tokens=8, temperature=0)
+    response = ngram_server.openai_client().completions.create(
+        model=ngram_server.model_name, prompt="after the storm", max_tokens=8, temperature=0
+    )
     assert response.choices[0].text == expected[0].outputs[0].text
 
 
 @pytest.fixture
 def small_server(tiny_checkpoints):
     """A fresh server with one cache slot and a queue of two, for failure and shutdown tests."""
-    running = start_server(tiny_server_config(tiny_checkpoints["gemma3"], served_model_name="small", max_num_seqs=1,
-                                              max_queue=2, speculative_config=NGRAM_CONFIG,
-                                              shutdown_grace_seconds=10.0))
+    running = start_server(
+        tiny_server_config(
+            tiny_checkpoints["gemma3"],
+            served_model_name="small",
+            max_num_seqs=1,
+            max_queue=2,
+            speculative_config=NGRAM_CONFIG,
+            shutdown_grace_seconds=10.0,
+        )
+    )
     yield running
     if running.thread.is_alive():
         running.stop()
 
 
 def long_stream_body(max_tokens: int = 100) -> dict:
-    return {"model": "small", "prompt": "go", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+    return {
+        "model": "small",
+        "prompt": "go",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
 
 
 def slow_down_steps(server, *, seconds: float) -> None:
     """Make every forward take at least `seconds` (the tiny model is faster than a client's timeout)."""
+
     def install(engine):
         forward = engine.runner.forward
 
@@ -138,8 +171,10 @@ def test_non_streaming_disconnect_aborts_the_request(small_server):
         httpx.post(f"{small_server.api_url}/completions", json=body, timeout=0.3)
     wait_until_idle(small_server)  # well before the 120 tokens (>= 2.4 s) could have finished
     metrics = httpx.get(f"{small_server.base_url}/metrics").text
-    assert 'quickdraft_requests_total{finish_reason="abort",method="ngram",model="small",scenario="default"} 1.0' \
+    assert (
+        'quickdraft_requests_total{finish_reason="abort",method="ngram",model="small",scenario="default"} 1.0'
         in metrics
+    )
     assert engine_holds_no_request(small_server)
 
 
@@ -147,8 +182,10 @@ def test_full_queue_answers_429_then_recovers(small_server):
     slow_down_steps(small_server, seconds=0.01)
     url = f"{small_server.api_url}/completions"
     with httpx.Client(timeout=30) as first, httpx.Client(timeout=30) as second:
-        with first.stream("POST", url, json=long_stream_body()) as running, \
-                second.stream("POST", url, json=long_stream_body()) as waiting:
+        with (
+            first.stream("POST", url, json=long_stream_body()) as running,
+            second.stream("POST", url, json=long_stream_body()) as waiting,
+        ):
             assert running.status_code == 200 and waiting.status_code == 200
             refused = httpx.post(url, json={"model": "small", "prompt": "x", "max_tokens": 2})
             assert refused.status_code == 429
@@ -204,8 +241,9 @@ def test_graceful_shutdown_finishes_in_flight_and_refuses_new(small_server):
 
 
 def test_shutdown_after_the_grace_period_ends_the_rest_with_503s(tiny_checkpoints):
-    running = start_server(tiny_server_config(tiny_checkpoints["gemma3"], served_model_name="small",
-                                              shutdown_grace_seconds=0.5))
+    running = start_server(
+        tiny_server_config(tiny_checkpoints["gemma3"], served_model_name="small", shutdown_grace_seconds=0.5)
+    )
     slow_down_steps(running, seconds=0.05)  # 100 tokens take >= 5 s, far past the grace period
     url = f"{running.api_url}/completions"
     started = time.monotonic()
@@ -224,7 +262,7 @@ def test_shutdown_after_the_grace_period_ends_the_rest_with_503s(tiny_checkpoint
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     # The stream still ends properly: an error event saying why, then [DONE].
     assert rest[-1] == "data: [DONE]", rest[-3:]
-    error = json.loads(rest[-2][len("data: "):])["error"]
+    error = json.loads(rest[-2][len("data: ") :])["error"]
     assert error["code"] == "server_shutdown" and "grace" in error["message"]
     assert all('"error"' not in line for line in rest[:-2])
     assert cut_off.status_code == 503 and cut_off.json()["error"]["code"] == "server_shutdown"

@@ -29,17 +29,30 @@ def send_traffic(server) -> list[tuple[str, dict, dict]]:
     results = []
     for i, scenario in enumerate(["code", "chat", "code", None]):
         extra = {"metadata": {"scenario": scenario}} if scenario else {}
-        response = client.completions.create(model=server.model_name, prompt=f"{i} x y x y x y", max_tokens=24 + i,
-                                             temperature=0, extra_body=extra)
+        response = client.completions.create(
+            model=server.model_name, prompt=f"{i} x y x y x y", max_tokens=24 + i, temperature=0, extra_body=extra
+        )
         results.append((scenario or "default", response.usage.model_dump(), response.model_extra["speculation"]))
-    chat = client.chat.completions.create(model=server.model_name,
-                                          messages=[{"role": "user", "content": "a b a b a b"}],
-                                          max_tokens=20, temperature=0, extra_headers={"X-Scenario": "Chat"})
+    chat = client.chat.completions.create(
+        model=server.model_name,
+        messages=[{"role": "user", "content": "a b a b a b"}],
+        max_tokens=20,
+        temperature=0,
+        extra_headers={"X-Scenario": "Chat"},
+    )
     results.append(("chat", chat.usage.model_dump(), chat.model_extra["speculation"]))
     # The body's metadata wins over the header.
-    chunks = list(client.completions.create(
-        model=server.model_name, prompt="q r q r q r", max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_headers={"X-Scenario": "ignored"},
-        extra_body={"metadata": {"scenario": "code"}}))
+    chunks = list(
+        client.completions.create(
+            model=server.model_name,
+            prompt="q r q r q r",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"X-Scenario": "ignored"},
+            extra_body={"metadata": {"scenario": "code"}},
+        )
+    )
     results.append(("code", chunks[-1].usage.model_dump(), chunks[-1].model_extra["speculation"]))
     return results

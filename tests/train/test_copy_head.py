@@ -35,19 +35,29 @@ def repetitive_sequences(*, count: int, draft_vocab: torch.Tensor, seed: int) ->
     outside = torch.tensor([t for t in range(3, 320) if t not in inside])
     sequences = []
     for _ in range(count):
-        passage = torch.cat([draft_vocab[torch.randperm(len(draft_vocab), generator=generator)[:6]],
-                             outside[torch.randperm(len(outside), generator=generator)[:2]]])
+        passage = torch.cat(
+            [
+                draft_vocab[torch.randperm(len(draft_vocab), generator=generator)[:6]],
+                outside[torch.randperm(len(outside), generator=generator)[:2]],
+            ]
+        )
         passage = passage[torch.randperm(8, generator=generator)].tolist()
         tokens = passage * 5
-        sequences.append(Sequence(token_ids=tokens, num_prompt_tokens=8,
-                                  features=torch.randn(len(tokens) - 1, 3 * 64, generator=generator)))
+        sequences.append(
+            Sequence(
+                token_ids=tokens,
+                num_prompt_tokens=8,
+                features=torch.randn(len(tokens) - 1, 3 * 64, generator=generator),
+            )
+        )
     return sequences
 
 
 def copy_head(target, *, d2t: torch.Tensor, copy_dim: int = 16) -> EagleHead:
     torch.manual_seed(0)
-    head = new_head(target, layers=(0, 1, 3), draft_vocab_size=len(d2t), intermediate_size=64, max_len=64,
-                    copy_dim=copy_dim)
+    head = new_head(
+        target, layers=(0, 1, 3), draft_vocab_size=len(d2t), intermediate_size=64, max_len=64, copy_dim=copy_dim
+    )
     head.set_draft_vocab(d2t)
     head.attach_target(target)
     return head
@@ -111,8 +121,15 @@ def test_heads_saved_before_the_copy_path_still_load(tmp_path):
 
 
 def test_copy_dim_is_validated(tmp_path):
-    base = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
-                feature_layers=(0,), draft_vocab_size=10)
+    base = dict(
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        feature_layers=(0,),
+        draft_vocab_size=10,
+    )
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="copy_dim"):
             HeadConfig(**base, copy_dim=bad)
@@ -163,7 +180,11 @@ def test_mixture_top_k_is_the_brute_force_top_k():
         log_keep=torch.nn.functional.logsigmoid(-gate).masked_fill(~has_source, 0.0),
         log_gate=torch.nn.functional.logsigmoid(gate).masked_fill(~has_source, -float("inf")),
         copy_log_weights=torch.log_softmax(scores.masked_fill(~eligible, -1e4), dim=-1),
-        copy_values=values, eligible=eligible, d2t=d2t, t2d=t2d)
+        copy_values=values,
+        eligible=eligible,
+        d2t=d2t,
+        t2d=t2d,
+    )
     full = torch.zeros(m, vocab)  # the mixture over every target id, by its definition
     keep, copy = mixture.log_keep.exp(), mixture.log_gate.exp()
     full[:, d2t] += keep[:, None] * mixture.vocab_log_probs.exp()
@@ -178,8 +199,10 @@ def test_mixture_top_k_is_the_brute_force_top_k():
     assert all(len(set(row)) == k for row in ids.tolist())  # each token once
     targets = torch.arange(vocab).repeat(m, 1)  # log_prob agrees with the same definition
     for row in range(m):
-        rows = {name: getattr(mixture, name)[row : row + 1].expand(vocab, *getattr(mixture, name).shape[1:])
-                for name in ("vocab_log_probs", "log_keep", "log_gate", "copy_log_weights", "eligible")}
+        rows = {
+            name: getattr(mixture, name)[row : row + 1].expand(vocab, *getattr(mixture, name).shape[1:])
+            for name in ("vocab_log_probs", "log_keep", "log_gate", "copy_log_weights", "eligible")
+        }
         one = dataclasses.replace(mixture, **rows)
         lp, _ = one.log_prob(targets[row])
         torch.testing.assert_close(lp.exp(), full[row], rtol=1e-5, atol=1e-6)

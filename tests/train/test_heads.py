@@ -19,9 +19,21 @@ from quickdraft.train.heads import (
     validate,
 )
 
-TINY_RUN = dict(num_prompts=14, shard_prompts=7, max_new_tokens=24, max_seq_len=160, draft_vocab_size=64,
-                train_depths=2, val_depths=3, epochs=4, sequences_per_step=2, val_sequences=4,
-                learning_rate=3e-3, warmup_steps=2, intermediate_size=64)
+TINY_RUN = dict(
+    num_prompts=14,
+    shard_prompts=7,
+    max_new_tokens=24,
+    max_seq_len=160,
+    draft_vocab_size=64,
+    train_depths=2,
+    val_depths=3,
+    epochs=4,
+    sequences_per_step=2,
+    val_sequences=4,
+    learning_rate=3e-3,
+    warmup_steps=2,
+    intermediate_size=64,
+)
 
 
 def test_prompts_are_transcripts_without_specbench():
@@ -59,8 +71,11 @@ def test_training_writes_a_loadable_head_with_a_manifest(trained, tiny_checkpoin
     target = str(tiny_checkpoints["gemma3"])
     prompts = [build_prompts(1, seed=5)[0][:60]]
     plain = LLM(target, max_model_len=160).generate(prompts, SamplingParams(temperature=0, max_tokens=20))
-    llm = LLM(target, max_model_len=160, speculative_config={"method": "eagle3", "head": str(out / "head"),
-                                                             "num_speculative_tokens": 3, "top_k": 2})
+    llm = LLM(
+        target,
+        max_model_len=160,
+        speculative_config={"method": "eagle3", "head": str(out / "head"), "num_speculative_tokens": 3, "top_k": 2},
+    )
     spec = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
     assert spec[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
@@ -68,15 +83,16 @@ def test_training_writes_a_loadable_head_with_a_manifest(trained, tiny_checkpoin
 
 def test_training_beats_the_untrained_head(trained, tiny_checkpoints):
     """The trained head predicts the target's held-out tokens far better than its initialisation."""
-    out, report = trained
+    out, _report = trained
     shards = [DataShard.load(p) for p in sorted((out / "data").iterdir())]
     sequences = [s for shard in shards for s in shard.sequences]
     llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=160)
     head = EagleHead.load(out / "head", dtype=torch.float32, max_len=200)
     head.attach_target(llm.engine.model)
     torch.manual_seed(0)
-    untrained = new_head(llm.engine.model, layers=head.config.feature_layers, draft_vocab_size=64,
-                         intermediate_size=64, max_len=200)
+    untrained = new_head(
+        llm.engine.model, layers=head.config.feature_layers, draft_vocab_size=64, intermediate_size=64, max_len=200
+    )
     untrained.set_draft_vocab(head.d2t)
     untrained.attach_target(llm.engine.model)
     t2d = target_to_draft(head.d2t, vocab_size=320)
@@ -121,12 +137,14 @@ def test_prompt_mixes_cover_the_task_shapes():
     assert docs != prompts[:50] and all(p.endswith("\nAssistant:") for p in docs)
 
 
-ANSWERS = ["The old lighthouse stood on the rocks above the harbour, and every night its keeper climbed "
-           "the stairs to light the lamp. Ships passing in the dark knew the coast by its beam, and the "
-           "village below slept soundly knowing that someone was watching over the sea.",
-           "Trains leave the central station every hour for the mountains. The journey takes three hours and "
-           "passes lakes, forests and small towns, where travellers often stop for lunch before continuing "
-           "to the ski resorts near the border."]
+ANSWERS = [
+    "The old lighthouse stood on the rocks above the harbour, and every night its keeper climbed "
+    "the stairs to light the lamp. Ships passing in the dark knew the coast by its beam, and the "
+    "village below slept soundly knowing that someone was watching over the sea.",
+    "Trains leave the central station every hour for the mountains. The journey takes three hours and "
+    "passes lakes, forests and small towns, where travellers often stop for lunch before continuing "
+    "to the ski resorts near the border.",
+]
 
 
 def test_articles_mix_builds_long_contexts_and_second_turns_on_transcripts():
@@ -153,9 +171,13 @@ def test_fine_tuning_starts_from_the_trained_head(trained, tiny_checkpoints, tmp
     """init_head: the run starts from the given head's weights and keeps its draft vocabulary
     (a vanishing learning rate leaves the bf16 weights as they were)."""
     out, _ = trained
-    config = TrainHeadConfig(out=tmp_path / "tuned", target=str(tiny_checkpoints["gemma3"]), init_head=out / "head",
-                             extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0, "epochs": 1,
-                                                            "learning_rate": 1e-12, "draft_vocab_size": 32})
+    config = TrainHeadConfig(
+        out=tmp_path / "tuned",
+        target=str(tiny_checkpoints["gemma3"]),
+        init_head=out / "head",
+        extra_data=(out / "data",),
+        **{**TINY_RUN, "num_prompts": 0, "epochs": 1, "learning_rate": 1e-12, "draft_vocab_size": 32},
+    )
     train_head(config, progress=False)
     before = EagleHead.load(out / "head", dtype=torch.float32).state_dict()
     after = EagleHead.load(tmp_path / "tuned" / "head", dtype=torch.float32).state_dict()
@@ -167,15 +189,25 @@ def test_fine_tuning_with_copy_dim_trains_a_copy_path_and_drafts_exactly(trained
     vocabulary kept), trains with the mixture loss, validates, and drafts exactly."""
     out, _ = trained
     target = str(tiny_checkpoints["gemma3"])
-    config = TrainHeadConfig(out=tmp_path / "copy", target=target, init_head=out / "head", copy_dim=16,
-                             extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0, "epochs": 1})
+    config = TrainHeadConfig(
+        out=tmp_path / "copy",
+        target=target,
+        init_head=out / "head",
+        copy_dim=16,
+        extra_data=(out / "data",),
+        **{**TINY_RUN, "num_prompts": 0, "epochs": 1},
+    )
     report = train_head(config, progress=False)
     assert len(report.val_accuracy_by_depth) == 3 and report.val_chain_acceptance_length >= 1.0
     before = EagleHead.load(out / "head", dtype=torch.float32)
     after = EagleHead.load(tmp_path / "copy" / "head", dtype=torch.float32)
     assert after.config.copy_dim == 16 and torch.equal(after.d2t, before.d2t)
-    assert set(after.state_dict()) - set(before.state_dict()) == {"copy_query.weight", "copy_key.weight",
-                                                                  "copy_gate.weight", "copy_gate.bias"}
+    assert set(after.state_dict()) - set(before.state_dict()) == {
+        "copy_query.weight",
+        "copy_key.weight",
+        "copy_gate.weight",
+        "copy_gate.bias",
+    }
     manifest = json.loads((tmp_path / "copy" / "head" / "manifest.json").read_text())
     assert manifest["options"]["copy_dim"] == 16
     prompts = [build_prompts(1, seed=5)[0][:60]]
@@ -191,8 +223,14 @@ def test_medusa_heads_train_on_earlier_data_and_draft_exactly(trained, tiny_chec
     """--method medusa with no new prompts, on the eagle run's data (its last-layer columns)."""
     out, _ = trained
     target = str(tiny_checkpoints["gemma3"])
-    config = TrainHeadConfig(out=tmp_path / "medusa", target=target, method="medusa", medusa_heads=3,
-                             extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0})
+    config = TrainHeadConfig(
+        out=tmp_path / "medusa",
+        target=target,
+        method="medusa",
+        medusa_heads=3,
+        extra_data=(out / "data",),
+        **{**TINY_RUN, "num_prompts": 0},
+    )
     report = train_head(config, progress=False)
     assert len(report.val_accuracy_by_depth) == 3 and report.val_chain_acceptance_length >= 1.0
     assert not (tmp_path / "medusa" / "data").exists() or not list((tmp_path / "medusa" / "data").iterdir())
@@ -201,8 +239,9 @@ def test_medusa_heads_train_on_earlier_data_and_draft_exactly(trained, tiny_chec
     prompts = [build_prompts(1, seed=5)[0][:60]]
     params = SamplingParams(temperature=0, max_tokens=20)
     plain = LLM(target, max_model_len=160).generate(prompts, params)
-    llm = LLM(target, max_model_len=160, speculative_config={"method": "medusa",
-                                                             "head": str(tmp_path / "medusa" / "head")})
+    llm = LLM(
+        target, max_model_len=160, speculative_config={"method": "medusa", "head": str(tmp_path / "medusa" / "head")}
+    )
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
 
@@ -236,8 +275,13 @@ def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_che
     """--method self: the head reads the recorded middle layer (exit after 3 of 4 layers)."""
     out, _ = trained
     target = str(tiny_checkpoints["gemma3"])
-    config = TrainHeadConfig(out=tmp_path / "self", target=target, method="self", extra_data=(out / "data",),
-                             **{**TINY_RUN, "num_prompts": 0})
+    config = TrainHeadConfig(
+        out=tmp_path / "self",
+        target=target,
+        method="self",
+        extra_data=(out / "data",),
+        **{**TINY_RUN, "num_prompts": 0},
+    )
     report = train_head(config, progress=False)
     assert len(report.val_accuracy_by_depth) == 3 and report.val_chain_acceptance_length >= 1.0
     assert 0 < report.draft_token_cost < 1
@@ -246,13 +290,26 @@ def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_che
     prompts = [build_prompts(1, seed=5)[0][:60]]
     params = SamplingParams(temperature=0, max_tokens=20)
     plain = LLM(target, max_model_len=160).generate(prompts, params)
-    llm = LLM(target, max_model_len=160, speculative_model="[self]",
-              speculative_config={"head": str(tmp_path / "self" / "head")})
+    llm = LLM(
+        target,
+        max_model_len=160,
+        speculative_model="[self]",
+        speculative_config={"head": str(tmp_path / "self" / "head")},
+    )
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
     with pytest.raises(ValueError, match="exit_layer must be in"):
-        train_head(TrainHeadConfig(out=tmp_path / "bad", target=target, method="self", exit_layer=4,
-                                   extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0}), progress=False)
+        train_head(
+            TrainHeadConfig(
+                out=tmp_path / "bad",
+                target=target,
+                method="self",
+                exit_layer=4,
+                extra_data=(out / "data",),
+                **{**TINY_RUN, "num_prompts": 0},
+            ),
+            progress=False,
+        )
 
 
 def test_distilled_draft_model_trains_and_drafts_exactly(trained, tiny_checkpoints, tmp_path):
@@ -262,8 +319,13 @@ def test_distilled_draft_model_trains_and_drafts_exactly(trained, tiny_checkpoin
 
     out, _ = trained
     target = str(tiny_checkpoints["gemma3"])
-    config = TrainHeadConfig(out=tmp_path / "draft", target=target, method="draft", extra_data=(out / "data",),
-                             **{**TINY_RUN, "num_prompts": 0})
+    config = TrainHeadConfig(
+        out=tmp_path / "draft",
+        target=target,
+        method="draft",
+        extra_data=(out / "data",),
+        **{**TINY_RUN, "num_prompts": 0},
+    )
     report = train_head(config, progress=False)
     model_dir = tmp_path / "draft" / "head"
     hf = json.loads((model_dir / "config.json").read_text())
@@ -272,12 +334,19 @@ def test_distilled_draft_model_trains_and_drafts_exactly(trained, tiny_checkpoin
     prompts = [build_prompts(1, seed=5)[0][:60]]
     params = SamplingParams(temperature=0, max_tokens=20)
     plain = LLM(target, max_model_len=160).generate(prompts, params)
-    llm = LLM(target, max_model_len=160, speculative_config={"method": "draft_model", "model": str(model_dir),
-                                                             "num_speculative_tokens": 3})
+    llm = LLM(
+        target,
+        max_model_len=160,
+        speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3},
+    )
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
-    assert_speculation_keeps_sampling(target, {"method": "draft_model", "model": str(model_dir),
-                                               "num_speculative_tokens": 2}, prompt=[5, 6, 7, 8, 9], top_k=4)
+    assert_speculation_keeps_sampling(
+        target,
+        {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 2},
+        prompt=[5, 6, 7, 8, 9],
+        top_k=4,
+    )
 
 
 def test_mtp_head_trains_and_exports_in_the_nextn_layout(trained, tiny_checkpoints, tmp_path):
@@ -285,22 +354,31 @@ def test_mtp_head_trains_and_exports_in_the_nextn_layout(trained, tiny_checkpoin
 
     out, _ = trained
     target = str(tiny_checkpoints["gemma3"])
-    config = TrainHeadConfig(out=tmp_path / "mtp", target=target, method="mtp", extra_data=(out / "data",),
-                             **{**TINY_RUN, "num_prompts": 0})
+    config = TrainHeadConfig(
+        out=tmp_path / "mtp", target=target, method="mtp", extra_data=(out / "data",), **{**TINY_RUN, "num_prompts": 0}
+    )
     report = train_head(config, progress=False)
     assert report.val_chain_acceptance_length >= 1.0 and 0 < report.draft_token_cost < 1
     head_dir = tmp_path / "mtp" / "head"
     with safe_open(str(head_dir / "mtp.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.hnorm.weight",
-            "model.layers.4.shared_head.norm.weight", "model.layers.4.self_attn.q_proj.weight",
-            "model.layers.4.mlp.down_proj.weight"} <= names
+    assert {
+        "model.layers.4.eh_proj.weight",
+        "model.layers.4.enorm.weight",
+        "model.layers.4.hnorm.weight",
+        "model.layers.4.shared_head.norm.weight",
+        "model.layers.4.self_attn.q_proj.weight",
+        "model.layers.4.mlp.down_proj.weight",
+    } <= names
     assert json.loads((head_dir / "config.json").read_text())["num_nextn_predict_layers"] == 1
     prompts = [build_prompts(1, seed=5)[0][:60]]
     params = SamplingParams(temperature=0, max_tokens=20)
     plain = LLM(target, max_model_len=160).generate(prompts, params)
-    llm = LLM(target, max_model_len=160, speculative_config={"method": "mtp", "head": str(head_dir), "top_k": 2,
-                                                             "num_speculative_tokens": 3})
+    llm = LLM(
+        target,
+        max_model_len=160,
+        speculative_config={"method": "mtp", "head": str(head_dir), "top_k": 2, "num_speculative_tokens": 3},
+    )
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
     assert llm.engine.speculator.drafter.head.config.draft_vocab_size == 64

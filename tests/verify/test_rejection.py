@@ -243,8 +243,7 @@ def test_max_new_tokens_draws_from_the_unmodified_row():
     # so the draft token 1 can come out (it could not as a recovered token).
     target = rows([0, 0.5, 0.5], one_hot(0, 3))
     seen = Counter(
-        verify(Proposal.chain(root=0, draft=[1]), target, seed=seed, max_new_tokens=1)
-        .committed_token_ids[0]
+        verify(Proposal.chain(root=0, draft=[1]), target, seed=seed, max_new_tokens=1).committed_token_ids[0]
         for seed in range(200)
     )
     assert set(seen) == {1, 2}
@@ -277,10 +276,7 @@ def test_verify_batch_matches_single_calls():
         targets.append(target)
     caps = [None, 1, 2, None]
     batch = verify_batch(proposals, targets, [make_generator(s) for s in range(4)], caps)
-    singles = [
-        verify(p, t, seed=s, max_new_tokens=c)
-        for s, (p, t, c) in enumerate(zip(proposals, targets, caps))
-    ]
+    singles = [verify(p, t, seed=s, max_new_tokens=c) for s, (p, t, c) in enumerate(zip(proposals, targets, caps))]
     assert batch == singles
     with pytest.raises(ValueError):
         verify_batch(proposals, targets[:3], [None] * 4)
@@ -319,7 +315,8 @@ def test_point_mass_fast_path_equals_general_path(monkeypatch, sampled):
         target = torch.nn.functional.one_hot(argmax, vocab).float()  # [num_nodes, V]
         # Tokens: the parent's argmax half of the time, else random (duplicates included).
         tokens = [0] + [
-            int(argmax[parents[n]]) if torch.rand(1, generator=gen) < 0.5
+            int(argmax[parents[n]])
+            if torch.rand(1, generator=gen) < 0.5
             else int(torch.randint(0, vocab, (1,), generator=gen))
             for n in range(1, num_nodes)
         ]
@@ -337,9 +334,7 @@ def test_point_mass_fast_path_equals_general_path(monkeypatch, sampled):
         # and the greedy answer: follow the argmax as long as a child proposes it
         node, expected = 0, []
         while cap is None or len(expected) + 1 < cap:
-            nxt = [
-                c for c in range(1, num_nodes) if parents[c] == node and tokens[c] == argmax[node]
-            ]
+            nxt = [c for c in range(1, num_nodes) if parents[c] == node and tokens[c] == argmax[node]]
             if not nxt:
                 break
             node = nxt[0]
@@ -492,9 +487,7 @@ def simulate(
     return counts
 
 
-def joint_fits(
-    counts: Counter, exact: dict[tuple[int, ...], float], *, alpha: float = 1e-3
-) -> bool:
+def joint_fits(counts: Counter, exact: dict[tuple[int, ...], float], *, alpha: float = 1e-3) -> bool:
     """Chi-square goodness of fit of observed sequences to the exact joint; False = rejected.
 
     A sequence of probability 0 must never appear; cells with small expected counts are

@@ -21,9 +21,7 @@ from quickdraft.verify.sampler import (
 
 
 def row(prompt=(), output=(), **params) -> RowContext:
-    return RowContext(
-        params=SamplingParams(**params), prompt_token_ids=list(prompt), output_token_ids=list(output)
-    )
+    return RowContext(params=SamplingParams(**params), prompt_token_ids=list(prompt), output_token_ids=list(output))
 
 
 def logits_of(probs) -> torch.Tensor:  # [1, V] logits whose softmax is (about) probs
@@ -88,8 +86,11 @@ def test_penalties_are_per_row_history():
 def test_logits_to_probs_uses_the_penalized_logits():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.0]])
     r = row(
-        prompt=[0], output=[1, 2, 2],
-        repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2,
+        prompt=[0],
+        output=[1, 2, 2],
+        repetition_penalty=1.5,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
     )
     expected = torch.tensor([[2.0 / 1.5, -2.0 * 1.5 - 0.5, 1.0 / 1.5 - 0.8, 0.0]])
     torch.testing.assert_close(logits_to_probs(logits, [r]), torch.softmax(expected, -1))
@@ -312,8 +313,14 @@ def test_each_row_of_a_mixed_batch_gets_its_own_treatment():
 def test_fast_path_equals_slow_path(monkeypatch):
     vocab = 2000
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 4
-    rows = [row(output=[1, 2, 3]), row(temperature=0.6), row(top_k=-1), row(temperature=0),
-            row(top_k=vocab + 5), row(top_p=1.0, min_p=0.0)]
+    rows = [
+        row(output=[1, 2, 3]),
+        row(temperature=0.6),
+        row(top_k=-1),
+        row(temperature=0),
+        row(top_k=vocab + 5),
+        row(top_p=1.0, min_p=0.0),
+    ]
     fast = logits_to_probs(logits, rows)
     monkeypatch.setattr(sampler, "_ALWAYS_SLOW", True)  # every stage runs with its "off" value
     slow = logits_to_probs(logits, rows)
