@@ -93,7 +93,17 @@ class Engine:
         self._seed_generator = torch.Generator()  # draws the seeds of unseeded requests
         self._seed_generator.manual_seed(config.seed)
         self.metrics = EngineMetrics()
+        self._speculator: Speculator | None = None
         self.speculator = self._make_speculator(config.speculative_config)
+
+    @property
+    def speculator(self) -> Speculator | None:
+        return self._speculator
+
+    @speculator.setter
+    def speculator(self, speculator: Speculator | None) -> None:
+        self._speculator = speculator
+        self.scheduler.draft_reserve = speculator.draft_reserve if speculator is not None else 0
 
     def set_speculative_config(self, spec: SpeculativeConfig | dict | None) -> None:
         """Switch drafting method (or turn speculation off) between requests."""
@@ -238,6 +248,8 @@ class Engine:
         for item in plan:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = started
+        # Before any commit changes the requests (one may finish inside its accepted path).
+        decode_only = all(item.num_new_tokens == 1 and item.completes_prompt for item in plan)
         proposals = self._propose(plan)
         drafted = time.perf_counter()
         work = [self._work_for(item, proposals.get(item.request.request_id)) for item in plan]
@@ -272,7 +284,7 @@ class Engine:
                 num_requests=len(plan),
                 num_tokens=row_starts[-1],
                 forward_seconds=finished - drafted,
-                decode_only=all(item.num_new_tokens == 1 and item.completes_prompt for item in plan),
+                decode_only=decode_only,
                 num_drafted_requests=len(proposals),
                 draft_seconds=drafted - started,
                 num_draft_tokens=sum(p.num_draft_tokens for p in proposals.values()),
@@ -292,7 +304,9 @@ class Engine:
         if not decoding:
             return {}
         room = {r.request_id: self.cache.max_len - r.num_computed_tokens for r in decoding}
-        return self.speculator.propose(decoding, cache_room=room)
+        # Draft nodes count against max_num_batched_tokens like any fed token: an equal share each.
+        share = self.scheduler.draft_room(plan) // len(decoding)
+        return self.speculator.propose(decoding, cache_room=room, token_room={r.request_id: share for r in decoding})
 
     def _work_for(self, item: ScheduledRequest, proposal: Proposal | None) -> SequenceWork:
         req = item.request

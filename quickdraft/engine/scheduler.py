@@ -32,6 +32,9 @@ class Scheduler:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Draft tree nodes a decode may add to the forward (set by the engine from its speculator):
+        # held back from prefill chunks, so that drafts are not squeezed out by a long prompt.
+        self.draft_reserve = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -51,6 +54,9 @@ class Scheduler:
             if pending == 1:
                 decodes.append(ScheduledRequest(req, 1))
         budget -= len(decodes)
+        # Held back for the decodes' draft nodes, but never more than half of what prefill would
+        # get: a waiting prompt is delayed, not starved.
+        budget -= min(len(decodes) * self.draft_reserve, max(0, budget) // 2)
         for req in self.running:
             pending = req.num_tokens - req.num_computed_tokens
             if pending > 1 and budget > 0:
@@ -58,6 +64,10 @@ class Scheduler:
                 prefills.append(ScheduledRequest(req, chunk))
                 budget -= chunk
         return decodes + prefills
+
+    def draft_room(self, plan: list[ScheduledRequest]) -> int:
+        """Tokens of this step's budget left for draft nodes once `plan` is fed."""
+        return max(0, self.max_num_batched_tokens - sum(item.num_new_tokens for item in plan))
 
     def _admit_waiting(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:

@@ -83,6 +83,13 @@ class Speculator:
         return view
 
     @property
+    def draft_reserve(self) -> int:
+        """Draft nodes a decode usually adds: the drafter's own node bound where it has one
+        (trees), else the draft length; what the scheduler holds back from prefill per decode."""
+        bound = getattr(self.drafter, "max_draft_tokens", None) or self.config.num_speculative_tokens
+        return min(int(bound), self.max_tree_nodes - 1)
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         """Target layers whose outputs the drafter reads (empty for most drafters)."""
         return tuple(getattr(self.drafter, "feature_layers", ()))
@@ -99,12 +106,19 @@ class Speculator:
             self.drafter.finish(request_id)
 
     # ---- propose ----------------------------------------------------------------------
-    def propose(self, requests: list[Request], *, cache_room: dict[str, int]) -> dict[str, Proposal]:
-        """Proposals for the requests worth drafting for; others decode plainly this step."""
+    def propose(
+        self, requests: list[Request], *, cache_room: dict[str, int], token_room: dict[str, int] | None = None
+    ) -> dict[str, Proposal]:
+        """Proposals for the requests worth drafting for; others decode plainly this step.
+        cache_room: cache positions left per request; token_room: draft nodes its share of the
+        step's token budget allows (None: no bound beyond the cache)."""
         limits = {}
         for request in requests:
-            # Nodes are bounded by cache room; depth by the draft length and max_tokens.
+            # Nodes are bounded by cache room and the step's token budget; depth by the draft
+            # length and max_tokens.  A drafter given fewer nodes proposes a smaller tree.
             budget = min(cache_room[request.request_id] - 1, self.max_tree_nodes - 1)
+            if token_room is not None:
+                budget = min(budget, token_room[request.request_id])
             max_depth = min(
                 self._draft_length.get(request.request_id, self.config.num_speculative_tokens),
                 request.remaining_output_tokens - 1,

@@ -99,11 +99,9 @@ class FeatureHead(torch.nn.Module):
     d2t: torch.Tensor  # [Vd] target id of each draft id
     t2d: torch.Tensor | None  # [V] draft id of each target id (heads with a copy path)
 
-    # ---- the pieces every head provides ---------------------------------------------------
-    @property
-    def attn_scale(self) -> float:
-        raise NotImplementedError
+    attn_scale: float  # the block's attention scale (an attribute or a property)
 
+    # ---- the pieces every head provides ---------------------------------------------------
     def attach_target(self, target) -> None:
         raise NotImplementedError
 

@@ -229,3 +229,77 @@ def test_sampled_first_tokens_have_the_target_distribution(tiny_checkpoints):
     metrics = spec_llm.get_metrics()
     assert metrics.num_accepted_tokens > 200 and metrics.acceptance_rate < 0.9
     assert same_distribution_p_value(plain, spec) > 1e-3
+
+
+def _forward_widths(llm) -> list[int]:
+    """Rows fed to each target forward from now on (recorded by wrapping the runner)."""
+    widths: list[int] = []
+    forward = llm.engine.runner.forward
+
+    def recording_forward(work, **options):
+        widths.append(sum(len(item.token_ids) for item in work))
+        return forward(work, **options)
+
+    llm.engine.runner.forward = recording_forward
+    return widths
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_draft_nodes_count_against_max_num_batched_tokens(tiny_checkpoints, plain_outputs, tree):
+    """Tree nodes are tokens of the step: no forward feeds more than max_num_batched_tokens,
+    drafts shrink to fit (still exact), and a prompt arriving beside decodes still prefills."""
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=14,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 6},
+    )
+    llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=tree)
+    widths = _forward_widths(llm)
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=40, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs["gemma3"]
+    assert max(widths) <= 14 and max(widths) >= 12  # the budget is used, never exceeded
+    assert llm.get_metrics().num_draft_tokens > 100
+    # a 25-token prompt admitted while three requests decode: it prefills in chunks beside them
+    assert llm.engine.scheduler.draft_reserve == 6  # held back per decode: the draft length
+    plan_sizes = []
+    for request in repetitive_prompts()[:3]:
+        llm.engine.add_request(prompt_token_ids=request, params=SamplingParams(max_tokens=30, **GREEDY))
+    while not any(len(r.output_token_ids) for r in llm.engine.scheduler.running):
+        llm.engine.step()
+    llm.engine.add_request(prompt_token_ids=repetitive_prompts()[3], params=SamplingParams(max_tokens=5, **GREEDY))
+    while llm.engine.has_unfinished_requests():
+        plan_sizes.append([item.num_new_tokens for item in llm.engine.scheduler.schedule()])  # what step() runs
+        llm.engine.step()
+    assert any(max(sizes) > 1 and len(sizes) > 1 for sizes in plan_sizes)  # prefill chunks beside decodes
+
+
+def test_step_that_finishes_a_request_inside_its_path_is_a_decode_step(tiny_checkpoints, plain_outputs):
+    """The step cost model (adaptive speculation) hears "decode only" for a step of decodes, also when
+    a request stops inside its accepted path (the check is made before the step commits)."""
+    prompts = repetitive_prompts()
+    continuations = {tuple(p): out for p, out in zip(prompts, plain_outputs["gemma3"])}
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 6},
+    )
+    llm.engine.speculator.drafter = OracleDrafter(continuations=continuations, corrupt=0.0)
+    steps = []
+    observe_step = llm.engine.speculator.observe_step
+
+    def recording(**kw):
+        steps.append(kw)
+        return observe_step(**kw)
+
+    llm.engine.speculator.observe_step = recording
+    expected = plain_outputs["gemma3"][1]
+    # a stop token first met a few drafts in, inside a drafted run: the request ends mid-path
+    stop = next(token for i, token in enumerate(expected) if i >= 4 and token not in expected[:i])
+    out = llm.generate([prompts[1]], SamplingParams(max_tokens=40, stop_token_ids=[stop], **GREEDY))[0]
+    assert out.outputs[0].token_ids == expected[: expected.index(stop) + 1]
+    drafted = [s for s in steps if s["num_drafted_requests"]]
+    assert drafted and all(s["decode_only"] for s in drafted)
+    assert llm.get_metrics().num_accepted_tokens > len(out.outputs[0].token_ids) // 2
