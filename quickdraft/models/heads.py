@@ -249,6 +249,7 @@ class EagleHead(FeatureHead):
         # Whether drafting runs whole pieces of the head in single C++ calls (set with the Q8_0
         # copies where the CPU and the head's sizes allow; see runs_fused_block).
         self.fused_drafting = False
+        self.draft_input_norm: torch.Tensor | None = None  # [2D] token then feature norm weights
 
     @property
     def attn_scale(self) -> float:
@@ -278,6 +279,8 @@ class EagleHead(FeatureHead):
         self.draft_weights = {
             name: QuantizedWeight.from_parts([quantize_q8_0(weight)]) for name, weight in matrices.items()
         }
+        # The input's two norms side by side, as norm_matmul reads them: built once, not per depth.
+        self.draft_input_norm = torch.cat([self.token_norm.weight, self.feature_norm.weight]).detach()
         c = self.config
         self.fused_drafting = (
             fused_layer_available()
@@ -308,10 +311,10 @@ class EagleHead(FeatureHead):
             embedded = embedded * self.embed_scale
         if self.runs_fused_block(feature):
             joined = torch.cat([embedded, feature], dim=-1)  # [..., 2D], each half normalized on its own
-            norms = torch.cat([self.token_norm.weight, self.feature_norm.weight])
+            assert self.draft_input_norm is not None  # set with fused_drafting
             out = norm_matmul(
                 joined.reshape(-1, joined.shape[-1]),
-                norm=norms,
+                norm=self.draft_input_norm,
                 weight=self.draft_weights["in_proj"],
                 eps=self.token_norm.eps,
                 segment=feature.shape[-1],
