@@ -16,10 +16,17 @@ import argparse
 import contextlib
 import dataclasses
 
-from sampled_acceptance import QUESTIONS, SPECS, first_questions, rejection_rule_for_point_masses
+from sampled_acceptance import (
+    QUESTIONS,
+    SPECS,
+    engine_verification,
+    first_questions,
+    rejection_rule_for_point_masses,
+)
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.engine import speculation
+from quickdraft.engine import engine as engine_module
+from quickdraft.engine import verification
 from quickdraft.verify.sampler import RowContext, logits_to_probs, samples_by_argmax
 
 
@@ -31,12 +38,16 @@ def expected_accepted(proposal, probs) -> float:  # probs [num_nodes, V]: the ta
     return sum(reach[1:])
 
 
-@contextlib.contextmanager
 def recording(totals: dict):
-    verify = speculation.Speculator.verify
+    """The verification in force (the engine's, or a rule entered before), with each step's
+    realised and expected acceptance added up."""
+    previous = engine_module.verify_step
 
-    def recorded(self, *, request, proposal, logits, eos_token_ids):
-        path = verify(self, request=request, proposal=proposal, logits=logits, eos_token_ids=eos_token_ids)
+    def recorded(request, proposal, logits, eos_token_ids):
+        rows = [0, logits.shape[0]]
+        path = previous(
+            requests=[request], proposals=[proposal], logits=logits, row_offsets=rows, eos_token_ids=eos_token_ids
+        )[0]
         # Steps that max_tokens could cut short are left out: there the expectation above is wrong.
         if (
             proposal.num_draft_tokens
@@ -46,7 +57,7 @@ def recording(totals: dict):
         ):
             rows = [
                 RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=h)
-                for h in speculation.node_histories(request.output_token_ids, proposal)
+                for h in verification.node_histories(request, proposal)
             ]
             probs = logits_to_probs(logits, rows, eos_token_ids=eos_token_ids)
             expected = expected_accepted(proposal, probs)
@@ -56,11 +67,7 @@ def recording(totals: dict):
             totals["squared_gap"] += (path.num_accepted - expected) ** 2
         return path
 
-    speculation.Speculator.verify = recorded
-    try:
-        yield
-    finally:
-        speculation.Speculator.verify = verify
+    return engine_verification(recorded)
 
 
 def main() -> None:

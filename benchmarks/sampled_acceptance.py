@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.engine import speculation
+from quickdraft.engine import engine as engine_module
+from quickdraft.engine import verification
 from quickdraft.verify.rejection import verify_proposal
 from quickdraft.verify.sampler import (
     RowContext,
@@ -66,17 +67,44 @@ def first_questions(path: Path, per_task: int) -> list[str]:
     return prompts
 
 
+def verify_one(request, proposal, logits, eos_token_ids):
+    """The engine's batched verification for one request; logits [num_nodes, V]."""
+    return verification.verify_step(
+        requests=[request],
+        proposals=[proposal],
+        logits=logits,
+        row_offsets=[0, logits.shape[0]],
+        eos_token_ids=eos_token_ids,
+    )[0]
+
+
 @contextlib.contextmanager
+def engine_verification(rule):
+    """Run the engine with `rule(request, proposal, logits, eos_token_ids)` verifying each request."""
+    original = engine_module.verify_step
+
+    def verify_step(*, requests, proposals, logits, row_offsets, eos_token_ids):
+        return [
+            rule(request, proposal, logits[row_offsets[i] : row_offsets[i + 1]], eos_token_ids)
+            for i, (request, proposal) in enumerate(zip(requests, proposals))
+        ]
+
+    engine_module.verify_step = verify_step
+    try:
+        yield
+    finally:
+        engine_module.verify_step = original
+
+
 def rejection_rule_for_point_masses():
     """The previous verification of sampled point-mass drafts, for comparison."""
-    original = speculation.Speculator.verify
 
-    def verify(self, *, request, proposal, logits, eos_token_ids):
+    def verify(request, proposal, logits, eos_token_ids):
         if samples_by_argmax(request.params, num_output_tokens=len(request.output_token_ids)):
-            return original(self, request=request, proposal=proposal, logits=logits, eos_token_ids=eos_token_ids)
+            return verify_one(request, proposal, logits, eos_token_ids)
         rows = [
             RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=h)
-            for h in speculation.node_histories(request.output_token_ids, proposal)
+            for h in verification.node_histories(request, proposal)
         ]
         return verify_proposal(
             proposal=proposal,
@@ -85,11 +113,7 @@ def rejection_rule_for_point_masses():
             max_new_tokens=request.remaining_output_tokens,
         )
 
-    speculation.Speculator.verify = verify
-    try:
-        yield
-    finally:
-        speculation.Speculator.verify = original
+    return engine_verification(verify)
 
 
 def truncated_draft_model(layers: int, out_dir: Path) -> Path:

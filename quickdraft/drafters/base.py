@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from quickdraft.sampling_params import SamplingParams
+from quickdraft.verify.tree import Tree
 
 if TYPE_CHECKING:  # the drafters' modules import this one: types only
     from quickdraft.kv.cache import KVCache
@@ -37,21 +38,24 @@ class Proposal:
     token_ids: list[int]  # [num_nodes] node 0 = root (the last committed token)
     parents: list[int]  # [num_nodes] parent index, -1 for the root; parents precede children
     draft_probs: torch.Tensor | None = None  # [num_nodes, V]: row i = distribution node i was drawn from
+    # The tree's facts (depths, children, ancestor mask, paths), worked out once from `parents`.
+    tree: Tree = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids or len(self.token_ids) != len(self.parents):
             raise ValueError(f"{len(self.token_ids)} tokens for {len(self.parents)} parents")
-        if self.parents[0] != -1:
-            raise ValueError("node 0 must be the root (parent -1)")
-        for node, parent in enumerate(self.parents[1:], start=1):
-            if not 0 <= parent < node:
-                raise ValueError(f"node {node} has parent {parent}: parents must come first")
+        self.tree = Tree(self.parents)
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
             raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.token_ids)} nodes")
 
     @property
     def num_draft_tokens(self) -> int:
         return len(self.token_ids) - 1
+
+    @classmethod
+    def root_only(cls, root: int) -> Proposal:
+        """No draft: the step samples one token after the root, as plain decoding does."""
+        return cls(token_ids=[root], parents=[-1])
 
     @classmethod
     def chain(cls, root: int, draft: Sequence[int], draft_probs: torch.Tensor | None = None) -> Proposal:

@@ -35,16 +35,17 @@ vocabulary and the copy distribution over the true entries before the root's (se
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.tree import DynamicTree, StaticTree
 from quickdraft.heads import head_compute_dtype, quantizes_head, resolve_head_dir
+from quickdraft.kernels.attention import attention
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.heads import CopySources, EagleHead, FeatureHead
 from quickdraft.models.layers import default_linear_fn
@@ -63,6 +64,34 @@ class _HeadState:
     first_true: int = 0  # the head attends to true entries first_true..num_true-1 (a window restarts it)
     num_true: int = 0  # true entries in the head cache (index = token position)
     num_features: int = 0  # target features observed (= tokens in the target's cache)
+
+
+@dataclass
+class _Draft:
+    """One request's tree while a step drafts."""
+
+    state: _HeadState
+    tree: DynamicTree
+    hidden: dict[int, torch.Tensor]  # node -> the head's output after it [D] (its children's feature)
+    entry: dict[int, int]  # draft node -> storage index of its draft entry (the root's is a true entry)
+    max_depth: int = 1
+    budget: int = 1
+    copy_sources: CopySources | None = None
+    frontier: list[int] = field(default_factory=lambda: [0])  # the newest depth's nodes
+    expand: list[int] = field(default_factory=list)  # the nodes whose children this depth adds
+
+
+@dataclass
+class _HeadRows:
+    """One request's rows of a head forward: true pairs at catch-up, or draft nodes."""
+
+    state: _HeadState
+    token_ids: list[int]  # [m]
+    features: torch.Tensor  # [m, D] the features paired with the tokens (fused)
+    positions: list[int]  # [m]
+    store: list[int]  # [m] head-cache entries written: a contiguous run that ends the attended range
+    mask: torch.Tensor  # [m, store[-1] + 1 - first_true] bool, over entries first_true..store[-1]
+    true_entries: bool = False  # catch-up rows (their copy keys are kept)
 
 
 class EagleDrafter(Drafter):
@@ -200,39 +229,89 @@ class EagleDrafter(Drafter):
     # ---- propose ----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
-        return [self._propose_one(request) for request in requests]
-
-    def _propose_one(self, request: DraftRequest) -> Proposal | None:
-        state = self._states[request.request_id]
-        tokens = request.token_ids
-        if not state.pending or state.num_features != len(tokens) - 1:
-            return None  # no new features, or out of step with the tokens: no draft this step
-        root_hidden = self._catch_up(state, tokens)  # [D]
-        copy_sources = self._copy_sources(state, tokens)
-        max_depth = min(self.depth, request.max_depth)
-        budget = min(self.max_draft_tokens, request.budget)
-        tree = DynamicTree(root_token=tokens[-1])
-        hidden = {0: root_hidden}  # node -> the head's output after it (its children's feature)
-        entry = {0: None}  # node -> storage index of its draft entry (root: a true entry)
-        frontier = [0]
-        for depth in range(1, max_depth + 1):
-            expand = self._nodes_to_expand(tree, frontier, depth)
-            if not expand:
-                break
-            if depth > 1:  # depth-1 children come from the catch-up's last row
-                self._feed_nodes(state, tree, expand, hidden, entry)
-            frontier = []
-            ranks_per_node = [self._child_ranks(tree, node) for node in expand]
-            picks = self._pick_children(torch.stack([hidden[n] for n in expand]), ranks_per_node, copy_sources)
-            for node, ranks, (picked_ids, picked_log_probs) in zip(expand, ranks_per_node, picks):
-                keep = [i for i, lp in enumerate(picked_log_probs) if tree.scores[node] + lp >= self.min_log_prob]
-                frontier += tree.add_children(
-                    node, [picked_ids[i] for i in keep], [picked_log_probs[i] for i in keep], [ranks[i] for i in keep]
+        """Every request's tree grown together: one head forward per draft depth for all of them
+        (and one catch-up forward), not one per request."""
+        ready = [r for r in requests if self._in_step(r)]
+        if not ready:
+            return [None] * len(requests)
+        states = [self._states[r.request_id] for r in ready]
+        roots = self._catch_up([(state, r.token_ids) for state, r in zip(states, ready)])
+        drafts = {
+            r.request_id: _Draft(
+                state=state,
+                tree=DynamicTree(root_token=r.token_ids[-1]),
+                hidden={0: root},
+                entry={},
+                max_depth=min(self.depth, r.max_depth),
+                budget=min(self.max_draft_tokens, r.budget),
+                copy_sources=self._copy_sources(state, r.token_ids),
+            )
+            for r, state, root in zip(ready, states, roots)
+        }
+        for depth in range(1, max(d.max_depth for d in drafts.values()) + 1):
+            growing = []
+            for draft in drafts.values():
+                draft.expand = (
+                    self._nodes_to_expand(draft.tree, draft.frontier, depth) if depth <= draft.max_depth else []
                 )
-        if len(tree.token_ids) == 1:
-            return None
-        token_ids, parents = tree.pruned(budget)
-        return Proposal(token_ids=token_ids, parents=parents)
+                if draft.expand:
+                    growing.append(draft)
+            if not growing:
+                break
+            if depth > 1:  # depth-1 children come from the catch-up's last rows
+                self._feed_nodes(growing)
+            self._add_children(growing)
+        proposals: list[Proposal | None] = []
+        for request in requests:
+            grown = drafts.get(request.request_id)
+            if grown is None or len(grown.tree.token_ids) == 1:
+                proposals.append(None)
+                continue
+            token_ids, parents = grown.tree.pruned(grown.budget)
+            proposals.append(Proposal(token_ids=token_ids, parents=parents))
+        return proposals
+
+    def _in_step(self, request: DraftRequest) -> bool:
+        """New features arrived and they match the tokens (else: no draft for it this step)."""
+        state = self._states[request.request_id]
+        return bool(state.pending) and state.num_features == len(request.token_ids) - 1
+
+    def _add_children(self, drafts: list[_Draft]) -> None:
+        """The children of every draft's expanded nodes, from one pick over all their rows."""
+        ranks = [[self._child_ranks(d.tree, node) for node in d.expand] for d in drafts]
+        features = torch.stack([d.hidden[node] for d in drafts for node in d.expand])  # [m, D]
+        picks = self._pick_children_of(drafts, features, ranks)
+        for draft, draft_ranks, draft_picks in zip(drafts, ranks, picks):
+            draft.frontier = []
+            tree = draft.tree
+            for node, node_ranks, (picked_ids, picked_log_probs) in zip(draft.expand, draft_ranks, draft_picks):
+                keep = [i for i, lp in enumerate(picked_log_probs) if tree.scores[node] + lp >= self.min_log_prob]
+                draft.frontier += tree.add_children(
+                    node,
+                    [picked_ids[i] for i in keep],
+                    [picked_log_probs[i] for i in keep],
+                    [node_ranks[i] for i in keep],
+                )
+
+    def _pick_children_of(
+        self, drafts: list[_Draft], features: torch.Tensor, ranks: list[list[list[int]]]
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """Per draft, per expanded node: its picks.  Drafts without copy sources share one call;
+        each with its own copy sources (its own context) gets one."""
+        offsets = list(itertools.accumulate((len(d.expand) for d in drafts), initial=0))
+        plain = [i for i, d in enumerate(drafts) if d.copy_sources is None]
+        picks: list[list[tuple[list[int], list[float]]]] = [[] for _ in drafts]
+        if plain:
+            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in plain]).to(features.device)
+            shared = self._pick_children(features[rows], [r for i in plain for r in ranks[i]], None)
+            taken = 0
+            for i in plain:
+                picks[i] = shared[taken : taken + len(ranks[i])]
+                taken += len(ranks[i])
+        for i, draft in enumerate(drafts):
+            if draft.copy_sources is not None:
+                picks[i] = self._pick_children(features[offsets[i] : offsets[i + 1]], ranks[i], draft.copy_sources)
+        return picks
 
     def _pick_children(
         self, features: torch.Tensor, ranks_per_node: list[list[int]], copy_sources: CopySources | None
@@ -288,95 +367,119 @@ class EagleDrafter(Drafter):
         return [p[-1] for p in self.static_tree.paths if len(p) == len(path) + 1 and p[:-1] == path]
 
     # ---- head forwards ------------------------------------------------------------------------
-    def _catch_up(self, state: _HeadState, tokens: list[int]) -> torch.Tensor:
-        """Feed the pending true pairs; returns the head's output after the root pair [D]."""
-        pending = torch.cat(state.pending)  # [num_pending, L * D]
-        count = state.num_features - state.num_true  # entries owed
-        if self.catch_up_window is not None and count > self.catch_up_window:
-            count = self.catch_up_window
-            if self.copy_key_cache is not None:  # pending holds every owed entry: key the skipped ones
-                self._write_copy_keys(state, tokens, pending[: pending.shape[0] - count], start=state.num_true)
-            state.first_true = state.num_features - count  # older entries would only be a gap: restart
-        features = self.head.fuse_features(pending[pending.shape[0] - count :])  # [count, D]
-        state.pending, state.num_pending = [], 0
-        start = state.num_features - count
-        next_tokens = torch.tensor(tokens[start + 1 : start + 1 + count], device=self.device)
-        positions = torch.arange(start + 1, start + 1 + count, device=self.device)
-        mask = torch.ones(count, start + count - state.first_true, dtype=torch.bool, device=self.device)
-        mask[:, start - state.first_true :] = torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()
-        out = self._forward(
-            state,
-            next_tokens,
-            features,
-            positions,
-            store=list(range(start, start + count)),
-            mask=mask,
-            true_entries=True,
+    def _catch_up(self, requests: list[tuple[_HeadState, list[int]]]) -> list[torch.Tensor]:
+        """Feed each request's pending true pairs, all in one forward; returns per request the
+        head's output after its root pair [D]."""
+        batch = []
+        for state, tokens in requests:
+            pending = torch.cat(state.pending)  # [num_pending, L * D]
+            count = state.num_features - state.num_true  # entries owed
+            if self.catch_up_window is not None and count > self.catch_up_window:
+                count = self.catch_up_window
+                if self.copy_key_cache is not None:  # pending holds every owed entry: key the skipped ones
+                    self._write_copy_keys(state, tokens, pending[: pending.shape[0] - count], start=state.num_true)
+                state.first_true = state.num_features - count  # older entries would only be a gap: restart
+            state.pending, state.num_pending = [], 0
+            start = state.num_features - count
+            causal = torch.ones(count, start + count - state.first_true, dtype=torch.bool)
+            causal[:, start - state.first_true :] = torch.ones(count, count, dtype=torch.bool).tril_()
+            batch.append(
+                _HeadRows(
+                    state=state,
+                    token_ids=tokens[start + 1 : start + 1 + count],
+                    features=pending[pending.shape[0] - count :],
+                    positions=list(range(start + 1, start + 1 + count)),
+                    store=list(range(start, start + count)),
+                    mask=causal,
+                    true_entries=True,
+                )
+            )
+            state.num_true = start + count
+        # The fusion of every request's features in one call, then split back.
+        fused = self.head.fuse_features(torch.cat([rows.features for rows in batch])).split(
+            [len(rows.store) for rows in batch]
         )
-        state.num_true = start + count
-        return out[-1]
+        for rows, features in zip(batch, fused):
+            rows.features = features
+        return [out[-1] for out in self._forward(batch)]
 
-    def _feed_nodes(self, state: _HeadState, tree: DynamicTree, nodes: list[int], hidden: dict, entry: dict) -> None:
-        """Draft entries for `nodes` (their parents' outputs + their tokens); fills hidden/entry."""
-        first_free = state.num_true + sum(1 for e in entry.values() if e is not None)
-        store = list(range(first_free, first_free + len(nodes)))
-        first = state.first_true
-        mask = torch.zeros(len(nodes), first_free + len(nodes) - first, dtype=torch.bool)  # columns from first
-        mask[:, : state.num_true - first] = True
-        for row, node in enumerate(nodes):
-            entry[node] = store[row]
-            ancestor = node
-            while ancestor > 0:
-                mask[row, entry[ancestor] - first] = True
-                ancestor = tree.parents[ancestor]
-        token_ids = torch.tensor([tree.token_ids[n] for n in nodes], device=self.device)
-        features = torch.stack([hidden[tree.parents[n]] for n in nodes])  # [m, D]
-        positions = torch.tensor([state.num_true + tree.depths[n] for n in nodes], device=self.device)
-        out = self._forward(state, token_ids, features, positions, store=store, mask=mask.to(self.device))
-        for row, node in enumerate(nodes):
-            hidden[node] = out[row]
+    def _feed_nodes(self, drafts: list[_Draft]) -> None:
+        """Draft entries for each draft's `expand` nodes (their parents' outputs + their tokens),
+        all in one forward; fills the drafts' hidden and entry."""
+        batch = []
+        for draft in drafts:
+            state, tree, nodes, entry = draft.state, draft.tree, draft.expand, draft.entry
+            first_free = state.num_true + len(entry)
+            store = list(range(first_free, first_free + len(nodes)))
+            first = state.first_true
+            mask = torch.zeros(len(nodes), first_free + len(nodes) - first, dtype=torch.bool)  # columns from first
+            mask[:, : state.num_true - first] = True
+            for row, node in enumerate(nodes):
+                entry[node] = store[row]
+                for ancestor in tree.shape.path(node)[1:]:
+                    mask[row, entry[ancestor] - first] = True
+            batch.append(
+                _HeadRows(
+                    state=state,
+                    token_ids=[tree.token_ids[n] for n in nodes],
+                    features=torch.stack([draft.hidden[tree.parents[n]] for n in nodes]),  # [m, D]
+                    positions=[state.num_true + tree.depths[n] for n in nodes],
+                    store=store,
+                    mask=mask,
+                )
+            )
+        for draft, out in zip(drafts, self._forward(batch)):
+            for row, node in enumerate(draft.expand):
+                draft.hidden[node] = out[row]
 
-    def _forward(
-        self,
-        state: _HeadState,
-        token_ids: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        *,
-        store: list[int],
-        mask: torch.Tensor,
-        true_entries: bool = False,
-    ) -> torch.Tensor:
-        # token_ids [m], features [m, D], positions [m], mask [m, kv_len - first_true] -> outputs [m, D]
+    def _forward(self, batch: list[_HeadRows]) -> list[torch.Tensor]:
+        """One head forward over every request's rows -> per request its outputs [m, D]."""
         head = self.head
-        hidden = head.input_hidden(token_ids, features)
-        if true_entries and self.copy_key_cache is not None:  # only true entries are copied from
-            self.copy_key_cache[state.slot, store[0] : store[-1] + 1] = head.copy_keys(hidden)
-        if head.runs_fused_block(hidden):  # store is the contiguous run ending the attended range
-            return head.fused_block(
+        sizes = [len(rows.store) for rows in batch]
+        offsets = list(itertools.accumulate(sizes, initial=0))
+        token_ids = torch.tensor([t for rows in batch for t in rows.token_ids], device=self.device)
+        positions = torch.tensor([p for rows in batch for p in rows.positions], device=self.device)
+        hidden = head.input_hidden(token_ids, torch.cat([rows.features for rows in batch]))  # [N, D]
+        for i, rows in enumerate(batch):
+            if rows.true_entries and self.copy_key_cache is not None:  # only true entries are copied from
+                keys = head.copy_keys(hidden[offsets[i] : offsets[i + 1]])
+                self.copy_key_cache[rows.state.slot, rows.store[0] : rows.store[-1] + 1] = keys
+        masks = [rows.mask.to(self.device) for rows in batch]
+        if head.runs_fused_block(hidden):  # each store is the contiguous run ending its attended range
+            out = head.fused_block(
                 hidden,
                 positions,
                 cache_keys=self.cache.keys[0],
                 cache_values=self.cache.values[0],
-                slot=state.slot,
-                kv_start=state.first_true,
-                mask=mask,
+                sequences=[
+                    (
+                        rows.state.slot,
+                        offsets[i],
+                        offsets[i + 1],
+                        rows.state.first_true,
+                        rows.state.first_true + mask.shape[1],
+                    )
+                    for i, (rows, mask) in enumerate(zip(batch, masks))
+                ],
+                masks=masks,
             )
-        q, k, v = head.attention_inputs(hidden, positions)
-        store_index = torch.tensor(store, device=self.device)
+            return list(out.split(sizes))
+        q, k, v = head.attention_inputs(hidden, positions)  # q [N, H, hd], k and v [N, Hkv, hd]
         self.cache.write(
-            0, keys=k, values=v, slot_index=torch.full_like(store_index, state.slot), store_index=store_index
+            0,
+            keys=k,
+            values=v,
+            slot_index=torch.tensor([rows.state.slot for rows in batch for _ in rows.store], device=self.device),
+            store_index=torch.tensor([e for rows in batch for e in rows.store], device=self.device),
         )
-        keys, values = self.cache.read(0, slot=state.slot, start=state.first_true, end=state.first_true + mask.shape[1])
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys[None],
-            values[None],
-            attn_mask=mask,
-            scale=head.attn_scale,
-            enable_gqa=head.config.num_kv_heads != head.config.num_heads,
-        )  # [1, H, m, hd]
-        return head.block_output(hidden, attended[0].transpose(0, 1).reshape(hidden.shape[0], -1))
+        attended = []
+        for i, (rows, mask) in enumerate(zip(batch, masks)):
+            first = rows.state.first_true
+            keys, values = self.cache.read(0, slot=rows.state.slot, start=first, end=first + mask.shape[1])
+            # The batch-invariant kernel where it runs: a request's draft is then the same bits
+            # whichever other requests draft beside it.
+            attended.append(attention(q[offsets[i] : offsets[i + 1]], keys, values, mask=mask, scale=head.attn_scale))
+        return list(head.block_output(hidden, torch.cat(attended).reshape(hidden.shape[0], -1)).split(sizes))
 
 
 def head_max_len(target: TargetInfo) -> int:

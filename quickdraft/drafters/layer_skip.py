@@ -120,7 +120,7 @@ class LayerSkipDrafter(Drafter):
                     slot=r.slot,
                     cache_len=len(r.token_ids) - 1,
                     token_ids=list(tree.token_ids),
-                    parents=list(tree.parents),
+                    tree=tree.shape,
                 )
             )
         out = self.runner.forward(work, end_layer=self.head.exit_layer)

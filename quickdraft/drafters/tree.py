@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from quickdraft.verify.tree import Tree
+
 
 @dataclass(frozen=True)
 class StaticTree:
@@ -96,13 +98,20 @@ class DynamicTree:
 
     root_token: int
     token_ids: list[int] = field(default_factory=list)  # [num_nodes]
-    parents: list[int] = field(default_factory=list)  # [num_nodes]
     scores: list[float] = field(default_factory=list)  # [num_nodes] cumulative log-prob
-    depths: list[int] = field(default_factory=list)  # [num_nodes]
     ranks: list[int] = field(default_factory=list)  # [num_nodes] candidate rank under the parent
+    shape: Tree = field(default_factory=lambda: Tree([-1]))  # parents, depths, ancestors as it grows
 
     def __post_init__(self) -> None:
-        self.token_ids, self.parents, self.scores, self.depths, self.ranks = [self.root_token], [-1], [0.0], [0], [-1]
+        self.token_ids, self.scores, self.ranks, self.shape = [self.root_token], [0.0], [-1], Tree([-1])
+
+    @property
+    def parents(self) -> list[int]:  # [num_nodes]
+        return self.shape.parents
+
+    @property
+    def depths(self) -> list[int]:  # [num_nodes]
+        return self.shape.depths
 
     def add_children(
         self, parent: int, tokens: list[int], log_probs: list[float], ranks: list[int] | None = None
@@ -110,21 +119,15 @@ class DynamicTree:
         """Children of `parent` with their own draft log-probs; returns their node indices."""
         added = []
         for i, (token, log_prob) in enumerate(zip(tokens, log_probs)):
-            added.append(len(self.token_ids))
+            added.append(self.shape.add(parent))
             self.token_ids.append(token)
-            self.parents.append(parent)
             self.scores.append(self.scores[parent] + min(0.0, log_prob))
-            self.depths.append(self.depths[parent] + 1)
             self.ranks.append(i if ranks is None else ranks[i])
         return added
 
     def path_ranks(self, node: int) -> tuple[int, ...]:
         """Candidate ranks from the root down to `node` (its path in a static tree)."""
-        ranks = []
-        while node > 0:
-            ranks.append(self.ranks[node])
-            node = self.parents[node]
-        return tuple(reversed(ranks))
+        return tuple(self.ranks[n] for n in self.shape.path(node)[1:])
 
     def best_frontier(self, nodes: list[int], k: int) -> list[int]:
         """The k best of `nodes` by score (ties: earlier node first), in node order."""

@@ -1,8 +1,10 @@
 """The engine: requests in, one step at a time, outputs out.
 
-A step: the scheduler plans which requests feed which tokens; the runner turns the plan
-into one forward; the sampler turns the logits of the rows that end a known sequence into
-tokens; requests commit them, check their stops, and finished ones free their slot.
+A step: the scheduler plans which requests feed which tokens; the speculator drafts for
+the decoding ones; the runner turns the plan into one forward; every request that ends its
+known tokens is verified in one call (a plain decode is a proposal with no draft: its
+root alone); one function commits each request (cache, tokens, metrics, drafter), and
+finished ones free their slot.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import torch
 
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.drafters import default_registry
-from quickdraft.drafters.base import Proposal, TargetInfo
+from quickdraft.drafters.base import AcceptedPath, Proposal, TargetInfo
 from quickdraft.engine.request import Request, make_token_logprobs
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
-from quickdraft.kernels.argmax import argmax_rows
+from quickdraft.engine.verification import verify_step
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import (
     load_decoder,
@@ -32,15 +34,7 @@ from quickdraft.models.loader import (
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import SamplingParams
-from quickdraft.verify.sampler import (
-    RowContext,
-    compute_logprobs,
-    logits_to_probs,
-    make_generator,
-    position_key,
-    sample_keyed,
-    samples_by_argmax,
-)
+from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key
 
 DEFAULT_MAX_MODEL_LEN = 4096
 # Storage beyond max_model_len, so that a step's new tokens (a prefill chunk's tail or a
@@ -241,6 +235,7 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
+        """Schedule, draft, one target forward, verify every request at once, commit each."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan:
@@ -250,51 +245,53 @@ class Engine:
                 item.request.metrics.first_scheduled_time = started
         # Before any commit changes the requests (one may finish inside its accepted path).
         decode_only = all(item.num_new_tokens == 1 and item.completes_prompt for item in plan)
-        proposals = self._propose(plan)
+        drafts = self._propose(plan)
         drafted = time.perf_counter()
-        work = [self._work_for(item, proposals.get(item.request.request_id)) for item in plan]
-        # Rows that end a known sequence without a draft: sampled like plain decoding.
-        sampled_rows = [
-            i for i, item in enumerate(plan) if item.completes_prompt and item.request.request_id not in proposals
-        ]
+        # Every item that completes its known tokens ends in a proposal; a plain decode's is its root alone.
+        proposals = [self._proposal_for(item, drafts) for item in plan]
+        work = [self._work_for(item, proposal) for item, proposal in zip(plan, proposals)]
         feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
         out = self.runner.forward(work, capture_layers=feature_layers)
         features = _features(out.forward.captured, feature_layers)  # [N, L * D] or None
         row_starts = list(itertools.accumulate((len(w.token_ids) for w in work), initial=0))
-        for i, item in enumerate(plan):
-            if item.request.request_id not in proposals:
-                item.request.num_computed_tokens += item.num_new_tokens
-                self.cache.commit(item.request.scheduled_slot, item.request.num_computed_tokens)
-                if features is not None and self.speculator is not None:  # before sampling: finishing releases
-                    self.speculator.observe(item.request, features[row_starts[i] : row_starts[i + 1]])
-        if sampled_rows:
-            assert out.logits is not None  # rows that end a known sequence ask for logits
-            rows = torch.tensor([out.logits_offsets[i] for i in sampled_rows], device=self.device)
-            self._sample_and_commit([plan[i].request for i in sampled_rows], out.logits[rows])
-        for i, item in enumerate(plan):
-            proposal = proposals.get(item.request.request_id)
-            if proposal is not None:
-                assert out.logits is not None  # every tree node asks for logits
-                logits = out.logits[out.logits_offsets[i] : out.logits_offsets[i + 1]]
-                tree_features = None if features is None else features[row_starts[i] : row_starts[i + 1]]
-                self._verify_and_commit(item.request, proposal, logits, tree_features)
-        finished = time.perf_counter()
-        if self.speculator is not None:
-            self.speculator.observe_step(
-                num_requests=len(plan),
-                num_tokens=row_starts[-1],
-                forward_seconds=finished - drafted,
-                decode_only=decode_only,
-                num_drafted_requests=len(proposals),
-                draft_seconds=drafted - started,
-                num_draft_tokens=sum(p.num_draft_tokens for p in proposals.values()),
+        verified = [(i, proposal) for i, proposal in enumerate(proposals) if proposal is not None]
+        verifying = [i for i, _ in verified]
+        accepted: list[AcceptedPath | None] = [None] * len(plan)
+        logprobs: list[list[TokenLogprobs | None]] = [[] for _ in plan]
+        if verifying:
+            assert out.logits is not None  # every proposal node asks for logits
+            # Items that verify nothing have no logits rows: the verifying ones' rows are contiguous.
+            row_offsets = [out.logits_offsets[i] for i in verifying] + [out.logits_offsets[verifying[-1] + 1]]
+            requests = [plan[i].request for i in verifying]
+            paths = verify_step(
+                requests=requests,
+                proposals=[proposal for _, proposal in verified],
+                logits=out.logits,
+                row_offsets=row_offsets,
+                eos_token_ids=self.eos_token_ids,
             )
-        if proposals:
-            self.metrics.draft_seconds += drafted - started
-            self.metrics.verify_seconds += finished - drafted
-            for item in plan:
-                item.request.metrics.draft_seconds += drafted - started
-                item.request.metrics.verify_seconds += finished - drafted
+            path_logprobs = self._path_logprobs(requests, paths, out.logits, row_offsets)
+            for k, i in enumerate(verifying):
+                accepted[i], logprobs[i] = paths[k], path_logprobs[k]
+        now = time.perf_counter()
+        for i, item in enumerate(plan):
+            self._commit(
+                item,
+                proposal=proposals[i],
+                accepted=accepted[i],
+                logprobs=logprobs[i],
+                features=None if features is None else features[row_starts[i] : row_starts[i + 1]],
+                now=now,
+            )
+        finished = time.perf_counter()
+        self._record_step(
+            plan=plan,
+            drafts=drafts,
+            num_tokens=row_starts[-1],
+            decode_only=decode_only,
+            draft_seconds=drafted - started,
+            verify_seconds=finished - drafted,
+        )
         return [self._delta(item.request) for item in plan]
 
     def _propose(self, plan: list[ScheduledRequest]) -> dict[str, Proposal]:
@@ -308,93 +305,133 @@ class Engine:
         share = self.scheduler.draft_room(plan) // len(decoding)
         return self.speculator.propose(decoding, cache_room=room, token_room={r.request_id: share for r in decoding})
 
-    def _work_for(self, item: ScheduledRequest, proposal: Proposal | None) -> SequenceWork:
+    @staticmethod
+    def _proposal_for(item: ScheduledRequest, drafts: dict[str, Proposal]) -> Proposal | None:
+        """The drafted tree, the root alone (plain decoding), or None for a prefill chunk that
+        leaves known tokens for later steps (nothing to sample)."""
+        if not item.completes_prompt:
+            return None
+        request = item.request
+        proposal = drafts.get(request.request_id)
+        if proposal is not None:
+            assert item.num_new_tokens == 1  # only decodes are drafted: the tree is the whole work
+            return proposal
+        return Proposal.root_only(request.all_token_ids[-1])
+
+    @staticmethod
+    def _work_for(item: ScheduledRequest, proposal: Proposal | None) -> SequenceWork:
         req = item.request
         start = req.num_computed_tokens
-        if proposal is not None:
+        if proposal is not None and proposal.num_draft_tokens > 0:
             return SequenceWork(
                 slot=req.scheduled_slot,
                 cache_len=start,
                 token_ids=proposal.token_ids,
-                parents=proposal.parents,
-                logits_nodes=list(range(len(proposal.token_ids))),
+                tree=proposal.tree,
+                logits_nodes=list(range(proposal.tree.num_nodes)),
             )
         tokens = req.all_token_ids[start : start + item.num_new_tokens]
-        logits_nodes = [item.num_new_tokens - 1] if item.completes_prompt else []
+        logits_nodes = [item.num_new_tokens - 1] if proposal is not None else []
         return SequenceWork(slot=req.scheduled_slot, cache_len=start, token_ids=tokens, logits_nodes=logits_nodes)
 
-    def _verify_and_commit(
-        self, request: Request, proposal: Proposal, logits: torch.Tensor, tree_features: torch.Tensor | None
+    def _commit(
+        self,
+        item: ScheduledRequest,
+        *,
+        proposal: Proposal | None,
+        accepted: AcceptedPath | None,
+        logprobs: list[TokenLogprobs | None],  # per committed token
+        features: torch.Tensor | None,  # [num fed tokens, L * D] when the drafter reads features
+        now: float,
     ) -> None:
-        # logits [num_nodes, V]; tree_features [num_nodes, L * D] when the drafter reads features
-        speculator = self.speculator
-        assert speculator is not None  # only drafted requests are verified
-        accepted = speculator.verify(
-            request=request, proposal=proposal, logits=logits, eos_token_ids=self.eos_token_ids
-        )
-        cache_len = request.num_computed_tokens
+        """Every state change of one request's step: cache, tokens, metrics, drafter, retirement."""
+        request = item.request
+        start = request.num_computed_tokens
+        # Fed tokens before the proposal's root: a prefill chunk's (all of them when nothing is sampled).
+        num_known = item.num_new_tokens - (proposal is not None)
+        path = accepted.nodes if accepted is not None else []
         # Keep the accepted path's KV (root included), moved to the positions of its depths.
         self.cache.compact(
-            request.scheduled_slot, source=[cache_len + node for node in accepted.nodes], destination_start=cache_len
+            request.scheduled_slot,
+            source=[start + num_known + node for node in path],
+            destination_start=start + num_known,
         )
-        request.num_computed_tokens = cache_len + len(accepted.nodes)
+        request.num_computed_tokens = start + num_known + len(path)
         self.cache.commit(request.scheduled_slot, request.num_computed_tokens)
-        if tree_features is not None:
-            speculator.observe(request, tree_features[accepted.nodes])
-        request.metrics.num_target_forwards += 1
-        # Committed token j was chosen from the logits after path node j.
-        logprob_rows: list[TokenLogprobs | None] = [None] * len(accepted.nodes)
-        if request.params.logprobs is not None:  # gathering the rows copies megabytes: only when asked
-            logprob_rows = self._logprobs(
-                [request] * len(accepted.nodes), logits[accepted.nodes], accepted.committed_token_ids
-            )
-        now = time.perf_counter()
-        for token, token_logprobs in zip(accepted.committed_token_ids, logprob_rows):
-            if request.append_token(token, now=now, logprobs=token_logprobs):
-                break
-        speculator.record(request=request, proposal=proposal, accepted=accepted)
+        kept_features = None
+        if features is not None:
+            if path == list(range(len(path))):  # the fed tokens in order: a view, no copy
+                kept_features = features[: num_known + len(path)]
+            else:
+                rows = list(range(num_known)) + [num_known + node for node in path]
+                kept_features = features[torch.tensor(rows, device=features.device)]
+        if accepted is not None:
+            request.metrics.num_target_forwards += 1
+            # Committed token j was chosen from the logits after path node j.
+            for token, token_logprobs in zip(accepted.committed_token_ids, logprobs):
+                if request.append_token(token, now=now, logprobs=token_logprobs):
+                    break
+        if self.speculator is not None:
+            self.speculator.commit(request, features=kept_features, proposal=proposal, accepted=accepted)
         if request.is_finished:
             self._retire(request)
 
-    def _sample_and_commit(self, requests: list[Request], logits: torch.Tensor) -> None:
-        # logits [len(requests), V]: one row per request that completed its known tokens
-        if all(samples_by_argmax(r.params, num_output_tokens=len(r.output_token_ids)) for r in requests):
-            # The distribution would be one-hots of these argmaxes: skip building [R, V] of them.
-            tokens = argmax_rows(logits).tolist()
-        else:
-            rows = [
-                RowContext(params=r.params, prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids)
-                for r in requests
-            ]
-            probs = logits_to_probs(logits, rows, eos_token_ids=self.eos_token_ids)
-            keys = [position_key(r.seed, len(r.output_token_ids)) for r in requests]
-            tokens = sample_keyed(probs, keys).tolist()
-        logprob_rows = self._logprobs(requests, logits, tokens)
-        now = time.perf_counter()
-        for req, token, token_logprobs in zip(requests, tokens, logprob_rows):
-            req.metrics.num_target_forwards += 1
-            if req.append_token(token, now=now, logprobs=token_logprobs):
-                self._retire(req)
-
-    def _logprobs(self, requests: list[Request], logits: torch.Tensor, tokens: list[int]):
-        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        result: list[TokenLogprobs | None] = [None] * len(requests)
-        if not wanted:
-            return result
-        num_top = max(requests[i].params.logprobs or 0 for i in wanted)
-        index = torch.tensor(wanted, device=logits.device)
-        token_lp, top_ids, top_lp = compute_logprobs(
-            logits[index], torch.tensor([tokens[i] for i in wanted], device=logits.device), num_top
-        )
-        for row, i in enumerate(wanted):
-            k = requests[i].params.logprobs
-            result[i] = make_token_logprobs(
-                token_id=tokens[i],
-                logprob=float(token_lp[row]),
-                top_ids=top_ids[row, :k].tolist(),
-                top_logprobs=top_lp[row, :k].tolist(),
-                tokenizer=self.tokenizer,
+    def _record_step(
+        self,
+        *,
+        plan: list[ScheduledRequest],
+        drafts: dict[str, Proposal],
+        num_tokens: int,
+        decode_only: bool,
+        draft_seconds: float,
+        verify_seconds: float,
+    ) -> None:
+        if self.speculator is not None:
+            self.speculator.observe_step(
+                num_requests=len(plan),
+                num_tokens=num_tokens,
+                forward_seconds=verify_seconds,
+                decode_only=decode_only,
+                num_drafted_requests=len(drafts),
+                draft_seconds=draft_seconds,
+                num_draft_tokens=sum(p.num_draft_tokens for p in drafts.values()),
             )
+        if drafts:
+            self.metrics.draft_seconds += draft_seconds
+            self.metrics.verify_seconds += verify_seconds
+            for item in plan:
+                item.request.metrics.draft_seconds += draft_seconds
+                item.request.metrics.verify_seconds += verify_seconds
+
+    def _path_logprobs(
+        self,
+        requests: list[Request],
+        paths: list[AcceptedPath],
+        logits: torch.Tensor,  # [M, V]
+        row_offsets: list[int],  # request k's node rows start at row_offsets[k]
+    ) -> list[list[TokenLogprobs | None]]:
+        """Per request, the logprobs of each committed token (None where not asked for), in one call."""
+        result: list[list[TokenLogprobs | None]] = [[None] * len(path.nodes) for path in paths]
+        wanted = [k for k, request in enumerate(requests) if request.params.logprobs is not None]
+        if not wanted:  # gathering the rows copies megabytes: only when asked
+            return result
+        rows = [row_offsets[k] + node for k in wanted for node in paths[k].nodes]
+        tokens = [token for k in wanted for token in paths[k].committed_token_ids]
+        num_top = max(requests[k].params.logprobs or 0 for k in wanted)
+        index = torch.tensor(rows, device=logits.device)
+        token_lp, top_ids, top_lp = compute_logprobs(logits[index], torch.tensor(tokens, device=logits.device), num_top)
+        flat = 0
+        for k in wanted:
+            top = requests[k].params.logprobs
+            for j in range(len(paths[k].nodes)):
+                result[k][j] = make_token_logprobs(
+                    token_id=tokens[flat],
+                    logprob=float(token_lp[flat]),
+                    top_ids=top_ids[flat, :top].tolist(),
+                    top_logprobs=top_lp[flat, :top].tolist(),
+                    tokenizer=self.tokenizer,
+                )
+                flat += 1
         return result
 
     def _delta(self, request: Request) -> StreamDelta:

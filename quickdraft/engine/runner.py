@@ -9,6 +9,7 @@ import torch
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch, build_sequence_attention
 from quickdraft.models.decoder import Decoder, ForwardOutput
+from quickdraft.verify.tree import Tree
 
 
 @dataclass
@@ -18,7 +19,7 @@ class SequenceWork:
     slot: int
     cache_len: int  # KV already stored for this slot (committed tokens)
     token_ids: list[int]  # node 0 first; for a tree node 0 is the root
-    parents: list[int] | None = None  # tree parents (-1 for the root); None = a chain
+    tree: Tree | None = None  # the draft tree's shape (node 0 = the root); None = a chain
     logits_nodes: list[int] = field(default_factory=list)  # nodes whose logits are needed
 
 
@@ -61,7 +62,7 @@ class ModelRunner:
                 slot=item.slot,
                 row_start=len(token_ids),
                 cache_len=item.cache_len,
-                parents=item.parents,
+                tree=item.tree,
                 num_new=num_new,
                 sliding_window=window,
             )

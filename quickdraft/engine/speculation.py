@@ -1,9 +1,9 @@
-"""Speculation inside the engine step: ask the drafter, verify the trees, keep what was accepted.
+"""Speculation inside the engine step: ask the drafter, and learn from what was accepted.
 
-Plain Python bookkeeping (draft budgets, histories, the accepted path); the tensors it
-touches are the target logits of the tree nodes, turned into target_probs by the same
-``logits_to_probs`` that plain decoding uses, so every sampling parameter is honoured per
-node with that node's own token history.
+Plain Python bookkeeping (draft budgets and lengths, adaptive acceptance estimates, the
+drafter's view of each request).  It returns proposals to the engine and is told, once per
+request and step, what the engine committed; verification itself is the engine's
+(``engine/verification.py``), the same for drafted and plain requests.
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ from quickdraft.engine.adaptive import (
     worth_probing,
 )
 from quickdraft.engine.request import Request
-from quickdraft.kernels.argmax import argmax_rows
-from quickdraft.models.attention import node_depths
-from quickdraft.verify.rejection import verify_by_target_choice, verify_greedy, verify_proposal
-from quickdraft.verify.sampler import RowContext, logits_to_probs, position_key, sample_keyed, samples_by_argmax
 
 
 @dataclass
@@ -93,10 +89,6 @@ class Speculator:
     def feature_layers(self) -> tuple[int, ...]:
         """Target layers whose outputs the drafter reads (empty for most drafters)."""
         return tuple(getattr(self.drafter, "feature_layers", ()))
-
-    def observe(self, request: Request, features: torch.Tensor) -> None:
-        """features [n, L * D]: the target features of the request's next n cached tokens."""
-        self.drafter.observe(self.view(request), features)
 
     def finish(self, request_id: str) -> None:
         if self._views.pop(request_id, None) is not None:
@@ -195,43 +187,22 @@ class Speculator:
             num_requests=num_drafted_requests, num_draft_tokens=num_draft_tokens, seconds=draft_seconds
         )
 
-    # ---- verify -----------------------------------------------------------------------
-    def verify(
-        self, *, request: Request, proposal: Proposal, logits: torch.Tensor, eos_token_ids: list[int]
-    ) -> AcceptedPath:
-        """logits [num_nodes, V]: the target's logits after each tree node."""
-        if samples_by_argmax(request.params, num_output_tokens=len(request.output_token_ids)):
-            # Greedy without penalties: target_probs would be one-hots of these argmaxes.
-            return verify_greedy(
-                proposal=proposal,
-                target_argmax=argmax_rows(logits).tolist(),
-                max_new_tokens=request.remaining_output_tokens,
-            )
-        histories = node_histories(request.output_token_ids, proposal)
-        rows = [
-            RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=history)
-            for history in histories
-        ]
-        if proposal.draft_probs is None:
-            # Point masses: follow the target's own position-keyed draw at each node, computed
-            # only along the walked path; the committed tokens are plain decoding's.
-            def target_choice(node: int) -> int:
-                probs = logits_to_probs(logits[node : node + 1], [rows[node]], eos_token_ids=eos_token_ids)
-                return int(sample_keyed(probs, [position_key(request.seed, len(histories[node]))])[0])
-
-            return verify_by_target_choice(
-                proposal=proposal, target_choice=target_choice, max_new_tokens=request.remaining_output_tokens
-            )
-        target_probs = logits_to_probs(logits, rows, eos_token_ids=eos_token_ids)  # [num_nodes, V]
-        return verify_proposal(
-            proposal=proposal,
-            target_probs=target_probs,
-            generator=request.generator,
-            max_new_tokens=request.remaining_output_tokens,
-        )
-
-    def record(self, *, request: Request, proposal: Proposal, accepted: AcceptedPath) -> None:
-        depths = node_depths(proposal.parents)[1:]
+    # ---- commit -----------------------------------------------------------------------
+    def commit(
+        self,
+        request: Request,
+        *,
+        features: torch.Tensor | None,  # [n, L * D] the features of the n tokens that entered the cache
+        proposal: Proposal | None,
+        accepted: AcceptedPath | None,
+    ) -> None:
+        """The engine committed the request's step (cache, tokens, metrics): the drafter gets the
+        new cached tokens' features, and, when the step verified a draft, what was accepted."""
+        if features is not None:
+            self.drafter.observe(self.view(request), features)
+        if proposal is None or accepted is None or proposal.num_draft_tokens == 0:
+            return
+        depths = proposal.tree.depths[1:]
         request.metrics.record_draft(depths=depths, num_accepted=accepted.num_accepted)
         request_id = request.request_id
         if self.config.adaptive:
@@ -243,11 +214,3 @@ class Speculator:
         )
         if not request.is_finished:
             self.drafter.accept(self._views[request_id], accepted)
-
-
-def node_histories(output_token_ids: list[int], proposal: Proposal) -> list[list[int]]:
-    """Each node's output history: committed outputs + the drafted tokens on its path (root excluded)."""
-    paths: list[list[int]] = []
-    for node, parent in enumerate(proposal.parents):
-        paths.append([] if parent < 0 else paths[parent] + [proposal.token_ids[node]])
-    return [output_token_ids + path for path in paths]

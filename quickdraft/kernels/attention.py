@@ -1,9 +1,10 @@
 """Batch-invariant attention on the CPU (``csrc/attention.cpp``).
 
 ``attention(q, keys, values, mask=..., scale=...)`` gives every (query, head) the same bits
-whatever else is in the call: how many tree nodes, which mask, which threads.  Where the kernel
-cannot run (no AVX-512, a head_dim that is not a multiple of 16, other devices) it is torch's
-scaled_dot_product_attention, which is exact to rounding but not batch-invariant.
+whatever else is in the call: how many tree nodes, which mask, which threads.  Built for
+AVX-512, else for AVX2 and FMA.  Where neither can run (an older CPU, a head_dim that is not a
+multiple of 16, other devices) it is torch's scaled_dot_product_attention, which is exact to
+rounding but not batch-invariant.
 """
 
 from __future__ import annotations
@@ -17,14 +18,26 @@ from quickdraft.kernels.build import LazyKernel
 
 __all__ = ["attention", "kernel_available"]
 
-# -ffp-contract=off: the same bits as the copy of attend_row inside the fused decoder layer
-_KERNEL = LazyKernel(
-    "attention_v1", source="attention.cpp", extra_cflags=("-ffp-contract=off",), what="scaled_dot_product_attention"
+# -ffp-contract=off: the same bits as the copy of attend_row inside the fused decoder layer.
+# The AVX-512 build first; CPUs without it (AMD Zen 2/3, older Intel) take the AVX2 build,
+# batch-invariant too (with bits of its own).
+_KERNELS = (
+    LazyKernel("attention_v1", source="attention.cpp", extra_cflags=("-ffp-contract=off",), what="the AVX2 build"),
+    LazyKernel(
+        "attention_avx2_v1",
+        source="attention.cpp",
+        extra_cflags=("-ffp-contract=off", "-DQD_ISA_AVX2"),
+        what="scaled_dot_product_attention",
+    ),
 )
 
 
 def _extension() -> ModuleType | None:
-    return _KERNEL.get()
+    for kernel in _KERNELS:
+        module = kernel.get()
+        if module is not None:
+            return module
+    return None
 
 
 def kernel_available() -> bool:

@@ -4,11 +4,14 @@ CPU check fails is None, and its caller runs portable torch code instead (logged
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -26,17 +29,21 @@ def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), w
         logger.info("%s: disabled by QUICKDRAFT_DISABLE_CPU_KERNEL, using %s", name, what)
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils import cpp_extension
 
         # The torch version is part of the name: an in-place torch upgrade would not rebuild.
-        # torch rebuilds when a source or a flag changes, but not for a header: their hash is a flag.
-        module = load(
-            name=f"quickdraft_{name}_torch" + re.sub(r"\W", "_", torch.__version__),
-            sources=[str(CSRC / source)],
-            extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", f"-DQD_HEADERS={_headers_hash()}", *extra_cflags],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        full_name = f"quickdraft_{name}_torch" + re.sub(r"\W", "_", torch.__version__)
+        build_dir = Path(cpp_extension._get_build_directory(full_name, verbose=False))
+        with _build_lock(build_dir):
+            # torch rebuilds when a source or a flag changes, but not for a header: their hash is a flag.
+            module = cpp_extension.load(
+                name=full_name,
+                sources=[str(CSRC / source)],
+                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", f"-DQD_HEADERS={_headers_hash()}", *extra_cflags],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, build error, import error, ...
         logger.warning("%s: building the C++ kernel failed, using %s: %s", name, what, exc)
         return None
@@ -44,6 +51,24 @@ def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), w
         logger.warning("%s: this CPU lacks the instructions of the C++ kernel, using %s", name, what)
         return None
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Held while a kernel is built or loaded.  torch marks a build in progress with a `lock`
+    file that a process killed mid-build (a server stopped while starting) leaves behind, and
+    every later build then waits for it forever.  Ours is an flock, which the OS releases when
+    its holder dies: a torch lock file found while holding it belongs to no live build."""
+    with open(build_dir.parent / f".{build_dir.name}.quickdraft-lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("%s: removing a lock file left by an interrupted build", build_dir.name)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _headers_hash() -> str:

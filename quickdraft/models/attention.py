@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quickdraft.verify.tree import Tree
+
 
 @dataclass
 class SequenceAttention:
@@ -44,58 +46,34 @@ class AttentionBatch:
     store_index: torch.Tensor  # [N] int64, storage index of each new token in its slot
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:  # -> [T, T] bool
-    """mask[i, j] is True when node j is node i or one of its ancestors.
-
-    ``parents[i]`` is the index of node i's parent (-1 for the root) and parents always come
-    before their children, so one pass fills the table.
-    """
-    num_nodes = len(parents)
-    mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
-    for node, parent in enumerate(parents):
-        if parent >= node:
-            raise ValueError(f"tree node {node} has parent {parent}: parents must come first")
-        if parent >= 0:
-            mask[node] = mask[parent]
-        mask[node, node] = True
-    return mask
-
-
-def node_depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
 def build_sequence_attention(
     *,
     slot: int,
     row_start: int,
     cache_len: int,
-    parents: list[int] | None,
+    tree: Tree | None,
     num_new: int,
     sliding_window: int | None,
 ) -> tuple[SequenceAttention, list[int]]:
     """Masks and key ranges for one sequence; returns it with the new tokens' positions.
 
-    ``parents=None`` means the new tokens form a chain (prefill chunk or plain decode).
+    ``tree=None`` means the new tokens form a chain (prefill chunk or plain decode).
     """
-    if parents is None:
+    if tree is None:
         depths = list(range(num_new))
-        tree = torch.ones(num_new, num_new, dtype=torch.bool).tril_() if num_new > 1 else None
+        new_mask = torch.ones(num_new, num_new, dtype=torch.bool).tril_() if num_new > 1 else None
     else:
-        if len(parents) != num_new:
-            raise ValueError(f"{len(parents)} parents for {num_new} tree nodes")
-        depths = node_depths(parents)
-        tree = ancestor_mask(parents) if num_new > 1 else None
+        if tree.num_nodes != num_new:
+            raise ValueError(f"a tree of {tree.num_nodes} nodes for {num_new} new tokens")
+        depths = tree.depths
+        new_mask = tree.ancestor_mask() if num_new > 1 else None
     positions = [cache_len + depth for depth in depths]
     kv_end = cache_len + num_new
 
     full_mask = None
-    if tree is not None:
+    if new_mask is not None:
         full_mask = torch.ones(num_new, kv_end, dtype=torch.bool)
-        full_mask[:, cache_len:] = tree
+        full_mask[:, cache_len:] = new_mask
 
     sliding_kv_start = 0
     sliding_mask = full_mask

@@ -353,18 +353,17 @@ class EagleHead(FeatureHead):
         *,
         cache_keys: torch.Tensor,
         cache_values: torch.Tensor,
-        slot: int,
-        kv_start: int,
-        mask: torch.Tensor,
+        sequences: list[tuple[int, int, int, int, int]],
+        masks: list[torch.Tensor],
     ) -> torch.Tensor:
         """attention_inputs + KV write + attention + block_output in one C++ call (the target's
-        decoder layer without its Gemma norms): one call per draft depth instead of ~40 torch
-        ops, which cost more than the head's arithmetic.  hidden [m, D] from `input_hidden`,
-        positions [m]; cache_keys/values [slots, Hkv, L, hd]: the rows' KV is written at
-        kv_end - m .. kv_end - 1 with kv_end = kv_start + mask.shape[1]; mask [m, kv_end - kv_start]
-        (bool) -> [m, D]."""
+        decoder layer without its Gemma norms): one call per draft depth for every drafting
+        request instead of ~40 torch ops each, which cost more than the head's arithmetic.
+        hidden [N, D] from `input_hidden`, positions [N]; cache_keys/values [slots, Hkv, L, hd];
+        sequences: per request (slot, row_start, row_end, kv_start, kv_end), its rows' KV written
+        at kv_end - rows .. kv_end - 1; masks: per request [rows, kv_end - kv_start] bool
+        -> [N, D]."""
         c = self.config
-        m, kv_end = hidden.shape[0], kv_start + mask.shape[1]
         return fused_decoder_layer(
             hidden.contiguous(),
             weights={name: self.draft_weights[name] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
@@ -380,8 +379,8 @@ class EagleHead(FeatureHead):
             rotary=self.rotary.lookup(positions),
             cache_keys=cache_keys,
             cache_values=cache_values,
-            sequences=[(slot, 0, m, kv_start, kv_end)],
-            masks=[mask.contiguous()],
+            sequences=sequences,
+            masks=[mask.contiguous() for mask in masks],
             num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,

@@ -78,7 +78,7 @@ def verify_proposal(
 ) -> AcceptedPath:
     """Walk the proposal tree with recursive rejection sampling; see the module docstring."""
     _check_inputs(proposal=proposal, target_probs=target_probs, max_new_tokens=max_new_tokens)
-    children = _children_of(proposal.parents)
+    children = proposal.tree.children
     path = [0]  # accepted path, root first
     committed: list[int] = []
     while True:
@@ -95,27 +95,6 @@ def verify_proposal(
             return _result(path=path, committed=committed + [recovered], bonus=False)
         path.append(child)
         committed.append(proposal.token_ids[child])
-
-
-def verify_batch(
-    proposals: Sequence[Proposal],
-    target_probs_list: Sequence[torch.Tensor],  # per proposal [num_nodes, V]
-    generators: Sequence[torch.Generator | None],
-    max_new_tokens_list: Sequence[int | None] | None = None,
-) -> list[AcceptedPath]:
-    """``verify_proposal`` for each request of a batch (each with its own generator)."""
-    count = len(proposals)
-    if max_new_tokens_list is None:
-        max_new_tokens_list = [None] * count
-    if not len(target_probs_list) == len(generators) == len(max_new_tokens_list) == count:
-        raise ValueError(
-            f"{count} proposals, {len(target_probs_list)} target_probs, {len(generators)} "
-            f"generators, {len(max_new_tokens_list)} max_new_tokens"
-        )
-    return [
-        verify_proposal(proposal=proposal, target_probs=probs, generator=gen, max_new_tokens=cap)
-        for proposal, probs, gen, cap in zip(proposals, target_probs_list, generators, max_new_tokens_list)
-    ]
 
 
 def verify_greedy(
@@ -148,7 +127,7 @@ def verify_by_target_choice(
     the committed tokens are those plain decoding draws).  `target_choice` is called only for
     the nodes on the walked path, in order.
     """
-    children = _children_of(proposal.parents)
+    children = proposal.tree.children
     path = [0]
     committed: list[int] = []
     while True:
@@ -321,13 +300,6 @@ def _check_drawable(*, draft_row: torch.Tensor, token: int, child: int) -> float
             "deterministic proposals)"
         )
     return float(draft_row.sum(dtype=torch.float64))
-
-
-def _children_of(parents: list[int]) -> list[list[int]]:  # per node: children in index order
-    children: list[list[int]] = [[] for _ in parents]
-    for node, parent in enumerate(parents[1:], start=1):
-        children[parent].append(node)
-    return children
 
 
 def _result(*, path: list[int], committed: list[int], bonus: bool) -> AcceptedPath:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft import LLM, SamplingParams
+from quickdraft.drafters.eagle import _Draft
 from quickdraft.models.heads import EagleHead, HeadConfig, _unrolled_attention
 from tests.engine.test_speculative import repetitive_prompts
 from tests.stats_checks import assert_speculation_keeps_sampling
@@ -108,15 +109,17 @@ def test_features_reach_the_head_in_step_with_the_tokens(tiny_checkpoints, head_
     )
     drafter = llm.engine.speculator.drafter
     seen = []
-    original = drafter._propose_one
+    original = drafter.propose
 
-    def spy(request):
-        proposal = original(request)
-        state = drafter._states[request.request_id]
-        seen.append((state.num_true, state.num_features, len(request.token_ids)))
-        return proposal
+    def spy(requests):
+        proposals = original(requests)
+        for request, proposal in zip(requests, proposals):
+            state = drafter._states[request.request_id]
+            if proposal is not None:
+                seen.append((state.num_true, state.num_features, len(request.token_ids)))
+        return proposals
 
-    drafter._propose_one = spy
+    drafter.propose = spy
     llm.generate([repetitive_prompts()[3]], SamplingParams(max_tokens=12, **GREEDY))
     assert seen and all(true == features == tokens - 1 for true, features, tokens in seen)
 
@@ -175,8 +178,9 @@ def test_training_forward_matches_drafting(tiny_checkpoints, head_dir):
         torch.testing.assert_close(head.draft_logits(root_hidden), unrolled[0][5], rtol=1e-4, atol=1e-4)
         tree = DynamicTree(root_token=int(tokens[6]))
         (child,) = tree.add_children(0, [int(tokens[7])], [0.0])
-        hidden, entry = {0: root_hidden}, {0: None}
-        drafter._feed_nodes(state, tree, [child], hidden, entry)
+        draft = _Draft(state=state, tree=tree, hidden={0: root_hidden}, entry={}, expand=[child])
+        drafter._feed_nodes([draft])
+        hidden = draft.hidden
         torch.testing.assert_close(head.draft_logits(hidden[child]), unrolled[1][5], rtol=1e-4, atol=1e-4)
     drafter.finish("r")
 
@@ -216,7 +220,7 @@ def test_catch_up_window_feeds_only_the_last_tokens(tiny_checkpoints, head_dir):
     assert max(pending) < window + 2
     state = drafter._states["r"]
     with torch.inference_mode():
-        root_hidden = drafter._catch_up(state, request.token_ids)
+        root_hidden = drafter._catch_up([(state, request.token_ids)])[0]
         head = drafter.head
         expected = head.unrolled_logits(tokens[11 - window :], features[11 - window :], depths=1)[0][-1]
         torch.testing.assert_close(head.draft_logits(root_hidden), expected, rtol=1e-4, atol=1e-4)
@@ -311,7 +315,7 @@ def test_copy_sources_cover_the_whole_context_past_a_catch_up_window(tiny_checkp
     assert pending[-1] == 11  # nothing dropped: the skipped entries need their copy keys
     state = drafter._states["r"]
     with torch.inference_mode():
-        drafter._catch_up(state, request.token_ids)
+        drafter._catch_up([(state, request.token_ids)])[0]
         sources = drafter._copy_sources(state, request.token_ids)
         head = drafter.head
         entry_hidden, _ = head.unrolled_features(tokens, features, depths=1)
@@ -379,8 +383,9 @@ def test_copy_head_drafting_matches_training(tiny_checkpoints, copy_head_dir):
         assert log_probs == pytest.approx(expected.topk(3).values.log().tolist(), abs=1e-4)
         tree = DynamicTree(root_token=int(tokens[6]))
         (child,) = tree.add_children(0, [int(tokens[7])], [0.0])
-        hidden, entry = {0: root_hidden}, {0: None}
-        drafter._feed_nodes(state, tree, [child], hidden, entry)
+        draft = _Draft(state=state, tree=tree, hidden={0: root_hidden}, entry={}, expand=[child])
+        drafter._feed_nodes([draft])
+        hidden = draft.hidden
         deeper = head.mixture(hidden[child][None], **every_source)
         torch.testing.assert_close(_distribution(deeper, 0), _distribution(unrolled[1], 5), rtol=1e-4, atol=1e-5)
     drafter.finish("r")
@@ -451,7 +456,7 @@ def _caught_up_on_six_pairs(drafter, tokens, features):
     drafter.observe(request, features[:6])
     state = drafter._states["r"]
     with torch.inference_mode():
-        return request, state, drafter._catch_up(state, request.token_ids)
+        return request, state, drafter._catch_up([(state, request.token_ids)])[0]
 
 
 @pytest.mark.parametrize("head_dtype,quantized_head", [(None, True), ("float32", False), ("q8_0", True)])
@@ -551,9 +556,8 @@ def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
             positions,
             cache_keys=caches[0].keys[0],
             cache_values=caches[0].values[0],
-            slot=1,
-            kv_start=1,
-            mask=mask,
+            sequences=[(1, 0, 3, 1, 9)],
+            masks=[mask],
         )
         q, k, v = head.attention_inputs(hidden, positions)
         caches[1].write(0, keys=k, values=v, slot_index=torch.tensor([1, 1, 1]), store_index=torch.tensor([6, 7, 8]))
@@ -596,3 +600,48 @@ def test_draft_top_k_is_the_mixture_top_k(copy_head_dir, k):
         expected_ids, expected_log_probs = mixture.top_k(k)
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(log_probs, expected_log_probs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_fixture", ["head_dir", "copy_head_dir"])
+def test_drafting_requests_together_proposes_what_each_alone_would(tiny_checkpoints, head_fixture, request):
+    """One head forward per depth for all requests: each request's tree is the one it gets when it
+    drafts alone (the Q8_0 head on the batch-invariant kernels: the same bits, so the same picks)."""
+    from quickdraft.drafters.base import DraftRequest
+    from quickdraft.kernels.quant_linear import kernel_available
+
+    if not kernel_available():
+        pytest.skip("no quantized CPU kernel: the head's matmuls are not batch-invariant")
+    llm = LLM(
+        str(tiny_checkpoints["llama"]),
+        max_model_len=128,
+        max_num_seqs=4,
+        quantization="q8_0",
+        speculative_config={
+            "method": "eagle3",
+            "head": str(request.getfixturevalue(head_fixture)),
+            "num_speculative_tokens": 3,
+            "top_k": 2,
+            "max_draft_tokens": 6,
+        },
+    )
+    drafter = llm.engine.speculator.drafter
+    generator = torch.Generator().manual_seed(5)
+    lengths = [7, 12, 9]
+    tokens = [torch.randint(3, 40, (n,), generator=generator).tolist() for n in lengths]  # repeats for copies
+    features = [torch.randn(n - 1, 3 * 64, generator=generator) for n in lengths]
+
+    def drafted(indices):
+        requests = [
+            DraftRequest(request_id=f"r{i}", prompt_token_ids=tokens[i], output_token_ids=[], budget=6) for i in indices
+        ]
+        for r, i in zip(requests, indices):
+            drafter.begin(r)
+            drafter.observe(r, features[i])
+        proposals = drafter.propose(requests)
+        for r in requests:
+            drafter.finish(r.request_id)
+        return [(p.token_ids, p.parents) for p in proposals]
+
+    together = drafted([0, 1, 2])
+    assert together == [drafted([i])[0] for i in range(3)]
+    assert all(len(token_ids) > 2 for token_ids, _ in together)  # real trees, not single guesses

@@ -7,6 +7,7 @@ import torch
 
 from quickdraft.engine.runner import SequenceWork
 from quickdraft.kv.cache import CacheFullError, KVCache
+from quickdraft.verify.tree import Tree
 from tests.models.test_decoder import make_runner, prompt, reference_logits
 
 
@@ -67,7 +68,7 @@ def test_compacted_tree_path_equals_chain(tiny_checkpoints, arch):
     cache_len = len(context) - 1
     runner.forward([SequenceWork(slot=1, cache_len=0, token_ids=context[:-1])])
     cache.commit(1, cache_len)
-    runner.forward([SequenceWork(slot=1, cache_len=cache_len, token_ids=nodes, parents=parents)])
+    runner.forward([SequenceWork(slot=1, cache_len=cache_len, token_ids=nodes, tree=Tree(parents))])
     cache.compact(1, source=[cache_len + n for n in accepted_nodes], destination_start=cache_len)
     cache.commit(1, cache_len + len(accepted_nodes))
     accepted_tokens = [nodes[n] for n in accepted_nodes]

@@ -10,6 +10,7 @@ import torch
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder
+from quickdraft.verify.tree import Tree
 from tests.conftest import ARCHS
 
 
@@ -82,7 +83,7 @@ def test_tree_forward_equals_each_path_run_alone(tiny_checkpoints, arch):
                 slot=0,
                 cache_len=len(context) - 1,
                 token_ids=nodes,
-                parents=parents,
+                tree=Tree(parents),
                 logits_nodes=list(range(len(nodes))),
             )
         ]
@@ -131,7 +132,7 @@ def test_layer_range_and_captured_hidden_states(tiny_checkpoints):
     from quickdraft.models.attention import AttentionBatch, build_sequence_attention
 
     seq, positions = build_sequence_attention(
-        slot=1, row_start=0, cache_len=0, parents=None, num_new=10, sliding_window=None
+        slot=1, row_start=0, cache_len=0, tree=None, num_new=10, sliding_window=None
     )
     attn = AttentionBatch([seq], torch.full((10,), 1), torch.arange(10))
     low = model(torch.tensor(tokens), torch.tensor(positions), attn=attn, cache=cache, end_layer=2)

@@ -17,6 +17,7 @@ from quickdraft.kernels.quant_linear import kernel_available
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder, resolve_gguf_path, resolve_model_dir, resolve_quantization
 from quickdraft.models.quantized import QuantizedWeight
+from quickdraft.verify.tree import Tree
 from tests.engine.test_speculative import GREEDY, GarbageDrafter, repetitive_prompts
 from tests.models.test_gguf import build_tiny_gguf
 
@@ -104,7 +105,7 @@ def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
             # a chain of all six beside another request's tree
             [
                 SequenceWork(
-                    slot=2, cache_len=n, token_ids=[7, 8, 9, 10], parents=[-1, 0, 0, 1], logits_nodes=[0, 1, 2, 3]
+                    slot=2, cache_len=n, token_ids=[7, 8, 9, 10], tree=Tree([-1, 0, 0, 1]), logits_nodes=[0, 1, 2, 3]
                 ),
                 SequenceWork(slot=1, cache_len=n, token_ids=rest, logits_nodes=list(range(len(rest)))),
             ],
@@ -114,7 +115,7 @@ def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
                     slot=0,
                     cache_len=n,
                     token_ids=[rest[0], 99, rest[1], 98, rest[2]],
-                    parents=[-1, 0, 0, 2, 2],
+                    tree=Tree([-1, 0, 0, 2, 2]),
                     logits_nodes=[0, 2, 4],
                 )
             ],
@@ -243,7 +244,7 @@ def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
         [SequenceWork(slot=0, cache_len=1, token_ids=PROMPT[1:], logits_nodes=list(range(len(PROMPT) - 1)))],
         [
             SequenceWork(
-                slot=0, cache_len=len(PROMPT), token_ids=[5, 6, 7], parents=[-1, 0, 0], logits_nodes=[0, 1, 2]
+                slot=0, cache_len=len(PROMPT), token_ids=[5, 6, 7], tree=Tree([-1, 0, 0]), logits_nodes=[0, 1, 2]
             ),
             SequenceWork(slot=1, cache_len=1, token_ids=PROMPT[1:9], logits_nodes=[7]),
         ],

@@ -7,6 +7,7 @@ import torch
 
 from quickdraft import LLM
 from quickdraft.engine.runner import SequenceWork
+from quickdraft.verify.tree import Tree
 from tests.models.test_real_gemma import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,9 @@ def test_whole_forward_batch_invariant(llm):
     chain = _forward(
         llm,
         [
-            SequenceWork(slot=2, cache_len=n, token_ids=[ids[3], 7, 8, 9], parents=[-1, 0, 0, 1], logits_nodes=[0, 3]),
+            SequenceWork(
+                slot=2, cache_len=n, token_ids=[ids[3], 7, 8, 9], tree=Tree([-1, 0, 0, 1]), logits_nodes=[0, 3]
+            ),
             SequenceWork(slot=1, cache_len=n, token_ids=rest, logits_nodes=list(range(len(rest)))),
         ],
     )[2:]
@@ -54,7 +57,7 @@ def test_whole_forward_batch_invariant(llm):
                 slot=1,
                 cache_len=n,
                 token_ids=[rest[0], 3, rest[1], 5, 6, rest[2]],
-                parents=[-1, 0, 0, 2, 2, 2],
+                tree=Tree([-1, 0, 0, 2, 2, 2]),
                 logits_nodes=[0, 2, 5],
             )
         ],

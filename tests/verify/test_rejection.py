@@ -13,7 +13,7 @@ from scipy import stats
 
 from quickdraft.drafters.base import AcceptedPath, Proposal
 from quickdraft.verify import rejection
-from quickdraft.verify.rejection import verify_batch, verify_proposal
+from quickdraft.verify.rejection import verify_proposal
 from quickdraft.verify.sampler import make_generator, sample_from_probs
 
 
@@ -264,22 +264,6 @@ def test_invalid_inputs():
     sampled = Proposal.chain(root=0, draft=[3], draft_probs=rows([1, 0, 0], [0.5, 0.5, 0]))
     with pytest.raises(ValueError, match="out of range"):
         verify(sampled, rows([0.5, 0.5, 0], [0.5, 0.5, 0]))
-
-
-def test_verify_batch_matches_single_calls():
-    gen = torch.Generator().manual_seed(3)
-    proposals, targets = [], []
-    for i in range(4):
-        target = torch.softmax(torch.randn(3, 8, generator=gen), dim=-1)
-        draft_probs = torch.softmax(torch.randn(3, 8, generator=gen), dim=-1) if i % 2 else None
-        proposals.append(Proposal.chain(root=0, draft=[1, 2], draft_probs=draft_probs))
-        targets.append(target)
-    caps = [None, 1, 2, None]
-    batch = verify_batch(proposals, targets, [make_generator(s) for s in range(4)], caps)
-    singles = [verify(p, t, seed=s, max_new_tokens=c) for s, (p, t, c) in enumerate(zip(proposals, targets, caps))]
-    assert batch == singles
-    with pytest.raises(ValueError):
-        verify_batch(proposals, targets[:3], [None] * 4)
 
 
 def test_large_vocabulary_greedy_and_sampled():
