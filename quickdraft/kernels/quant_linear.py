@@ -122,7 +122,7 @@ def kernel_available() -> bool:
 
 
 def fused_layer_available() -> bool:
-    """True when the one-call decoder layer can run: only the AVX-512 build has it."""
+    """True when the one-call decoder layer can run (both compiled builds have it)."""
     ext = _extension()
     return ext is not None and hasattr(ext, "decoder_layer")
 
@@ -243,8 +243,8 @@ def fused_decoder_layer(
     head_dim: int,
     scale: float,
 ) -> torch.Tensor:  # hidden [N, D] -> [N, D]
-    """One decoder layer in one call (``decoder_layer`` in csrc/quant_linear.cpp); needs the
-    AVX-512 kernel (``fused_layer_available()``)."""
+    """One decoder layer in one call (``decoder_layer`` in csrc/quant_linear.cpp); needs a
+    compiled kernel (``fused_layer_available()``)."""
     cos, sin = rotary  # [N, 1, hd]
     return _extension().decoder_layer(
         hidden,

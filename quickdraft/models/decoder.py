@@ -95,7 +95,7 @@ class DecoderLayer(torch.nn.Module):
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)
         if not all(isinstance(w, QuantizedWeight) for w in weights) or any(b is not None for b in biases):
             return False
-        return fused_layer_available()  # the AVX-512 build only: elsewhere the layer below, per matmul
+        return fused_layer_available()  # a compiled build (AVX-512 or AVX2): else the layer below, per matmul
 
     def _fused_forward(
         self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor], attn: AttentionBatch, cache: KVCache

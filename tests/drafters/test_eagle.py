@@ -524,7 +524,7 @@ def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
     from quickdraft.kv.cache import KVCache
 
     if not fused_layer_available():
-        pytest.skip("no AVX-512 VNNI kernel on this CPU")
+        pytest.skip("no compiled quantized kernel on this CPU")
     llm = LLM(str(tiny_checkpoints["llama"]), max_model_len=64, quantization="q8_0")
     head = EagleHead.load(head_dir, dtype=torch.float32, max_len=128)
     head.attach_target(llm.engine.model)

@@ -45,9 +45,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
-#if !defined(QD_ISA_AVX2)
 #include "attention_row.h"
-#endif
+#include "attention_row_avx2.h"
 
 namespace qd_quant {
 // Internal linkage: the AVX-512 and the AVX2 module may both be loaded in one process, and
@@ -66,8 +65,8 @@ constexpr const char* kIsa = "avx2";
 
 inline bool cpu_supported() {
   __builtin_cpu_init();
-  // F16C converts the fp16 scales; every CPU with AVX2 has it.
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // F16C converts the fp16 scales, FMA is the decoder layer's attention; every CPU with AVX2 has both.
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
 }
 #else
 constexpr const char* kIsa = "avx512";
@@ -648,17 +647,16 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
   run_format(format, w, N, K, x, M, o, ldo, col0);
 }
 
-#if !defined(QD_ISA_AVX2)
 // ------------------------------------------------------------------------------------------
 // One decoder layer in one call (decoding and verification on quantized weights)
 // ------------------------------------------------------------------------------------------
-// AVX-512 build only: its norms, activations and attention rows (attention_row.h) are AVX-512
-// code; on the AVX2 build the Python layer runs instead, one quant_matmul per matmul.
 // The Python layer makes ~50 small torch calls per layer (norms, rope, splits, the KV write,
 // attention, activations, four matmuls with their activation quantization); each costs
 // microseconds of dispatch, which at batch 1 is a third of a decode step.  This is the same
 // layer as quickdraft/models/decoder.py's DecoderLayer for quantized weights without biases,
-// every row computed on its own (batch-invariant like the kernels it calls).
+// every row computed on its own (batch-invariant like the kernels it calls).  Both builds have
+// it: the norms, activations and attention rows are AVX-512 code (attention_row.h) in one, AVX2
+// and FMA code (attention_row_avx2.h) in the other, each build with bits of its own.
 
 using Part = std::tuple<int64_t, at::Tensor, int64_t, int64_t>;  // format, packed, rows, row_start
 
@@ -674,6 +672,60 @@ void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int
   }
 }
 
+#if defined(QD_ISA_AVX2)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+// y = x / sqrt(mean(x^2) + eps) * w over one row of n values (n % 8 == 0; w null: no weight).
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  const float sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 0x55)));
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), rv);
+    if (w) v = _mm256_mul_ps(v, _mm256_loadu_ps(w + i));
+    _mm256_storeu_ps(y + i, v);
+  }
+}
+
+// act(gate) * up over n values (n % 8 == 0): GELU with the tanh approximation, or SiLU.
+inline void gated_activation(const float* gate, const float* up, int64_t n, bool gelu, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    __m256 a;
+    if (gelu) {
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+      const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                     _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
+      // tanh(u) = 1 - 2 / (exp(2u) + 1)
+      const __m256 t = _mm256_sub_ps(
+          one, _mm256_div_ps(two, _mm256_add_ps(qd_attention_avx2::exp8(_mm256_mul_ps(two, u)), one)));
+      a = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, t));
+    } else {
+      a = _mm256_div_ps(g, _mm256_add_ps(one, qd_attention_avx2::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    }
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
+  }
+}
+
+#pragma GCC pop_options
+
+// One head per call: the AVX2 build does not share key reads between heads.
+inline int64_t attention_heads_per_call(int64_t, int64_t, int64_t) { return 1; }
+
+inline void attend_rows(int64_t, const float* q, const float* k, const float* v, int64_t key_stride, int64_t S,
+                        int64_t D, const bool* visible, float scale, float* scores, float* out) {
+  qd_attention_avx2::attend_row(q, k, v, key_stride, S, D, visible, scale, scores, out);
+}
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
 
@@ -715,6 +767,17 @@ inline void gated_activation(const float* gate, const float* up, int64_t n, bool
 
 #pragma GCC pop_options
 
+inline int64_t attention_heads_per_call(int64_t group, int64_t rows_times_kv_heads, int64_t threads) {
+  return qd_attention::heads_per_call(group, rows_times_kv_heads, threads);
+}
+
+inline void attend_rows(int64_t G, const float* q, const float* k, const float* v, int64_t key_stride, int64_t S,
+                        int64_t D, const bool* visible, float scale, float* scores, float* out) {
+  qd_attention::attend_heads_n(G, q, k, v, key_stride, S, D, visible, scale, scores, out);
+}
+#endif
+
+
 const float* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
@@ -729,7 +792,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
                          const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<c10::optional<at::Tensor>>& masks,
                          int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale) {
-  TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor hidden = hidden_in.contiguous();
   const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
   const int64_t N = hidden.size(0), D = hidden.size(1), QKV = (H + 2 * Hkv) * hd;
@@ -787,14 +850,14 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
     const int64_t T = r1 - r0, group = H / Hkv;
     // G query heads of a key head per call (they share its key and value reads).
-    const int64_t G = qd_attention::heads_per_call(group, T * Hkv, at::get_num_threads()), calls = H / G;
+    const int64_t G = attention_heads_per_call(group, T * Hkv, at::get_num_threads()), calls = H / G;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * hd * G));
     at::parallel_for(0, T * calls, grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores(G * S);
+      std::vector<float> scores(G * S + 16);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / calls, head = (i % calls) * G, g = head / group;
         const int64_t base = slot * slot_stride + g * head_stride + kv_start * hd;
-        qd_attention::attend_heads_n(G, qkv_out.data() + (r0 + t) * QKV + head * hd, kc + base, vc + base, hd, S, hd,
+        attend_rows(G, qkv_out.data() + (r0 + t) * QKV + head * hd, kc + base, vc + base, hd, S, hd,
                                      mask ? mask + t * S : nullptr, fscale, scores.data(),
                                      attended.data() + (r0 + t) * H * hd + head * hd);
       }
@@ -836,7 +899,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
 // with its slice of `norm` [K] (a draft head's input concatenates two normalized halves).
 at::Tensor norm_matmul(const at::Tensor& x_in, const at::Tensor& norm, int64_t segment, double eps,
                        const std::vector<Part>& parts, int64_t N) {
-  TORCH_CHECK(cpu_supported(), "norm_matmul: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(cpu_supported(), "norm_matmul: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(segment > 0 && segment % 16 == 0 && K % segment == 0 && K % 32 == 0 && norm.numel() == K,
@@ -854,8 +917,6 @@ at::Tensor norm_matmul(const at::Tensor& x_in, const at::Tensor& norm, int64_t s
   matmul_parts(parts, normed.data(), M, K, out.mutable_data_ptr<float>(), N, q8, dx, bsum);
   return out;
 }
-#endif  // !QD_ISA_AVX2
-
 }  // namespace
 }  // namespace qd_quant
 
@@ -866,12 +927,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &qd_quant::quant_matmul, "out[:, col0:col0+N] = x @ W^T for a packed quantized W",
         py::arg("q"), py::arg("dx"), py::arg("bsum"), py::arg("packed"), py::arg("format"), py::arg("N"),
         py::arg("K"), py::arg("out"), py::arg("col0"), py::call_guard<py::gil_scoped_release>());
-#if !defined(QD_ISA_AVX2)
   m.def("decoder_layer", &qd_quant::decoder_layer, "one decoder layer on quantized weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("norm_matmul", &qd_quant::norm_matmul, "rms_norm(x) per segment, then x @ W^T on quantized weights",
         py::call_guard<py::gil_scoped_release>());
-#endif
   m.attr("isa") = qd_quant::kIsa;
   m.def("cpu_supported", &qd_quant::cpu_supported);
 }
