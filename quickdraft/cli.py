@@ -150,6 +150,12 @@ def _add_serve_parser(commands) -> None:
         "--max-num-seqs", type=int, default=8, help="requests decoded together, i.e. KV cache slots (default: 8)"
     )
     serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached full blocks a prompt starts with (default: on)",
+    )
+    serve.add_argument(
         "--max-queue",
         type=int,
         default=64,
@@ -683,6 +689,7 @@ def run_serve(args) -> int:
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_queue=args.max_queue,
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
         shutdown_grace_seconds=args.shutdown_grace,

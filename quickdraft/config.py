@@ -17,16 +17,22 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model's context, 4096)
     max_num_seqs: int = 8  # requests decoded together (KV cache slots)
     max_num_batched_tokens: int = 512  # tokens per forward; longer prompts prefill in chunks
+    block_size: int = 16  # tokens per KV cache block (the unit of paging and of prefix caching)
+    # A prompt that starts with full blocks already cached (an earlier turn, a shared system
+    # prompt) reuses their KV instead of computing it; exact (see quickdraft/kv/cache.py).
+    enable_prefix_caching: bool = True
     seed: int = 0  # seeds the RNG of requests that give no seed of their own
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.speculative_config, dict):

@@ -31,6 +31,8 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 512,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
         seed: int = 0,
         speculative_config: dict | None = None,
         speculative_model: str | None = None,
@@ -45,6 +47,8 @@ class LLM:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             speculative_config=speculative_config,
         )

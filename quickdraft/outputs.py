@@ -47,6 +47,7 @@ class RequestMetrics(AcceptanceFigures):
     first_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     num_generation_tokens: int = 0
     # Speculation (zero for plain decoding). A target forward that commits tokens for this
     # request counts once, the prefill that yields the first token included.
@@ -140,6 +141,7 @@ class EngineMetrics(AcceptanceFigures):
 
     num_requests: int = 0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_generation_tokens: int = 0
     num_target_forwards: int = 0
     num_drafts: int = 0
@@ -157,6 +159,7 @@ class EngineMetrics(AcceptanceFigures):
     def add(self, m: RequestMetrics) -> None:
         self.num_requests += 1
         self.num_prompt_tokens += m.num_prompt_tokens
+        self.num_cached_tokens += m.num_cached_tokens
         self.num_generation_tokens += m.num_generation_tokens
         self.num_target_forwards += m.num_target_forwards
         self.num_drafts += m.num_drafts
@@ -173,6 +176,11 @@ class EngineMetrics(AcceptanceFigures):
         self.ttft_sum += m.ttft or 0.0
         self.tpot_sum += m.tpot or 0.0
         self.e2e_sum += m.e2e or 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of prompt tokens whose KV the prefix cache supplied."""
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:

@@ -110,6 +110,11 @@ class Drafter(Protocol):
         """features [n, len(feature_layers) * D]: the next n cached tokens' target features."""
         return None  # drafters without feature_layers are never handed any
 
+    def skip(self, request: DraftRequest, num_tokens: int) -> None:
+        """Drafters with feature_layers: the request's first num_tokens tokens are in the target's
+        cache without features (a prefix cache hit); `observe` goes on from the next one."""
+        return None
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         """One proposal per request (None: no draft, plain decoding for it this step)."""
 

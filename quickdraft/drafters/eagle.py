@@ -64,6 +64,7 @@ class _HeadState:
     first_true: int = 0  # the head attends to true entries first_true..num_true-1 (a window restarts it)
     num_true: int = 0  # true entries in the head cache (index = token position)
     num_features: int = 0  # target features observed (= tokens in the target's cache)
+    first_copy: int = 0  # copy keys exist from this entry on (a prefix cache hit skips the ones before)
 
 
 @dataclass
@@ -205,7 +206,9 @@ class EagleDrafter(Drafter):
 
     # ---- lifecycle ------------------------------------------------------------------------
     def begin(self, request: DraftRequest) -> None:
-        self._states[request.request_id] = _HeadState(slot=self.cache.allocate())
+        slot = self.cache.allocate()
+        self.cache.reserve(slot, self.cache.max_len)  # one block: the head's entries by index
+        self._states[request.request_id] = _HeadState(slot=slot)
 
     def finish(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
@@ -222,6 +225,14 @@ class EagleDrafter(Drafter):
         window = None if self.copy_key_cache is not None else self.catch_up_window  # copy keys need them all
         while window is not None and state.num_pending - state.pending[0].shape[0] >= window:
             state.num_pending -= state.pending.pop(0).shape[0]  # older than any catch-up will feed
+
+    def skip(self, request: DraftRequest, num_tokens: int) -> None:
+        """Tokens cached without features (a prefix cache hit): the head's context restarts after
+        them, as after a catch-up window, and copies only from entries it keyed itself."""
+        state = self._states[request.request_id]
+        state.pending, state.num_pending = [], 0
+        state.num_features += num_tokens
+        state.first_true = state.num_true = state.first_copy = state.num_features
 
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         pass  # draft entries sit past num_true: they are overwritten next step
@@ -335,10 +346,10 @@ class EagleDrafter(Drafter):
         from: 0..root's entry - 1, the whole context even where a catch-up window restarted the
         head's attention (entry i copies token i + 2; the root's own is the token being drafted).
         None without a copy path or with nothing to copy yet."""
-        if self.copy_key_cache is None or state.num_true < 2:
+        if self.copy_key_cache is None or state.num_true - state.first_copy < 2:
             return None
-        keys = self.copy_key_cache[state.slot, : state.num_true - 1]
-        values = torch.tensor(tokens[2 : state.num_true + 1], device=self.device)
+        keys = self.copy_key_cache[state.slot, state.first_copy : state.num_true - 1]
+        values = torch.tensor(tokens[state.first_copy + 2 : state.num_true + 1], device=self.device)
         return self.head.copy_sources(keys, values)
 
     def _write_copy_keys(self, state: _HeadState, tokens: list[int], features: torch.Tensor, *, start: int) -> None:
@@ -452,25 +463,21 @@ class EagleDrafter(Drafter):
                 cache_keys=self.cache.keys[0],
                 cache_values=self.cache.values[0],
                 sequences=[
-                    (
-                        rows.state.slot,
-                        offsets[i],
-                        offsets[i + 1],
-                        rows.state.first_true,
-                        rows.state.first_true + mask.shape[1],
-                    )
+                    (offsets[i], offsets[i + 1], rows.state.first_true, rows.state.first_true + mask.shape[1])
                     for i, (rows, mask) in enumerate(zip(batch, masks))
                 ],
+                block_tables=[self.cache.block_tables[rows.state.slot] for rows in batch],
                 masks=masks,
             )
             return list(out.split(sizes))
         q, k, v = head.attention_inputs(hidden, positions)  # q [N, H, hd], k and v [N, Hkv, hd]
+        located = [self.cache.locate(rows.state.slot, rows.store) for rows in batch]
         self.cache.write(
             0,
             keys=k,
             values=v,
-            slot_index=torch.tensor([rows.state.slot for rows in batch for _ in rows.store], device=self.device),
-            store_index=torch.tensor([e for rows in batch for e in rows.store], device=self.device),
+            block_index=torch.tensor([b for blocks, _ in located for b in blocks], device=self.device),
+            block_offset=torch.tensor([r for _, offsets in located for r in offsets], device=self.device),
         )
         attended = []
         for i, (rows, mask) in enumerate(zip(batch, masks)):

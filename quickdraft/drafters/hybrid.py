@@ -135,6 +135,11 @@ class HybridDrafter(Drafter):
             if blocks:
                 child.observe(request, torch.cat([features[:, b * width : (b + 1) * width] for b in blocks], dim=1))
 
+    def skip(self, request: DraftRequest, num_tokens: int) -> None:
+        for child, blocks in zip(self.children, self._feature_blocks):
+            if blocks:
+                child.skip(request, num_tokens)
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         per_child = []  # [child][request index] -> proposal or None
         drafted = [0] * len(requests)

@@ -74,10 +74,14 @@ class Engine:
             max_len=cache_len,
             dtype=self.dtype,
             device=self.device,
+            block_size=config.block_size,
         )
         self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
         self.scheduler = Scheduler(
-            cache=self.cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+            cache=self.cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.eos_token_ids = list(
             dict.fromkeys(list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids))
@@ -241,8 +245,12 @@ class Engine:
         if not plan:
             return []
         for item in plan:
-            if item.request.metrics.first_scheduled_time is None:
-                item.request.metrics.first_scheduled_time = started
+            request = item.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = started
+                if request.num_computed_tokens and self.speculator is not None:
+                    # A prefix cache hit: those tokens entered the cache without a forward.
+                    self.speculator.skip(request, request.num_computed_tokens)
         # Before any commit changes the requests (one may finish inside its accepted path).
         decode_only = all(item.num_new_tokens == 1 and item.completes_prompt for item in plan)
         drafts = self._propose(plan)
@@ -358,6 +366,8 @@ class Engine:
         )
         request.num_computed_tokens = start + num_known + len(path)
         self.cache.commit(request.scheduled_slot, request.num_computed_tokens)
+        if self.config.enable_prefix_caching:  # blocks this commit filled: shareable from now on
+            self.cache.cache_full_blocks(request.scheduled_slot, request.all_token_ids)
         kept_features = None
         if features is not None:
             if path == list(range(len(path))):  # the fed tokens in order: a view, no copy

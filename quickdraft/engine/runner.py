@@ -45,8 +45,8 @@ class ModelRunner:
             raise ValueError("forward needs at least one sequence")
         token_ids: list[int] = []
         positions: list[int] = []
-        slot_index: list[int] = []
-        store_index: list[int] = []
+        block_index: list[int] = []
+        block_offset: list[int] = []
         logits_rows: list[int] = []
         logits_offsets = [0]
         sequences = []
@@ -71,15 +71,17 @@ class ModelRunner:
             logits_offsets.append(len(logits_rows))
             token_ids.extend(item.token_ids)
             positions.extend(seq_positions)
-            slot_index.extend([item.slot] * num_new)
-            store_index.extend(range(item.cache_len, item.cache_len + num_new))
+            self.cache.reserve(item.slot, item.cache_len + num_new)
+            blocks, offsets = self.cache.locate(item.slot, list(range(item.cache_len, item.cache_len + num_new)))
+            block_index.extend(blocks)
+            block_offset.extend(offsets)
         for seq in sequences:
             seq.full_mask = self._to_device(seq.full_mask)
             seq.sliding_mask = self._to_device(seq.sliding_mask)
         attn = AttentionBatch(
             sequences=sequences,
-            slot_index=self._long(slot_index),
-            store_index=self._long(store_index),
+            block_index=self._long(block_index),
+            block_offset=self._long(block_offset),
         )
         out = self.model(
             self._long(token_ids),

@@ -28,8 +28,11 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, *, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self, *, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool = False
+    ):
         self.cache = cache
+        self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Draft tree nodes a decode may add to the forward (set by the engine from its speculator):
@@ -72,7 +75,12 @@ class Scheduler:
     def _admit_waiting(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
             req = self.waiting.popleft()
-            req.slot = self.cache.allocate()
+            # Cached full blocks of the prompt start the slot's table: their tokens count as computed.
+            prefix = self.cache.prefix_blocks(req.all_token_ids) if self.enable_prefix_caching else []
+            req.slot = self.cache.allocate(prefix=prefix)
+            req.num_computed_tokens = len(prefix) * self.cache.block_size
+            req.metrics.num_cached_tokens = req.num_computed_tokens
+            self.cache.commit(req.slot, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 

@@ -187,6 +187,12 @@ class Speculator:
             num_requests=num_drafted_requests, num_draft_tokens=num_draft_tokens, seconds=draft_seconds
         )
 
+    def skip(self, request: Request, num_tokens: int) -> None:
+        """The request's first `num_tokens` tokens entered the target's cache without a forward
+        (a prefix cache hit): drafters that read features get none for them."""
+        if self.feature_layers:
+            self.drafter.skip(self.view(request), num_tokens)
+
     # ---- commit -----------------------------------------------------------------------
     def commit(
         self,

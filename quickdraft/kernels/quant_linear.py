@@ -236,7 +236,8 @@ def fused_decoder_layer(
     rotary: tuple[torch.Tensor, torch.Tensor],
     cache_keys: torch.Tensor,
     cache_values: torch.Tensor,
-    sequences: list[tuple[int, int, int, int, int]],
+    sequences: list[tuple[int, int, int, int]],
+    block_tables: list[list[int]],
     masks: list[torch.Tensor | None],
     num_heads: int,
     num_kv_heads: int,
@@ -244,8 +245,15 @@ def fused_decoder_layer(
     scale: float,
 ) -> torch.Tensor:  # hidden [N, D] -> [N, D]
     """One decoder layer in one call (``decoder_layer`` in csrc/quant_linear.cpp); needs a
-    compiled kernel (``fused_layer_available()``)."""
+    compiled kernel (``fused_layer_available()``).  cache_keys / cache_values [num_blocks, Hkv,
+    block_size, hd]; sequences: per sequence (row_start, row_end, kv_start, kv_end), its new rows'
+    KV written at storage indices kv_end - rows .. kv_end - 1 of its block table; masks: per
+    sequence [rows, kv_end - kv_start] bool or None."""
     cos, sin = rotary  # [N, 1, hd]
+    seqs, tables = [], []
+    for (row_start, row_end, kv_start, kv_end), table in zip(sequences, block_tables, strict=True):
+        seqs += [len(tables), row_start, row_end, kv_start, kv_end]
+        tables += table
     return _extension().decoder_layer(
         hidden,
         _parts(weights["qkv_proj"]),
@@ -263,7 +271,8 @@ def fused_decoder_layer(
         sin.reshape(sin.shape[0], -1),
         cache_keys,
         cache_values,
-        [v for seq in sequences for v in seq],
+        seqs,
+        tables,
         masks,
         num_heads,
         num_kv_heads,

@@ -42,8 +42,8 @@ class SequenceAttention:
 @dataclass
 class AttentionBatch:
     sequences: list[SequenceAttention]
-    slot_index: torch.Tensor  # [N] int64, cache slot of each new token
-    store_index: torch.Tensor  # [N] int64, storage index of each new token in its slot
+    block_index: torch.Tensor  # [N] int64, cache block each new token's KV is written to
+    block_offset: torch.Tensor  # [N] int64, its row in that block
 
 
 def build_sequence_attention(

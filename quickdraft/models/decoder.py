@@ -84,7 +84,7 @@ class DecoderLayer(torch.nn.Module):
         if self._runs_fused(hidden):
             return self._fused_forward(hidden, rotary=rotary, attn=attn, cache=cache)
         q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear)
-        cache.write(self.layer_index, keys=k, values=v, slot_index=attn.slot_index, store_index=attn.store_index)
+        cache.write(self.layer_index, keys=k, values=v, block_index=attn.block_index, block_offset=attn.block_offset)
         return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
 
     def _runs_fused(self, hidden: torch.Tensor) -> bool:
@@ -103,7 +103,7 @@ class DecoderLayer(torch.nn.Module):
         sequences, masks = [], []
         for seq in attn.sequences:
             kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
-            sequences.append((seq.slot, seq.row_start, seq.row_end, kv_start, seq.kv_end))
+            sequences.append((seq.row_start, seq.row_end, kv_start, seq.kv_end))
             masks.append(seq.sliding_mask if self.is_sliding else seq.full_mask)
 
         def norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
@@ -130,6 +130,7 @@ class DecoderLayer(torch.nn.Module):
             cache_keys=cache.keys[self.layer_index],
             cache_values=cache.values[self.layer_index],
             sequences=sequences,
+            block_tables=[cache.block_tables[seq.slot] for seq in attn.sequences],
             masks=masks,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,

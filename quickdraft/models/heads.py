@@ -353,16 +353,17 @@ class EagleHead(FeatureHead):
         *,
         cache_keys: torch.Tensor,
         cache_values: torch.Tensor,
-        sequences: list[tuple[int, int, int, int, int]],
+        sequences: list[tuple[int, int, int, int]],
+        block_tables: list[list[int]],
         masks: list[torch.Tensor],
     ) -> torch.Tensor:
         """attention_inputs + KV write + attention + block_output in one C++ call (the target's
         decoder layer without its Gemma norms): one call per draft depth for every drafting
         request instead of ~40 torch ops each, which cost more than the head's arithmetic.
-        hidden [N, D] from `input_hidden`, positions [N]; cache_keys/values [slots, Hkv, L, hd];
-        sequences: per request (slot, row_start, row_end, kv_start, kv_end), its rows' KV written
-        at kv_end - rows .. kv_end - 1; masks: per request [rows, kv_end - kv_start] bool
-        -> [N, D]."""
+        hidden [N, D] from `input_hidden`, positions [N]; cache_keys/values [blocks, Hkv, bs, hd];
+        sequences: per request (row_start, row_end, kv_start, kv_end) with its block table, its
+        rows' KV written at kv_end - rows .. kv_end - 1; masks: per request [rows, kv_end -
+        kv_start] bool -> [N, D]."""
         c = self.config
         return fused_decoder_layer(
             hidden.contiguous(),
@@ -380,6 +381,7 @@ class EagleHead(FeatureHead):
             cache_keys=cache_keys,
             cache_values=cache_values,
             sequences=sequences,
+            block_tables=block_tables,
             masks=[mask.contiguous() for mask in masks],
             num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads,

@@ -31,6 +31,7 @@ class ServerConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 8  # requests decoded together (KV cache slots)
     max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
     seed: int = 0
     speculative_config: dict | None = None
     max_queue: int = 64  # requests waiting + running before new ones get 429
@@ -72,6 +73,7 @@ class ServerConfig:
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             speculative_config=self.speculative_config,
         )

@@ -95,6 +95,9 @@ class ServerMetrics:
             ("status",),
         )
         self.prompt_tokens = self._counter("quickdraft_prompt_tokens", "Prompt tokens of finished requests")
+        self.cached_prompt_tokens = self._counter(
+            "quickdraft_prefix_cache_hit_tokens", "Prompt tokens whose KV the prefix cache supplied (not computed)"
+        )
         self.generation_tokens = self._counter("quickdraft_generation_tokens", "Generated tokens")
         self.target_forwards = self._counter(
             "quickdraft_target_forwards", "Target forwards that committed tokens (prefill included)"
@@ -184,6 +187,7 @@ class ServerMetrics:
 
     def _record_tokens(self, labels: dict[str, str], m: RequestMetrics) -> None:
         self.prompt_tokens.labels(**labels).inc(m.num_prompt_tokens)
+        self.cached_prompt_tokens.labels(**labels).inc(m.num_cached_tokens)
         self.generation_tokens.labels(**labels).inc(m.num_generation_tokens)
         self.target_forwards.labels(**labels).inc(m.num_target_forwards)
 

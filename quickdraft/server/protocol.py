@@ -255,17 +255,22 @@ def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> 
 
 
 # ---- responses ---------------------------------------------------------------------------
-def usage_body(*, num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage_body(*, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: prompt tokens the prefix
+    cache supplied."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
-def usage_of(output: RequestOutput) -> dict[str, int]:
+def usage_of(output: RequestOutput) -> dict[str, Any]:
     return usage_body(
-        num_prompt_tokens=len(output.prompt_token_ids), num_completion_tokens=len(output.outputs[0].token_ids)
+        num_prompt_tokens=len(output.prompt_token_ids),
+        num_completion_tokens=len(output.outputs[0].token_ids),
+        num_cached_tokens=output.metrics.num_cached_tokens,
     )
 
 

@@ -368,6 +368,7 @@ def _load_target(config: TrainHeadConfig):
         max_num_seqs=16,
         max_model_len=config.max_seq_len,
         seed=config.seed,
+        enable_prefix_caching=False,  # the recorder needs the features of every token
     )
 
 

@@ -543,7 +543,10 @@ def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
         for _ in range(2)
     ]
     earlier = torch.randn(2, c.num_kv_heads, 6, c.head_dim, generator=generator)
-    for cache in caches:  # six earlier entries of slot 1, the same in both
+    for cache in caches:  # six earlier entries of slot 1 (block 1), the same in both
+        for slot in (cache.allocate(), cache.allocate()):
+            cache.reserve(slot, cache.max_len)
+        assert cache.block_tables[1] == [1]
         cache.keys[0][1, :, :6] = earlier[0]
         cache.values[0][1, :, :6] = earlier[1]
     mask = torch.tensor(
@@ -556,11 +559,12 @@ def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
             positions,
             cache_keys=caches[0].keys[0],
             cache_values=caches[0].values[0],
-            sequences=[(1, 0, 3, 1, 9)],
+            sequences=[(0, 3, 1, 9)],
+            block_tables=[caches[0].block_tables[1]],
             masks=[mask],
         )
         q, k, v = head.attention_inputs(hidden, positions)
-        caches[1].write(0, keys=k, values=v, slot_index=torch.tensor([1, 1, 1]), store_index=torch.tensor([6, 7, 8]))
+        caches[1].write(0, keys=k, values=v, block_index=torch.tensor([1, 1, 1]), block_offset=torch.tensor([6, 7, 8]))
         keys, values = caches[1].read(0, slot=1, start=1, end=9)
         attended = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=head.attn_scale, enable_gqa=True

@@ -23,15 +23,62 @@ def test_slots_allocate_and_free():
     assert cache.allocate() == a
 
 
-def test_compact_moves_only_the_given_indices():
-    cache = KVCache(num_layers=2, num_slots=1, num_kv_heads=1, head_dim=2, max_len=10, dtype=torch.float32)
+def _positions_cache(*, max_len: int, block_size: int | None) -> tuple[KVCache, int]:
+    """A 2-layer cache whose slot holds key = position and value = -position at every index."""
+    cache = KVCache(
+        num_layers=2, num_slots=2, num_kv_heads=1, head_dim=2, max_len=max_len, dtype=torch.float32,
+        block_size=block_size,
+    )  # fmt: skip
+    cache.allocate()
+    slot = cache.allocate()
+    cache.reserve(slot, max_len)
+    blocks, rows = cache.locate(slot, list(range(max_len)))
+    keys = torch.arange(float(max_len))[:, None, None].expand(max_len, 1, 2)
     for layer in range(2):
-        cache.keys[layer][0, 0, :, 0] = torch.arange(10.0)
-        cache.values[layer][0, 0, :, 0] = -torch.arange(10.0)
-    cache.compact(0, source=[4, 6, 7], destination_start=4)
+        cache.write(layer, keys=keys, values=-keys, block_index=torch.tensor(blocks), block_offset=torch.tensor(rows))
+    return cache, slot
+
+
+def _first_dim(cache: KVCache, layer: int, slot: int, start: int, end: int) -> tuple[list, list]:
+    keys, values = cache.read(layer, slot=slot, start=start, end=end)
+    return keys[0, :, 0].tolist(), values[0, :, 0].tolist()
+
+
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_compact_moves_only_the_given_indices(block_size):
+    cache, slot = _positions_cache(max_len=10, block_size=block_size)
+    cache.compact(slot, source=[4, 6, 7], destination_start=4)
     for layer in range(2):
-        assert cache.keys[layer][0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 6, 7, 7, 8, 9]
-        assert cache.values[layer][0, 0, :, 0].tolist() == [0, -1, -2, -3, -4, -6, -7, -7, -8, -9]
+        keys, values = _first_dim(cache, layer, slot, 0, 10)
+        assert keys == [0, 1, 2, 3, 4, 6, 7, 7, 8, 9]
+        assert values == [0, -1, -2, -3, -4, -6, -7, -7, -8, -9]
+
+
+def test_blocks_are_taken_as_a_slot_grows_and_given_back():
+    cache = KVCache(
+        num_layers=1, num_slots=2, num_kv_heads=1, head_dim=2, max_len=10, dtype=torch.float32, block_size=4
+    )
+    assert (cache.blocks_per_slot, cache.num_blocks) == (3, 6)
+    a, b = cache.allocate(), cache.allocate()
+    cache.reserve(a, 5)
+    cache.reserve(b, 1)
+    cache.reserve(a, 9)
+    cache.reserve(a, 2)  # never shrinks
+    table = cache.block_tables[a]
+    assert len(table) == 3 and len(cache.block_tables[b]) == 1 and not set(table) & set(cache.block_tables[b])
+    assert cache.locate(a, [0, 3, 4, 8, 9]) == ([table[0], table[0], table[1], table[2], table[2]], [0, 3, 0, 0, 1])
+    with pytest.raises(ValueError, match="exceed the cache length"):
+        cache.reserve(a, 11)
+    assert cache.num_free_blocks == 2
+    cache.free(a)
+    assert cache.block_tables[a] == [] and cache.num_free_blocks == 5
+
+
+def test_reads_across_blocks_are_the_range_and_one_block_is_a_view():
+    cache, slot = _positions_cache(max_len=12, block_size=4)
+    assert _first_dim(cache, 1, slot, 2, 11) == (list(range(2, 11)), [-x for x in range(2, 11)])
+    keys, _ = cache.read(0, slot=slot, start=5, end=8)  # inside the second block
+    assert keys.data_ptr() == cache.keys[0][cache.block_tables[slot][1], :, 1].data_ptr()
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3"])

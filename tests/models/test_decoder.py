@@ -14,7 +14,8 @@ from quickdraft.verify.tree import Tree
 from tests.conftest import ARCHS
 
 
-def make_runner(path, *, num_slots=2, max_len=128, dtype=torch.float32):
+def make_runner(path, *, num_slots=2, max_len=128, dtype=torch.float32, block_size=5):
+    """A runner over a paged cache whose small odd blocks make every test cross block edges."""
     model, config = load_decoder(path, dtype=dtype, device=torch.device("cpu"), max_len=max_len)
     cache = KVCache(
         num_layers=config.num_layers,
@@ -23,6 +24,7 @@ def make_runner(path, *, num_slots=2, max_len=128, dtype=torch.float32):
         head_dim=config.head_dim,
         max_len=max_len,
         dtype=dtype,
+        block_size=block_size,
     )
     return ModelRunner(model=model, cache=cache, device=torch.device("cpu")), cache
 
@@ -134,7 +136,9 @@ def test_layer_range_and_captured_hidden_states(tiny_checkpoints):
     seq, positions = build_sequence_attention(
         slot=1, row_start=0, cache_len=0, tree=None, num_new=10, sliding_window=None
     )
-    attn = AttentionBatch([seq], torch.full((10,), 1), torch.arange(10))
+    cache.reserve(1, 10)
+    blocks, rows = cache.locate(1, list(range(10)))
+    attn = AttentionBatch([seq], block_index=torch.tensor(blocks), block_offset=torch.tensor(rows))
     low = model(torch.tensor(tokens), torch.tensor(positions), attn=attn, cache=cache, end_layer=2)
     high = model(
         None,

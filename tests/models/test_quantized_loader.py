@@ -78,6 +78,7 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3):
         max_len=128,
         dtype=torch.float32,
         device=CPU,
+        block_size=4,  # the same rows whichever blocks the slots' keys land in
     )
     runner = ModelRunner(model=model, cache=cache, device=CPU)
     for slot in range(slots if prefix else 0):  # no prefix: nothing to prefill

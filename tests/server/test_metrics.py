@@ -19,6 +19,9 @@ def test_counters_add_up_to_the_responses(metrics_server):
         where = {**labels, "scenario": scenario}
         assert total(samples, "quickdraft_requests_total", **where) == len(mine)
         assert total(samples, "quickdraft_prompt_tokens_total", **where) == sum(u["prompt_tokens"] for u, _ in mine)
+        assert total(samples, "quickdraft_prefix_cache_hit_tokens_total", **where) == sum(
+            u["prompt_tokens_details"]["cached_tokens"] for u, _ in mine
+        )
         assert total(samples, "quickdraft_generation_tokens_total", **where) == sum(
             u["completion_tokens"] for u, _ in mine
         )

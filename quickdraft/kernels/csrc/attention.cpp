@@ -41,9 +41,9 @@ inline bool cpu_supported() {
 // One head per call: the AVX2 build does not share key reads between heads.
 inline int64_t heads_for(int64_t, int64_t, int64_t) { return 1; }
 
-inline void attend(int64_t, const float* q, const float* k, const float* v, int64_t key_stride, int64_t S, int64_t D,
-                   const bool* visible, float scale, float* scores, float* out) {
-  qd_attention_avx2::attend_row(q, k, v, key_stride, S, D, visible, scale, scores, out);
+inline void attend(int64_t, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
+                   int64_t D, const bool* visible, float scale, float* scores, float* out) {
+  qd_attention_avx2::attend_row(q, k, v, rows, S, D, visible, scale, scores, out);
 }
 #else
 constexpr const char* kIsa = "avx512";
@@ -58,9 +58,9 @@ inline int64_t heads_for(int64_t group, int64_t rows_times_kv_heads, int64_t thr
   return heads_per_call(group, rows_times_kv_heads, threads);
 }
 
-inline void attend(int64_t G, const float* q, const float* k, const float* v, int64_t key_stride, int64_t S,
+inline void attend(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
                    int64_t D, const bool* visible, float scale, float* scores, float* out) {
-  attend_heads_n(G, q, k, v, key_stride, S, D, visible, scale, scores, out);
+  attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 #endif
 
@@ -98,11 +98,13 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   const int64_t G = heads_for(group, T * Hkv, at::get_num_threads()), calls = H / G;
   // Small problems (one decode token over a short context) stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * D * G));
+  std::vector<int64_t> rows(static_cast<size_t>(S));  // key s at s * D: a contiguous range
+  for (int64_t s = 0; s < S; ++s) rows[s] = s * D;
   at::parallel_for(0, T * calls, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(static_cast<size_t>(G * S + kLanes));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / calls, h = (i % calls) * G, g = h / group;
-      attend(G, qp + (t * H + h) * D, kp + g * head_stride, vp + g * head_stride, D, S, D,
+      attend(G, qp + (t * H + h) * D, kp + g * head_stride, vp + g * head_stride, rows.data(), S, D,
                      mask ? mask + t * S : nullptr, fscale, scores.data(), op + (t * H + h) * D);
     }
   });

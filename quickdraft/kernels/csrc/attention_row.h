@@ -1,5 +1,7 @@
 // One query row of one head against S keys, in a fixed order (see attention.cpp): shared by the
 // attention module and the fused decoder layer of quant_linear.cpp, so both give the same bits.
+// Key and value row s of a call start at k + rows[s] and v + rows[s] (float offsets): a paged
+// cache's rows lie in blocks, a contiguous one's every D floats; where they lie changes no bit.
 #pragma once
 
 #include <immintrin.h>
@@ -42,7 +44,7 @@ inline __m512 exp16(__m512 x) {
 
 // The weighted sum of the visible values, DB x 16 floats kept in registers.
 template <int DB>
-inline void weighted_values(const float* v, int64_t key_stride, int64_t S, const bool* visible,
+inline void weighted_values(const float* v, const int64_t* rows, int64_t S, const bool* visible,
                             const float* weights, float* out, float& total) {
   __m512 acc[DB];
   for (int j = 0; j < DB; ++j) acc[j] = _mm512_setzero_ps();
@@ -51,7 +53,7 @@ inline void weighted_values(const float* v, int64_t key_stride, int64_t S, const
     if (visible != nullptr && !visible[s]) continue;
     total += weights[s];
     const __m512 pv = _mm512_set1_ps(weights[s]);
-    const float* vs = v + s * key_stride;
+    const float* vs = v + rows[s];
     for (int j = 0; j < DB; ++j) acc[j] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vs + 16 * j), acc[j]);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / total);
@@ -61,7 +63,7 @@ inline void weighted_values(const float* v, int64_t key_stride, int64_t S, const
 // One query row of one head against S keys (scores: a scratch row of S rounded up to 16).
 // Keys are visited in order and masked ones skipped, so a query sees the same operations
 // whatever range of keys the call spans.
-inline void attend_row(const float* q, const float* k, const float* v, int64_t key_stride, int64_t S, int64_t D,
+inline void attend_row(const float* q, const float* k, const float* v, const int64_t* rows, int64_t S, int64_t D,
                        const bool* visible, float scale, float* scores, float* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float max_score = neg_inf;
@@ -70,7 +72,7 @@ inline void attend_row(const float* q, const float* k, const float* v, int64_t k
       scores[s] = neg_inf;
       continue;
     }
-    scores[s] = dot(q, k + s * key_stride, D) * scale;
+    scores[s] = dot(q, k + rows[s], D) * scale;
     max_score = std::max(max_score, scores[s]);
   }
   if (max_score == neg_inf) {  // sees nothing: zeros
@@ -85,9 +87,9 @@ inline void attend_row(const float* q, const float* k, const float* v, int64_t k
   }
   float total;
   switch (D) {
-    case 256: weighted_values<16>(v, key_stride, S, visible, scores, out, total); return;
-    case 128: weighted_values<8>(v, key_stride, S, visible, scores, out, total); return;
-    case 64: weighted_values<4>(v, key_stride, S, visible, scores, out, total); return;
+    case 256: weighted_values<16>(v, rows, S, visible, scores, out, total); return;
+    case 128: weighted_values<8>(v, rows, S, visible, scores, out, total); return;
+    case 64: weighted_values<4>(v, rows, S, visible, scores, out, total); return;
     default: break;
   }
   total = 0.0f;
@@ -96,7 +98,7 @@ inline void attend_row(const float* q, const float* k, const float* v, int64_t k
     if (visible != nullptr && !visible[s]) continue;
     total += scores[s];
     const __m512 pv = _mm512_set1_ps(scores[s]);
-    const float* vs = v + s * key_stride;
+    const float* vs = v + rows[s];
     for (int64_t d = 0; d < D; d += 16)
       _mm512_storeu_ps(out + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(vs + d), _mm512_loadu_ps(out + d)));
   }
@@ -111,11 +113,11 @@ inline void attend_row(const float* q, const float* k, const float* v, int64_t k
 // row is read once for the G heads instead of G times: attention over a long context is bound
 // by reading them.  q, out: G heads of D floats, one after the other; scores: G * S scratch.
 template <int G>
-inline void attend_heads(const float* q, const float* k, const float* v, int64_t key_stride, int64_t S, int64_t D,
+inline void attend_heads(const float* q, const float* k, const float* v, const int64_t* rows, int64_t S, int64_t D,
                          const bool* visible, float scale, float* scores, float* out) {
   if (D % (256 / G) != 0) {  // the weighted sum below takes 256 / G lanes of every head at a time
     for (int g = 0; g < G; ++g)
-      attend_row(q + g * D, k, v, key_stride, S, D, visible, scale, scores + g * S, out + g * D);
+      attend_row(q + g * D, k, v, rows, S, D, visible, scale, scores + g * S, out + g * D);
     return;
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -126,7 +128,7 @@ inline void attend_heads(const float* q, const float* k, const float* v, int64_t
       for (int g = 0; g < G; ++g) scores[g * S + s] = neg_inf;
       continue;
     }
-    const float* ks = k + s * key_stride;
+    const float* ks = k + rows[s];
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
@@ -163,7 +165,7 @@ inline void attend_heads(const float* q, const float* k, const float* v, int64_t
       for (int j = 0; j < W; ++j) acc[g][j] = _mm512_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
       if (visible != nullptr && !visible[s]) continue;
-      const float* vs = v + s * key_stride + c;
+      const float* vs = v + rows[s] + c;
       __m512 vv[W];
       for (int j = 0; j < W; ++j) vv[j] = _mm512_loadu_ps(vs + 16 * j);
       for (int g = 0; g < G; ++g) {
@@ -190,12 +192,12 @@ inline int64_t heads_per_call(int64_t group, int64_t rows_times_kv_heads, int64_
 }
 
 // attend_heads for a run-time G from heads_per_call.
-inline void attend_heads_n(int64_t G, const float* q, const float* k, const float* v, int64_t key_stride, int64_t S,
+inline void attend_heads_n(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
                            int64_t D, const bool* visible, float scale, float* scores, float* out) {
   switch (G) {
-    case 4: attend_heads<4>(q, k, v, key_stride, S, D, visible, scale, scores, out); return;
-    case 2: attend_heads<2>(q, k, v, key_stride, S, D, visible, scale, scores, out); return;
-    default: attend_row(q, k, v, key_stride, S, D, visible, scale, scores, out); return;
+    case 4: attend_heads<4>(q, k, v, rows, S, D, visible, scale, scores, out); return;
+    case 2: attend_heads<2>(q, k, v, rows, S, D, visible, scale, scores, out); return;
+    default: attend_row(q, k, v, rows, S, D, visible, scale, scores, out); return;
   }
 }
 

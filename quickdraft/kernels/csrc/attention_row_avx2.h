@@ -50,14 +50,14 @@ inline __m256 exp8(__m256 x) {
 // The weighted sum of the visible values over W x 8 floats of the head (from column c), kept
 // in registers; every lane adds its keys in key order whatever W is.
 template <int W>
-inline void weighted_values(const float* v, int64_t key_stride, int64_t S, const bool* visible,
+inline void weighted_values(const float* v, const int64_t* rows, int64_t S, const bool* visible,
                             const float* weights, float inv_total, int64_t c, float* out) {
   __m256 acc[W];
   for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     if (visible != nullptr && !visible[s]) continue;
     const __m256 pv = _mm256_set1_ps(weights[s]);
-    const float* vs = v + s * key_stride + c;
+    const float* vs = v + rows[s] + c;
     for (int j = 0; j < W; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vs + 8 * j), acc[j]);
   }
   const __m256 inv = _mm256_set1_ps(inv_total);
@@ -65,7 +65,7 @@ inline void weighted_values(const float* v, int64_t key_stride, int64_t S, const
 }
 
 // One query row of one head against S keys (scores: a scratch row of S rounded up to 8).
-inline void attend_row(const float* q, const float* k, const float* v, int64_t key_stride, int64_t S, int64_t D,
+inline void attend_row(const float* q, const float* k, const float* v, const int64_t* rows, int64_t S, int64_t D,
                        const bool* visible, float scale, float* scores, float* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float max_score = neg_inf;
@@ -74,7 +74,7 @@ inline void attend_row(const float* q, const float* k, const float* v, int64_t k
       scores[s] = neg_inf;
       continue;
     }
-    scores[s] = dot(q, k + s * key_stride, D) * scale;
+    scores[s] = dot(q, k + rows[s], D) * scale;
     max_score = std::max(max_score, scores[s]);
   }
   if (max_score == neg_inf) {  // sees nothing: zeros
@@ -96,8 +96,8 @@ inline void attend_row(const float* q, const float* k, const float* v, int64_t k
   const float inv_total = 1.0f / total;
   // 8 registers of values at a time (64 floats of the head), fewer for a narrow remainder.
   int64_t c = 0;
-  for (; c + 64 <= D; c += 64) weighted_values<8>(v, key_stride, S, visible, scores, inv_total, c, out);
-  for (; c < D; c += 8) weighted_values<1>(v, key_stride, S, visible, scores, inv_total, c, out);
+  for (; c + 64 <= D; c += 64) weighted_values<8>(v, rows, S, visible, scores, inv_total, c, out);
+  for (; c < D; c += 8) weighted_values<1>(v, rows, S, visible, scores, inv_total, c, out);
 }
 
 #pragma GCC pop_options

@@ -721,9 +721,9 @@ inline void gated_activation(const float* gate, const float* up, int64_t n, bool
 // One head per call: the AVX2 build does not share key reads between heads.
 inline int64_t attention_heads_per_call(int64_t, int64_t, int64_t) { return 1; }
 
-inline void attend_rows(int64_t, const float* q, const float* k, const float* v, int64_t key_stride, int64_t S,
+inline void attend_rows(int64_t, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
                         int64_t D, const bool* visible, float scale, float* scores, float* out) {
-  qd_attention_avx2::attend_row(q, k, v, key_stride, S, D, visible, scale, scores, out);
+  qd_attention_avx2::attend_row(q, k, v, rows, S, D, visible, scale, scores, out);
 }
 #else
 #pragma GCC push_options
@@ -771,9 +771,9 @@ inline int64_t attention_heads_per_call(int64_t group, int64_t rows_times_kv_hea
   return qd_attention::heads_per_call(group, rows_times_kv_heads, threads);
 }
 
-inline void attend_rows(int64_t G, const float* q, const float* k, const float* v, int64_t key_stride, int64_t S,
+inline void attend_rows(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
                         int64_t D, const bool* visible, float scale, float* scores, float* out) {
-  qd_attention::attend_heads_n(G, q, k, v, key_stride, S, D, visible, scale, scores, out);
+  qd_attention::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 #endif
 
@@ -782,15 +782,19 @@ const float* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
 
-// hidden [N, D] -> the layer's output [N, D].  seqs: per sequence (slot, row_start, row_end,
-// kv_start, kv_end) of this layer's attention type; masks: its [T, kv_end - kv_start] or None.
+// hidden [N, D] -> the layer's output [N, D].  cache_k / cache_v [num_blocks, Hkv, block_size, hd]: a
+// paged cache (a slot cache is one block per slot).  seqs: per sequence (table_start, row_start,
+// row_end, kv_start, kv_end) of this layer's attention type, its block table at
+// tables[table_start ...] (storage index p lives in block tables[table_start + p / block_size]);
+// masks: its [T, kv_end - kv_start] or None.
 at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& qkv, const std::vector<Part>& o_proj,
                          const std::vector<Part>& gate_up, const std::vector<Part>& down,
                          const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
                          const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm,
                          const c10::optional<at::Tensor>& qk_norm, double eps_d, bool gelu,
                          const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& cache_k, at::Tensor& cache_v,
-                         const std::vector<int64_t>& seqs, const std::vector<c10::optional<at::Tensor>>& masks,
+                         const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
+                         const std::vector<c10::optional<at::Tensor>>& masks,
                          int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale) {
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor hidden = hidden_in.contiguous();
@@ -831,24 +835,37 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
   // KV write, then attention per sequence
   float* kc = cache_k.mutable_data_ptr<float>();
   float* vc = cache_v.mutable_data_ptr<float>();
-  const int64_t L = cache_k.size(2), slot_stride = Hkv * L * hd, head_stride = L * hd;
+  const int64_t block_size = cache_k.size(2), block_stride = Hkv * block_size * hd, head_stride = block_size * hd;
   const int64_t num_seqs = static_cast<int64_t>(masks.size());
+  const int64_t num_blocks = cache_k.size(0), num_table_entries = static_cast<int64_t>(tables.size());
+  // Where storage index p of a sequence's key head g starts, in floats from the cache's start.
+  auto offset = [&](int64_t table_start, int64_t g, int64_t p) {
+    const int64_t entry = table_start + p / block_size;
+    TORCH_CHECK(entry < num_table_entries, "decoder_layer: storage index past the block table");
+    const int64_t block = tables[entry];
+    TORCH_CHECK(block >= 0 && block < num_blocks, "decoder_layer: block ", block, " outside the cache");
+    return block * block_stride + g * head_stride + (p % block_size) * hd;
+  };
   for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t slot = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2], kv_end = seqs[5 * b + 4];
+    const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2], kv_end = seqs[5 * b + 4];
     const int64_t cache_len = kv_end - (r1 - r0);
     for (int64_t n = r0; n < r1; ++n)
       for (int64_t g = 0; g < Hkv; ++g) {
-        const int64_t at = slot * slot_stride + g * head_stride + (cache_len + n - r0) * hd;
+        const int64_t at = offset(ts, g, cache_len + n - r0);
         std::memcpy(kc + at, qkv_out.data() + n * QKV + (H + g) * hd, hd * sizeof(float));
         std::memcpy(vc + at, qkv_out.data() + n * QKV + (H + Hkv + g) * hd, hd * sizeof(float));
       }
   }
   const float fscale = static_cast<float>(scale);
+  std::vector<int64_t> rows;
   for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t slot = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2];
+    const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2];
     const int64_t kv_start = seqs[5 * b + 3], kv_end = seqs[5 * b + 4], S = kv_end - kv_start;
     const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
     const int64_t T = r1 - r0, group = H / Hkv;
+    rows.resize(Hkv * S);  // per key head, where each key / value row of the range lies
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t s = 0; s < S; ++s) rows[g * S + s] = offset(ts, g, kv_start + s);
     // G query heads of a key head per call (they share its key and value reads).
     const int64_t G = attention_heads_per_call(group, T * Hkv, at::get_num_threads()), calls = H / G;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * hd * G));
@@ -856,10 +873,9 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
       std::vector<float> scores(G * S + 16);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / calls, head = (i % calls) * G, g = head / group;
-        const int64_t base = slot * slot_stride + g * head_stride + kv_start * hd;
-        attend_rows(G, qkv_out.data() + (r0 + t) * QKV + head * hd, kc + base, vc + base, hd, S, hd,
-                                     mask ? mask + t * S : nullptr, fscale, scores.data(),
-                                     attended.data() + (r0 + t) * H * hd + head * hd);
+        attend_rows(G, qkv_out.data() + (r0 + t) * QKV + head * hd, kc, vc, rows.data() + g * S, S, hd,
+                    mask ? mask + t * S : nullptr, fscale, scores.data(),
+                    attended.data() + (r0 + t) * H * hd + head * hd);
       }
     });
   }

@@ -1,0 +1,151 @@
+"""Automatic prefix caching: keyed full blocks, shared by reference, evicted least recently freed
+first, never written once shared; a prompt that hits decodes exactly what it would compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.kv.cache import KVCache
+from tests.drafters.test_eagle import head_dir  # noqa: F401  (fixture)
+from tests.engine.test_speculative import GarbageDrafter
+from tests.models.test_decoder import prompt
+
+
+def committed_slot(cache: KVCache, tokens: list[int], *, prefix: list[int] | None = None) -> int:
+    """A slot that committed `tokens` (starting from cached `prefix` blocks) and keyed its blocks."""
+    slot = cache.allocate(prefix=prefix)
+    cache.reserve(slot, len(tokens))
+    cache.commit(slot, len(tokens))
+    cache.cache_full_blocks(slot, tokens)
+    return slot
+
+
+def small_cache(**options) -> KVCache:
+    settings = dict(num_layers=1, num_slots=3, num_kv_heads=1, head_dim=2, max_len=12, block_size=4)
+    return KVCache(**{**settings, **options}, dtype=torch.float32)
+
+
+def test_full_blocks_are_found_by_every_token_up_to_their_end():
+    cache = small_cache()
+    tokens = list(range(100, 110))
+    a = committed_slot(cache, tokens)  # 10 tokens: blocks 0 and 1 are full, block 2 is not
+    assert cache.num_cached_blocks == 2
+    first, second = cache.block_tables[a][:2]
+    assert cache.prefix_blocks(tokens + [7]) == [first, second]
+    assert cache.prefix_blocks(tokens[:9]) == [first, second]
+    assert cache.prefix_blocks(tokens[:8]) == [first]  # the last token is always computed
+    assert cache.prefix_blocks(tokens[:5] + [0] + tokens[6:]) == [first]  # a change in block 1
+    assert cache.prefix_blocks([0] + tokens[1:]) == []  # a change in block 0 changes every key after it
+    other = small_cache()
+    committed_slot(other, [1, 2, 3, 4] + tokens[4:])  # the same block 1 tokens after other ones
+    assert other.prefix_blocks(tokens) == []
+
+
+def test_shared_blocks_outlive_their_first_slot_and_are_evicted_least_recently_freed_first():
+    cache = small_cache()
+    tokens = list(range(100, 112))
+    a = committed_slot(cache, tokens)  # three full blocks keyed
+    prefix = cache.prefix_blocks(tokens + [1])
+    b = cache.allocate(prefix=prefix)
+    assert cache.block_tables[b] == cache.block_tables[a] and cache.num_free_blocks == 6
+    cache.free(a)
+    assert cache.num_free_blocks == 6  # b still holds them
+    cache.free(b)
+    assert cache.num_free_blocks == 9 and cache.prefix_blocks(tokens + [1]) == prefix  # unused, still cached
+    # Fill the pool: the 6 blocks that hold nothing go first, then the least recently freed
+    # keyed one, which is the prefix's last block (a slot frees its blocks from the end).
+    c = cache.allocate()
+    cache.reserve(c, 12)
+    d = cache.allocate()
+    cache.reserve(d, 8)
+    assert cache.prefix_blocks(tokens + [1]) == prefix and cache.num_free_blocks == 4
+    cache.reserve(d, 12)  # the last block that held nothing
+    assert cache.prefix_blocks(tokens + [1]) == prefix
+    e = cache.allocate()
+    cache.reserve(e, 1)
+    assert cache.prefix_blocks(tokens + [1]) == prefix[:2] and cache.num_cached_blocks == 2
+
+
+def test_a_block_is_keyed_once_all_its_rows_are_committed():
+    cache = small_cache()
+    slot = cache.allocate()
+    cache.reserve(slot, 12)
+    tokens = list(range(50, 62))
+    cache.commit(slot, 7)  # drafts may sit at 7.. : block 1 is not full of committed tokens
+    cache.cache_full_blocks(slot, tokens)
+    assert cache.num_cached_blocks == 1
+    cache.commit(slot, 8)
+    cache.cache_full_blocks(slot, tokens)
+    assert cache.num_cached_blocks == 2
+
+
+PROMPT = prompt(40, seed=21)
+
+
+def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prompts_that_hit_decode_what_they_would_compute(tiny_checkpoints, temperature):
+    """A second turn (the first turn's prompt and answer, then more) reuses the cached blocks and
+    decodes the same tokens as an engine without prefix caching, greedy and seeded sampled."""
+    params = SamplingParams(temperature=temperature, max_tokens=12, seed=3, ignore_eos=True)
+    path = str(tiny_checkpoints["gemma3"])
+    results = {}
+    for caching in (True, False):
+        llm = LLM(path, max_model_len=256, block_size=8, enable_prefix_caching=caching)
+        (first,) = _outputs(llm, [PROMPT], params)
+        second_turn = PROMPT + first + [5, 6, 7]
+        results[caching] = (first, _outputs(llm, [second_turn, PROMPT[:30] + [9, 9]], params))
+        if caching:
+            metrics = llm.get_metrics()
+            # 40 + 12 tokens committed by the first turn: 6 full blocks; the second prompt shares
+            # 3 of them (its first 30 tokens hold 3 full blocks of the first prompt).
+            assert metrics.num_cached_tokens == 48 + 24
+            assert 0 < metrics.prefix_cache_hit_rate < 1
+    assert results[True] == results[False]
+
+
+def test_rejected_branches_never_touch_shared_blocks(tiny_checkpoints):
+    """Two requests share a cached prefix and verify garbage trees beside each other: the shared
+    blocks' bytes are the same after every step, and the outputs are plain decoding's."""
+    path = str(tiny_checkpoints["llama"])
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = LLM(path, max_model_len=256, enable_prefix_caching=False)
+    expected = _outputs(plain, [PROMPT + [3], PROMPT + [4]], params)
+    llm = LLM(path, max_model_len=256, max_num_seqs=2, block_size=8)
+    _outputs(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=1))  # caches the prompt's blocks
+    cache = llm.engine.cache
+    shared = cache.prefix_blocks(PROMPT + [3])
+    assert len(shared) == 5
+    llm.engine.set_drafter(GarbageDrafter(vocab_size=320, tree=True, seed=4), num_speculative_tokens=6)
+    before = [(k[shared].clone(), v[shared].clone()) for k, v in zip(cache.keys, cache.values)]
+    original_step = llm.engine.step
+
+    def checked_step():
+        deltas = original_step()
+        for (keys, values), k, v in zip(before, cache.keys, cache.values):
+            assert torch.equal(k[shared], keys) and torch.equal(v[shared], values)
+        return deltas
+
+    llm.engine.step = checked_step
+    assert _outputs(llm, [PROMPT + [3], PROMPT + [4]], params) == expected
+    assert llm.get_metrics().num_cached_tokens >= 2 * 40
+
+
+def test_eagle_drafts_after_a_prefix_hit(tiny_checkpoints, head_dir):  # noqa: F811
+    """Features start after the cached tokens: the head's context restarts there, drafts go on,
+    and the output stays plain decoding's."""
+    path = str(tiny_checkpoints["gemma3"])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 3}
+    expected = _outputs(LLM(path, max_model_len=256, enable_prefix_caching=False), [PROMPT], params)
+    llm = LLM(path, max_model_len=256, block_size=8, speculative_config=spec)
+    assert _outputs(llm, [PROMPT], params) == expected
+    drafts_before = llm.get_metrics().num_drafts
+    assert _outputs(llm, [PROMPT], params) == expected  # the second time, 32 tokens are cached
+    metrics = llm.get_metrics()
+    assert metrics.num_cached_tokens == 32 and metrics.num_drafts > drafts_before
