@@ -332,11 +332,12 @@ class EagleDrafter(Drafter):
         if copy_sources is None:
             logits = self.head.draft_logits(features)  # [m, Vd]
             log_probs = torch.log_softmax(logits.float(), dim=-1)
-            picks = []
-            for row, ranks in enumerate(ranks_per_node):
-                top = torch.topk(log_probs[row], max(ranks) + 1)
-                picks.append((self.head.d2t[top.indices[ranks]].tolist(), top.values[ranks].tolist()))
-            return picks
+            top = torch.topk(log_probs, max(max(ranks) for ranks in ranks_per_node) + 1, dim=-1)  # every row at once
+            ids, values = self.head.d2t[top.indices].tolist(), top.values.tolist()
+            return [
+                ([ids[row][r] for r in ranks], [values[row][r] for r in ranks])
+                for row, ranks in enumerate(ranks_per_node)
+            ]
         # every node copies from the same true entries
         ids, log_probs = self.head.draft_top_k(features, copy_sources, max(max(ranks) for ranks in ranks_per_node) + 1)
         return [(ids[row, ranks].tolist(), log_probs[row, ranks].tolist()) for row, ranks in enumerate(ranks_per_node)]
@@ -423,12 +424,15 @@ class EagleDrafter(Drafter):
             first_free = state.num_true + len(entry)
             store = list(range(first_free, first_free + len(nodes)))
             first = state.first_true
-            mask = torch.zeros(len(nodes), first_free + len(nodes) - first, dtype=torch.bool)  # columns from first
-            mask[:, : state.num_true - first] = True
+            width, num_true = first_free + len(nodes) - first, state.num_true - first  # columns from first
+            mask_rows = []  # built as lists: one tensor at the end instead of an indexing op per entry
             for row, node in enumerate(nodes):
                 entry[node] = store[row]
+                visible = [True] * num_true + [False] * (width - num_true)
                 for ancestor in tree.shape.path(node)[1:]:
-                    mask[row, entry[ancestor] - first] = True
+                    visible[entry[ancestor] - first] = True
+                mask_rows.append(visible)
+            mask = torch.tensor(mask_rows, dtype=torch.bool)
             batch.append(
                 _HeadRows(
                     state=state,
