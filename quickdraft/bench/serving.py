@@ -426,6 +426,9 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
     )
     for mode, speculative_config in options.mode_configs().items():
         engine.set_speculative_config(speculative_config)
+        # Each mode starts from an empty prefix cache: the modes share one engine and ask the same
+        # prompts, so a later mode would otherwise skip the prefills an earlier one computed.
+        engine.reset_prefix_cache()
         server = QuickdraftServer(server_config(options, speculative_config=speculative_config), engine=engine)
         with running_server(server) as base_url:
             asyncio.run(_run_mode(report, base_url=base_url, prompts=prompts, mode=mode, log=log))

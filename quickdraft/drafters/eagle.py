@@ -333,9 +333,9 @@ class EagleDrafter(Drafter):
             logits = self.head.draft_logits(features)  # [m, Vd]
             log_probs = torch.log_softmax(logits.float(), dim=-1)
             top = torch.topk(log_probs, max(max(ranks) for ranks in ranks_per_node) + 1, dim=-1)  # every row at once
-            ids, values = self.head.d2t[top.indices].tolist(), top.values.tolist()
+            top_ids, top_values = self.head.d2t[top.indices].tolist(), top.values.tolist()
             return [
-                ([ids[row][r] for r in ranks], [values[row][r] for r in ranks])
+                ([top_ids[row][r] for r in ranks], [top_values[row][r] for r in ranks])
                 for row, ranks in enumerate(ranks_per_node)
             ]
         # every node copies from the same true entries

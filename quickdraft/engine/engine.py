@@ -120,6 +120,11 @@ class Engine:
         self._check_idle("the speculator")
         self.speculator = speculator
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (between benchmark runs, after changing what a prefix means)."""
+        self._check_idle("the prefix cache")
+        self.cache.reset_prefix_cache()
+
     def _check_idle(self, what: str) -> None:
         if self.has_unfinished_requests():
             raise RuntimeError(f"cannot change {what} while requests are running")

@@ -158,6 +158,13 @@ class KVCache:
             blocks.append(block)
         return blocks
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every key: free cached blocks hold nothing worth keeping any more."""
+        self._free_blocks.extend(self._evictable)
+        self._evictable.clear()
+        self._block_by_key.clear()
+        self._key_of_block.clear()
+
     def cache_full_blocks(self, slot: int, token_ids: list[int]) -> None:
         """Key the slot's blocks that its committed length now fills (token_ids: the slot's
         tokens, at least the committed ones), so that later prompts can share them."""

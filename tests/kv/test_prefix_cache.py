@@ -68,6 +68,18 @@ def test_shared_blocks_outlive_their_first_slot_and_are_evicted_least_recently_f
     assert cache.prefix_blocks(tokens + [1]) == prefix[:2] and cache.num_cached_blocks == 2
 
 
+def test_reset_forgets_every_prefix_and_frees_the_blocks_that_held_them():
+    cache = small_cache()
+    tokens = list(range(100, 112))
+    cache.free(committed_slot(cache, tokens))
+    in_use = committed_slot(cache, tokens[:8] + [1, 2, 3, 4], prefix=cache.prefix_blocks(tokens[:9]))
+    cache.reset_prefix_cache()
+    assert cache.prefix_blocks(tokens + [1]) == [] and cache.num_cached_blocks == 0
+    assert cache.num_free_blocks == 9 - len(cache.block_tables[in_use])
+    cache.free(in_use)
+    assert cache.num_free_blocks == 9
+
+
 def test_a_block_is_keyed_once_all_its_rows_are_committed():
     cache = small_cache()
     slot = cache.allocate()
