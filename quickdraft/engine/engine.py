@@ -329,7 +329,7 @@ class Engine:
         if proposal is not None:
             assert item.num_new_tokens == 1  # only decodes are drafted: the tree is the whole work
             return proposal
-        return Proposal.root_only(request.all_token_ids[-1])
+        return Proposal.root_only(request.last_token_id)
 
     @staticmethod
     def _work_for(item: ScheduledRequest, proposal: Proposal | None) -> SequenceWork:
@@ -371,7 +371,9 @@ class Engine:
         )
         request.num_computed_tokens = start + num_known + len(path)
         self.cache.commit(request.scheduled_slot, request.num_computed_tokens)
-        if self.config.enable_prefix_caching:  # blocks this commit filled: shareable from now on
+        size = self.cache.block_size
+        if self.config.enable_prefix_caching and request.num_computed_tokens // size > start // size:
+            # This commit filled blocks: shareable from now on (most commits fill none).
             self.cache.cache_full_blocks(request.scheduled_slot, request.all_token_ids)
         kept_features = None
         if features is not None:

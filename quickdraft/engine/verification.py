@@ -86,8 +86,8 @@ def _greedy_argmaxes(*, logits: torch.Tensor, row_offsets: list[int], greedy: li
     spans = [(row_offsets[i], row_offsets[i + 1]) for i, g in enumerate(greedy) if g]
     if not spans:
         return [[] for _ in greedy]
-    if all(greedy):
-        flat = argmax_rows(logits).tolist()
+    if all(greedy):  # every row of the step: a view, no copy
+        flat = argmax_rows(logits[row_offsets[0] : row_offsets[-1]]).tolist()
     else:  # only the greedy requests' rows: sampled ones may hold most of a wide step
         index = torch.cat([torch.arange(a, b) for a, b in spans]).to(logits.device)
         flat = argmax_rows(logits[index]).tolist()
