@@ -129,16 +129,24 @@ def test_garbage_drafter_keeps_greedy_exact(tiny_checkpoints, plain_outputs, tre
     assert metrics.acceptance_rate < 0.2
 
 
+def oracle_llm(path, plain: list[list[int]], *, num_speculative_tokens: int, corrupt: float, **options) -> LLM:
+    """An engine whose drafter proposes plain decoding's answers to repetitive_prompts()."""
+    continuations = {tuple(p): out for p, out in zip(repetitive_prompts(), plain)}
+    llm = LLM(
+        str(path),
+        max_model_len=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": num_speculative_tokens},
+        **options,
+    )
+    llm.engine.speculator.drafter = OracleDrafter(continuations=continuations, corrupt=corrupt)
+    return llm
+
+
 def test_long_accepts_metrics_and_max_tokens(tiny_checkpoints, plain_outputs):
     prompts = repetitive_prompts()
-    continuations = {tuple(p): out for p, out in zip(prompts, plain_outputs["gemma3"])}
-    llm = LLM(
-        str(tiny_checkpoints["gemma3"]),
-        max_model_len=256,
-        max_num_seqs=4,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 5},
+    llm = oracle_llm(
+        tiny_checkpoints["gemma3"], plain_outputs["gemma3"], num_speculative_tokens=5, corrupt=0.15, max_num_seqs=4
     )
-    llm.engine.speculator.drafter = OracleDrafter(continuations=continuations, corrupt=0.15)
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs["gemma3"]
     for out in outs:
@@ -164,9 +172,7 @@ def test_stop_string_inside_an_accepted_run(tiny_checkpoints, plain_outputs):
     full = plain_llm.generate([prompts[0]], SamplingParams(max_tokens=40, **GREEDY))[0].outputs[0]
     stop = full.text[10:13]
     expected = plain_llm.generate([prompts[0]], SamplingParams(max_tokens=40, stop=[stop], **GREEDY))[0].outputs[0]
-    continuations = {tuple(p): out for p, out in zip(prompts, plain_outputs["gemma3"])}
-    llm = LLM(path, max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 8})
-    llm.engine.speculator.drafter = OracleDrafter(continuations=continuations, corrupt=0.0)
+    llm = oracle_llm(path, plain_outputs["gemma3"], num_speculative_tokens=8, corrupt=0.0)
     got = llm.generate([prompts[0]], SamplingParams(max_tokens=40, stop=[stop], **GREEDY))[0].outputs[0]
     assert got.text == expected.text and got.token_ids == expected.token_ids
     assert got.finish_reason == "stop"
@@ -279,14 +285,9 @@ def test_step_that_finishes_a_request_inside_its_path_is_a_decode_step(tiny_chec
     """The step cost model (adaptive speculation) hears "decode only" for a step of decodes, also when
     a request stops inside its accepted path (the check is made before the step commits)."""
     prompts = repetitive_prompts()
-    continuations = {tuple(p): out for p, out in zip(prompts, plain_outputs["gemma3"])}
-    llm = LLM(
-        str(tiny_checkpoints["gemma3"]),
-        max_model_len=256,
-        max_num_seqs=4,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 6},
+    llm = oracle_llm(
+        tiny_checkpoints["gemma3"], plain_outputs["gemma3"], num_speculative_tokens=6, corrupt=0.0, max_num_seqs=4
     )
-    llm.engine.speculator.drafter = OracleDrafter(continuations=continuations, corrupt=0.0)
     steps = []
     observe_step = llm.engine.speculator.observe_step
 
