@@ -156,6 +156,13 @@ def _add_serve_parser(commands) -> None:
         help="reuse the KV of cached full blocks a prompt starts with (default: on)",
     )
     serve.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="bytes of KV cache; less than every slot at max-model-len makes requests wait or be preempted "
+        "(recomputed) when blocks run out (default: every slot's worst case)",
+    )
+    serve.add_argument(
         "--max-queue",
         type=int,
         default=64,
@@ -690,6 +697,7 @@ def run_serve(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_queue=args.max_queue,
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
         shutdown_grace_seconds=args.shutdown_grace,

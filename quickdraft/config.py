@@ -21,6 +21,10 @@ class EngineConfig:
     # A prompt that starts with full blocks already cached (an earlier turn, a shared system
     # prompt) reuses their KV instead of computing it; exact (see quickdraft/kv/cache.py).
     enable_prefix_caching: bool = True
+    # Bytes of KV cache (all layers); None: enough for every slot at max_model_len at once, so
+    # nothing ever waits.  Less packs more requests per byte: when blocks run out, the newest
+    # running requests are preempted and recompute later (vLLM's kv_cache_memory_bytes).
+    kv_cache_memory_bytes: int | None = None
     seed: int = 0  # seeds the RNG of requests that give no seed of their own
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -31,6 +35,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        memory = self.kv_cache_memory_bytes
+        if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer or None, got {memory!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.seed, int):

@@ -33,6 +33,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,
         seed: int = 0,
         speculative_config: dict | None = None,
         speculative_model: str | None = None,
@@ -49,6 +50,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
             seed=seed,
             speculative_config=speculative_config,
         )

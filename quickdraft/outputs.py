@@ -49,6 +49,7 @@ class RequestMetrics(AcceptanceFigures):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     num_generation_tokens: int = 0
+    num_preemptions: int = 0  # times its blocks were taken back for older requests (it recomputed)
     # Speculation (zero for plain decoding). A target forward that commits tokens for this
     # request counts once, the prefill that yields the first token included.
     num_target_forwards: int = 0
@@ -143,6 +144,7 @@ class EngineMetrics(AcceptanceFigures):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_generation_tokens: int = 0
+    num_preemptions: int = 0  # a full KV cache took a request's blocks back (it recomputed)
     num_target_forwards: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -161,6 +163,7 @@ class EngineMetrics(AcceptanceFigures):
         self.num_prompt_tokens += m.num_prompt_tokens
         self.num_cached_tokens += m.num_cached_tokens
         self.num_generation_tokens += m.num_generation_tokens
+        self.num_preemptions += m.num_preemptions
         self.num_target_forwards += m.num_target_forwards
         self.num_drafts += m.num_drafts
         self.num_draft_tokens += m.num_draft_tokens

@@ -470,7 +470,7 @@ class EagleDrafter(Drafter):
                     (offsets[i], offsets[i + 1], rows.state.first_true, rows.state.first_true + mask.shape[1])
                     for i, (rows, mask) in enumerate(zip(batch, masks))
                 ],
-                block_tables=[self.cache.block_tables[rows.state.slot] for rows in batch],
+                block_tables=[self.cache.block_table(rows.state.slot) for rows in batch],
                 masks=masks,
             )
             return list(out.split(sizes))

@@ -75,6 +75,10 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
             block_size=config.block_size,
+            layer_windows=self.model_config.layer_windows,
+            # A forward writes at most a prefill chunk or a draft tree per request.
+            max_step_tokens=max(config.max_num_batched_tokens, CACHE_HEADROOM),
+            memory_bytes=config.kv_cache_memory_bytes,
         )
         self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
         self.scheduler = Scheduler(
@@ -247,15 +251,20 @@ class Engine:
         """Schedule, draft, one target forward, verify every request at once, commit each."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.speculator is not None:
+            for request in self.scheduler.preempted:  # it will recompute: its drafter state starts again
+                self.speculator.finish(request.request_id)
         if not plan:
             return []
         for item in plan:
             request = item.request
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = started
-                if request.num_computed_tokens and self.speculator is not None:
+            if request.num_skipped_tokens:
+                if self.speculator is not None:
                     # A prefix cache hit: those tokens entered the cache without a forward.
-                    self.speculator.skip(request, request.num_computed_tokens)
+                    self.speculator.skip(request, request.num_skipped_tokens)
+                request.num_skipped_tokens = 0
         # Before any commit changes the requests (one may finish inside its accepted path).
         decode_only = all(item.num_new_tokens == 1 and item.completes_prompt for item in plan)
         drafts = self._propose(plan)
@@ -313,7 +322,8 @@ class Engine:
         decoding = [item.request for item in plan if item.num_new_tokens == 1 and item.completes_prompt]
         if not decoding:
             return {}
-        room = {r.request_id: self.cache.max_len - r.num_computed_tokens for r in decoding}
+        # Room the scheduler reserved in the cache: drafts never take blocks of their own.
+        room = {r.request_id: self.cache.room(r.scheduled_slot) - r.num_computed_tokens for r in decoding}
         # Draft nodes count against max_num_batched_tokens like any fed token: an equal share each.
         share = self.scheduler.draft_room(plan) // len(decoding)
         return self.speculator.propose(decoding, cache_room=room, token_room={r.request_id: share for r in decoding})

@@ -51,6 +51,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.slot: int | None = None
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_skipped_tokens = 0  # of them, taken from the prefix cache at admission (drafters skip them)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None

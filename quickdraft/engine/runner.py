@@ -45,7 +45,7 @@ class ModelRunner:
             raise ValueError("forward needs at least one sequence")
         token_ids: list[int] = []
         positions: list[int] = []
-        block_index: list[int] = []
+        block_index: list[list[int]] = [[] for _ in self.cache.groups]  # per cache group
         block_offset: list[int] = []
         logits_rows: list[int] = []
         logits_offsets = [0]
@@ -72,15 +72,16 @@ class ModelRunner:
             token_ids.extend(item.token_ids)
             positions.extend(seq_positions)
             self.cache.reserve(item.slot, item.cache_len + num_new)
-            blocks, offsets = self.cache.locate(item.slot, list(range(item.cache_len, item.cache_len + num_new)))
-            block_index.extend(blocks)
+            blocks, offsets = self.cache.locate_all(item.slot, list(range(item.cache_len, item.cache_len + num_new)))
+            for group_index, group_blocks in zip(block_index, blocks):
+                group_index.extend(group_blocks)
             block_offset.extend(offsets)
         for seq in sequences:
             seq.full_mask = self._to_device(seq.full_mask)
             seq.sliding_mask = self._to_device(seq.sliding_mask)
         attn = AttentionBatch(
             sequences=sequences,
-            block_index=self._long(block_index),
+            block_index=torch.tensor(block_index, dtype=torch.long, device=self.device),
             block_offset=self._long(block_offset),
         )
         out = self.model(

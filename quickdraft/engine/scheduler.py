@@ -3,7 +3,14 @@
 Every step, each running request feeds the tokens whose KV is not yet cached: a whole or
 partial prompt (chunked prefill), or the one token sampled last step (decode).  Decodes go
 first so a long prompt never stalls the requests already generating; prefill chunks fill
-the rest of the token budget.  Waiting requests join as soon as a cache slot is free.
+the rest of the token budget.  Waiting requests join when a cache slot is free and the cache
+has blocks for their first chunk.
+
+Blocks are reserved here, before the forward: a request whose next token finds no free block
+preempts the newest running requests (they give their blocks back and wait first in line to
+recompute, cheaply where the prefix cache still holds their blocks), so a full cache makes
+requests wait and never fails a step.  With the default pool (every slot's worst case) none of
+this happens.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ class Scheduler:
         # held back from prefill chunks, so that drafts are not squeezed out by a long prompt.
         self.draft_reserve = 0
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in order of admission
+        self.preempted: list[Request] = []  # by the last schedule(): their drafter state is stale
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -49,38 +57,84 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledRequest]:
+        self.preempted = []
         self._admit_waiting()
         budget = self.max_num_batched_tokens
         decodes, prefills = [], []
-        for req in self.running:
-            pending = req.num_tokens - req.num_computed_tokens
-            if pending == 1:
+        for req in list(self.running):  # oldest first: a decode that lacks blocks preempts newer requests
+            if req.num_tokens - req.num_computed_tokens == 1 and self._reserve(req, req.num_computed_tokens + 1):
+                # Room for draft nodes where the pool allows (drafts never preempt anyone).
+                self.cache.try_reserve(req.scheduled_slot, req.num_computed_tokens + 1 + self.draft_reserve)
                 decodes.append(ScheduledRequest(req, 1))
         budget -= len(decodes)
         # Held back for the decodes' draft nodes, but never more than half of what prefill would
         # get: a waiting prompt is delayed, not starved.
         budget -= min(len(decodes) * self.draft_reserve, max(0, budget) // 2)
-        for req in self.running:
+        for req in list(self.running):
             pending = req.num_tokens - req.num_computed_tokens
-            if pending > 1 and budget > 0:
-                chunk = min(pending, budget)
-                prefills.append(ScheduledRequest(req, chunk))
-                budget -= chunk
-        return decodes + prefills
+            if pending > 1 and budget > 0 and req in self.running:
+                chunk = self._fit(req, min(pending, budget))
+                if chunk:
+                    prefills.append(ScheduledRequest(req, chunk))
+                    budget -= chunk
+        # A prefill that preempted newer requests may have taken a decode's place.
+        return [item for item in decodes + prefills if item.request.status == RequestStatus.RUNNING]
 
     def draft_room(self, plan: list[ScheduledRequest]) -> int:
         """Tokens of this step's budget left for draft nodes once `plan` is fed."""
         return max(0, self.max_num_batched_tokens - sum(item.num_new_tokens for item in plan))
 
+    def _fit(self, req: Request, chunk: int) -> int:
+        """The longest part of a prefill chunk (whole blocks) the cache can hold, reserved; when
+        not even one token fits, newer requests are preempted for one (0: req itself was)."""
+        start, slot, size = req.num_computed_tokens, req.scheduled_slot, self.cache.block_size
+        end = start + chunk
+        while end > start:
+            if self.cache.try_reserve(slot, end):
+                return end - start
+            end = (end - 1) // size * size  # the previous block boundary
+        return 1 if self._reserve(req, start + 1) else 0
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """Reserve storage for req, preempting the newest running requests while blocks lack;
+        False when req itself had to be preempted."""
+        while not self.cache.try_reserve(req.scheduled_slot, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Give back a running request's blocks; it waits first in line and recomputes its tokens
+        (from the prefix cache where they are still cached): its output so far is kept."""
+        self.running.remove(req)
+        self.cache.free(req.scheduled_slot)
+        req.slot = None
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.preempted.append(req)
+
     def _admit_waiting(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
-            req = self.waiting.popleft()
-            # Cached full blocks of the prompt start the slot's table: their tokens count as computed.
-            prefix = self.cache.prefix_blocks(req.all_token_ids) if self.enable_prefix_caching else []
-            req.slot = self.cache.allocate(prefix=prefix)
-            req.num_computed_tokens = len(prefix) * self.cache.block_size
-            req.metrics.num_cached_tokens = req.num_computed_tokens
-            self.cache.commit(req.slot, req.num_computed_tokens)
+            req = self.waiting[0]
+            # Cached full blocks of the prompt start the slot's tables: their tokens count as computed.
+            prefix = self.cache.find_prefix(req.all_token_ids) if self.enable_prefix_caching else None
+            slot = self.cache.allocate(prefix=prefix)
+            computed = prefix.num_tokens if prefix is not None else 0
+            first_chunk = computed + min(req.num_tokens - computed, self.max_num_batched_tokens)
+            if self.running and not self.cache.can_reserve(slot, first_chunk):
+                self.cache.free(slot)  # no blocks for it yet: it waits for running requests to finish
+                return
+            self.waiting.popleft()
+            req.slot = slot
+            req.num_computed_tokens = computed
+            req.num_skipped_tokens = computed
+            if req.metrics.num_preemptions == 0:
+                req.metrics.num_cached_tokens = computed
+            self.cache.commit(slot, computed)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 

@@ -42,7 +42,7 @@ class SequenceAttention:
 @dataclass
 class AttentionBatch:
     sequences: list[SequenceAttention]
-    block_index: torch.Tensor  # [N] int64, cache block each new token's KV is written to
+    block_index: torch.Tensor  # [G, N] int64, per cache group the block each new token's KV is written to
     block_offset: torch.Tensor  # [N] int64, its row in that block
 
 

@@ -88,6 +88,11 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, the positions its attention sees (None: all), for the KV cache's groups."""
+        return [self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types]
+
     @classmethod
     def from_hf_dict(cls, hf: dict) -> ModelConfig:
         model_type = hf.get("model_type")

@@ -84,7 +84,13 @@ class DecoderLayer(torch.nn.Module):
         if self._runs_fused(hidden):
             return self._fused_forward(hidden, rotary=rotary, attn=attn, cache=cache)
         q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear)
-        cache.write(self.layer_index, keys=k, values=v, block_index=attn.block_index, block_offset=attn.block_offset)
+        cache.write(
+            self.layer_index,
+            keys=k,
+            values=v,
+            block_index=attn.block_index[cache.group_of_layer[self.layer_index]],
+            block_offset=attn.block_offset,
+        )
         return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
 
     def _runs_fused(self, hidden: torch.Tensor) -> bool:
@@ -130,7 +136,7 @@ class DecoderLayer(torch.nn.Module):
             cache_keys=cache.keys[self.layer_index],
             cache_values=cache.values[self.layer_index],
             sequences=sequences,
-            block_tables=[cache.block_tables[seq.slot] for seq in attn.sequences],
+            block_tables=[cache.block_table(seq.slot, layer=self.layer_index) for seq in attn.sequences],
             masks=masks,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,

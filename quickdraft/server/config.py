@@ -32,6 +32,7 @@ class ServerConfig:
     max_num_seqs: int = 8  # requests decoded together (KV cache slots)
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # None: every slot can reach max_model_len at once
     seed: int = 0
     speculative_config: dict | None = None
     max_queue: int = 64  # requests waiting + running before new ones get 429
@@ -74,6 +75,7 @@ class ServerConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             seed=self.seed,
             speculative_config=self.speculative_config,
         )

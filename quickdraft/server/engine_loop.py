@@ -91,6 +91,7 @@ class LoopStats:
     waiting: int = 0
     free_slots: int = 0
     num_slots: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests (the fullest layer group)
     tracked_requests: int = 0  # requests the loop still holds for a handler
     steps: int = 0
     failed_steps: int = 0
@@ -348,12 +349,18 @@ class EngineLoop:
             waiting=len(scheduler.waiting),
             free_slots=cache.num_free_slots,
             num_slots=cache.num_slots,
+            kv_cache_usage=cache.usage,
             tracked_requests=len(self._tracked),
             steps=self._steps,
             failed_steps=self._failed_steps,
             alive=alive,
         )
-        self._metrics.set_load(running=self.stats.running, waiting=self.stats.waiting, free_slots=self.stats.free_slots)
+        self._metrics.set_load(
+            running=self.stats.running,
+            waiting=self.stats.waiting,
+            free_slots=self.stats.free_slots,
+            kv_cache_usage=self.stats.kv_cache_usage,
+        )
 
 
 def _deliver(submission: Submission, event: LoopEvent) -> None:

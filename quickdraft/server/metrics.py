@@ -99,6 +99,9 @@ class ServerMetrics:
             "quickdraft_prefix_cache_hit_tokens", "Prompt tokens whose KV the prefix cache supplied (not computed)"
         )
         self.generation_tokens = self._counter("quickdraft_generation_tokens", "Generated tokens")
+        self.preemptions = self._counter(
+            "quickdraft_preemptions", "Times a full KV cache took a request's blocks back (it recomputed them)"
+        )
         self.target_forwards = self._counter(
             "quickdraft_target_forwards", "Target forwards that committed tokens (prefill included)"
         )
@@ -170,8 +173,15 @@ class ServerMetrics:
         self.free_slots = Gauge(
             "quickdraft_free_cache_slots", "Free KV cache slots", ENGINE_LABELS, registry=self.registry
         )
+        self.kv_cache_usage = Gauge(
+            "quickdraft_kv_cache_usage",
+            "Fraction of KV cache blocks held by requests (the fullest layer group; 1 = requests wait)",
+            ENGINE_LABELS,
+            registry=self.registry,
+        )
         # Create the unlabelled-by-scenario series now so a fresh server already exposes them.
-        for metric in (self.batch_size, self.steps_failed, self.running, self.waiting, self.free_slots):
+        engine_metrics = (self.batch_size, self.steps_failed, self.running, self.waiting, self.free_slots)
+        for metric in (*engine_metrics, self.kv_cache_usage):
             metric.labels(**self._engine_labels)
 
     # ---- recording --------------------------------------------------------------------
@@ -189,6 +199,7 @@ class ServerMetrics:
         self.prompt_tokens.labels(**labels).inc(m.num_prompt_tokens)
         self.cached_prompt_tokens.labels(**labels).inc(m.num_cached_tokens)
         self.generation_tokens.labels(**labels).inc(m.num_generation_tokens)
+        self.preemptions.labels(**labels).inc(m.num_preemptions)
         self.target_forwards.labels(**labels).inc(m.num_target_forwards)
 
     def _record_speculation(self, labels: dict[str, str], m: RequestMetrics) -> None:
@@ -233,10 +244,11 @@ class ServerMetrics:
     def record_failed_step(self) -> None:
         self.steps_failed.labels(**self._engine_labels).inc()
 
-    def set_load(self, *, running: int, waiting: int, free_slots: int) -> None:
+    def set_load(self, *, running: int, waiting: int, free_slots: int, kv_cache_usage: float = 0.0) -> None:
         self.running.labels(**self._engine_labels).set(running)
         self.waiting.labels(**self._engine_labels).set(waiting)
         self.free_slots.labels(**self._engine_labels).set(free_slots)
+        self.kv_cache_usage.labels(**self._engine_labels).set(kv_cache_usage)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""

@@ -546,7 +546,7 @@ def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
     for cache in caches:  # six earlier entries of slot 1 (block 1), the same in both
         for slot in (cache.allocate(), cache.allocate()):
             cache.reserve(slot, cache.max_len)
-        assert cache.block_tables[1] == [1]
+        assert cache.block_table(1) == [1]
         cache.keys[0][1, :, :6] = earlier[0]
         cache.values[0][1, :, :6] = earlier[1]
     mask = torch.tensor(
@@ -560,7 +560,7 @@ def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
             cache_keys=caches[0].keys[0],
             cache_values=caches[0].values[0],
             sequences=[(0, 3, 1, 9)],
-            block_tables=[caches[0].block_tables[1]],
+            block_tables=[caches[0].block_table(1)],
             masks=[mask],
         )
         q, k, v = head.attention_inputs(hidden, positions)

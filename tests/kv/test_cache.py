@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quickdraft.engine.runner import SequenceWork
-from quickdraft.kv.cache import CacheFullError, KVCache
+from quickdraft.kv.cache import RELEASED, CacheFullError, KVCache
 from quickdraft.verify.tree import Tree
 from tests.models.test_decoder import make_runner, prompt, reference_logits
 
@@ -64,21 +64,21 @@ def test_blocks_are_taken_as_a_slot_grows_and_given_back():
     cache.reserve(b, 1)
     cache.reserve(a, 9)
     cache.reserve(a, 2)  # never shrinks
-    table = cache.block_tables[a]
-    assert len(table) == 3 and len(cache.block_tables[b]) == 1 and not set(table) & set(cache.block_tables[b])
+    table = cache.block_table(a)
+    assert len(table) == 3 and len(cache.block_table(b)) == 1 and not set(table) & set(cache.block_table(b))
     assert cache.locate(a, [0, 3, 4, 8, 9]) == ([table[0], table[0], table[1], table[2], table[2]], [0, 3, 0, 0, 1])
     with pytest.raises(ValueError, match="exceed the cache length"):
         cache.reserve(a, 11)
     assert cache.num_free_blocks == 2
     cache.free(a)
-    assert cache.block_tables[a] == [] and cache.num_free_blocks == 5
+    assert cache.block_table(a) == [] and cache.num_free_blocks == 5
 
 
 def test_reads_across_blocks_are_the_range_and_one_block_is_a_view():
     cache, slot = _positions_cache(max_len=12, block_size=4)
     assert _first_dim(cache, 1, slot, 2, 11) == (list(range(2, 11)), [-x for x in range(2, 11)])
     keys, _ = cache.read(0, slot=slot, start=5, end=8)  # inside the second block
-    assert keys.data_ptr() == cache.keys[0][cache.block_tables[slot][1], :, 1].data_ptr()
+    assert keys.data_ptr() == cache.keys[0][cache.block_table(slot)[1], :, 1].data_ptr()
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
@@ -125,3 +125,80 @@ def test_compacted_tree_path_equals_chain(tiny_checkpoints, arch):
     )
     expected = reference_logits(path, context[:-1] + accepted_tokens + follow)[-2:]
     torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def _window_cache(**options) -> KVCache:
+    """Layer 0 sees everything, layer 1 a window of 6 positions; blocks of 4, 40 positions."""
+    settings = dict(
+        num_layers=2, num_slots=2, num_kv_heads=1, head_dim=2, max_len=40, block_size=4, max_step_tokens=8,
+        layer_windows=[None, 6],
+    )  # fmt: skip
+    return KVCache(**{**settings, **options}, dtype=torch.float32)
+
+
+def test_a_sliding_window_group_gives_back_the_blocks_behind_every_future_window():
+    cache = _window_cache()
+    # Per slot: full attention all 10 blocks; the window 5 (5 positions behind + 8 new, in blocks, + 1).
+    assert [g.num_blocks for g in cache.groups] == [20, 10] and cache.group_of_layer == [0, 1]
+    slot = cache.allocate()
+    cache.reserve(slot, 8)
+    cache.commit(slot, 8)
+    cache.reserve(slot, 16)  # a query at 8 sees keys from 3: block 0 is still needed
+    assert cache.held_blocks(slot) == [4, 4]
+    cache.commit(slot, 16)
+    cache.reserve(slot, 20)  # queries from 16 see keys from 11: blocks 0 and 1 go back
+    assert cache.block_table(slot, layer=1)[:2] == [RELEASED, RELEASED]
+    assert cache.held_blocks(slot) == [5, 3] and cache.num_free_blocks == 15 + 7
+    assert cache.block_table(slot, layer=0) == cache.block_table(slot)  # layer 0: all its blocks
+    cache.read(1, slot=slot, start=11, end=20)  # the window reads fine
+    with pytest.raises(ValueError, match="given back"):
+        cache.read(1, slot=slot, start=7, end=20)
+    with pytest.raises(ValueError, match="cannot roll back to 12"):
+        cache.commit(slot, 12)  # a query at 12 would need key 7, in a block given back
+    cache.commit(slot, 14)  # a rollback that stays inside the kept blocks is fine
+    cache.free(slot)
+    assert cache.num_free_blocks == 30 and cache.held_blocks(slot) == [0, 0]
+
+
+def test_window_blocks_stay_exact_across_writes_compaction_and_reads():
+    """Each round writes 8 new tokens (value = a running count), keeps 3 of them by a compaction,
+    and both groups read back what a plain list says, over the window."""
+    cache = _window_cache(num_slots=1)
+    slot = cache.allocate()
+    truth: list[float] = []  # what storage index i holds, committed indices only
+    written = 0.0
+    while len(truth) + 8 <= 40:
+        length = len(truth)
+        cache.reserve(slot, length + 8)
+        new = [written + i for i in range(8)]
+        written += 8
+        blocks, rows = cache.locate_all(slot, list(range(length, length + 8)))
+        keys = torch.tensor(new)[:, None, None].expand(8, 1, 2)
+        for layer in range(2):
+            group_blocks = torch.tensor(blocks[cache.group_of_layer[layer]])
+            cache.write(layer, keys=keys, values=-keys, block_index=group_blocks, block_offset=torch.tensor(rows))
+        kept = [0, 3, 5]  # an accepted path: nodes 0, 3, 5 move to length, +1, +2
+        cache.compact(slot, source=[length + k for k in kept], destination_start=length)
+        truth += [new[k] for k in kept]
+        cache.commit(slot, len(truth))
+        start = max(0, len(truth) - 5)  # the keys a query at len(truth) sees
+        for layer in range(2):
+            assert _first_dim(cache, layer, slot, start, len(truth))[0] == truth[start:]
+    assert _first_dim(cache, 0, slot, 0, len(truth))[0] == truth  # full attention kept everything
+    assert cache.block_table(slot, layer=1)[0] == RELEASED
+
+
+def test_a_small_memory_budget_sizes_the_pools_and_refuses_less_than_one_request():
+    full = _window_cache()
+    half = _window_cache(memory_bytes=full.memory_bytes // 2)
+    assert [g.num_blocks for g in half.groups] == [10, 5]
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        _window_cache(memory_bytes=full.memory_bytes // 3)
+    slot, other = half.allocate(), half.allocate()
+    for length in range(0, 40, 8):  # one forward of at most max_step_tokens at a time
+        assert half.try_reserve(slot, length + 8)
+        half.commit(slot, length + 8)
+    assert not half.can_reserve(other, 1)
+    assert not half.try_reserve(other, 4) and half.held_blocks(other) == [0, 0]  # nothing taken
+    with pytest.raises(CacheFullError, match="no free KV cache blocks"):
+        half.reserve(other, 4)

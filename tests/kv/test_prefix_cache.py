@@ -7,13 +7,18 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.kv.cache import KVCache
+from quickdraft.kv.cache import RELEASED, CachedPrefix, KVCache
 from tests.drafters.test_eagle import head_dir  # noqa: F401  (fixture)
 from tests.engine.test_speculative import GarbageDrafter
 from tests.models.test_decoder import prompt
 
 
-def committed_slot(cache: KVCache, tokens: list[int], *, prefix: list[int] | None = None) -> int:
+def hit(cache: KVCache, token_ids: list[int]) -> list[int]:
+    """The cached blocks (of the one group) a prompt starts with."""
+    return list(cache.find_prefix(token_ids).blocks[0])
+
+
+def committed_slot(cache: KVCache, tokens: list[int], *, prefix: CachedPrefix | None = None) -> int:
     """A slot that committed `tokens` (starting from cached `prefix` blocks) and keyed its blocks."""
     slot = cache.allocate(prefix=prefix)
     cache.reserve(slot, len(tokens))
@@ -32,50 +37,50 @@ def test_full_blocks_are_found_by_every_token_up_to_their_end():
     tokens = list(range(100, 110))
     a = committed_slot(cache, tokens)  # 10 tokens: blocks 0 and 1 are full, block 2 is not
     assert cache.num_cached_blocks == 2
-    first, second = cache.block_tables[a][:2]
-    assert cache.prefix_blocks(tokens + [7]) == [first, second]
-    assert cache.prefix_blocks(tokens[:9]) == [first, second]
-    assert cache.prefix_blocks(tokens[:8]) == [first]  # the last token is always computed
-    assert cache.prefix_blocks(tokens[:5] + [0] + tokens[6:]) == [first]  # a change in block 1
-    assert cache.prefix_blocks([0] + tokens[1:]) == []  # a change in block 0 changes every key after it
+    first, second = cache.block_table(a)[:2]
+    assert hit(cache, tokens + [7]) == [first, second]
+    assert hit(cache, tokens[:9]) == [first, second]
+    assert hit(cache, tokens[:8]) == [first]  # the last token is always computed
+    assert hit(cache, tokens[:5] + [0] + tokens[6:]) == [first]  # a change in block 1
+    assert hit(cache, [0] + tokens[1:]) == []  # a change in block 0 changes every key after it
     other = small_cache()
     committed_slot(other, [1, 2, 3, 4] + tokens[4:])  # the same block 1 tokens after other ones
-    assert other.prefix_blocks(tokens) == []
+    assert hit(other, tokens) == []
 
 
 def test_shared_blocks_outlive_their_first_slot_and_are_evicted_least_recently_freed_first():
     cache = small_cache()
     tokens = list(range(100, 112))
     a = committed_slot(cache, tokens)  # three full blocks keyed
-    prefix = cache.prefix_blocks(tokens + [1])
+    prefix = cache.find_prefix(tokens + [1])
     b = cache.allocate(prefix=prefix)
-    assert cache.block_tables[b] == cache.block_tables[a] and cache.num_free_blocks == 6
+    assert cache.block_table(b) == cache.block_table(a) and cache.num_free_blocks == 6
     cache.free(a)
     assert cache.num_free_blocks == 6  # b still holds them
     cache.free(b)
-    assert cache.num_free_blocks == 9 and cache.prefix_blocks(tokens + [1]) == prefix  # unused, still cached
+    assert cache.num_free_blocks == 9 and hit(cache, tokens + [1]) == list(prefix.blocks[0])  # unused, still cached
     # Fill the pool: the 6 blocks that hold nothing go first, then the least recently freed
     # keyed one, which is the prefix's last block (a slot frees its blocks from the end).
     c = cache.allocate()
     cache.reserve(c, 12)
     d = cache.allocate()
     cache.reserve(d, 8)
-    assert cache.prefix_blocks(tokens + [1]) == prefix and cache.num_free_blocks == 4
+    assert hit(cache, tokens + [1]) == list(prefix.blocks[0]) and cache.num_free_blocks == 4
     cache.reserve(d, 12)  # the last block that held nothing
-    assert cache.prefix_blocks(tokens + [1]) == prefix
+    assert hit(cache, tokens + [1]) == list(prefix.blocks[0])
     e = cache.allocate()
     cache.reserve(e, 1)
-    assert cache.prefix_blocks(tokens + [1]) == prefix[:2] and cache.num_cached_blocks == 2
+    assert hit(cache, tokens + [1]) == list(prefix.blocks[0][:2]) and cache.num_cached_blocks == 2
 
 
 def test_reset_forgets_every_prefix_and_frees_the_blocks_that_held_them():
     cache = small_cache()
     tokens = list(range(100, 112))
     cache.free(committed_slot(cache, tokens))
-    in_use = committed_slot(cache, tokens[:8] + [1, 2, 3, 4], prefix=cache.prefix_blocks(tokens[:9]))
+    in_use = committed_slot(cache, tokens[:8] + [1, 2, 3, 4], prefix=cache.find_prefix(tokens[:9]))
     cache.reset_prefix_cache()
-    assert cache.prefix_blocks(tokens + [1]) == [] and cache.num_cached_blocks == 0
-    assert cache.num_free_blocks == 9 - len(cache.block_tables[in_use])
+    assert hit(cache, tokens + [1]) == [] and cache.num_cached_blocks == 0
+    assert cache.num_free_blocks == 9 - len(cache.block_table(in_use))
     cache.free(in_use)
     assert cache.num_free_blocks == 9
 
@@ -91,6 +96,29 @@ def test_a_block_is_keyed_once_all_its_rows_are_committed():
     cache.commit(slot, 8)
     cache.cache_full_blocks(slot, tokens)
     assert cache.num_cached_blocks == 2
+
+
+def test_a_window_group_shares_only_the_blocks_before_the_hit_that_its_window_sees():
+    cache = small_cache(num_layers=2, max_len=40, layer_windows=[None, 6], max_step_tokens=8)
+    tokens = list(range(100, 124))
+    slot = cache.allocate()
+    for length in range(0, 24, 4):  # grows as a request does: the window group gives blocks back
+        cache.reserve(slot, length + 4)
+        cache.commit(slot, length + 4)
+        cache.cache_full_blocks(slot, tokens)
+    cache.reserve(slot, 28)
+    full_table, window_table = cache.block_table(slot, layer=0), cache.block_table(slot, layer=1)
+    assert window_table[:4] == [RELEASED] * 4  # queries from 24 see keys from 19: block 4 on
+    hit = cache.find_prefix(tokens + [1])
+    assert hit.num_tokens == 24 and hit.blocks == (tuple(full_table[:6]), (RELEASED,) * 4 + tuple(window_table[4:6]))
+    shorter = cache.find_prefix(tokens[:21])  # 5 blocks: the window of a query at 20 starts at 15, block 3
+    assert shorter.num_tokens == 20 and shorter.blocks[1][:3] == (RELEASED,) * 3
+    assert shorter.blocks[1][3] != RELEASED  # given back by the slot, still cached (LRU)
+    other = cache.allocate(prefix=hit)
+    assert cache.held_blocks(other) == [6, 2] and cache.block_table(other, layer=1)[4:] == window_table[4:6]
+    cache.free(slot)
+    cache.free(other)
+    assert cache.num_free_blocks == cache.num_blocks
 
 
 PROMPT = prompt(40, seed=21)
@@ -131,7 +159,7 @@ def test_rejected_branches_never_touch_shared_blocks(tiny_checkpoints):
     llm = LLM(path, max_model_len=256, max_num_seqs=2, block_size=8)
     _outputs(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=1))  # caches the prompt's blocks
     cache = llm.engine.cache
-    shared = cache.prefix_blocks(PROMPT + [3])
+    shared = list(cache.find_prefix(PROMPT + [3]).blocks[0])
     assert len(shared) == 5
     llm.engine.set_drafter(GarbageDrafter(vocab_size=320, tree=True, seed=4), num_speculative_tokens=6)
     before = [(k[shared].clone(), v[shared].clone()) for k, v in zip(cache.keys, cache.values)]

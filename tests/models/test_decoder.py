@@ -25,6 +25,7 @@ def make_runner(path, *, num_slots=2, max_len=128, dtype=torch.float32, block_si
         max_len=max_len,
         dtype=dtype,
         block_size=block_size,
+        layer_windows=config.layer_windows,  # sliding layers give back blocks behind their window
     )
     return ModelRunner(model=model, cache=cache, device=torch.device("cpu")), cache
 
@@ -137,7 +138,7 @@ def test_layer_range_and_captured_hidden_states(tiny_checkpoints):
         slot=1, row_start=0, cache_len=0, tree=None, num_new=10, sliding_window=None
     )
     cache.reserve(1, 10)
-    blocks, rows = cache.locate(1, list(range(10)))
+    blocks, rows = cache.locate_all(1, list(range(10)))
     attn = AttentionBatch([seq], block_index=torch.tensor(blocks), block_offset=torch.tensor(rows))
     low = model(torch.tensor(tokens), torch.tensor(positions), attn=attn, cache=cache, end_layer=2)
     high = model(

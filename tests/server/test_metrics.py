@@ -53,6 +53,9 @@ def test_counters_add_up_to_the_responses(metrics_server):
     assert sum(s["draft_tokens"] for _, _, s in results) > 0  # the figures above were not all zero
     assert total(samples, "quickdraft_batch_size_count", **labels) > 0
     assert total(samples, "quickdraft_free_cache_slots", **labels) == 4
+    assert samples["quickdraft_kv_cache_usage"] and samples["quickdraft_preemptions_total"]  # exposed
+    assert total(samples, "quickdraft_kv_cache_usage", **labels) == 0  # idle: no request holds a block
+    assert total(samples, "quickdraft_preemptions_total", **labels) == 0  # the default pool never runs out
 
 
 def test_errors_are_counted_by_status_and_scenario(metrics_server):

@@ -1,0 +1,85 @@
+"""The scheduler under a KV cache that runs out of blocks, and sliding-window layers that hold
+only their window: requests wait or are preempted (and recompute), never fail a step, and every
+output stays what an unconstrained engine decodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.kv.cache import RELEASED
+from tests.engine.test_speculative import GarbageDrafter
+from tests.models.test_decoder import prompt
+
+PROMPTS = [prompt(30, seed=40 + i) for i in range(4)]
+
+
+def _generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_sliding_layers_hold_only_their_window_while_decoding(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, block_size=4, max_num_batched_tokens=16)
+    engine, cache = llm.engine, llm.engine.cache
+    assert [group.window for group in cache.groups] == [8, None]  # tiny gemma: layers 0, 2 slide over 8
+    engine.add_request(prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=60, ignore_eos=True))
+    most_held = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            window_held, full_held = cache.held_blocks(request.scheduled_slot)
+            most_held = max(most_held, window_held)
+            assert full_held == -(-cache.room(request.scheduled_slot) // 4)  # full attention keeps all
+    # At most the 7 positions behind the committed length plus a 16-token chunk, in blocks of 4, + 1.
+    assert 2 <= most_held <= 7
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_a_window_prefix_hit_decodes_what_it_would_compute(tiny_checkpoints):
+    """The second turn shares blocks with the first; the window group gives it only the blocks
+    its window needs, and the answer equals an engine without prefix caching."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    results = []
+    for caching in (True, False):
+        llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=256, block_size=4, enable_prefix_caching=caching)
+        (first,) = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)]
+        second = PROMPTS[0] + first + [7, 8]
+        if caching:
+            hit = llm.engine.cache.find_prefix(second)
+            assert hit.num_tokens == 48 and hit.blocks[0][0] == RELEASED  # 12 blocks, the window's only
+        outputs = llm.generate([{"prompt_token_ids": second}], params)
+        results.append(outputs[0].outputs[0].token_ids)
+    assert results[0] == results[1]
+
+
+def _tight_llm(path: str, *, share: float, drafter: GarbageDrafter | None = None) -> LLM:
+    """An engine whose KV cache holds `share` of what its 4 slots can need at once."""
+    settings = dict(max_model_len=128, max_num_seqs=4, block_size=4)
+    roomy = LLM(path, **settings).engine.cache.memory_bytes
+    llm = LLM(path, **settings, kv_cache_memory_bytes=int(roomy * share))
+    if drafter is not None:
+        llm.engine.set_drafter(drafter, num_speculative_tokens=4)
+    return llm
+
+
+@pytest.mark.parametrize("share", [0.26, 0.5])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("drafted", [False, True])
+def test_a_full_cache_preempts_and_every_output_stays_exact(tiny_checkpoints, share, temperature, drafted):
+    path = str(tiny_checkpoints["gemma3"])
+    params = SamplingParams(temperature=temperature, max_tokens=80, seed=5, ignore_eos=True)
+    expected = _generate(LLM(path, max_model_len=128, max_num_seqs=4, block_size=4), params)
+    drafter = GarbageDrafter(vocab_size=320, tree=True, seed=2) if drafted else None
+    llm = _tight_llm(path, share=share, drafter=drafter)
+    assert _generate(llm, params) == expected
+    metrics = llm.get_metrics()
+    assert metrics.num_preemptions > 0  # 4 x 110 tokens do not fit: someone recomputed
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+
+
+def test_a_cache_smaller_than_one_request_is_refused(tiny_checkpoints):
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128, kv_cache_memory_bytes=1000)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be a positive integer"):
+        LLM(str(tiny_checkpoints["gemma3"]), kv_cache_memory_bytes=-1)
