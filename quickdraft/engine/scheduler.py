@@ -63,9 +63,11 @@ class Scheduler:
         decodes, prefills = [], []
         for req in list(self.running):  # oldest first: a decode that lacks blocks preempts newer requests
             if req.num_tokens - req.num_computed_tokens == 1 and self._reserve(req, req.num_computed_tokens + 1):
-                # Room for draft nodes where the pool allows (drafts never preempt anyone).
-                self.cache.try_reserve(req.scheduled_slot, req.num_computed_tokens + 1 + self.draft_reserve)
                 decodes.append(ScheduledRequest(req, 1))
+        for item in decodes:  # then room for draft nodes where the pool allows: drafts never preempt
+            req = item.request
+            if req.status == RequestStatus.RUNNING:
+                self.cache.try_reserve(req.scheduled_slot, req.num_computed_tokens + 1 + self.draft_reserve)
         budget -= len(decodes)
         # Held back for the decodes' draft nodes, but never more than half of what prefill would
         # get: a waiting prompt is delayed, not starved.

@@ -8,6 +8,8 @@ import pytest
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.kv.cache import RELEASED
+from tests.drafters.test_eagle import head_dir  # noqa: F401  (fixture)
+from tests.drafters.test_layer_skip import self_head  # noqa: F401  (fixture)
 from tests.engine.test_speculative import GarbageDrafter
 from tests.models.test_decoder import prompt
 
@@ -76,6 +78,22 @@ def test_a_full_cache_preempts_and_every_output_stays_exact(tiny_checkpoints, sh
     metrics = llm.get_metrics()
     assert metrics.num_preemptions > 0  # 4 x 110 tokens do not fit: someone recomputed
     assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+
+
+@pytest.mark.parametrize("method", ["eagle3", "self"])
+def test_head_drafters_keep_exact_through_preemption(tiny_checkpoints, head_dir, self_head, method):  # noqa: F811
+    """Drafters with state per request (eagle3's head context fed by the target's features;
+    [self] drafting inside the target's own cache slot, which changes on readmission) keep the
+    output plain decoding's through preemptions and recomputation."""
+    path = str(tiny_checkpoints["gemma3"])
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    expected = _generate(LLM(path, max_model_len=128, max_num_seqs=4, block_size=4), params)
+    head = head_dir if method == "eagle3" else self_head
+    llm = _tight_llm(path, share=0.3)
+    llm.engine.set_speculative_config({"method": method, "head": str(head), "num_speculative_tokens": 3})
+    assert _generate(llm, params) == expected
+    metrics = llm.get_metrics()
+    assert metrics.num_preemptions > 0 and metrics.num_drafts > 0
 
 
 def test_a_cache_smaller_than_one_request_is_refused(tiny_checkpoints):
