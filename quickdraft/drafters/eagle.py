@@ -47,6 +47,7 @@ from quickdraft.drafters.tree import DynamicTree, StaticTree
 from quickdraft.heads import head_compute_dtype, quantizes_head, resolve_head_dir
 from quickdraft.kernels.attention import attention
 from quickdraft.kv.cache import KVCache
+from quickdraft.models.eagle3 import Eagle3Head, detect_eagle3_format
 from quickdraft.models.heads import CopySources, EagleHead, FeatureHead
 from quickdraft.models.layers import default_linear_fn
 from quickdraft.models.mtp import MtpHead
@@ -177,7 +178,19 @@ class EagleDrafter(Drafter):
         if quantize and target.device.type != "cpu":  # before loading anything
             raise ValueError(f'head_dtype="q8_0" runs on the CPU kernels; the target is on {target.device}')
         dtype = torch.float32 if quantize else head_compute_dtype(head_dtype, default=target.dtype)
-        module = EagleHead.load(directory, dtype=dtype, device=target.device, max_len=head_max_len(target))
+        module: FeatureHead
+        if detect_eagle3_format(directory) is not None:  # a head trained elsewhere (speculators, SpecForge)
+            if target.model is None:
+                raise ValueError("the eagle drafter needs the target model (TargetInfo.model)")
+            module = Eagle3Head.load(
+                directory,
+                target_num_layers=target.model.config.num_layers,
+                dtype=dtype,
+                device=target.device,
+                max_len=head_max_len(target),
+            )
+        else:
+            module = EagleHead.load(directory, dtype=dtype, device=target.device, max_len=head_max_len(target))
         drafter = cls(target=target, head=module, **options)  # attaches the target's LM rows
         if quantize:
             module.quantize_for_drafting()

@@ -123,6 +123,9 @@ class FeatureHead(torch.nn.Module):
     def copy_keys(self, entry_hidden: torch.Tensor) -> torch.Tensor:  # heads with a copy path
         raise NotImplementedError
 
+    def quantize_for_drafting(self) -> None:  # heads that can draft on Q8_0 copies of their matrices
+        raise NotImplementedError(f"{type(self).__name__} has no Q8_0 drafting copies")
+
     def copy_sources(self, keys: torch.Tensor, values: torch.Tensor) -> CopySources:
         raise NotImplementedError
 
