@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
 from quickdraft.drafters.tree import DynamicTree, StaticTree
 from quickdraft.heads import head_compute_dtype, quantizes_head, resolve_head_dir
 from quickdraft.kernels.attention import attention
@@ -81,6 +82,8 @@ class _Draft:
     copy_sources: CopySources | None = None
     frontier: list[int] = field(default_factory=lambda: [0])  # the newest depth's nodes
     expand: list[int] = field(default_factory=list)  # the nodes whose children this depth adds
+    # Sampled requests: each node's first child is the head's keyed draw (drafters/keyed.py).
+    keyed: KeyedDraw | None = None
 
 
 @dataclass
@@ -110,7 +113,9 @@ class EagleDrafter(Drafter):
         max_draft_tokens: int = 16,
         min_draft_prob: float = 0.0,
         catch_up_window: int | None = 64,
+        coupling: str = "top_k",
     ):
+        self.coupling = check_coupling(coupling)  # sampled requests' first children (drafters/keyed.py)
         if target.model is None:
             raise ValueError("the eagle drafter needs the target model (TargetInfo.model)")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
@@ -132,6 +137,7 @@ class EagleDrafter(Drafter):
         self.min_log_prob = math.log(min_draft_prob) if min_draft_prob > 0 else -math.inf
         self.static_tree = None if tree == "dynamic" else _static_tree(tree)
         self.device = target.device
+        self.vocab_size = target.vocab_size  # the keyed noise is drawn over the whole vocabulary
         self.head = head
         if self.head.config.hidden_size != target.model.config.hidden_size:
             raise ValueError(
@@ -269,6 +275,7 @@ class EagleDrafter(Drafter):
                 max_depth=min(self.depth, r.max_depth),
                 budget=min(self.max_draft_tokens, r.budget),
                 copy_sources=self._copy_sources(state, r.token_ids),
+                keyed=KeyedDraw.of(r) if self.coupling == "keyed" else None,
             )
             for r, state, root in zip(ready, states, roots)
         }
@@ -304,7 +311,8 @@ class EagleDrafter(Drafter):
         """The children of every draft's expanded nodes, from one pick over all their rows."""
         ranks = [[self._child_ranks(d.tree, node) for node in d.expand] for d in drafts]
         features = torch.stack([d.hidden[node] for d in drafts for node in d.expand])  # [m, D]
-        picks = self._pick_children_of(drafts, features, ranks)
+        couplings = [[_coupling(d, node) for node in d.expand] for d in drafts]
+        picks = self._pick_children_of(drafts, features, ranks, couplings)
         for draft, draft_ranks, draft_picks in zip(drafts, ranks, picks):
             draft.frontier = []
             tree = draft.tree
@@ -318,7 +326,11 @@ class EagleDrafter(Drafter):
                 )
 
     def _pick_children_of(
-        self, drafts: list[_Draft], features: torch.Tensor, ranks: list[list[list[int]]]
+        self,
+        drafts: list[_Draft],
+        features: torch.Tensor,
+        ranks: list[list[list[int]]],
+        couplings: list[list[tuple[int, float] | None]],
     ) -> list[list[tuple[list[int], list[float]]]]:
         """Per draft, per expanded node: its picks.  Drafts without copy sources share one call;
         each with its own copy sources (its own context) gets one."""
@@ -327,33 +339,66 @@ class EagleDrafter(Drafter):
         picks: list[list[tuple[list[int], list[float]]]] = [[] for _ in drafts]
         if plain:
             rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in plain]).to(features.device)
-            shared = self._pick_children(features[rows], [r for i in plain for r in ranks[i]], None)
+            shared = self._pick_children(
+                features[rows], [r for i in plain for r in ranks[i]], None, [c for i in plain for c in couplings[i]]
+            )
             taken = 0
             for i in plain:
                 picks[i] = shared[taken : taken + len(ranks[i])]
                 taken += len(ranks[i])
         for i, draft in enumerate(drafts):
             if draft.copy_sources is not None:
-                picks[i] = self._pick_children(features[offsets[i] : offsets[i + 1]], ranks[i], draft.copy_sources)
+                picks[i] = self._pick_children(
+                    features[offsets[i] : offsets[i + 1]], ranks[i], draft.copy_sources, couplings[i]
+                )
         return picks
 
     def _pick_children(
-        self, features: torch.Tensor, ranks_per_node: list[list[int]], copy_sources: CopySources | None
+        self,
+        features: torch.Tensor,
+        ranks_per_node: list[list[int]],
+        copy_sources: CopySources | None,
+        couplings: list[tuple[int, float] | None] | None = None,
     ) -> list[tuple[list[int], list[float]]]:
         """Per node (head output `features` [m, D]): the target ids and log-probabilities of its
-        candidates of the given ranks (0 = most likely)."""
-        if copy_sources is None:
-            logits = self.head.draft_logits(features)  # [m, Vd]
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            top = torch.topk(log_probs, max(max(ranks) for ranks in ranks_per_node) + 1, dim=-1)  # every row at once
-            top_ids, top_values = self.head.d2t[top.indices].tolist(), top.values.tolist()
+        candidates of the given ranks (0 = most likely; for a node with a coupling (key,
+        temperature), rank 0 is the head's keyed draw and the ranks after it the most likely
+        other ids)."""
+        num_ranks = max(max(ranks) for ranks in ranks_per_node) + 1
+        couplings = couplings or [None] * len(ranks_per_node)
+        if all(coupling is None for coupling in couplings):
+            if copy_sources is None:
+                logits = self.head.draft_logits(features)  # [m, Vd]
+                log_probs = torch.log_softmax(logits.float(), dim=-1)
+                top = torch.topk(log_probs, num_ranks, dim=-1)  # every row at once
+                top_ids, top_values = self.head.d2t[top.indices].tolist(), top.values.tolist()
+                return [
+                    ([top_ids[row][r] for r in ranks], [top_values[row][r] for r in ranks])
+                    for row, ranks in enumerate(ranks_per_node)
+                ]
+            # every node copies from the same true entries
+            ids, log_probs = self.head.draft_top_k(features, copy_sources, num_ranks)
             return [
-                ([top_ids[row][r] for r in ranks], [top_values[row][r] for r in ranks])
-                for row, ranks in enumerate(ranks_per_node)
+                (ids[row, ranks].tolist(), log_probs[row, ranks].tolist()) for row, ranks in enumerate(ranks_per_node)
             ]
-        # every node copies from the same true entries
-        ids, log_probs = self.head.draft_top_k(features, copy_sources, max(max(ranks) for ranks in ranks_per_node) + 1)
-        return [(ids[row, ranks].tolist(), log_probs[row, ranks].tolist()) for row, ranks in enumerate(ranks_per_node)]
+        if copy_sources is None:
+            candidates = self.head.d2t  # [Vd] target ids
+            scores = torch.log_softmax(self.head.draft_logits(features).float(), dim=-1)  # [m, Vd]
+        else:
+            candidates, scores = self.head.draft_log_probs(features, copy_sources)  # [Vd + U], [m, Vd + U]
+        picks = []
+        noise = NoiseTable(vocab_size=self.vocab_size, device=candidates.device)
+        best = torch.topk(scores, min(num_ranks + 1, scores.shape[1]), dim=-1).indices.tolist()
+        for row, (ranks, coupling) in enumerate(zip(ranks_per_node, couplings)):
+            order = best[row]
+            if coupling is not None:
+                key, temperature = coupling
+                order = coupled_order(
+                    scores[row], candidates, order, log_noise=noise.log_noise(key), temperature=temperature
+                )
+            columns = [order[r] for r in ranks if r < len(order)]
+            picks.append((candidates[columns].tolist(), scores[row, columns].tolist()))
+        return picks
 
     def _copy_sources(self, state: _HeadState, tokens: list[int]) -> CopySources | None:
         """Copy keys [n, C] and values [n] of the true entries every node of this step copies
@@ -504,6 +549,13 @@ class EagleDrafter(Drafter):
             # whichever other requests draft beside it.
             attended.append(attention(q[offsets[i] : offsets[i + 1]], keys, values, mask=mask, scale=head.attn_scale))
         return list(head.block_output(hidden, torch.cat(attended).reshape(hidden.shape[0], -1)).split(sizes))
+
+
+def _coupling(draft: _Draft, node: int) -> tuple[int, float] | None:
+    """(noise key, temperature) of the keyed draw for `node`'s first child, or None (greedy)."""
+    if draft.keyed is None:
+        return None
+    return draft.keyed.key(draft.tree.depths[node] + 1), draft.keyed.temperature
 
 
 def head_max_len(target: TargetInfo) -> int:

@@ -23,6 +23,7 @@ import math
 import torch
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
 from quickdraft.drafters.tree import DynamicTree
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.heads import head_compute_dtype, resolve_head_dir
@@ -41,7 +42,10 @@ class LayerSkipDrafter(Drafter):
         top_k: int = 2,
         max_draft_tokens: int = 12,
         min_draft_prob: float = 0.0,
+        coupling: str = "top_k",
     ):
+        self.coupling = check_coupling(coupling)  # sampled requests' first children (drafters/keyed.py)
+        self.vocab_size = target.vocab_size
         if target.model is None or target.cache is None:
             raise ValueError("the [self] drafter needs the target model and its KV cache (TargetInfo)")
         for name, value in (("top_k", top_k), ("max_draft_tokens", max_draft_tokens)):
@@ -99,8 +103,11 @@ class LayerSkipDrafter(Drafter):
             if not growing:
                 break
             hidden = self._early_layers([requests[i] for i in growing], [trees[i] for i in growing])
+            noise = NoiseTable(vocab_size=self.vocab_size, device=hidden[0].device)
             for i, rows in zip(growing, hidden):
-                frontiers[i] = self._grow(trees[i], frontiers[i], rows, depth=depth, budget=budgets[i])
+                keyed = KeyedDraw.of(requests[i]) if self.coupling == "keyed" else None
+                draw = None if keyed is None else (noise.log_noise(keyed.key(depth)), keyed.temperature)
+                frontiers[i] = self._grow(trees[i], frontiers[i], rows, depth=depth, budget=budgets[i], draw=draw)
         proposals: list[Proposal | None] = []
         for tree, budget in zip(trees, budgets):
             if len(tree.token_ids) == 1:
@@ -127,16 +134,30 @@ class LayerSkipDrafter(Drafter):
         return list(out.forward.hidden_states.split([len(t.token_ids) for t in trees]))
 
     def _grow(
-        self, tree: DynamicTree, frontier: list[int], hidden: torch.Tensor, *, depth: int, budget: int
+        self,
+        tree: DynamicTree,
+        frontier: list[int],
+        hidden: torch.Tensor,
+        *,
+        depth: int,
+        budget: int,
+        draw: tuple[torch.Tensor, float] | None = None,
     ) -> list[int]:
-        """Children for the best frontier nodes (within the budget); returns the new frontier."""
+        """Children for the best frontier nodes (within the budget); returns the new frontier.
+        draw: a sampled request's (log noise [V] of this depth's position, temperature): each
+        node's first child is the head's keyed draw."""
         expand = tree.best_frontier(frontier, 1 if depth == 1 else self.top_k)
         log_probs = torch.log_softmax(self.head(hidden[expand])[0].float(), dim=-1)  # [m, Vd]
-        top = torch.topk(log_probs, self.top_k, dim=-1)
-        values, ids = top.values.tolist(), self.head.d2t[top.indices].tolist()
+        width = min(self.top_k + (draw is not None), log_probs.shape[-1])
+        best = torch.topk(log_probs, width, dim=-1).indices.tolist()
         new_frontier = []
         for row, node in enumerate(expand):
+            order = best[row]
+            if draw is not None:
+                order = coupled_order(log_probs[row], self.head.d2t, order, log_noise=draw[0], temperature=draw[1])
+            columns = order[: self.top_k]
+            values, ids = log_probs[row, columns].tolist(), self.head.d2t[columns].tolist()
             room = budget - (len(tree.token_ids) - 1)
-            keep = [k for k in range(self.top_k) if tree.scores[node] + values[row][k] >= self.min_log_prob][:room]
-            new_frontier += tree.add_children(node, [ids[row][k] for k in keep], [values[row][k] for k in keep])
+            keep = [k for k in range(len(columns)) if tree.scores[node] + values[k] >= self.min_log_prob][:room]
+            new_frontier += tree.add_children(node, [ids[k] for k in keep], [values[k] for k in keep])
         return new_frontier

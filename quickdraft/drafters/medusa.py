@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
 from quickdraft.drafters.tree import StaticTree, default_medusa_paths
 from quickdraft.heads import head_compute_dtype, resolve_head_dir
 from quickdraft.models.layers import default_linear_fn
@@ -37,7 +38,10 @@ class MedusaDrafter(Drafter):
         num_speculative_tokens: int | None = None,
         tree: str | list = "default",
         top_k: int = 3,
+        coupling: str = "top_k",
     ):
+        self.coupling = check_coupling(coupling)  # sampled requests' rank-0 tokens (drafters/keyed.py)
+        self.vocab_size = target.vocab_size
         if target.model is None:
             raise ValueError("the medusa drafter needs the target model (TargetInfo.model)")
         directory = resolve_head_dir(head, method="medusa", model=target.model)
@@ -101,10 +105,24 @@ class MedusaDrafter(Drafter):
         if ready:
             features = torch.stack([self._last_feature(r) for r in ready])  # [B, D]
             logits = self.heads(features)  # [K, B, Vd]
-            top = torch.topk(logits, self.tree.max_rank, dim=-1).indices  # [K, B, ranks]
-            candidates = self.heads.d2t[top].tolist()  # [K][B][ranks] target ids
+            width = min(self.tree.max_rank + 1, logits.shape[-1])  # one spare for a keyed draw
+            top = torch.topk(logits, width, dim=-1).indices.tolist()  # [K][B][width] columns
+            noise = NoiseTable(vocab_size=self.vocab_size, device=logits.device)
             for row, request in enumerate(ready):
-                proposals[request.request_id] = self._fill_tree(request, [depth[row] for depth in candidates])
+                keyed = KeyedDraw.of(request) if self.coupling == "keyed" else None
+                candidates = []  # [K][ranks] target ids: head k's tokens for depth k + 1
+                for k, head_top in enumerate(top):
+                    order = head_top[row]
+                    if keyed is not None:
+                        order = coupled_order(
+                            logits[k, row],
+                            self.heads.d2t,
+                            order,
+                            log_noise=noise.log_noise(keyed.key(k + 1)),
+                            temperature=keyed.temperature,
+                        )
+                    candidates.append(self.heads.d2t[order[: self.tree.max_rank]].tolist())
+                proposals[request.request_id] = self._fill_tree(request, candidates)
         return [proposals[r.request_id] for r in requests]
 
     def _last_feature(self, request: DraftRequest) -> torch.Tensor:  # [D] of a ready request

@@ -132,6 +132,9 @@ class FeatureHead(torch.nn.Module):
     def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def draft_log_probs(self, feature: torch.Tensor, sources: CopySources) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
     @property
     def dtype(self) -> torch.dtype:
         return next(p for p in self.parameters() if p.is_floating_point() and p.dim() == 2).dtype
@@ -494,6 +497,21 @@ class EagleHead(FeatureHead):
         top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
         ids = torch.cat([self.d2t[vocab_top.indices], sources.distinct.expand(m, -1)], dim=1).gather(1, top.indices)
         return ids, top.values
+
+    def draft_log_probs(self, feature: torch.Tensor, sources: CopySources) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole drafting mixture (every row copying from `sources`): target ids [Vd + U] and
+        log-probabilities [m, Vd + U] (draft-vocabulary ids that are also copied are -inf in the
+        first part: their probability is in the copy part)."""
+        normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
+        query = self.linear(normed, self.copy_query.weight, None).float()  # [m, C]
+        gate = torch.sigmoid(self.linear(normed, self.copy_gate.weight, self.copy_gate.bias).float())  # [m, 1]
+        weights = torch.softmax(query @ sources.keys.float().T * self.config.copy_dim**-0.5, dim=-1)  # [m, n]
+        copied = weights.new_zeros(feature.shape[0], sources.distinct.shape[0]).index_add_(1, sources.inverse, weights)
+        vocab_log_probs = torch.log_softmax(self.draft_logits(feature).float(), dim=-1)  # [m, Vd]
+        vocab_of_copied = vocab_log_probs[:, sources.distinct_draft_ids].exp() * sources.distinct_in_vocab  # [m, U]
+        copy_scores = torch.log((1 - gate) * vocab_of_copied + gate * copied)  # [m, U]
+        vocab_scores = (torch.log1p(-gate) + vocab_log_probs).masked_fill(sources.copied_draft_id, -math.inf)
+        return torch.cat([self.d2t, sources.distinct]), torch.cat([vocab_scores, copy_scores], dim=1)
 
     def unrolled_mixtures(
         self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0

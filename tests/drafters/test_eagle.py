@@ -649,3 +649,60 @@ def test_drafting_requests_together_proposes_what_each_alone_would(tiny_checkpoi
     together = drafted([0, 1, 2])
     assert together == [drafted([i])[0] for i in range(3)]
     assert all(len(token_ids) > 2 for token_ids, _ in together)  # real trees, not single guesses
+
+
+@pytest.mark.parametrize("head_fixture", ["head_dir", "copy_head_dir"])
+@torch.no_grad()
+def test_a_sampled_nodes_first_child_is_the_heads_keyed_draw(tiny_checkpoints, head_fixture, request):
+    """The coupled child is exactly sample_keyed over the head's distribution (at the request's
+    temperature, spread over target ids) with the noise key of the child's output position; the
+    other ranks are the most likely other ids, best first."""
+    from quickdraft.verify.sampler import position_key, sample_keyed
+
+    head_path = request.getfixturevalue(head_fixture)
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=64,
+        speculative_config={"method": "eagle3", "head": str(head_path)},
+    )
+    drafter = llm.engine.speculator.drafter
+    features = torch.randn(5, 64, generator=torch.Generator().manual_seed(8))
+    sources = None
+    if head_fixture == "copy_head_dir":
+        keys = torch.randn(6, drafter.head.config.copy_dim, generator=torch.Generator().manual_seed(9))
+        sources = drafter.head.copy_sources(keys, torch.tensor([3, 250, 3, 17, 301, 17]))
+    couplings = [(position_key(7, 40 + row), 0.7) if row != 2 else None for row in range(5)]
+    picks = drafter._pick_children(features, [[0, 1, 2]] * 5, sources, couplings)
+    if sources is None:
+        ids, scores = drafter.head.d2t, torch.log_softmax(drafter.head.draft_logits(features).float(), dim=-1)
+    else:
+        ids, scores = drafter.head.draft_log_probs(features, sources)
+        top_ids, _ = drafter.head.draft_top_k(features, sources, 3)  # the mixture, read two ways
+        assert top_ids.tolist() == ids[scores.topk(3).indices].tolist()
+    for row, (picked_ids, picked_scores) in enumerate(picks):
+        order = ids[scores[row].argsort(descending=True)].tolist()
+        if couplings[row] is None:
+            assert picked_ids == order[:3]
+            continue
+        probs = torch.zeros(320).index_add_(0, ids, (scores[row] / 0.7).exp())[None]
+        drawn = int(sample_keyed(probs, [couplings[row][0]])[0])
+        assert picked_ids == [drawn] + [t for t in order if t != drawn][:2]
+        assert picked_scores[0] == pytest.approx(float(scores[row][ids == drawn].max()))
+
+
+def test_keyed_children_raise_sampled_acceptance_and_stay_exact(tiny_checkpoints, copy_head_dir):
+    """Seeded sampled requests: the same tokens with either coupling as plainly; the keyed one
+    accepts more of its drafts (its first children follow the target's own draws wherever the
+    head's distribution is close; the copy head's is, on this repetitive prompt)."""
+    path = str(tiny_checkpoints["gemma3"])
+    prompts = [{"prompt_token_ids": p} for p in repetitive_prompts()]
+    params = [SamplingParams(temperature=0.8, max_tokens=24, seed=s, ignore_eos=True) for s in range(len(prompts))]
+    expected = [o.outputs[0].token_ids for o in LLM(path, max_model_len=256, max_num_seqs=4).generate(prompts, params)]
+    rates = {}
+    for coupling in ("keyed", "top_k"):
+        spec = {"method": "eagle3", "head": str(copy_head_dir), "num_speculative_tokens": 3, "coupling": coupling}
+        llm = LLM(path, max_model_len=256, max_num_seqs=4, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        metrics = llm.get_metrics()
+        rates[coupling] = metrics.num_accepted_tokens / metrics.num_drafts
+    assert rates["keyed"] > rates["top_k"]
