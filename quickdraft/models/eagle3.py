@@ -186,7 +186,6 @@ class Eagle3Head(FeatureHead):
         self.max_len = max_len
         self.rotary = RotaryTable(f.rope, head_dim=f.head_dim, max_len=max_len, dtype=dtype)
         self.embed_tokens: torch.Tensor | QuantizedWeight | None = None  # [V, D], set by attach_target
-        self.lm_rows = self.lm_head  # what weights_per_draft_token counts
         self.t2d = None
         self.draft_weights: dict[str, QuantizedWeight] = {}
 

@@ -476,32 +476,11 @@ class EagleHead(FeatureHead):
             copied_draft_id=copied_draft_id,
         )
 
-    def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`mixture(feature, eligible=all sources, ...).top_k(k)` for drafting, where every row
-        copies from the same sources: a third of its torch ops.  feature [m, D] -> target ids
-        [m, k] and log-probabilities [m, k], best first."""
-        m = feature.shape[0]
-        normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
-        query = self.linear(normed, self.copy_query.weight, None).float()  # [m, C]
-        gate = torch.sigmoid(self.linear(normed, self.copy_gate.weight, self.copy_gate.bias).float())  # [m, 1]
-        weights = torch.softmax(query @ sources.keys.float().T * self.config.copy_dim**-0.5, dim=-1)  # [m, n]
-        copied = weights.new_zeros(m, sources.distinct.shape[0]).index_add_(1, sources.inverse, weights)  # [m, U]
-        vocab_log_probs = torch.log_softmax(self.draft_logits(feature).float(), dim=-1)  # [m, Vd]
-        vocab_of_copied = vocab_log_probs[:, sources.distinct_draft_ids].exp() * sources.distinct_in_vocab  # [m, U]
-        copy_scores = torch.log((1 - gate) * vocab_of_copied + gate * copied)  # [m, U]
-        # tokens also copied are scored among copy_scores; max is several times faster than topk
-        vocab_top = vocab_log_probs.max(dim=-1, keepdim=True) if k == 1 else vocab_log_probs.topk(k, dim=-1)
-        vocab_scores = (torch.log1p(-gate) + vocab_top.values).masked_fill(
-            sources.copied_draft_id[vocab_top.indices], -math.inf
-        )  # [m, k]
-        top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
-        ids = torch.cat([self.d2t[vocab_top.indices], sources.distinct.expand(m, -1)], dim=1).gather(1, top.indices)
-        return ids, top.values
-
-    def draft_log_probs(self, feature: torch.Tensor, sources: CopySources) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole drafting mixture (every row copying from `sources`): target ids [Vd + U] and
-        log-probabilities [m, Vd + U] (draft-vocabulary ids that are also copied are -inf in the
-        first part: their probability is in the copy part)."""
+    def _draft_mixture(
+        self, feature: torch.Tensor, sources: CopySources
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The drafting mixture's pieces, every row copying from `sources`: the gate [m, 1], the
+        vocabulary log-probabilities [m, Vd] and the copied ids' mixture log-probabilities [m, U]."""
         normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
         query = self.linear(normed, self.copy_query.weight, None).float()  # [m, C]
         gate = torch.sigmoid(self.linear(normed, self.copy_gate.weight, self.copy_gate.bias).float())  # [m, 1]
@@ -510,6 +489,28 @@ class EagleHead(FeatureHead):
         vocab_log_probs = torch.log_softmax(self.draft_logits(feature).float(), dim=-1)  # [m, Vd]
         vocab_of_copied = vocab_log_probs[:, sources.distinct_draft_ids].exp() * sources.distinct_in_vocab  # [m, U]
         copy_scores = torch.log((1 - gate) * vocab_of_copied + gate * copied)  # [m, U]
+        return gate, vocab_log_probs, copy_scores
+
+    def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mixture(feature, eligible=all sources, ...).top_k(k)` for drafting, where every row
+        copies from the same sources: a third of its torch ops.  feature [m, D] -> target ids
+        [m, k] and log-probabilities [m, k], best first."""
+        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
+        # tokens also copied are scored among copy_scores; max is several times faster than topk
+        vocab_top = vocab_log_probs.max(dim=-1, keepdim=True) if k == 1 else vocab_log_probs.topk(k, dim=-1)
+        vocab_scores = (torch.log1p(-gate) + vocab_top.values).masked_fill(
+            sources.copied_draft_id[vocab_top.indices], -math.inf
+        )  # [m, k]
+        top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
+        m = feature.shape[0]
+        ids = torch.cat([self.d2t[vocab_top.indices], sources.distinct.expand(m, -1)], dim=1).gather(1, top.indices)
+        return ids, top.values
+
+    def draft_log_probs(self, feature: torch.Tensor, sources: CopySources) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole drafting mixture (every row copying from `sources`): target ids [Vd + U] and
+        log-probabilities [m, Vd + U] (draft-vocabulary ids that are also copied are -inf in the
+        first part: their probability is in the copy part)."""
+        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
         vocab_scores = (torch.log1p(-gate) + vocab_log_probs).masked_fill(sources.copied_draft_id, -math.inf)
         return torch.cat([self.d2t, sources.distinct]), torch.cat([vocab_scores, copy_scores], dim=1)
 
