@@ -20,6 +20,8 @@ import copy
 import math
 from dataclasses import dataclass
 
+from quickdraft.structured.params import StructuredOutputsParams
+
 # vLLM's default ``max_logprobs``; the engine returns at most this many top logprobs.
 MAX_LOGPROBS = 20
 
@@ -43,6 +45,9 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # JSON schema / JSON object / regex / choice / grammar the output must match (a dict of
+    # StructuredOutputsParams' fields is accepted); None = free text
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -70,6 +75,9 @@ class SamplingParams:
 
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):

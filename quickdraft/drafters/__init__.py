@@ -47,6 +47,12 @@ def _layer_skip(*, target: TargetInfo, **options) -> Drafter:
     return LayerSkipDrafter(target=target, **options)
 
 
+def _grammar(*, target: TargetInfo, **options) -> Drafter:
+    from quickdraft.drafters.grammar import GrammarDrafter
+
+    return GrammarDrafter(**options)
+
+
 def _hybrid(*, target: TargetInfo, **options) -> Drafter:
     from quickdraft.drafters.hybrid import HybridDrafter
 
@@ -63,6 +69,7 @@ def default_registry() -> DrafterRegistry:
     registry.register("medusa", _medusa)
     registry.register("self", _layer_skip)  # also spelled {"model": "[self]"}
     registry.register("mtp", _mtp)  # the checkpoint's own nextn layers (or a head in that layout)
+    registry.register("grammar", _grammar)  # forced tokens of structured-output requests
     registry.register("hybrid", _hybrid)
     return registry
 

@@ -31,6 +31,7 @@ from quickdraft.verify.tree import Tree
 if TYPE_CHECKING:  # the drafters' modules import this one: types only
     from quickdraft.kv.cache import KVCache
     from quickdraft.models.decoder import Decoder
+    from quickdraft.structured.grammar import RequestGrammar
 
 
 @dataclass
@@ -75,6 +76,9 @@ class DraftRequest:
     params: SamplingParams | None = None  # the request's sampling parameters (None = greedy)
     slot: int | None = None  # the request's slot in the target's KV cache
     seed: int | None = None  # the request's sampling seed (position-keyed draws: sampler.position_key)
+    # The request's grammar state (structured outputs) at its committed tokens, or None; drafters
+    # read it (forced tokens), only the engine advances it.
+    grammar: RequestGrammar | None = None
 
     @property
     def token_ids(self) -> list[int]:

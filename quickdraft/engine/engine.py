@@ -17,6 +17,7 @@ import torch
 from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.drafters import default_registry
 from quickdraft.drafters.base import AcceptedPath, Proposal, TargetInfo
+from quickdraft.drafters.hybrid import path_in_child
 from quickdraft.engine.request import Request, make_token_logprobs
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
@@ -34,6 +35,7 @@ from quickdraft.models.loader import (
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import SamplingParams
+from quickdraft.structured.grammar import GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -89,6 +91,11 @@ class Engine:
         )
         self.eos_token_ids = list(
             dict.fromkeys(list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids))
+        )
+        self.grammars = GrammarCompiler(  # structured outputs; indexes the vocabulary on first use
+            tokenizer_json=self.tokenizer.backend.to_str(),
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
         )
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -180,6 +187,8 @@ class Engine:
             if params.seed is not None
             else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         )
+        structured = params.structured_outputs
+        grammar = self.grammars.matcher_for(structured) if structured is not None else None
         request = Request(
             request_id=request_id,
             prompt=prompt,
@@ -190,6 +199,7 @@ class Engine:
             max_model_len=self.max_model_len,
             seed=seed,
             generator=make_generator(position_key(seed, -1), self.device),
+            grammar=grammar,
         )
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -271,7 +281,15 @@ class Engine:
         drafted = time.perf_counter()
         # Every item that completes its known tokens ends in a proposal; a plain decode's is its root alone.
         proposals = [self._proposal_for(item, drafts) for item in plan]
-        work = [self._work_for(item, proposal) for item, proposal in zip(plan, proposals)]
+        drafted_proposals = list(proposals)  # what the drafters proposed, before any grammar cut
+        grammar_masks = self._grammar_masks(plan, proposals)
+        for i, masks in enumerate(grammar_masks):
+            if masks is not None:
+                proposals[i] = masks.proposal
+        work = [
+            self._work_for(item, proposal, sparse=None if masks is None else masks.sparse_tokens)
+            for item, proposal, masks in zip(plan, proposals, grammar_masks)
+        ]
         feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
         out = self.runner.forward(work, capture_layers=feature_layers)
         features = _features(out.forward.captured, feature_layers)  # [N, L * D] or None
@@ -281,25 +299,37 @@ class Engine:
         accepted: list[AcceptedPath | None] = [None] * len(plan)
         logprobs: list[list[TokenLogprobs | None]] = [[] for _ in plan]
         if verifying:
-            assert out.logits is not None  # every proposal node asks for logits
-            # Items that verify nothing have no logits rows: the verifying ones' rows are contiguous.
-            row_offsets = [out.logits_offsets[i] for i in verifying] + [out.logits_offsets[verifying[-1] + 1]]
+            logits, row_offsets = self._verification_logits(
+                out,
+                work=work,
+                proposals=proposals,
+                verifying=verifying,
+                grammar_masks=grammar_masks,
+                row_starts=row_starts,
+            )
             requests = [plan[i].request for i in verifying]
+            for k, i in enumerate(verifying):
+                masks = grammar_masks[i]
+                if masks is not None:  # in place: every use of these rows sees the constrained distribution
+                    apply_masks(logits[row_offsets[k] : row_offsets[k + 1]], masks)
             paths = verify_step(
                 requests=requests,
                 proposals=[proposal for _, proposal in verified],
-                logits=out.logits,
+                logits=logits,
                 row_offsets=row_offsets,
                 eos_token_ids=self.eos_token_ids,
             )
-            path_logprobs = self._path_logprobs(requests, paths, out.logits, row_offsets)
+            path_logprobs = self._path_logprobs(requests, paths, logits, row_offsets)
             for k, i in enumerate(verifying):
                 accepted[i], logprobs[i] = paths[k], path_logprobs[k]
         now = time.perf_counter()
         for i, item in enumerate(plan):
+            masks = grammar_masks[i]
             self._commit(
                 item,
                 proposal=proposals[i],
+                drafted=drafted_proposals[i],
+                kept_nodes=None if masks is None else masks.kept,
                 accepted=accepted[i],
                 logprobs=logprobs[i],
                 features=None if features is None else features[row_starts[i] : row_starts[i + 1]],
@@ -328,6 +358,25 @@ class Engine:
         share = self.scheduler.draft_room(plan) // len(decoding)
         return self.speculator.propose(decoding, cache_room=room, token_room={r.request_id: share for r in decoding})
 
+    def _grammar_masks(self, plan: list[ScheduledRequest], proposals: list[Proposal | None]) -> list[TreeMasks | None]:
+        """Per item: its constrained request's tree cut to what the grammar allows, with the forced
+        tokens after its leaves when the request drafts this step (within its node budget), and
+        the mask after each node (None for unconstrained items and prefill chunks that sample
+        nothing)."""
+        limits = self.speculator.step_limits if self.speculator is not None else {}
+        result: list[TreeMasks | None] = []
+        for item, proposal in zip(plan, proposals):
+            grammar = item.request.grammar
+            if proposal is None or grammar is None:
+                result.append(None)
+                continue
+            decoding = item.num_new_tokens == 1 and item.completes_prompt
+            budget, max_depth = limits.get(item.request.request_id, (0, 0)) if decoding else (0, 0)
+            result.append(
+                grammar.walk(proposal, extend=max(0, budget - proposal.num_draft_tokens), max_depth=max_depth)
+            )
+        return result
+
     @staticmethod
     def _proposal_for(item: ScheduledRequest, drafts: dict[str, Proposal]) -> Proposal | None:
         """The drafted tree, the root alone (plain decoding), or None for a prefill chunk that
@@ -342,7 +391,14 @@ class Engine:
         return Proposal.root_only(request.last_token_id)
 
     @staticmethod
-    def _work_for(item: ScheduledRequest, proposal: Proposal | None) -> SequenceWork:
+    def _work_for(
+        item: ScheduledRequest,
+        proposal: Proposal | None,
+        *,
+        sparse: list[list[int] | None] | None = None,  # per node: its few allowed tokens (grammar), or None
+    ) -> SequenceWork:
+        """The item's tokens for the forward; the LM head runs on the proposal's nodes except those
+        whose grammar allows only a few tokens (their logits come from `_verification_logits`)."""
         req = item.request
         start = req.num_computed_tokens
         if proposal is not None and proposal.num_draft_tokens > 0:
@@ -351,17 +407,69 @@ class Engine:
                 cache_len=start,
                 token_ids=proposal.token_ids,
                 tree=proposal.tree,
-                logits_nodes=list(range(proposal.tree.num_nodes)),
+                logits_nodes=[n for n in range(proposal.tree.num_nodes) if sparse is None or sparse[n] is None],
             )
         tokens = req.all_token_ids[start : start + item.num_new_tokens]
-        logits_nodes = [item.num_new_tokens - 1] if proposal is not None else []
+        root_dense = proposal is not None and (sparse is None or sparse[0] is None)
+        logits_nodes = [item.num_new_tokens - 1] if root_dense else []
         return SequenceWork(slot=req.scheduled_slot, cache_len=start, token_ids=tokens, logits_nodes=logits_nodes)
+
+    @torch.inference_mode()
+    def _verification_logits(
+        self,
+        out,
+        *,
+        work: list[SequenceWork],
+        proposals: list[Proposal | None],
+        verifying: list[int],  # items with a proposal, in order
+        grammar_masks: list[TreeMasks | None],
+        row_starts: list[int],  # item i's fed tokens are rows row_starts[i]:row_starts[i + 1] of the forward
+    ) -> tuple[torch.Tensor, list[int]]:  # logits [sum of the proposals' nodes, V], row offsets per verifying item
+        """Every verifying node's logits row.  Rows the LM head computed come from the forward; a
+        node whose grammar allows at most a few tokens gets -inf everywhere but at those tokens,
+        whose logits are computed alone (``Decoder.logits_of_tokens``): same distribution after
+        the mask, a few dot products instead of the whole vocabulary."""
+        sparse = [
+            (k, i, node, ids)
+            for k, i in enumerate(verifying)
+            if (masks := grammar_masks[i]) is not None
+            for node, ids in enumerate(masks.sparse_tokens)
+            if ids is not None
+        ]
+        if not sparse:  # the forward computed every row; the verifying items' rows are contiguous
+            assert out.logits is not None
+            return out.logits, [out.logits_offsets[i] for i in verifying] + [out.logits_offsets[verifying[-1] + 1]]
+        sizes = [proposals[i].tree.num_nodes for i in verifying]  # type: ignore[union-attr]
+        row_offsets = list(itertools.accumulate(sizes, initial=0))
+        vocab = self.model_config.vocab_size
+        dtype = out.logits.dtype if out.logits is not None else torch.float32
+        logits = torch.full((row_offsets[-1], vocab), float("-inf"), dtype=dtype, device=self.device)
+        sparse_rows = {(k, node) for k, _, node, _ in sparse}
+        dense = [
+            row_offsets[k] + node
+            for k in range(len(verifying))
+            for node in range(sizes[k])
+            if (k, node) not in sparse_rows
+        ]
+        if dense:
+            assert out.logits is not None and out.logits.shape[0] == len(dense)  # verifying items' dense rows, in order
+            logits[torch.tensor(dense, device=self.device)] = out.logits
+        hidden_rows = [
+            row_starts[i] + len(work[i].token_ids) - sizes[k] + node for k, i, node, _ in sparse
+        ]  # the node's row among the item's fed tokens (a prefill chunk's root is its last)
+        hidden = out.forward.hidden_states[torch.tensor(hidden_rows, device=self.device)]
+        values = self.model.logits_of_tokens(hidden, [ids for _, _, _, ids in sparse])
+        for (k, _, node, ids), row_values in zip(sparse, values):
+            logits[row_offsets[k] + node, torch.tensor(ids, device=self.device)] = row_values.to(dtype)
+        return logits, row_offsets
 
     def _commit(
         self,
         item: ScheduledRequest,
         *,
         proposal: Proposal | None,
+        drafted: Proposal | None,  # the drafter's own tree (proposal is it after a grammar's cut)
+        kept_nodes: list[int] | None,  # proposal node -> drafted node, when a grammar cut the tree
         accepted: AcceptedPath | None,
         logprobs: list[TokenLogprobs | None],  # per committed token
         features: torch.Tensor | None,  # [num fed tokens, L * D] when the drafter reads features
@@ -399,7 +507,10 @@ class Engine:
                 if request.append_token(token, now=now, logprobs=token_logprobs):
                     break
         if self.speculator is not None:
-            self.speculator.commit(request, features=kept_features, proposal=proposal, accepted=accepted)
+            if kept_nodes is not None and accepted is not None:  # the drafter's node numbering: the
+                # path as far as it stays in the drafter's tree (appended forced tokens are not)
+                accepted = path_in_child(accepted, {new: old for new, old in enumerate(kept_nodes) if old >= 0})
+            self.speculator.commit(request, features=kept_features, proposal=drafted, accepted=accepted)
         if request.is_finished:
             self._retire(request)
 

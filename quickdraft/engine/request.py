@@ -16,6 +16,7 @@ from quickdraft.outputs import (
     TokenLogprobs,
 )
 from quickdraft.sampling_params import SamplingParams
+from quickdraft.structured.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +39,7 @@ class Request:
         seed: int,
         generator: torch.Generator | None,
         arrival_time: float | None = None,
+        grammar: RequestGrammar | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -48,6 +50,7 @@ class Request:
         self.seed = seed
         # The rejection rule of sampled drafts (draft_probs) draws from a stream of its own.
         self.generator = generator
+        self.grammar = grammar  # structured outputs: the grammar state at the committed tokens
         self.status = RequestStatus.WAITING
         self.slot: int | None = None
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
@@ -103,6 +106,8 @@ class Request:
     def append_token(self, token_id: int, *, now: float, logprobs: TokenLogprobs | None = None) -> bool:
         """Commit one generated token; returns True when the request is finished by it."""
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.num_generation_tokens = len(self.output_token_ids)

@@ -56,6 +56,9 @@ class Speculator:
         # adaptive: every request's drafts; new and idle requests start from / drift to its rate
         self._all_acceptance = AcceptanceEstimate(prior=config.adaptive_prior, decay=0.98)
         self._probes: dict[str, ProbeSchedule] = {}  # adaptive: per request
+        # This step's (node budget, max depth) of each request asked to draft: the engine appends
+        # grammar-forced tokens within what is left of them (structured outputs).
+        self.step_limits: dict[str, tuple[int, int]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------
     def view(self, request: Request) -> DraftRequest:
@@ -70,6 +73,7 @@ class Speculator:
                 params=request.params,
                 slot=request.slot,
                 seed=request.seed,
+                grammar=request.grammar,
             )
             self._views[request.request_id] = view
             self._draft_length[request.request_id] = self.config.num_speculative_tokens
@@ -118,6 +122,7 @@ class Speculator:
             limits[request.request_id] = (budget, max_depth)
         if self.config.adaptive:
             limits = self._adaptive_limits(requests, limits)
+        self.step_limits = {rid: (b, d) for rid, (b, d) in limits.items() if b >= 1 and d >= 1}
         views = []
         for request in requests:
             budget, max_depth = limits[request.request_id]

@@ -233,6 +233,20 @@ class Decoder(torch.nn.Module):
         return logits
 
     @torch.inference_mode()
+    def logits_of_tokens(self, hidden: torch.Tensor, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Row i's logits of the tokens token_ids[i] only (hidden [M, D], the last layer's output):
+        dot products with their dequantized LM-head rows, one row at a time, so a row's values
+        depend on its own tokens alone (the same whichever rows share the call)."""
+        normed = self.norm(hidden)  # [M, D]
+        cap = self.config.final_logit_softcapping
+        out = []
+        for row, ids in zip(normed, token_ids):
+            weights = embedding_rows(self.lm_head_weight, torch.tensor(ids, device=hidden.device))  # [k, D]
+            logits = torch.mv(weights.to(row.dtype), row).float()  # [k]
+            out.append(torch.tanh(logits / cap) * cap if cap else logits)
+        return out
+
+    @torch.inference_mode()
     def forward(
         self,
         token_ids: torch.Tensor | None,  # [N]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from quickdraft.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
 from quickdraft.server.errors import bad_request
+from quickdraft.structured import StructuredOutputsParams
 
 # Bounds beyond SamplingParams' own: they keep float32 logits finite inside the engine (a
 # temperature of 1e-40 divides logits into inf, and one request's NaN would fail its whole
@@ -83,6 +84,15 @@ class SamplingFields(StrictModel):
     # vLLM's extension: the generated token ids next to the text (a client can then compare
     # outputs exactly, e.g. speculative against plain decoding).
     return_token_ids: bool = False
+    # Structured outputs, at most one per request: OpenAI's response_format, vLLM's
+    # structured_outputs object (json / regex / choice / grammar / json_object) or its older
+    # guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -122,7 +132,36 @@ class SamplingFields(StrictModel):
             "frequency_penalty": self.frequency_penalty,
         }
         kwargs.update({name: value for name, value in optional.items() if value is not None})
+        structured = self.structured_outputs_params()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
         return kwargs
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint from whichever field gave it; a 400 naming that field when
+        it is malformed, invalid (schema, regex, grammar) or given twice."""
+        given = {}
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            given["response_format"] = _from_response_format(self.response_format)
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        guided = {
+            "guided_json": ("json", self.guided_json),
+            "guided_regex": ("regex", self.guided_regex),
+            "guided_choice": ("choice", self.guided_choice),
+            "guided_grammar": ("grammar", self.guided_grammar),
+        }
+        given |= {name: {kind: value} for name, (kind, value) in guided.items() if value is not None}
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(given)
+            raise bad_request(f"give one structured output constraint per request, got {names}", param=list(given)[1])
+        ((param, fields),) = given.items()
+        try:
+            return StructuredOutputsParams.from_value(fields)
+        except (ValueError, TypeError) as err:
+            raise bad_request(f"{param}: {err}", param=param) from err
 
 
 # Token ids are tried before strings, first match wins: pydantic's default ("smart") union
@@ -179,7 +218,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     store: bool | None = None
     add_generation_prompt: bool = True
 
@@ -192,10 +230,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice not in (None, "none", "auto"):
             raise bad_request(
                 "tool_choice is not supported by this server", param="tool_choice", code="unsupported_parameter"
-            )
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request(
-                'response_format: only {"type": "text"} is supported', param="response_format", code="unsupported_value"
             )
         if self.store:
             raise bad_request("store is not supported by this server", param="store", code="unsupported_parameter")
@@ -216,6 +250,26 @@ class ChatCompletionRequest(SamplingFields):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": message.role, "content": message.text()} for message in self.messages]
+
+
+def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format as StructuredOutputsParams fields."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request(
+                'response_format: type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}',
+                param="response_format",
+            )
+        return {"json": spec["schema"]}
+    raise bad_request(
+        f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+        param="response_format",
+        code="unsupported_value",
+    )
 
 
 def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> SamplingParams:

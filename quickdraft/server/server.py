@@ -98,6 +98,9 @@ class QuickdraftServer:
         if not self._started:
             self._started = True
             self.engine_loop.start()
+            # The grammar engine's vocabulary index takes seconds on a large vocabulary: built
+            # now, beside the loop, so that the first structured request does not stall it.
+            self.engine.grammars.prepare_in_background()
 
     def begin_shutdown(self) -> None:
         """Stop accepting requests (new ones get 503); in-flight ones go on."""

@@ -15,7 +15,8 @@ Order of processing in ``logits_to_probs`` (all in float32 on a copy of the logi
    b. frequency and presence penalties (OpenAI), over output tokens only:
       ``logit -= frequency * count + presence * (count > 0)``.
 2. ``min_tokens``: while ``len(output) < min_tokens``, ``stop_token_ids`` and the EOS ids
-   (unless ``ignore_eos``, as in vLLM: then EOS does not stop anyway) get ``-inf``.
+   (unless ``ignore_eos``, as in vLLM: then EOS does not stop anyway) get ``-inf`` -- except in a
+   row where nothing else is left (a structured output's grammar that only allows stopping).
 3. Greedy rows (temperature 0) become an exact one-hot of the argmax (ties -> lowest
    index, as ``torch.argmax``). top_k / top_p / min_p do not apply to them.
 4. Other rows: ``softmax(logits / temperature)`` in float32, then
@@ -208,7 +209,15 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowContext], *, eos_t
         blocked.append((i, ids))
     if blocked:
         keys = _flat_keys(blocked, logits.shape[1], logits.device)
+        saved = logits.view(-1)[keys]
         logits.view(-1)[keys] = float("-inf")
+        # A row left with no finite logit (a grammar that allows only stopping here) keeps its
+        # stopping tokens: the constraint wins over min_tokens, rather than a row with no token.
+        dead = ~torch.isfinite(logits[_index([i for i, _ in blocked], logits.device)]).any(dim=1)  # [B]
+        if bool(dead.any()):
+            dead_rows = {blocked[j][0] for j in dead.nonzero().flatten().tolist()}
+            restore = torch.tensor([int(key) // logits.shape[1] in dead_rows for key in keys.tolist()])
+            logits.view(-1)[keys[restore.to(keys.device)]] = saved[restore.to(saved.device)]
 
 
 def _as_ids(ids: Sequence[int] | torch.Tensor) -> torch.Tensor:  # [T] int64 on the CPU

@@ -1,0 +1,110 @@
+"""What a request asks its output to match (vLLM's ``StructuredOutputsParams`` shape).
+
+Exactly one of ``json`` (a JSON schema, dict or string), ``json_object`` (any JSON object),
+``regex``, ``choice`` (a list of strings) or ``grammar`` (Lark, or GBNF, which is converted)
+is given.  The constraint is compiled to an llguidance grammar and checked at construction
+(without a tokenizer), so an invalid schema, regex or grammar is a ``ValueError`` that starts
+with ``structured_outputs.<field>`` and names the problem, before any request is queued.
+"""
+
+from __future__ import annotations
+
+import json as json_module
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(kw_only=True)
+class StructuredOutputsParams:
+    json: str | dict[str, Any] | None = None  # a JSON schema
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF (llama.cpp's)
+    # JSON kinds: True (default) writes JSON with json.dumps' separators (", " and ": ") and no
+    # other whitespace; False lets the model put any whitespace between tokens, as vLLM does by
+    # default (small models then often loop on newlines, and fewer tokens are forced).
+    disable_any_whitespace: bool = True
+    # The compiled llguidance grammar (a JSON string), filled at construction.
+    compiled: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if self._given(kind)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs: give exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}"
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                f"structured_outputs.disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}"
+            )
+        self.compiled = _compile(given[0], getattr(self, given[0]), flexible=not self.disable_any_whitespace)
+
+    def _given(self, kind: str) -> bool:
+        value = getattr(self, kind)
+        return value is not False if kind == "json_object" else value is not None
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if self._given(kind))
+
+    @classmethod
+    def from_value(cls, value: StructuredOutputsParams | dict[str, Any]) -> StructuredOutputsParams:
+        """The params from themselves or from a dict of their fields (unknown keys named)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"structured_outputs must be StructuredOutputsParams or a dict, got {type(value).__name__}"
+            )
+        known = (*KINDS, "disable_any_whitespace")
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown fields {unknown}; known: {list(known)}")
+        return cls(**value)
+
+
+def _compile(kind: str, value: Any, *, flexible: bool) -> str:
+    """The llguidance grammar for one constraint; ValueError naming the field when it is invalid."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    name = f"structured_outputs.{kind}"
+    json_options = {"whitespace_flexible": flexible, "item_separator": ", ", "key_separator": ": "}
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=json_options)
+    elif kind == "json":
+        schema = value
+        if isinstance(schema, str):
+            try:
+                schema = json_module.loads(schema)
+            except json_module.JSONDecodeError as err:
+                raise ValueError(f"{name}: the schema is not valid JSON: {err}") from err
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"{name}: a JSON schema is an object, got {type(schema).__name__}")
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=json_options)
+    elif kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        grammar = LLMatcher.grammar_from_regex(value)
+    elif kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError(f"{name} must be a non-empty list of non-empty strings, got {value!r}")
+        # Lark string literals take JSON's escapes: any choice text is matched literally.
+        grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json_module.dumps(c) for c in value))
+    else:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{name} must be a non-empty grammar (Lark or GBNF), got {value!r}")
+        try:
+            lark = any_to_lark(value)
+        except Exception as err:  # the GBNF converter raises plain exceptions with the reason
+            raise ValueError(f"{name}: cannot read the GBNF grammar: {err}") from err
+        grammar = LLMatcher.grammar_from_lark(lark)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"{name} is invalid: {' '.join(messages[0].split())}")  # one line: it goes into HTTP errors
+    return grammar
