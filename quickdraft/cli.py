@@ -292,7 +292,13 @@ def _add_train_head_parser(commands) -> None:
     train.add_argument("--epochs", type=int, default=2)
     train.add_argument("--learning-rate", type=float, default=1e-3)
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    train.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "auto"],
+        help="the target's weights: dequantized (float32, the default) or as stored (auto: a GGUF's "
+        "quantized weights, ~2.6x faster data generation on the embedded model)",
+    )
     train.add_argument("--device", default="cpu")
     train.add_argument("--no-progress", action="store_true")
 

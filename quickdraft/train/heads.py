@@ -44,7 +44,7 @@ class TrainHeadConfig:
     out: Path
     method: str = "eagle3"
     target: str | None = None
-    dtype: str = "float32"
+    dtype: str = "float32"  # "auto": the target as stored (a GGUF's quantized weights; faster data)
     device: str = "cpu"
     num_prompts: int = 480
     prompt_mix: str = "tasks"  # see quickdraft.train.data.build_prompts
@@ -351,11 +351,22 @@ def feature_columns(*, data_layers, head_layers, hidden_size: int) -> torch.Tens
 
 def draft_token_cost(head, target) -> float:
     """Matrix weights read per draft token (the head's share + draft LM rows) over the target's."""
-    head_weights = head.weights_per_draft_token()
-    target_weights = sum(
-        t.numel() for name, t in target.state_dict().items() if t.dim() == 2 and not name.startswith("rotary")
+    return head.weights_per_draft_token() / matrix_weights(target)
+
+
+def matrix_weights(model: torch.nn.Module) -> int:
+    """Elements of a model's weight matrices, float (in its state dict) or kept quantized (a
+    GGUF target loaded as stored holds QuantizedWeight attributes, outside the state dict)."""
+    from quickdraft.models.quantized import QuantizedWeight
+
+    floats = sum(t.numel() for name, t in model.state_dict().items() if t.dim() == 2 and not name.startswith("rotary"))
+    quantized = sum(
+        value.shape.numel()
+        for module in model.modules()
+        for value in vars(module).values()
+        if isinstance(value, QuantizedWeight)
     )
-    return head_weights / target_weights
+    return floats + quantized
 
 
 def _load_target(config: TrainHeadConfig):

@@ -382,3 +382,14 @@ def test_mtp_head_trains_and_exports_in_the_nextn_layout(trained, tiny_checkpoin
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
     assert llm.engine.speculator.drafter.head.config.draft_vocab_size == 64
+
+
+def test_matrix_weights_count_a_quantized_target_like_its_float_twin(tiny_checkpoints):
+    """draft_token_cost's denominator: a target loaded with quantized weights (kept outside the
+    state dict) has as many matrix weights as the same target in float32."""
+    from quickdraft.train.heads import matrix_weights
+
+    path = str(tiny_checkpoints["llama"])
+    floats = matrix_weights(LLM(path, max_model_len=64).engine.model)
+    quantized = matrix_weights(LLM(path, max_model_len=64, quantization="q8_0").engine.model)
+    assert floats == quantized > 0
