@@ -253,9 +253,9 @@ def _add_train_head_parser(commands) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="eagle3: give the head a learned copy path (queries and keys of width N) that "
-        "copies tokens from the context, mixed with its vocabulary by a learned gate; with "
-        "--init-head, the loaded head gains a fresh one (default: 0, none)",
+        help="eagle3, self: give the head a learned copy path (queries and keys of width N) "
+        "that copies tokens from the context, mixed with its vocabulary by a learned gate; "
+        "eagle3 with --init-head: the loaded head gains a fresh one (default: 0, none)",
     )
     train.add_argument(
         "--max-seq-len",

@@ -30,6 +30,7 @@ from quickdraft.bench.specbench import (
     load_questions,
     summarize,
 )
+from quickdraft.config import SELF_DRAFTER
 
 PEERS = ("transformers", "llama-cpp")
 PLAIN = "quickdraft plain"
@@ -106,6 +107,8 @@ def method_label(config: dict) -> str:
     (a nested drafter list by its methods), cut to 32 characters."""
     if config.get(LABEL_KEY):
         return str(config[LABEL_KEY])
+    if config.get("model") == SELF_DRAFTER:  # vLLM's spelling of the self method
+        config = {"method": "self", **{k: v for k, v in config.items() if k != "model"}}
     method = config.get("method", "draft_model")
     parts = [
         f"{key}={_short_value(value)}" for key, value in sorted(config.items()) if key not in ("method", LABEL_KEY)

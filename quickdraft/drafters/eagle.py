@@ -45,7 +45,7 @@ import torch
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
 from quickdraft.drafters.tree import DynamicTree, StaticTree
-from quickdraft.heads import head_compute_dtype, quantizes_head, resolve_head_dir
+from quickdraft.heads import head_precision, resolve_head_dir
 from quickdraft.kernels.attention import attention
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.eagle3 import Eagle3Head, detect_eagle3_format
@@ -180,10 +180,7 @@ class EagleDrafter(Drafter):
         the target runs quantized weights, else the target's dtype.  Drafting precision never
         affects the output, only how well and how fast the head guesses."""
         directory = resolve_head_dir(head, method="eagle3", model=target.model)
-        quantize = quantizes_head(head_dtype, model=target.model)
-        if quantize and target.device.type != "cpu":  # before loading anything
-            raise ValueError(f'head_dtype="q8_0" runs on the CPU kernels; the target is on {target.device}')
-        dtype = torch.float32 if quantize else head_compute_dtype(head_dtype, default=target.dtype)
+        dtype, quantize = head_precision(head_dtype, target=target)
         module: FeatureHead
         if detect_eagle3_format(directory) is not None:  # a head trained elsewhere (speculators, SpecForge)
             if target.model is None:

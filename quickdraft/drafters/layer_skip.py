@@ -14,21 +14,38 @@ all layers) overwrites it: the target never reads anything the drafter wrote.
 The tree grows EAGLE-2 style (the best ``top_k`` nodes by cumulative draft probability are
 expanded with their ``top_k`` best children) within the step's node budget.  Children are
 top-k picks, so proposals are point masses (``draft_probs=None``).
+
+A head with a copy path (``copy_dim`` > 0) also copies from the request's context: the drafter
+asks the engine for the target's features of the head's layer (the early-layer output of every
+token entering the cache), keeps one copy key per committed token (its value: the token that
+followed it), and each draft node's early-layer output queries them (models/heads.py CopyPath).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.eagle import head_max_len
 from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
 from quickdraft.drafters.tree import DynamicTree
 from quickdraft.engine.runner import ModelRunner, SequenceWork
-from quickdraft.heads import head_compute_dtype, resolve_head_dir
+from quickdraft.heads import drafting_options, head_precision, resolve_head_dir
+from quickdraft.models.heads import CopySources
 from quickdraft.models.layers import default_linear_fn
 from quickdraft.models.medusa import LayerSkipHead
+
+
+@dataclass
+class _CopyKeys:
+    """One request's copy keys: entry i (the committed token at position i) copies token i+1."""
+
+    keys: torch.Tensor  # [max_len, C] by position
+    first: int = 0  # keys exist from this position on (a prefix cache hit skips the ones before)
+    count: int = 0  # positions observed (= tokens in the target's cache)
 
 
 class LayerSkipDrafter(Drafter):
@@ -39,25 +56,33 @@ class LayerSkipDrafter(Drafter):
         head: str | None = None,
         head_dtype: str | None = None,
         num_speculative_tokens: int = 4,
-        top_k: int = 2,
-        max_draft_tokens: int = 12,
-        min_draft_prob: float = 0.0,
+        top_k: int | None = None,
+        max_draft_tokens: int | None = None,
+        min_draft_prob: float | None = None,
         coupling: str = "top_k",
     ):
+        """top_k, max_draft_tokens, min_draft_prob: None takes the head's recommended value (a
+        shipped head's manifest says what was measured best for it), else 2, 12 and 0."""
         self.coupling = check_coupling(coupling)  # sampled requests' first children (drafters/keyed.py)
         self.vocab_size = target.vocab_size
         if target.model is None or target.cache is None:
             raise ValueError("the [self] drafter needs the target model and its KV cache (TargetInfo)")
+        directory = resolve_head_dir(head, method="self", model=target.model)
+        options = drafting_options(
+            directory, top_k=(top_k, 2), max_draft_tokens=(max_draft_tokens, 12), min_draft_prob=(min_draft_prob, 0.0)
+        )
+        top_k, max_draft_tokens, min_draft_prob = (
+            options["top_k"],
+            options["max_draft_tokens"],
+            options["min_draft_prob"],
+        )
         for name, value in (("top_k", top_k), ("max_draft_tokens", max_draft_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(min_draft_prob, (int, float)) or not 0.0 <= min_draft_prob < 1.0:
             raise ValueError(f"min_draft_prob must be in [0, 1), got {min_draft_prob!r}")
-        loaded = LayerSkipHead.load(
-            resolve_head_dir(head, method="self", model=target.model),
-            dtype=head_compute_dtype(head_dtype, default=target.dtype),
-            device=target.device,
-        )
+        dtype, quantize = head_precision(head_dtype, target=target)
+        loaded = LayerSkipHead.load(directory, dtype=dtype, device=target.device)
         assert isinstance(loaded, LayerSkipHead)  # load builds an instance of the class it is called on
         self.head = loaded
         c, num_layers = self.head.config, target.model.config.num_layers
@@ -74,6 +99,12 @@ class LayerSkipDrafter(Drafter):
             raise ValueError("the [self] head's draft vocabulary maps to ids outside the target's vocabulary")
         self.head.attach_target(target.model)
         self.head.linear = default_linear_fn(target.device)
+        if quantize:
+            self.head.quantize_for_drafting()
+        # A copy path reads the early-layer output of every committed token (its copy key).
+        self.feature_layers: tuple[int, ...] = (c.feature_layer,) if self.head.copy_dim else ()
+        self.max_len = head_max_len(target)
+        self._copy_keys: dict[str, _CopyKeys] = {}
         self.depth = num_speculative_tokens
         self.top_k = top_k
         self.max_draft_tokens = max_draft_tokens
@@ -81,10 +112,36 @@ class LayerSkipDrafter(Drafter):
         self.runner = ModelRunner(model=target.model, cache=target.cache, device=target.device)
 
     def begin(self, request: DraftRequest) -> None:
-        pass  # the context is the target's own cache
+        # the context is the target's own cache; a copy path keeps its keys
+        if self.feature_layers:
+            keys = torch.zeros(self.max_len, self.head.copy_dim, dtype=self.head.dtype, device=self.head.d2t.device)
+            self._copy_keys[request.request_id] = _CopyKeys(keys=keys)
 
     def finish(self, request_id: str) -> None:
-        pass
+        self._copy_keys.pop(request_id, None)
+
+    @torch.inference_mode()
+    def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
+        # features [n, D]: the head's layer output of the next n tokens entering the target's cache
+        state = self._copy_keys[request.request_id]
+        n = features.shape[0]
+        state.keys[state.count : state.count + n] = self.head.copy_keys(features.to(self.head.dtype))
+        state.count += n
+
+    def skip(self, request: DraftRequest, num_tokens: int) -> None:
+        """A prefix cache hit: those tokens have no keys; copying restarts after them."""
+        state = self._copy_keys[request.request_id]
+        state.count += num_tokens
+        state.first = state.count
+
+    def _copy_sources(self, request: DraftRequest) -> CopySources | None:
+        """The committed entries a draft of `request` copies from (None: no copy path, nothing
+        keyed yet, or the keys lag the tokens)."""
+        state = self._copy_keys.get(request.request_id)
+        if state is None or state.count != len(request.token_ids) - 1 or state.count - state.first < 1:
+            return None
+        values = torch.tensor(request.token_ids[state.first + 1 : state.count + 1], device=state.keys.device)
+        return self.head.copy_sources(state.keys[state.first : state.count], values)
 
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         pass
@@ -92,6 +149,7 @@ class LayerSkipDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         trees = [DynamicTree(root_token=r.token_ids[-1]) for r in requests]
+        sources = [self._copy_sources(r) for r in requests]
         frontiers = [[0] for _ in requests]
         budgets = [min(self.max_draft_tokens, r.budget) for r in requests]
         for depth in range(1, max(min(self.depth, r.max_depth) for r in requests) + 1):
@@ -107,7 +165,9 @@ class LayerSkipDrafter(Drafter):
             for i, rows in zip(growing, hidden):
                 keyed = KeyedDraw.of(requests[i]) if self.coupling == "keyed" else None
                 draw = None if keyed is None else (noise.log_noise(keyed.key(depth)), keyed.temperature)
-                frontiers[i] = self._grow(trees[i], frontiers[i], rows, depth=depth, budget=budgets[i], draw=draw)
+                frontiers[i] = self._grow(
+                    trees[i], frontiers[i], rows, depth=depth, budget=budgets[i], draw=draw, sources=sources[i]
+                )
         proposals: list[Proposal | None] = []
         for tree, budget in zip(trees, budgets):
             if len(tree.token_ids) == 1:
@@ -118,20 +178,33 @@ class LayerSkipDrafter(Drafter):
         return proposals
 
     def _early_layers(self, requests: list[DraftRequest], trees: list[DynamicTree]) -> list[torch.Tensor]:
-        """Each tree through the target's first layers over its request's cache; [T_i, D] each."""
-        work = []
+        """Each tree through the target's first layers over its request's cache; [T_i, D] each.
+
+        A chain (every node the parent of the next, as top_k 1 grows) runs only its newest node:
+        the earlier nodes' early-layer KV, written by the previous depths at the same positions,
+        is all it attends to.  A branching tree runs whole, since cached positions are visible to
+        every new token and siblings must not see each other.  Rows of nodes not run are left
+        zero (only the newest depth's nodes are read)."""
+        work, firsts = [], []
         for r, tree in zip(requests, trees):
             assert r.slot is not None  # the engine sets a drafting request's slot
+            parents = tree.parents
+            first = len(parents) - 1 if all(parents[i] == i - 1 for i in range(1, len(parents))) else 0
+            firsts.append(first)
             work.append(
                 SequenceWork(
                     slot=r.slot,
-                    cache_len=len(r.token_ids) - 1,
-                    token_ids=list(tree.token_ids),
-                    tree=tree.shape,
+                    cache_len=len(r.token_ids) - 1 + first,
+                    token_ids=list(tree.token_ids[first:]),
+                    tree=tree.shape if first == 0 else None,
                 )
             )
         out = self.runner.forward(work, end_layer=self.head.exit_layer)
-        return list(out.forward.hidden_states.split([len(t.token_ids) for t in trees]))
+        rows = out.forward.hidden_states.split([len(w.token_ids) for w in work])
+        return [
+            torch.cat([part.new_zeros(first, part.shape[1]), part]) if first else part
+            for first, part in zip(firsts, rows)
+        ]
 
     def _grow(
         self,
@@ -142,22 +215,41 @@ class LayerSkipDrafter(Drafter):
         depth: int,
         budget: int,
         draw: tuple[torch.Tensor, float] | None = None,
+        sources: CopySources | None = None,
     ) -> list[int]:
         """Children for the best frontier nodes (within the budget); returns the new frontier.
         draw: a sampled request's (log noise [V] of this depth's position, temperature): each
-        node's first child is the head's keyed draw."""
+        node's first child is the head's keyed draw.  sources: what a copy path copies from."""
         expand = tree.best_frontier(frontier, 1 if depth == 1 else self.top_k)
-        log_probs = torch.log_softmax(self.head(hidden[expand])[0].float(), dim=-1)  # [m, Vd]
+        features = hidden[expand]  # [m, D]
+        if sources is not None and draw is None:  # the mixture's own top-k (cheaper than all of it)
+            top_ids, top_log_probs = self.head.draft_top_k(features, sources, self.top_k)
+            picks = list(zip(top_ids.tolist(), top_log_probs.tolist()))
+            return self._add_picks(tree, expand, picks, budget=budget)
+        if sources is None:
+            candidates = self.head.d2t  # [Vd] target ids
+            log_probs = torch.log_softmax(self.head.draft_logits(features).float(), dim=-1)  # [m, Vd]
+        else:
+            candidates, log_probs = self.head.draft_log_probs(features, sources)  # [Vd + U], [m, Vd + U]
         width = min(self.top_k + (draw is not None), log_probs.shape[-1])
         best = torch.topk(log_probs, width, dim=-1).indices.tolist()
-        new_frontier = []
-        for row, node in enumerate(expand):
+        picks = []
+        for row in range(len(expand)):
             order = best[row]
             if draw is not None:
-                order = coupled_order(log_probs[row], self.head.d2t, order, log_noise=draw[0], temperature=draw[1])
+                order = coupled_order(log_probs[row], candidates, order, log_noise=draw[0], temperature=draw[1])
             columns = order[: self.top_k]
-            values, ids = log_probs[row, columns].tolist(), self.head.d2t[columns].tolist()
+            picks.append((candidates[columns].tolist(), log_probs[row, columns].tolist()))
+        return self._add_picks(tree, expand, picks, budget=budget)
+
+    def _add_picks(
+        self, tree: DynamicTree, expand: list[int], picks: list[tuple[list[int], list[float]]], *, budget: int
+    ) -> list[int]:
+        """Each expanded node's picks (target ids, log-probabilities; best first) as its children,
+        those above min_draft_prob and within the budget; returns the new frontier."""
+        new_frontier = []
+        for node, (ids, values) in zip(expand, picks):
             room = budget - (len(tree.token_ids) - 1)
-            keep = [k for k in range(len(columns)) if tree.scores[node] + values[k] >= self.min_log_prob][:room]
+            keep = [k for k in range(len(ids)) if tree.scores[node] + values[k] >= self.min_log_prob][:room]
             new_frontier += tree.add_children(node, [ids[k] for k in keep], [values[k] for k in keep])
         return new_frontier

@@ -17,7 +17,7 @@ import torch
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
 from quickdraft.drafters.tree import StaticTree, default_medusa_paths
-from quickdraft.heads import head_compute_dtype, resolve_head_dir
+from quickdraft.heads import drafting_options, head_precision, resolve_head_dir
 from quickdraft.models.layers import default_linear_fn
 from quickdraft.models.medusa import MedusaHeads
 
@@ -36,18 +36,21 @@ class MedusaDrafter(Drafter):
         head: str | None = None,
         head_dtype: str | None = None,
         num_speculative_tokens: int | None = None,
-        tree: str | list = "default",
-        top_k: int = 3,
+        tree: str | list | None = None,
+        top_k: int | None = None,
         coupling: str = "top_k",
     ):
+        """tree, top_k: None takes the heads' recommended value (a shipped head's manifest says
+        what was measured best for it), else "default" and 3."""
         self.coupling = check_coupling(coupling)  # sampled requests' rank-0 tokens (drafters/keyed.py)
         self.vocab_size = target.vocab_size
         if target.model is None:
             raise ValueError("the medusa drafter needs the target model (TargetInfo.model)")
         directory = resolve_head_dir(head, method="medusa", model=target.model)
-        self.heads = MedusaHeads.load(
-            directory, dtype=head_compute_dtype(head_dtype, default=target.dtype), device=target.device
-        )
+        options = drafting_options(directory, tree=(tree, "default"), top_k=(top_k, 3))
+        tree, top_k = options["tree"], options["top_k"]
+        dtype, quantize = head_precision(head_dtype, target=target)
+        self.heads = MedusaHeads.load(directory, dtype=dtype, device=target.device)
         c = self.heads.config
         if c.hidden_size != target.model.config.hidden_size:
             raise ValueError(
@@ -76,6 +79,8 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"tree is {self.tree.max_depth} deep; the heads draft {c.num_heads} depths")
         self.heads.attach_target(target.model)
         self.heads.linear = default_linear_fn(target.device)
+        if quantize:
+            self.heads.quantize_for_drafting()
         self.feature_layers = self.heads.feature_layers
         self._states: dict[str, _MedusaState] = {}
 

@@ -73,12 +73,14 @@ class StaticTree:
 
 def default_medusa_paths(*, depth: int, top_k: int) -> list[tuple[int, ...]]:
     """A sensible default static tree: a top-1 spine with top_k side candidates at each depth,
-    and a second branch under the second-best first token."""
+    and a second branch under the second-best first token (top_k 1: the spine alone, a chain)."""
     paths = []
     spine: tuple[int, ...] = ()
     for _ in range(depth):
         paths += [spine + (rank,) for rank in range(top_k)]
         spine = spine + (0,)
+    if top_k == 1:
+        return paths
     second: tuple[int, ...] = (1,)
     for _ in range(depth - 1):
         second = second + (0,)

@@ -85,3 +85,24 @@ def head_compute_dtype(head_dtype: str | None, *, default: torch.dtype) -> torch
     if head_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"head_dtype must be float32, bfloat16 or float16, got {head_dtype!r}")
     return getattr(torch, head_dtype)
+
+
+def head_precision(head_dtype: str | None, *, target) -> tuple[torch.dtype, bool]:
+    """How a drafter loads its head (TargetInfo `target`): the dtype its float weights load in,
+    and whether it drafts on Q8_0 copies of its matrices (`quantizes_head`; then the float
+    weights are float32 and the copies are made after attach_target)."""
+    quantize = quantizes_head(head_dtype, model=target.model)
+    if quantize and target.device.type != "cpu":  # before loading anything
+        raise ValueError(f'head_dtype="q8_0" runs on the CPU kernels; the target is on {target.device}')
+    return (torch.float32 if quantize else head_compute_dtype(head_dtype, default=target.dtype)), quantize
+
+
+def drafting_options(directory: Path, **given) -> dict:
+    """A drafter's options: each given value, or where it is None the one the head's manifest
+    recommends (``"drafting"``: the settings measured best for that head, see its manifest),
+    or the drafter's own default.  `given` maps a name to (value, default)."""
+    manifest = Path(directory) / "manifest.json"
+    recommended = json.loads(manifest.read_text()).get("drafting", {}) if manifest.is_file() else {}
+    return {
+        name: value if value is not None else recommended.get(name, default) for name, (value, default) in given.items()
+    }

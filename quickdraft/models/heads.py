@@ -83,6 +83,136 @@ class HeadConfig:
         return cls(**data)
 
 
+class CopyPath:
+    """A learned copy path (pointer-generator style) for a draft head: each true entry of the
+    context offers the token that followed it under a key computed from its hidden state; a
+    row's feature queries those keys, and a learned gate mixes the copy distribution with the
+    head's vocabulary distribution over *target* ids.
+
+    Hosts (EagleHead, the [self] drafter's LayerSkipHead) are torch modules that provide
+    ``linear``, ``d2t`` [Vd] and ``draft_logits(feature)`` (the vocabulary logits [m, Vd] of
+    rows whose feature is `feature`), and call ``add_copy_path`` in their constructor and
+    ``attach_copy_vocabulary`` when they attach their target.
+    """
+
+    copy_dim: int = 0  # width of the queries and keys (0: the host has no copy path)
+    copy_norm_eps: float = 1e-6  # the unit RMS norm of queries, keys and the gate's input
+    linear: LinearFn
+    d2t: torch.Tensor  # [Vd] target id of each draft id
+    t2d: torch.Tensor | None  # [V] draft id of each target id, -1 outside the draft vocabulary
+    copy_query: torch.nn.Linear
+    copy_key: torch.nn.Linear
+    copy_gate: torch.nn.Linear
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., Vd]
+        raise NotImplementedError
+
+    def add_copy_path(self, hidden_size: int, *, copy_dim: int, eps: float, dtype: torch.dtype) -> None:
+        self.copy_dim, self.copy_norm_eps = copy_dim, eps
+        self.copy_query = torch.nn.Linear(hidden_size, copy_dim, bias=False, dtype=dtype)
+        self.copy_key = torch.nn.Linear(hidden_size, copy_dim, bias=False, dtype=dtype)
+        self.copy_gate = torch.nn.Linear(hidden_size, 1, bias=True, dtype=dtype)
+        self.reset_copy_path()
+
+    def attach_copy_vocabulary(self, vocab_size: int) -> None:
+        self.t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        self.t2d[self.d2t] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
+
+    def reset_copy_path(self) -> None:
+        """Fresh copy parameters: small random queries and keys, and a gate that starts mostly
+        shut (sigmoid(-2) = 0.12), so a new copy path barely moves the vocabulary distribution."""
+        with torch.no_grad():
+            self.copy_query.weight.normal_(0.0, 0.02)
+            self.copy_key.weight.normal_(0.0, 0.02)
+            self.copy_gate.weight.zero_()
+            self.copy_gate.bias.fill_(-2.0)
+
+    def copy_keys(self, entry_hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C]
+        """Copy keys of true entries from their input hidden states (`input_hidden`)."""
+        return self.linear(_unit_rms(entry_hidden, eps=self.copy_norm_eps), self.copy_key.weight, None)
+
+    def mixture(
+        self, feature: torch.Tensor, *, keys: torch.Tensor, values: torch.Tensor, eligible: torch.Tensor
+    ) -> CopyMixture:
+        """The draft distribution of rows whose head output is `feature` [m, D] (what
+        `draft_logits` reads), copying from sources with copy keys `keys` [n, C] and values
+        (target ids) `values` [n]; row r reads the sources where `eligible` [m, n] is true.
+
+        The gate reads the normalised output like the query does: the raw residual stream's
+        scale would otherwise set the gate's temperature.
+        """
+        normed = _unit_rms(feature, eps=self.copy_norm_eps)
+        query = self.linear(normed, self.copy_query.weight, None)  # [m, C]
+        gate_logit = self.linear(normed, self.copy_gate.weight, self.copy_gate.bias)[:, 0].float()  # [m]
+        scores = query.float() @ keys.float().T * self.copy_dim**-0.5  # [m, n]
+        has_source = eligible.any(dim=-1)  # [m]: a row with nothing to copy keeps the vocabulary only
+        return CopyMixture(
+            vocab_log_probs=torch.log_softmax(self.draft_logits(feature).float(), dim=-1),
+            log_keep=F.logsigmoid(-gate_logit).masked_fill(~has_source, 0.0),
+            log_gate=F.logsigmoid(gate_logit).masked_fill(~has_source, -math.inf),
+            copy_log_weights=torch.log_softmax(scores.masked_fill(~eligible, NEG_LOG), dim=-1),
+            copy_values=values,
+            eligible=eligible,
+            d2t=self.d2t,
+            t2d=self.t2d,
+        )
+
+    def copy_sources(self, keys: torch.Tensor, values: torch.Tensor) -> CopySources:
+        """What every node of one drafting step copies from: the true entries' copy keys [n, C]
+        and target ids [n] (all >= 0), with their distinct ids worked out once per step."""
+        distinct, inverse = torch.unique(values, return_inverse=True)  # [U], [n]
+        draft_ids = self.t2d[distinct]  # [U], -1 outside the draft vocabulary
+        copied_draft_id = torch.zeros(self.d2t.shape[0], dtype=torch.bool, device=keys.device)
+        copied_draft_id[draft_ids[draft_ids >= 0]] = True
+        return CopySources(
+            keys=keys,
+            values=values,
+            inverse=inverse,
+            distinct=distinct,
+            distinct_draft_ids=draft_ids.clamp_min(0),
+            distinct_in_vocab=(draft_ids >= 0).float(),
+            copied_draft_id=copied_draft_id,
+        )
+
+    def _draft_mixture(
+        self, feature: torch.Tensor, sources: CopySources
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The drafting mixture's pieces, every row copying from `sources`: the gate [m, 1], the
+        vocabulary log-probabilities [m, Vd] and the copied ids' mixture log-probabilities [m, U]."""
+        normed = _unit_rms(feature, eps=self.copy_norm_eps)
+        query = self.linear(normed, self.copy_query.weight, None).float()  # [m, C]
+        gate = torch.sigmoid(self.linear(normed, self.copy_gate.weight, self.copy_gate.bias).float())  # [m, 1]
+        weights = torch.softmax(query @ sources.keys.float().T * self.copy_dim**-0.5, dim=-1)  # [m, n]
+        copied = weights.new_zeros(feature.shape[0], sources.distinct.shape[0]).index_add_(1, sources.inverse, weights)
+        vocab_log_probs = torch.log_softmax(self.draft_logits(feature).float(), dim=-1)  # [m, Vd]
+        vocab_of_copied = vocab_log_probs[:, sources.distinct_draft_ids].exp() * sources.distinct_in_vocab  # [m, U]
+        copy_scores = torch.log((1 - gate) * vocab_of_copied + gate * copied)  # [m, U]
+        return gate, vocab_log_probs, copy_scores
+
+    def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mixture(feature, eligible=all sources, ...).top_k(k)` for drafting, where every row
+        copies from the same sources: a third of its torch ops.  feature [m, D] -> target ids
+        [m, k] and log-probabilities [m, k], best first."""
+        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
+        # tokens also copied are scored among copy_scores; max is several times faster than topk
+        vocab_top = vocab_log_probs.max(dim=-1, keepdim=True) if k == 1 else vocab_log_probs.topk(k, dim=-1)
+        vocab_scores = (torch.log1p(-gate) + vocab_top.values).masked_fill(
+            sources.copied_draft_id[vocab_top.indices], -math.inf
+        )  # [m, k]
+        top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
+        m = feature.shape[0]
+        ids = torch.cat([self.d2t[vocab_top.indices], sources.distinct.expand(m, -1)], dim=1).gather(1, top.indices)
+        return ids, top.values
+
+    def draft_log_probs(self, feature: torch.Tensor, sources: CopySources) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole drafting mixture (every row copying from `sources`): target ids [Vd + U] and
+        log-probabilities [m, Vd + U] (draft-vocabulary ids that are also copied are -inf in the
+        first part: their probability is in the copy part)."""
+        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
+        vocab_scores = (torch.log1p(-gate) + vocab_log_probs).masked_fill(sources.copied_draft_id, -math.inf)
+        return torch.cat([self.d2t, sources.distinct]), torch.cat([vocab_scores, copy_scores], dim=1)
+
+
 class FeatureHead(torch.nn.Module):
     """What every feature-level draft head offers the drafter and the trainer.
 
@@ -212,7 +342,7 @@ class FeatureHead(torch.nn.Module):
         return entry_hidden, outputs
 
 
-class EagleHead(FeatureHead):
+class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead's stubs
     def __init__(self, config: HeadConfig, *, dtype: torch.dtype = torch.float32, max_len: int = 4096):
         super().__init__()
         self.config = c = config
@@ -239,10 +369,7 @@ class EagleHead(FeatureHead):
         self.max_len = max_len
         self.rotary = RotaryTable(RopeConfig(theta=c.rope_theta), head_dim=c.head_dim, max_len=max_len, dtype=dtype)
         if c.copy_dim:
-            self.copy_query = linear(D, c.copy_dim)
-            self.copy_key = linear(D, c.copy_dim)
-            self.copy_gate = torch.nn.Linear(D, 1, bias=True, dtype=dtype)
-            self.reset_copy_path()
+            self.add_copy_path(D, copy_dim=c.copy_dim, eps=c.rms_norm_eps, dtype=dtype)
         # Borrowed from the target by attach_target (not saved with the head).
         self.embed_tokens: torch.Tensor | None = None  # [V, D]
         self.embed_scale: float | None = None
@@ -270,8 +397,7 @@ class EagleHead(FeatureHead):
         self.lm_rows = target.lm_head_weight.detach()[self.d2t].to(dtype)
         self.logit_softcap = target.config.final_logit_softcapping
         if self.config.copy_dim:
-            self.t2d = torch.full((self.embed_tokens.shape[0],), -1, dtype=torch.long, device=self.d2t.device)
-            self.t2d[self.d2t] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
+            self.attach_copy_vocabulary(self.embed_tokens.shape[0])
 
     def quantize_for_drafting(self) -> None:
         """Draft with Q8_0 copies of the block's matrices and the draft LM rows (a quarter of the
@@ -410,16 +536,7 @@ class EagleHead(FeatureHead):
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    # ---- the copy path ---------------------------------------------------------------------
-    def reset_copy_path(self) -> None:
-        """Fresh copy parameters: small random queries and keys, and a gate that starts mostly
-        shut (sigmoid(-2) = 0.12), so a new copy path barely moves the vocabulary distribution."""
-        with torch.no_grad():
-            self.copy_query.weight.normal_(0.0, 0.02)
-            self.copy_key.weight.normal_(0.0, 0.02)
-            self.copy_gate.weight.zero_()
-            self.copy_gate.bias.fill_(-2.0)
-
+    # ---- the copy path (CopyPath) ------------------------------------------------------
     def with_fresh_copy_path(self, copy_dim: int) -> EagleHead:
         """This head's weights and draft vocabulary in a head with a new copy path of width
         `copy_dim` (fine-tuning a trained head into a copying one)."""
@@ -428,91 +545,6 @@ class EagleHead(FeatureHead):
         missing, unexpected = head.load_state_dict(kept, strict=False)
         assert not unexpected and all(name.startswith(COPY_PARAMETERS) for name in missing), (missing, unexpected)
         return head.to(self.d2t.device)
-
-    def copy_keys(self, entry_hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C]
-        """Copy keys of true entries from their input hidden states (`input_hidden`)."""
-        return self.linear(_unit_rms(entry_hidden, eps=self.config.rms_norm_eps), self.copy_key.weight, None)
-
-    def mixture(
-        self, feature: torch.Tensor, *, keys: torch.Tensor, values: torch.Tensor, eligible: torch.Tensor
-    ) -> CopyMixture:
-        """The draft distribution of rows whose head output is `feature` [m, D] (what
-        `draft_logits` reads), copying from sources with copy keys `keys` [n, C] and values
-        (target ids) `values` [n]; row r reads the sources where `eligible` [m, n] is true.
-
-        The gate reads the normalised output like the query does: the raw residual stream's
-        scale would otherwise set the gate's temperature.
-        """
-        normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
-        query = self.linear(normed, self.copy_query.weight, None)  # [m, C]
-        gate_logit = self.linear(normed, self.copy_gate.weight, self.copy_gate.bias)[:, 0].float()  # [m]
-        scores = query.float() @ keys.float().T * self.config.copy_dim**-0.5  # [m, n]
-        has_source = eligible.any(dim=-1)  # [m]: a row with nothing to copy keeps the vocabulary only
-        return CopyMixture(
-            vocab_log_probs=torch.log_softmax(self.draft_logits(feature).float(), dim=-1),
-            log_keep=F.logsigmoid(-gate_logit).masked_fill(~has_source, 0.0),
-            log_gate=F.logsigmoid(gate_logit).masked_fill(~has_source, -math.inf),
-            copy_log_weights=torch.log_softmax(scores.masked_fill(~eligible, NEG_LOG), dim=-1),
-            copy_values=values,
-            eligible=eligible,
-            d2t=self.d2t,
-            t2d=self.t2d,
-        )
-
-    def copy_sources(self, keys: torch.Tensor, values: torch.Tensor) -> CopySources:
-        """What every node of one drafting step copies from: the true entries' copy keys [n, C]
-        and target ids [n] (all >= 0), with their distinct ids worked out once per step."""
-        distinct, inverse = torch.unique(values, return_inverse=True)  # [U], [n]
-        draft_ids = self.t2d[distinct]  # [U], -1 outside the draft vocabulary
-        copied_draft_id = torch.zeros(self.d2t.shape[0], dtype=torch.bool, device=keys.device)
-        copied_draft_id[draft_ids[draft_ids >= 0]] = True
-        return CopySources(
-            keys=keys,
-            values=values,
-            inverse=inverse,
-            distinct=distinct,
-            distinct_draft_ids=draft_ids.clamp_min(0),
-            distinct_in_vocab=(draft_ids >= 0).float(),
-            copied_draft_id=copied_draft_id,
-        )
-
-    def _draft_mixture(
-        self, feature: torch.Tensor, sources: CopySources
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The drafting mixture's pieces, every row copying from `sources`: the gate [m, 1], the
-        vocabulary log-probabilities [m, Vd] and the copied ids' mixture log-probabilities [m, U]."""
-        normed = _unit_rms(feature, eps=self.config.rms_norm_eps)
-        query = self.linear(normed, self.copy_query.weight, None).float()  # [m, C]
-        gate = torch.sigmoid(self.linear(normed, self.copy_gate.weight, self.copy_gate.bias).float())  # [m, 1]
-        weights = torch.softmax(query @ sources.keys.float().T * self.config.copy_dim**-0.5, dim=-1)  # [m, n]
-        copied = weights.new_zeros(feature.shape[0], sources.distinct.shape[0]).index_add_(1, sources.inverse, weights)
-        vocab_log_probs = torch.log_softmax(self.draft_logits(feature).float(), dim=-1)  # [m, Vd]
-        vocab_of_copied = vocab_log_probs[:, sources.distinct_draft_ids].exp() * sources.distinct_in_vocab  # [m, U]
-        copy_scores = torch.log((1 - gate) * vocab_of_copied + gate * copied)  # [m, U]
-        return gate, vocab_log_probs, copy_scores
-
-    def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`mixture(feature, eligible=all sources, ...).top_k(k)` for drafting, where every row
-        copies from the same sources: a third of its torch ops.  feature [m, D] -> target ids
-        [m, k] and log-probabilities [m, k], best first."""
-        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
-        # tokens also copied are scored among copy_scores; max is several times faster than topk
-        vocab_top = vocab_log_probs.max(dim=-1, keepdim=True) if k == 1 else vocab_log_probs.topk(k, dim=-1)
-        vocab_scores = (torch.log1p(-gate) + vocab_top.values).masked_fill(
-            sources.copied_draft_id[vocab_top.indices], -math.inf
-        )  # [m, k]
-        top = torch.cat([vocab_scores, copy_scores], dim=1).topk(k, dim=-1)
-        m = feature.shape[0]
-        ids = torch.cat([self.d2t[vocab_top.indices], sources.distinct.expand(m, -1)], dim=1).gather(1, top.indices)
-        return ids, top.values
-
-    def draft_log_probs(self, feature: torch.Tensor, sources: CopySources) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole drafting mixture (every row copying from `sources`): target ids [Vd + U] and
-        log-probabilities [m, Vd + U] (draft-vocabulary ids that are also copied are -inf in the
-        first part: their probability is in the copy part)."""
-        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
-        vocab_scores = (torch.log1p(-gate) + vocab_log_probs).masked_fill(sources.copied_draft_id, -math.inf)
-        return torch.cat([self.d2t, sources.distinct]), torch.cat([vocab_scores, copy_scores], dim=1)
 
     def unrolled_mixtures(
         self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0

@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.models.heads import CopyMixture, CopyPath
 from quickdraft.models.layers import LinearFn
+from quickdraft.models.quantized import QuantizedWeight, matrix_weights, quantize_q8_0
 
 MEDUSA_CONFIG_FILE = "medusa_config.json"
 MEDUSA_WEIGHTS_FILE = "medusa.safetensors"
@@ -31,12 +33,15 @@ class MedusaConfig:
     num_heads: int  # K: draft depths
     draft_vocab_size: int
     feature_layer: int  # the target's last layer
+    copy_dim: int = 0  # [self] heads: width of a learned copy path (models/heads.py CopyPath); 0: none
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "draft_vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"medusa config {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.copy_dim, int) or isinstance(self.copy_dim, bool) or self.copy_dim < 0:
+            raise ValueError(f"medusa config copy_dim must be a non-negative integer, got {self.copy_dim!r}")
 
     @classmethod
     def from_dict(cls, data: dict) -> MedusaConfig:
@@ -62,6 +67,12 @@ class MedusaHeads(torch.nn.Module):
         self.lm_rows: torch.Tensor | None = None  # [Vd, D]
         self.logit_softcap: float | None = None
         self.linear = F.linear  # drafters install their device's inference kernel
+        # Q8_0 copies of the heads' matrices [K] and of lm_rows, read instead of them when drafting
+        # on the quantized kernels (quantize_for_drafting); training never sets them.
+        self.draft_weights: list[QuantizedWeight] = []
+        self.draft_lm_rows: QuantizedWeight | None = None
+        if c.copy_dim and not isinstance(self, CopyPath):
+            raise ValueError("medusa heads have no copy path (copy_dim is for [self] heads)")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -71,6 +82,15 @@ class MedusaHeads(torch.nn.Module):
         object.__setattr__(self, "_target", target)  # not a submodule: not saved with the heads
         self.lm_rows = target.lm_head_weight.detach()[self.d2t].to(self.weight.dtype)
         self.logit_softcap = target.config.final_logit_softcapping
+
+    def quantize_for_drafting(self) -> None:
+        """Draft with Q8_0 copies of the heads' matrices and the draft LM rows (a quarter of the
+        float32 bytes, on the quantized CPU kernels), as EagleHead does beside a quantized
+        target.  Call after attach_target; the float weights stay for training and saving."""
+        if self.lm_rows is None:
+            raise RuntimeError("quantize_for_drafting needs the target's LM rows: call attach_target first")
+        self.draft_weights = [QuantizedWeight.from_parts([quantize_q8_0(w)]) for w in self.weight]
+        self.draft_lm_rows = QuantizedWeight.from_parts([quantize_q8_0(self.lm_rows)])
 
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:  # d2t [Vd]
         if d2t.shape != self.d2t.shape:
@@ -83,8 +103,10 @@ class MedusaHeads(torch.nn.Module):
         if torch.is_grad_enabled():  # training: one batched matmul over the heads
             hidden = x[None] + F.silu(torch.matmul(x[None], self.weight.transpose(1, 2)) + self.bias)  # [K, N, D]
         else:
-            hidden = torch.stack([x + F.silu(self.linear(x, w, b[0])) for w, b in zip(self.weight, self.bias)])
-        logits = self.linear(hidden.reshape(-1, hidden.shape[-1]), self.lm_rows, None).view(*hidden.shape[:2], -1)
+            weights = self.draft_weights or list(self.weight)
+            hidden = torch.stack([x + F.silu(self.linear(x, w, b[0])) for w, b in zip(weights, self.bias)])
+        lm_rows = self.lm_rows if self.draft_lm_rows is None or torch.is_grad_enabled() else self.draft_lm_rows
+        logits = self.linear(hidden.reshape(-1, hidden.shape[-1]), lm_rows, None).view(*hidden.shape[:2], -1)
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
@@ -132,16 +154,32 @@ class MedusaHeads(torch.nn.Module):
         return heads.to(device).eval()
 
 
-class LayerSkipHead(MedusaHeads):
+class LayerSkipHead(CopyPath, MedusaHeads):
     """The light head of `[self]` drafting: one residual block + the draft LM rows on the output of
     the target's first ``feature_layer + 1`` layers, predicting the *next* token (what the full
     target would).  Drafting runs the target's early layers on each draft token, so every depth
-    uses the same head."""
+    uses the same head.
+
+    With a copy path (``copy_dim`` > 0) the head also copies from the context, induction-head
+    style: every committed token's early-layer output is a key whose value is the token that
+    followed it, and a draft node's early-layer output queries them (CopyPath).
+    """
 
     def __init__(self, config: MedusaConfig, *, dtype: torch.dtype = torch.float32):
         if config.num_heads != 1:
             raise ValueError(f"a layer-skip head has one head, the config says {config.num_heads}")
         super().__init__(config, dtype=dtype)
+        self.t2d: torch.Tensor | None = None  # [V] draft id of each target id (copy path only)
+        if config.copy_dim:
+            self.add_copy_path(config.hidden_size, copy_dim=config.copy_dim, eps=1e-6, dtype=dtype)
+
+    def attach_target(self, target) -> None:
+        super().attach_target(target)
+        if self.config.copy_dim:
+            self.attach_copy_vocabulary(target.config.vocab_size)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [m, D] early-layer output -> [m, Vd]
+        return self(hidden)[0]
 
     @property
     def exit_layer(self) -> int:
@@ -159,7 +197,23 @@ class LayerSkipHead(MedusaHeads):
         padded = torch.cat([next_token_logits, next_token_logits.new_zeros(depths, next_token_logits.shape[1])])
         return [padded[first_anchor + depth : n + depth] for depth in range(1, depths + 1)]
 
+    def unrolled_mixtures(
+        self, token_ids: torch.Tensor, features: torch.Tensor, *, depths: int, first_anchor: int = 0
+    ) -> list[CopyMixture]:
+        """The training forward of a head with a copy path, rows as in `training_logits`: depth d
+        at anchor j reads the feature of token j+d and copies from the entries 0..j (entry i's
+        value is token i+1: up to the draft root, token j+1, all committed when drafting)."""
+        n = features.shape[0]  # T - 1
+        keys = self.copy_keys(features)  # [n, C]
+        values = token_ids[1 : n + 1]  # [n]
+        padded = torch.cat([features, features.new_zeros(depths, features.shape[1])])  # [n + depths, D]
+        anchors = torch.arange(n, device=token_ids.device)
+        eligible = anchors[None, :] <= anchors[first_anchor:, None]  # [m, n]
+        return [
+            self.mixture(padded[first_anchor + depth : n + depth], keys=keys, values=values, eligible=eligible)
+            for depth in range(1, depths + 1)
+        ]
+
     def weights_per_draft_token(self) -> int:
-        layers = self._target.layers[: self.exit_layer]
-        early = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() == 2)
+        early = sum(matrix_weights(layer) for layer in self._target.layers[: self.exit_layer])
         return early + self.weight.numel() + self.lm_rows.numel()

@@ -427,3 +427,16 @@ class QuantizedWeight:
     def __repr__(self) -> str:
         formats = "+".join(part.format for part in self.parts)
         return f"QuantizedWeight({formats}, shape={tuple(self.shape)}, {self.nbytes / 2**20:.1f} MiB)"
+
+
+def matrix_weights(model: torch.nn.Module) -> int:
+    """Elements of a model's weight matrices, float (in its state dict) or kept quantized (a
+    GGUF target loaded as stored holds QuantizedWeight attributes, outside the state dict)."""
+    floats = sum(t.numel() for name, t in model.state_dict().items() if t.dim() == 2 and not name.startswith("rotary"))
+    quantized = sum(
+        value.shape.numel()
+        for module in model.modules()
+        for value in vars(module).values()
+        if isinstance(value, QuantizedWeight)
+    )
+    return floats + quantized

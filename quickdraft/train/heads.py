@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from quickdraft.models.heads import EagleHead, HeadConfig
+from quickdraft.models.heads import CopyPath, EagleHead, HeadConfig
 from quickdraft.models.medusa import LayerSkipHead, MedusaConfig, MedusaHeads
 from quickdraft.models.mtp import MtpHead
+from quickdraft.models.quantized import matrix_weights
 from quickdraft.train.data import MIXES_ON_TRANSCRIPTS, PROMPT_MIXES, DataShard, Sequence, build_prompts, generate_shard
 from quickdraft.train.draft_model import DraftLM
 
@@ -50,7 +51,7 @@ class TrainHeadConfig:
     prompt_mix: str = "tasks"  # see quickdraft.train.data.build_prompts
     extra_data: tuple[Path, ...] = ()  # data folders of earlier runs whose shards are trained on too
     init_head: Path | None = None  # a trained head to start from (fine-tuning; its draft vocabulary is kept)
-    copy_dim: int = 0  # eagle3: width of a learned copy path (0: none); with init_head, a fresh one is added
+    copy_dim: int = 0  # eagle3, self: width of a learned copy path (0: none); eagle3 with init_head: a fresh one
     shard_prompts: int = 32
     max_new_tokens: int = 256
     sampled_fraction: float = 0.25  # share of answers sampled (temperature 0.7) instead of greedy
@@ -121,8 +122,10 @@ class TrainHeadConfig:
             raise ValueError(f"val_sequences must be a positive integer, got {self.val_sequences!r}")
         if not isinstance(self.copy_dim, int) or isinstance(self.copy_dim, bool) or self.copy_dim < 0:
             raise ValueError(f"copy_dim must be a non-negative integer, got {self.copy_dim!r}")
-        if self.copy_dim and self.method != "eagle3":
-            raise ValueError(f"copy_dim: only eagle3 heads have a copy path, not {self.method}")
+        if self.copy_dim and self.method not in ("eagle3", "self"):
+            raise ValueError(f"copy_dim: only eagle3 and self heads have a copy path, not {self.method}")
+        if self.copy_dim and self.init_head is not None and self.method != "eagle3":
+            raise ValueError(f"copy_dim with init_head: only an eagle3 head gains a fresh copy path, not {self.method}")
 
     @property
     def depths(self) -> int:
@@ -257,7 +260,11 @@ def new_head(
             raise ValueError(f"exit_layer must be in 1..{c.num_layers - 1} for a {c.num_layers}-layer target")
         return LayerSkipHead(
             MedusaConfig(
-                hidden_size=c.hidden_size, num_heads=1, draft_vocab_size=draft_vocab_size, feature_layer=exit_layer - 1
+                hidden_size=c.hidden_size,
+                num_heads=1,
+                draft_vocab_size=draft_vocab_size,
+                feature_layer=exit_layer - 1,
+                copy_dim=copy_dim,
             )
         )
     if method == "medusa":
@@ -301,7 +308,7 @@ def load_trained_head(method: str, directory: Path, *, max_len: int, copy_dim: i
 
 
 def has_copy_path(head) -> bool:
-    return isinstance(head, EagleHead) and head.config.copy_dim > 0
+    return isinstance(head, CopyPath) and head.copy_dim > 0
 
 
 def vocabulary_coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
@@ -352,21 +359,6 @@ def feature_columns(*, data_layers, head_layers, hidden_size: int) -> torch.Tens
 def draft_token_cost(head, target) -> float:
     """Matrix weights read per draft token (the head's share + draft LM rows) over the target's."""
     return head.weights_per_draft_token() / matrix_weights(target)
-
-
-def matrix_weights(model: torch.nn.Module) -> int:
-    """Elements of a model's weight matrices, float (in its state dict) or kept quantized (a
-    GGUF target loaded as stored holds QuantizedWeight attributes, outside the state dict)."""
-    from quickdraft.models.quantized import QuantizedWeight
-
-    floats = sum(t.numel() for name, t in model.state_dict().items() if t.dim() == 2 and not name.startswith("rotary"))
-    quantized = sum(
-        value.shape.numel()
-        for module in model.modules()
-        for value in vars(module).values()
-        if isinstance(value, QuantizedWeight)
-    )
-    return floats + quantized
 
 
 def _load_target(config: TrainHeadConfig):

@@ -272,6 +272,8 @@ def test_run_labels_are_short_and_configurable():
 
     assert method_label({"method": "suffix"}) == "suffix"
     assert method_label({"method": "ngram", "num_speculative_tokens": 4}) == "ngram num_speculative_tokens=4"
+    assert method_label({"model": "[self]"}) == "self"  # vLLM's spelling, not a draft model
+    assert method_label({"model": "[self]", "top_k": 2}) == "self top_k=2"
     hybrid = {
         "method": "hybrid",
         "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1}],

@@ -25,16 +25,27 @@ def random_heads(
     vocab_size=320,
     scale=0.3,
     kind=MedusaHeads,
+    copy_dim=0,
 ):
-    """Random heads of `kind` (MedusaHeads, or LayerSkipHead with one head) saved to `directory`."""
+    """Random heads of `kind` (MedusaHeads, or LayerSkipHead with one head, which may have a copy
+    path: random queries and keys, its gate mostly open) saved to `directory`."""
     torch.manual_seed(seed)
-    heads = kind(
-        MedusaConfig(hidden_size=hidden, num_heads=num_heads, draft_vocab_size=draft_vocab, feature_layer=feature_layer)
+    config = MedusaConfig(
+        hidden_size=hidden,
+        num_heads=num_heads,
+        draft_vocab_size=draft_vocab,
+        feature_layer=feature_layer,
+        copy_dim=copy_dim,
     )
+    heads = kind(config)
     with torch.no_grad():
         heads.weight.normal_(0.0, scale)
         heads.bias.normal_(0.0, scale)
         heads.set_draft_vocab(torch.randperm(vocab_size)[:draft_vocab])
+        if copy_dim:
+            heads.copy_query.weight.normal_(0.0, 1.0)
+            heads.copy_key.weight.normal_(0.0, 1.0)
+            heads.copy_gate.bias.fill_(1.0)
     heads.save(directory, dtype=torch.float32)
     return directory
 
@@ -125,3 +136,7 @@ def test_bad_heads_are_clear_errors(tiny_checkpoints, heads_dir, tmp_path):
         LLM(path, speculative_config={"method": "medusa", "head": str(random_heads(tmp_path / "w", hidden=32))})
     with pytest.raises(ValueError, match="last layer"):
         LLM(path, speculative_config={"method": "medusa", "head": str(random_heads(tmp_path / "l", feature_layer=1))})
+    with pytest.raises(ValueError, match="medusa heads have no copy path"):
+        MedusaHeads(MedusaConfig(hidden_size=64, num_heads=2, draft_vocab_size=8, feature_layer=3, copy_dim=8))
+    with pytest.raises(ValueError, match="copy_dim must be a non-negative integer"):
+        MedusaConfig(hidden_size=64, num_heads=1, draft_vocab_size=8, feature_layer=3, copy_dim=-1)

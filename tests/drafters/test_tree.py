@@ -42,6 +42,9 @@ def test_default_medusa_paths_form_a_valid_tree():
     assert paths == [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1), (1, 0), (1, 0, 0)]
     tree = StaticTree.from_paths(paths)
     Proposal(token_ids=list(range(tree.num_nodes)), parents=list(tree.parents))
+    chain = default_medusa_paths(depth=3, top_k=1)  # the spine alone (no second-best branch)
+    assert chain == [(0,), (0, 0), (0, 0, 0)]
+    assert list(StaticTree.from_paths(chain).parents) == [-1, 0, 1, 2]
 
 
 def test_dynamic_tree_scores_expansion_and_pruning():

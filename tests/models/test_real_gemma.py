@@ -158,6 +158,19 @@ def test_shipped_eagle3_heads_load_by_name_and_draft_usefully(options):
     assert metrics.acceptance_length > 1.3  # an untrained head stays near 1.0
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"model": "[self]"},  # the shipped [self] head (first layers + a copy path), no other argument
+        {"method": "self", "top_k": 2, "max_draft_tokens": 8},  # the same head growing a tree
+        {"method": "medusa"},  # the shipped medusa heads by name
+    ],
+)
+def test_shipped_self_and_medusa_heads_load_by_name_and_stay_exact(spec):
+    metrics = speculative_metrics_if_exact(spec, max_tokens=48)
+    assert metrics.num_drafts > 0 and metrics.acceptance_length > 1.05  # untrained heads stay near 1.0
+
+
 def test_shipped_hybrid_of_the_demo_is_exact():
     """The demo's hybrid (suffix, then the shipped copy head where retrieval drafts under 2 tokens,
     its paths cut below probability 0.2) keeps the output exact and drafts."""

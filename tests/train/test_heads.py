@@ -9,6 +9,7 @@ import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.models.heads import EagleHead
+from quickdraft.models.medusa import LayerSkipHead
 from quickdraft.train.data import DataShard, Sequence, build_prompts, is_prose
 from quickdraft.train.heads import (
     TrainHeadConfig,
@@ -127,6 +128,10 @@ def test_bad_options_are_clear_errors(tmp_path):
         TrainHeadConfig(out=tmp_path, method="draft", init_head=tmp_path)
     with pytest.raises(ValueError, match="not a head folder"):
         TrainHeadConfig(out=tmp_path, init_head=tmp_path / "missing")
+    with pytest.raises(ValueError, match="only eagle3 and self heads have a copy path"):
+        TrainHeadConfig(out=tmp_path, method="medusa", copy_dim=8)
+    with pytest.raises(ValueError, match="only an eagle3 head gains a fresh copy path"):
+        TrainHeadConfig(out=tmp_path, method="self", copy_dim=8, init_head=tmp_path)
 
 
 def test_prompt_mixes_cover_the_task_shapes():
@@ -271,8 +276,10 @@ def test_validation_counts_acceptance_per_decoding_step():
     assert length == pytest.approx(18 / 5)
 
 
-def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_checkpoints, tmp_path):
-    """--method self: the head reads the recorded middle layer (exit after 3 of 4 layers)."""
+@pytest.mark.parametrize("copy_dim", [0, 16])
+def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_checkpoints, tmp_path, copy_dim):
+    """--method self: the head reads the recorded middle layer (exit after 3 of 4 layers); with
+    --copy-dim it also learns to copy from the context."""
     out, _ = trained
     target = str(tiny_checkpoints["gemma3"])
     config = TrainHeadConfig(
@@ -280,6 +287,7 @@ def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_che
         target=target,
         method="self",
         extra_data=(out / "data",),
+        copy_dim=copy_dim,
         **{**TINY_RUN, "num_prompts": 0},
     )
     report = train_head(config, progress=False)
@@ -287,6 +295,10 @@ def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_che
     assert 0 < report.draft_token_cost < 1
     manifest = json.loads((tmp_path / "self" / "head" / "manifest.json").read_text())
     assert manifest["method"] == "self" and manifest["feature_layers"] == [2]
+    trained_head = LayerSkipHead.load(tmp_path / "self" / "head", dtype=torch.float32)
+    assert trained_head.copy_dim == copy_dim == manifest["options"]["copy_dim"]
+    if copy_dim:  # the gate moved away from its fresh value (training reached the copy path)
+        assert float(trained_head.copy_gate.bias.detach()) != -2.0
     prompts = [build_prompts(1, seed=5)[0][:60]]
     params = SamplingParams(temperature=0, max_tokens=20)
     plain = LLM(target, max_model_len=160).generate(prompts, params)
@@ -384,12 +396,21 @@ def test_mtp_head_trains_and_exports_in_the_nextn_layout(trained, tiny_checkpoin
     assert llm.engine.speculator.drafter.head.config.draft_vocab_size == 64
 
 
-def test_matrix_weights_count_a_quantized_target_like_its_float_twin(tiny_checkpoints):
-    """draft_token_cost's denominator: a target loaded with quantized weights (kept outside the
-    state dict) has as many matrix weights as the same target in float32."""
-    from quickdraft.train.heads import matrix_weights
+def test_matrix_weights_count_a_quantized_target_like_its_float_twin(tiny_checkpoints, tmp_path):
+    """draft_token_cost's parts: a target loaded with quantized weights (kept outside the state
+    dict) has as many matrix weights as the same target in float32, and a [self] head's draft
+    token reads as many of its early layers' weights."""
+    from quickdraft.models.quantized import matrix_weights
+    from tests.drafters.test_layer_skip import random_self_head
 
     path = str(tiny_checkpoints["llama"])
-    floats = matrix_weights(LLM(path, max_model_len=64).engine.model)
-    quantized = matrix_weights(LLM(path, max_model_len=64, quantization="q8_0").engine.model)
-    assert floats == quantized > 0
+    float_target = LLM(path, max_model_len=64).engine.model
+    quantized_target = LLM(path, max_model_len=64, quantization="q8_0").engine.model
+    assert matrix_weights(float_target) == matrix_weights(quantized_target) > 0
+    costs = []
+    for target in (float_target, quantized_target):
+        head = LayerSkipHead.load(random_self_head(tmp_path / "self", feature_layer=1), dtype=torch.float32)
+        head.attach_target(target)
+        costs.append(head.weights_per_draft_token())
+    early = sum(p.numel() for layer in float_target.layers[:2] for p in layer.parameters() if p.dim() == 2)
+    assert costs[0] == costs[1] > early > 0
