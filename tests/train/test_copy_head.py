@@ -135,8 +135,10 @@ def test_copy_dim_is_validated(tmp_path):
             HeadConfig(**base, copy_dim=bad)
     with pytest.raises(ValueError, match="copy_dim"):
         TrainHeadConfig(out=tmp_path, copy_dim=-3)
-    with pytest.raises(ValueError, match="only eagle3 heads have a copy path"):
+    with pytest.raises(ValueError, match="only eagle3 and self heads have a copy path"):
         TrainHeadConfig(out=tmp_path, method="medusa", copy_dim=8)
+    with pytest.raises(ValueError, match="only an eagle3 head gains a fresh copy path"):
+        TrainHeadConfig(out=tmp_path, method="self", copy_dim=8, init_head=tmp_path)
 
 
 def test_init_head_gains_a_fresh_copy_path(tmp_path):

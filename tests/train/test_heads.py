@@ -128,10 +128,6 @@ def test_bad_options_are_clear_errors(tmp_path):
         TrainHeadConfig(out=tmp_path, method="draft", init_head=tmp_path)
     with pytest.raises(ValueError, match="not a head folder"):
         TrainHeadConfig(out=tmp_path, init_head=tmp_path / "missing")
-    with pytest.raises(ValueError, match="only eagle3 and self heads have a copy path"):
-        TrainHeadConfig(out=tmp_path, method="medusa", copy_dim=8)
-    with pytest.raises(ValueError, match="only an eagle3 head gains a fresh copy path"):
-        TrainHeadConfig(out=tmp_path, method="self", copy_dim=8, init_head=tmp_path)
 
 
 def test_prompt_mixes_cover_the_task_shapes():
