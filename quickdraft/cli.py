@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template"
     )
+    generate.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the target over N processes on this machine (this process is rank 0); needs --dtype "
+        "float32 or bfloat16 (default: 1). See docs/tensor-parallel.md",
+    )
     _add_bench_parser(commands)
     _add_train_head_parser(commands)
     _add_serve_parser(commands)
@@ -114,6 +122,7 @@ SERVE_EPILOG = """\
 examples:
   quickdraft serve                                   # embedded Gemma 3 270M on 127.0.0.1:8000
   quickdraft serve ./my-hf-dir --speculative-config '{"method": "suffix"}' --port 8080
+  quickdraft serve --replicas 2 --speculative-config '{"method": "suffix"}'   # Ray Serve, cache-aware routing
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 """
@@ -143,6 +152,14 @@ def _add_serve_parser(commands) -> None:
         default=None,
         metavar="JSON",
         help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+    )
+    serve.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the target over N processes on this machine (this process is rank 0; gloo on CPU, NCCL on "
+        "CUDA with one GPU per rank); needs --dtype float32 or bfloat16 (default: 1). See docs/tensor-parallel.md",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -205,6 +222,37 @@ def _add_serve_parser(commands) -> None:
         "keeps the key out of the process list",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    replicas = serve.add_argument_group(
+        "replicas (Ray Serve; needs the ray extra: pip install 'quickdraft[ray]')",
+        "N engine replicas behind this one endpoint, with cache-aware routing (docs/serving.md)",
+    )
+    replicas.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N engine replicas on Ray Serve (default: one engine, no Ray)",
+    )
+    replicas.add_argument(
+        "--routing",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin"],
+        help="cache_aware: a prompt goes to the replica holding its longest prefix, within a load bound; "
+        "round_robin: in turn (default: cache_aware)",
+    )
+    replicas.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=None,
+        metavar="C",
+        help="CPU share of each replica (torch threads, core pinning; default: cores / N)",
+    )
+    replicas.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="an existing Ray cluster to join (default: start a local Ray instance)",
+    )
 
 
 def _add_train_head_parser(commands) -> None:
@@ -394,6 +442,32 @@ def _add_bench_parser(commands) -> None:
     )
     redo.add_argument("folder", metavar="DIR")
     _add_bench_serve_parser(suites)
+    _add_bench_replicas_parser(suites)
+
+
+def _add_bench_replicas_parser(suites) -> None:
+    bench = suites.add_parser(
+        "replicas",
+        help="multi-turn conversations against 1 replica and N replicas (Ray Serve), round-robin vs cache-aware",
+        description="Deploy the model on Ray Serve three times (1 replica; N replicas round-robin; N replicas "
+        "cache-aware) and hold Spec-Bench multi-turn conversations against each: which replica answered each "
+        "turn, second turns' prefix-cache hit rate and TTFT, output tokens per second. Needs the ray extra.",
+    )
+    bench.add_argument(
+        "--speculative-config", default=None, metavar="JSON", help="drafter config of every replica (default: none)"
+    )
+    bench.add_argument("--questions", default="../shared/data/specbench/questions.dev.jsonl", metavar="FILE")
+    bench.add_argument(
+        "--replicas", type=int, default=2, metavar="N", help="replicas of the multi-replica setups (default: 2)"
+    )
+    bench.add_argument("--conversations", type=int, default=16, help="multi-turn questions, file order (default: 16)")
+    bench.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default: 4)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="per turn (default: 64)")
+    bench.add_argument("--max-num-seqs", type=int, default=8, help="KV cache slots of each replica (default: 8)")
+    bench.add_argument(
+        "--out", default=None, metavar="DIR", help="results folder (default: results/replicas-DATE-TIME)"
+    )
+    _add_model_options(bench)
 
 
 BENCH_SERVE_EPILOG = """\
@@ -504,6 +578,7 @@ def run_generate(args) -> int:
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
         speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     load_seconds = time.perf_counter() - load_start
     prompt = args.prompt
@@ -550,6 +625,8 @@ def run_bench(args) -> int:
 
     if args.suite == "serve":
         return run_bench_serve(args)
+    if args.suite == "replicas":
+        return run_bench_replicas(args)
     if args.suite == "report":
         from quickdraft.bench.report import load_report, summary_markdown, write_report
 
@@ -638,6 +715,33 @@ def run_bench_serve(args) -> int:
     return 0
 
 
+def run_bench_replicas(args) -> int:
+    import time
+    from pathlib import Path
+
+    from quickdraft.bench.replicas import ReplicaBenchOptions, run_replica_bench, summary_markdown, write_report
+
+    options = ReplicaBenchOptions(
+        speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
+        questions=Path(args.questions),
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len or 2048,
+        replicas=args.replicas,
+        conversations=args.conversations,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+    out_dir = Path(args.out) if args.out else Path("results") / time.strftime("replicas-%Y%m%d-%H%M%S")
+    report = run_replica_bench(options, log=lambda line: print(line, file=sys.stderr, flush=True))
+    report["command"] = "quickdraft " + " ".join(shlex.quote(a) for a in args.argv)
+    written = write_report(report, out_dir)
+    print(summary_markdown(report))
+    print("written: " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def run_train_head(args) -> int:
     from quickdraft.train.heads import TrainHeadConfig, train_head
 
@@ -706,11 +810,29 @@ def run_serve(args) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_queue=args.max_queue,
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
+        tensor_parallel_size=args.tensor_parallel_size,
         shutdown_grace_seconds=args.shutdown_grace,
         log_level=args.log_level,
         **{name: value for name, value in optional.items() if value is not None},
     )
-    run_server(config)
+    if args.replicas is None:
+        for flag, value, default in (
+            ("--routing", args.routing, "cache_aware"),
+            ("--cpus-per-replica", args.cpus_per_replica, None),
+            ("--ray-address", args.ray_address, None),
+        ):
+            if value != default:
+                raise ValueError(f"{flag} applies to replicas: give --replicas N with it")
+        run_server(config)
+        return 0
+    try:
+        from quickdraft.server.replicas import ReplicaOptions, run_replicated_server
+    except ImportError as err:
+        raise ValueError(
+            f"--replicas needs Ray Serve, which is not installed ({err}): pip install 'quickdraft[ray]'"
+        ) from err
+    options = ReplicaOptions(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica, routing=args.routing)
+    run_replicated_server(config, options, ray_address=args.ray_address)
     return 0
 
 

@@ -27,9 +27,12 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     seed: int = 0  # seeds the RNG of requests that give no seed of their own
     speculative_config: SpeculativeConfig | dict | None = None
+    # Processes the target's layers and LM head are split over (quickdraft/distributed): rank 0
+    # is this process and runs everything else (scheduler, drafter, verification); 1 = no split.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -38,6 +38,7 @@ class LLM:
         speculative_config: dict | None = None,
         speculative_model: str | None = None,
         num_speculative_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
     ):
         speculative_config = _merge_speculative_args(speculative_config, speculative_model, num_speculative_tokens)
         self.config = EngineConfig(
@@ -53,8 +54,14 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             seed=seed,
             speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = Engine(self.config)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (tensor_parallel_size > 1); also done when the LLM
+        is garbage-collected or the interpreter exits."""
+        self.engine.close()
 
     @property
     def tokenizer(self):

@@ -30,6 +30,17 @@ def test_generate_streams_and_summarises(tiny_checkpoints, capsys):
     assert "5 tokens (length)" in captured.err and "TTFT" in captured.err and "tokens/s" in captured.err
 
 
+def test_generate_with_tensor_parallel_prints_what_one_process_prints(tiny_checkpoints, capsys):
+    command = ["generate", "hello", "--model", str(tiny_checkpoints["llama"]), "--max-tokens", "8"]
+    command += ["--max-model-len", "64", "--dtype", "float32"]
+    assert main(command) == 0
+    single = capsys.readouterr().out
+    assert main([*command, "--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == single
+    assert main([*command, "--tensor-parallel-size", "0"]) == 2
+    assert "tensor_parallel_size must be a positive integer, got 0" in capsys.readouterr().err
+
+
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "x", "--model", str(tmp_path / "missing")]) == 2
     assert "not found" in capsys.readouterr().err

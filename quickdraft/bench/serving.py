@@ -205,7 +205,7 @@ async def stream_completion(client, *, prompt: BenchPrompt, index: int, max_toke
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
                 return record
-            async for chunk in _sse_chunks(response):
+            async for chunk in sse_chunks(response):
                 if "error" in chunk:
                     record.error = f"stream error: {chunk['error'].get('message')}"
                     break
@@ -229,7 +229,7 @@ async def stream_completion(client, *, prompt: BenchPrompt, index: int, max_toke
     return record
 
 
-async def _sse_chunks(response):
+async def sse_chunks(response):
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +40,9 @@ from quickdraft.sampling_params import SamplingParams
 from quickdraft.structured.grammar import GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key
 
+if TYPE_CHECKING:  # torch.distributed is imported only when tensor parallelism is on
+    from quickdraft.distributed.launch import TensorParallelWorkers
+
 DEFAULT_MAX_MODEL_LEN = 4096
 # Storage beyond max_model_len, so that a step's new tokens (a prefill chunk's tail or a
 # draft tree) always have room to be written before they are accepted or dropped.
@@ -60,28 +65,33 @@ class Engine:
         if self.max_model_len > probe:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context {probe}")
         cache_len = self.max_model_len + CACHE_HEADROOM
-        self.model, self.model_config = load_decoder(
-            model_dir,
-            dtype=self.dtype,
-            device=self.device,
-            max_len=cache_len,
-            quantization=self.quantization,
-            gguf_path=gguf_path,
-        )
-        self.cache = KVCache(
-            num_layers=self.model_config.num_layers,
-            num_slots=config.max_num_seqs,
-            num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim,
-            max_len=cache_len,
-            dtype=self.dtype,
-            device=self.device,
-            block_size=config.block_size,
-            layer_windows=self.model_config.layer_windows,
-            # A forward writes at most a prefill chunk or a draft tree per request.
-            max_step_tokens=max(config.max_num_batched_tokens, CACHE_HEADROOM),
-            memory_bytes=config.kv_cache_memory_bytes,
-        )
+        # The followers of a tensor-parallel target (None: the whole target is in this process).
+        self.tensor_parallel: TensorParallelWorkers | None = None
+        if config.tensor_parallel_size > 1:
+            self._start_tensor_parallel(cache_len)
+        else:
+            self.model, self.model_config = load_decoder(
+                model_dir,
+                dtype=self.dtype,
+                device=self.device,
+                max_len=cache_len,
+                quantization=self.quantization,
+                gguf_path=gguf_path,
+            )
+            self.cache = KVCache(
+                num_layers=self.model_config.num_layers,
+                num_slots=config.max_num_seqs,
+                num_kv_heads=self.model_config.num_kv_heads,
+                head_dim=self.model_config.head_dim,
+                max_len=cache_len,
+                dtype=self.dtype,
+                device=self.device,
+                block_size=config.block_size,
+                layer_windows=self.model_config.layer_windows,
+                # A forward writes at most a prefill chunk or a draft tree per request.
+                max_step_tokens=max(config.max_num_batched_tokens, CACHE_HEADROOM),
+                memory_bytes=config.kv_cache_memory_bytes,
+            )
         self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
         self.scheduler = Scheduler(
             cache=self.cache,
@@ -104,6 +114,39 @@ class Engine:
         self.metrics = EngineMetrics()
         self._speculator: Speculator | None = None
         self.speculator = self._make_speculator(config.speculative_config)
+
+    def _start_tensor_parallel(self, cache_len: int) -> None:
+        """The target split over config.tensor_parallel_size processes, this one rank 0
+        (quickdraft/distributed); the followers stop with `close` (or when the engine is collected)."""
+        from quickdraft.distributed.launch import CacheOptions, start_tensor_parallel
+
+        if self.quantization is not None:
+            raise ValueError(
+                "tensor_parallel_size > 1 needs dtype float32 or bfloat16 (quantized weights are not "
+                f"sharded yet; this model resolved to quantization {self.quantization!r})"
+            )
+        target = start_tensor_parallel(
+            size=self.config.tensor_parallel_size,
+            model_dir=self.model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            max_len=cache_len,
+            cache=CacheOptions(
+                num_slots=self.config.max_num_seqs,
+                max_len=cache_len,
+                block_size=self.config.block_size,
+                max_step_tokens=max(self.config.max_num_batched_tokens, CACHE_HEADROOM),
+                memory_bytes=self.config.kv_cache_memory_bytes,
+            ),
+        )
+        self.model, self.model_config, self.cache = target.decoder, target.config, target.cache
+        self.tensor_parallel = target.workers
+        weakref.finalize(self, target.workers.shutdown)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers, if any (the engine cannot run forwards after)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
 
     @property
     def speculator(self) -> Speculator | None:

@@ -9,6 +9,7 @@ only: everything a drafter that reuses the target's layers or features needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,10 @@ class DecoderLayer(torch.nn.Module):
         self.gelu = c.activation == "gelu_tanh"
         # Quantized layers run as one C++ call (csrc/quant_linear.cpp) unless this is False.
         self.fused = True
+        # Tensor parallelism (quickdraft/distributed): o_proj and down_proj hold a slice of their
+        # input dimension on each rank, so their outputs are partial sums that this adds up over
+        # the ranks (before the bias, which is added once).  None: the whole layer is here.
+        self.reduce_output: Callable[[torch.Tensor], torch.Tensor] | None = None
         # q, k and v share one matmul, gate and up another: fewer passes over the input.
         self.qkv_proj = _weight(c.q_size + 2 * c.kv_size, c.hidden_size, dtype)
         self.qkv_bias = _bias(c.q_size + 2 * c.kv_size, c.qkv_bias, dtype)
@@ -95,7 +100,13 @@ class DecoderLayer(torch.nn.Module):
 
     def _runs_fused(self, hidden: torch.Tensor) -> bool:
         """Whether the one-call C++ layer applies: quantized weights without biases, on the CPU."""
-        if not self.fused or not hidden.is_cpu or hidden.dtype != torch.float32 or self.head_dim % 16:
+        if (
+            not self.fused
+            or self.reduce_output is not None
+            or not hidden.is_cpu
+            or hidden.dtype != torch.float32
+            or self.head_dim % 16
+        ):
             return False
         weights = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)
@@ -164,7 +175,7 @@ class DecoderLayer(torch.nn.Module):
 
     def block_output(self, hidden: torch.Tensor, attended: torch.Tensor, *, linear: LinearFn) -> torch.Tensor:
         # hidden [N, D] (the layer's input), attended [N, H * hd] -> the layer's output [N, D]
-        attn_out = linear(attended, self.o_proj, self.o_bias)
+        attn_out = self._output_linear(attended, self.o_proj, self.o_bias, linear)
         if self.pre_feedforward_layernorm is not None:
             # Gemma: norm the attention output, add, then norm again before the MLP.
             hidden = hidden + self.post_attention_layernorm(attn_out)
@@ -176,7 +187,15 @@ class DecoderLayer(torch.nn.Module):
     def _mlp(self, x: torch.Tensor, linear: LinearFn) -> torch.Tensor:  # [N, D] -> [N, D]
         gate, up = linear(x, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return linear(act * up, self.down_proj, self.down_bias)
+        return self._output_linear(act * up, self.down_proj, self.down_bias, linear)
+
+    def _output_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, linear: LinearFn
+    ) -> torch.Tensor:  # [N, K] -> [N, D], the layer's output width
+        if self.reduce_output is None:
+            return linear(x, weight, bias)
+        out = self.reduce_output(linear(x, weight, None))  # partial sums over this rank's K slice
+        return out if bias is None else out + bias
 
     def _attend(self, q: torch.Tensor, attn: AttentionBatch, cache: KVCache) -> torch.Tensor:
         # q [N, H, hd] -> [N, H * hd], each sequence over its cached keys with its mask

@@ -269,10 +269,12 @@ def build_decoder(
     device: torch.device,
     max_len: int,
     quantized: dict[str, QuantizedWeight] | None = None,
+    decoder_class: type[Decoder] = Decoder,
 ) -> Decoder:
-    """The decoder with `state`'s tensors; the weights in `quantized` stay quantized (CPU)."""
+    """The decoder with `state`'s tensors; the weights in `quantized` stay quantized (CPU).
+    `decoder_class`: a subclass taking the same arguments (a tensor-parallel shard's)."""
     with torch.device("meta"):
-        decoder = Decoder(config, dtype=dtype, max_len=max_len)
+        decoder = decoder_class(config, dtype=dtype, max_len=max_len)
     for name in quantized or {}:
         module_name, _, leaf = name.rpartition(".")
         # Removed before to_empty, which would otherwise allocate the float weight.

@@ -35,6 +35,7 @@ class ServerConfig:
     kv_cache_memory_bytes: int | None = None  # None: every slot can reach max_model_len at once
     seed: int = 0
     speculative_config: dict | None = None
+    tensor_parallel_size: int = 1  # processes the target is split over (quickdraft/distributed)
     max_queue: int = 64  # requests waiting + running before new ones get 429
     shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
     max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
@@ -46,7 +47,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_scenarios", "max_request_bytes"):
+        for name in ("max_queue", "max_scenarios", "max_request_bytes", "tensor_parallel_size"):
             _check_positive_int(name, getattr(self, name))
         _check_positive_int("port", self.port, allow_zero=True)
         if self.port > 65535:
@@ -78,6 +79,7 @@ class ServerConfig:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             seed=self.seed,
             speculative_config=self.speculative_config,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     @property

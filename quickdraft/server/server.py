@@ -160,6 +160,7 @@ class QuickdraftServer:
         await self.drain()
         await asyncio.to_thread(self.engine_loop.stop, timeout=10.0, failure=self.shutdown_failure())
         self.preprocessor.close()
+        self.engine.close()  # tensor-parallel followers, if any
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):

@@ -138,6 +138,41 @@ def test_serve_bad_options_are_clear_errors(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_serve_replica_options_reach_ray_serve(monkeypatch, tmp_path):
+    import quickdraft.server.replicas
+
+    seen = []
+    monkeypatch.setattr(
+        quickdraft.server.replicas,
+        "run_replicated_server",
+        lambda config, options, *, ray_address: seen.append((config, options, ray_address)),
+    )
+    code = main(
+        ["serve", str(tmp_path), "--replicas", "3", "--routing", "round_robin", "--cpus-per-replica", "2"]
+        + ["--ray-address", "auto", "--port", "9002", "--tensor-parallel-size", "2"]
+    )
+    assert code == 0
+    [(config, options, ray_address)] = seen
+    assert config.model == str(tmp_path) and config.port == 9002
+    assert config.tensor_parallel_size == 2 and config.engine_config().tensor_parallel_size == 2
+    assert (options.replicas, options.routing, options.cpus_per_replica) == (3, "round_robin", 2.0)
+    assert ray_address == "auto"
+
+
+def test_serve_bad_replica_options_are_clear_errors(tmp_path, capsys, monkeypatch):
+    import quickdraft.server
+
+    monkeypatch.setattr(quickdraft.server, "run_server", lambda config: pytest.fail("must not serve"))
+    assert main(["serve", str(tmp_path), "--routing", "round_robin"]) == 2
+    assert "--routing applies to replicas: give --replicas N with it" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--ray-address", "auto"]) == 2
+    assert "--ray-address applies to replicas" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--replicas", "0"]) == 2
+    assert "replicas must be a positive integer, got 0" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--replicas", "2", "--cpus-per-replica", "0"]) == 2
+    assert "cpus_per_replica must be a number > 0, got 0.0" in capsys.readouterr().err
+
+
 def test_server_config_validates():
     with pytest.raises(ValueError, match="port"):
         ServerConfig(port=70000)

@@ -1,0 +1,154 @@
+"""Which slice of each weight a rank holds (Megatron-style tensor parallelism, our own code).
+
+Per decoder layer, with tp ranks:
+
+- column-parallel (split by output rows): q/k/v by heads, gate/up by intermediate units.  A
+  rank computes its own heads' attention and its own MLP units with no communication;
+- row-parallel (split by input columns): o_proj and down_proj.  Each rank's product is a
+  partial sum of the full output; one all_reduce per matmul adds them (2 per layer);
+- the LM head by vocabulary rows: each rank computes its slice of the logits, one all_gather
+  assembles them;
+- embeddings and norms are replicated (every rank holds the full hidden state).
+
+KV heads split like q heads when tp divides them; when the model has fewer KV heads than
+ranks (Gemma 3 270M has one), each rank keeps the one KV head its q heads attend to
+(replicated), so grouped-query attention stays the same computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.models.config import ModelConfig
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """ValueError naming the field when `config` cannot be split over `size` ranks."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    if config.num_heads % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide num_attention_heads ({config.num_heads}): "
+            f"each rank computes whole attention heads"
+        )
+    if config.num_kv_heads % size and size % config.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {size} and num_key_value_heads ({config.num_kv_heads}) must divide "
+            f"one another: KV heads are split over the ranks, or replicated when there are fewer"
+        )
+    if config.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide intermediate_size ({config.intermediate_size}): "
+            f"each rank computes an equal slice of the MLP"
+        )
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Rank `rank` of `size`: the heads, MLP units and vocabulary rows it holds."""
+
+    config: ModelConfig
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        check_tensor_parallel(self.config, self.size)
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside [0, {self.size})")
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads // self.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return max(1, self.config.num_kv_heads // self.size)
+
+    @property
+    def first_head(self) -> int:
+        return self.rank * self.num_heads
+
+    @property
+    def first_kv_head(self) -> int:
+        c = self.config
+        if c.num_kv_heads >= self.size:
+            return self.rank * self.num_kv_heads
+        return self.rank // (self.size // c.num_kv_heads)  # the KV head of this rank's q heads (replicated)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.config.intermediate_size // self.size
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of each rank's LM-head slice: ceil(V / tp); the last slice is padded with zeros."""
+        return -(-self.config.vocab_size // self.size)
+
+    def local_config(self) -> ModelConfig:
+        """The config a rank's decoder is built from: its heads and MLP units only."""
+        return dataclasses.replace(
+            self.config,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+        )
+
+    # ---- row ranges, in the full tensors --------------------------------------------------
+    def _q_rows(self) -> torch.Tensor:  # rows of the fused qkv weight (and bias) this rank keeps
+        hd, c = self.config.head_dim, self.config
+        q = torch.arange(self.first_head * hd, (self.first_head + self.num_heads) * hd)
+        kv_start, kv_end = self.first_kv_head * hd, (self.first_kv_head + self.num_kv_heads) * hd
+        k = torch.arange(kv_start, kv_end) + c.q_size
+        v = torch.arange(kv_start, kv_end) + c.q_size + c.kv_size
+        return torch.cat([q, k, v])
+
+    def _mlp_rows(self) -> torch.Tensor:  # rows of the fused gate_up weight: gate slice, up slice
+        n, start = self.intermediate_size, self.rank * self.intermediate_size
+        units = torch.arange(start, start + n)
+        return torch.cat([units, units + self.config.intermediate_size])
+
+    def shard_layer_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of one layer tensor (`leaf`: its name within the layer)."""
+        hd = self.config.head_dim
+        if leaf in ("qkv_proj", "qkv_bias"):
+            return tensor[self._q_rows()]
+        if leaf in ("gate_up_proj", "gate_up_bias"):
+            return tensor[self._mlp_rows()]
+        if leaf == "o_proj":  # [D, H * hd]: the columns of this rank's heads
+            return tensor[:, self.first_head * hd : (self.first_head + self.num_heads) * hd]
+        if leaf == "down_proj":  # [D, I]: the columns of this rank's units
+            start = self.rank * self.intermediate_size
+            return tensor[:, start : start + self.intermediate_size]
+        if leaf == "qk_norm.weight":  # [H + Hkv, hd]: one row per head, q heads then k heads
+            H = self.config.num_heads
+            q = tensor[self.first_head : self.first_head + self.num_heads]
+            k = tensor[H + self.first_kv_head : H + self.first_kv_head + self.num_kv_heads]
+            return torch.cat([q, k])
+        return tensor  # norms and the row-parallel biases (added once, after the sum): replicated
+
+    def shard_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our (fused) decoder state -> this rank's, without the LM head (see `lm_head_slice`)."""
+        out = {}
+        for name, tensor in state.items():
+            if name == "lm_head":
+                continue
+            if name.startswith("layers."):
+                leaf = name.split(".", 2)[2]
+                out[name] = self.shard_layer_tensor(leaf, tensor).contiguous()
+            else:
+                out[name] = tensor  # embeddings, final norm
+        return out
+
+    def lm_head_slice(self, weight: torch.Tensor) -> torch.Tensor:  # [V, D] -> [ceil(V / tp), D]
+        """This rank's vocabulary rows; the last rank's are padded with zero rows so that every
+        rank's logits have one shape (the all_gather needs it; the padding is cut after)."""
+        rows = self.vocab_rows
+        start = self.rank * rows
+        piece = weight[start : start + rows]
+        if piece.shape[0] == rows:
+            return piece  # a view: a tied LM head shares the embedding's memory
+        padding = weight.new_zeros(rows - piece.shape[0], weight.shape[1])
+        return torch.cat([piece, padding])

@@ -1,0 +1,113 @@
+"""A sharded decoder over 2 gloo ranks (two threads of this process: no spawn cost) against
+the unsharded decoder: same logits to float tolerance, through prefill, decode, a tree and a
+KV compaction that the follower must replay."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from quickdraft.distributed.decoder import SHUTDOWN, serve_forwards, shard_decoder
+from quickdraft.distributed.group import ParallelGroup, join_group, open_store
+from quickdraft.distributed.launch import CacheOptions, build_cache
+from quickdraft.distributed.sharding import ShardLayout
+from quickdraft.engine.runner import ModelRunner, SequenceWork
+from quickdraft.verify.tree import Tree
+from tests.distributed.test_sharding import load_state
+from tests.models.test_decoder import make_runner, prompt
+
+CPU = torch.device("cpu")
+OPTIONS = CacheOptions(num_slots=2, max_len=128, block_size=5, max_step_tokens=128)
+
+
+def make_groups(size: int) -> list[ParallelGroup]:
+    """`size` ranks in threads of this process, joined over one local store."""
+    master = open_store(rank=0, size=size, port=0)
+    stores = [master] + [open_store(rank=rank, size=size, port=int(master.port)) for rank in range(1, size)]
+    with ThreadPoolExecutor(size) as pool:
+        futures = [
+            pool.submit(join_group, store=stores[rank], rank=rank, size=size, device=CPU) for rank in range(size)
+        ]
+        return [f.result(timeout=60) for f in futures]
+
+
+def test_collectives_over_two_ranks():
+    groups = make_groups(2)
+    with ThreadPoolExecutor(2) as pool:
+        sums = list(pool.map(lambda g: g.all_reduce(torch.full((3,), float(g.rank + 1))), groups))
+        gathered = list(pool.map(lambda g: torch.cat(g.all_gather(torch.full((2,), float(g.rank)))), groups))
+        received = pool.submit(groups[1].receive_object)
+        groups[0].send_object(7, {"tokens": torch.arange(4)})
+        kind, obj = received.result(timeout=30)
+    assert all(torch.equal(s, torch.full((3,), 3.0)) for s in sums)
+    assert all(torch.equal(g, torch.tensor([0.0, 0.0, 1.0, 1.0])) for g in gathered)
+    assert kind == 7 and torch.equal(obj["tokens"], torch.arange(4))
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [("gemma3", torch.float32), ("llama", torch.float32), ("llama", torch.bfloat16)]
+)
+def test_sharded_forward_matches_unsharded(tiny_checkpoints, arch, dtype):
+    """Rank 0 drives a runner as the engine does; rank 1 replays its forwards in a thread."""
+    path = tiny_checkpoints[arch]
+    # bfloat16: the all_reduce rounds each rank's partial sum to bfloat16 before adding them
+    tolerance = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    config, state = load_state(path)
+    groups = make_groups(2)
+    ranks = []
+    for group in groups:
+        decoder = shard_decoder(config, state, group=group, dtype=dtype, device=CPU, max_len=128)
+        layout = ShardLayout(config=config, rank=group.rank, size=2)
+        ranks.append((decoder, build_cache(config, layout, OPTIONS, dtype=dtype, device=CPU)))
+    follower = threading.Thread(
+        target=serve_forwards, args=(ranks[1][0],), kwargs=dict(cache=ranks[1][1], group=groups[1]), daemon=True
+    )
+    follower.start()
+    sharded = ModelRunner(model=ranks[0][0], cache=ranks[0][1], device=CPU)
+    full, full_cache = make_runner(path, num_slots=2, max_len=128, block_size=5, dtype=dtype)
+    try:
+        for cache in (ranks[0][1], full_cache):
+            for slot in (0, 1):
+                assert cache.allocate() == slot
+        tokens = [prompt(17, seed=3), prompt(9, seed=4)]
+        steps = [
+            # prefill of two sequences in one forward (several blocks, a sliding window)
+            [SequenceWork(slot=s, cache_len=0, token_ids=t, logits_nodes=[len(t) - 1]) for s, t in enumerate(tokens)],
+            # a tree on slot 0, a decode on slot 1
+            [
+                SequenceWork(
+                    slot=0,
+                    cache_len=17,
+                    token_ids=[5, 6, 7, 8, 9],
+                    tree=Tree([-1, 0, 0, 1, 2]),
+                    logits_nodes=[0, 1, 2, 3, 4],
+                ),
+                SequenceWork(slot=1, cache_len=9, token_ids=[11], logits_nodes=[0]),
+            ],
+        ]
+        for work in steps:
+            got = sharded.forward(work).logits
+            expected = full.forward(work).logits
+            torch.testing.assert_close(got, expected, **tolerance)
+        # Keep the tree's right branch (nodes 0, 2, 4): the KV moves that the follower replays.
+        for cache in (ranks[0][1], full_cache):
+            cache.compact(0, source=[17, 19, 21], destination_start=17)
+            cache.commit(0, 20)
+        assert ranks[0][1].pending_moves
+        work = [SequenceWork(slot=0, cache_len=20, token_ids=[12, 13], logits_nodes=[0, 1])]
+        torch.testing.assert_close(sharded.forward(work).logits, full.forward(work).logits, **tolerance)
+        assert not ranks[0][1].pending_moves  # sent with that forward
+        # The follower's cache holds its KV heads of the same tokens at the same places.
+        layout = ShardLayout(config=config, rank=1, size=2)
+        heads = slice(layout.first_kv_head, layout.first_kv_head + layout.num_kv_heads)
+        for layer in (i for i, window in enumerate(config.layer_windows) if window is None):
+            keys, _ = ranks[1][1].read(layer, slot=0, start=0, end=22)
+            full_keys, _ = full_cache.read(layer, slot=0, start=0, end=22)
+            torch.testing.assert_close(keys, full_keys[heads], **tolerance)
+    finally:
+        groups[0].send_object(SHUTDOWN, None)
+        follower.join(timeout=30)
+    assert not follower.is_alive()

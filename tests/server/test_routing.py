@@ -1,0 +1,198 @@
+"""Routing policies (quickdraft/server/routing.py): exact tables, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from quickdraft.server.routing import (
+    CacheAwarePolicy,
+    RoundRobinPolicy,
+    RouteHint,
+    make_policy,
+    prefix_hashes,
+    rendezvous_order,
+    routing_text,
+)
+
+REPLICAS = ["a", "b", "c"]
+
+
+def hint_for(text: str, *, chunk_chars: int = 4) -> RouteHint:
+    return RouteHint(prefix_hashes=prefix_hashes(text, chunk_chars=chunk_chars))
+
+
+# ---- prefix hashes and routing text -------------------------------------------------------------
+def test_prefix_hashes_cover_whole_chunks_and_are_chained():
+    assert prefix_hashes("abc", chunk_chars=4) == ()
+    one = prefix_hashes("abcdxy", chunk_chars=4)
+    two = prefix_hashes("abcdefgh", chunk_chars=4)
+    assert len(one) == 1 and len(two) == 2
+    assert one[0] == two[0]  # shared first chunk, same hash
+    # Chained: the same second chunk after a different first one hashes differently.
+    assert prefix_hashes("zzzzefgh", chunk_chars=4)[1] != two[1]
+    assert prefix_hashes("abcdefgh", chunk_chars=4) == two  # stable (not Python's per-process hash())
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_prefix_hashes_reject_bad_chunk_sizes(bad):
+    with pytest.raises(ValueError, match="chunk_chars must be a positive integer"):
+        prefix_hashes("abcd", chunk_chars=bad)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "text"),
+    [
+        ("/v1/completions", {"prompt": "hello"}, "hello"),
+        ("/v1/completions", {"prompt": ["hello"]}, "hello"),
+        ("/v1/completions", {"prompt": [1, 22, 3]}, "1 22 3 "),
+        ("/v1/completions", {"prompt": 5}, ""),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "user\x1fhi\x1e"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+            "user\x1fab\x1e",
+        ),
+        ("/v1/chat/completions", {"messages": "not a list"}, ""),
+        ("/v1/models", {"prompt": "x"}, ""),
+        ("/v1/completions", ["not", "a", "dict"], ""),
+    ],
+)
+def test_routing_text(path, body, text):
+    assert routing_text(path, body) == text
+
+
+def test_a_conversations_next_turn_starts_with_its_previous_turn():
+    turn1 = {"messages": [{"role": "user", "content": "x" * 300}]}
+    turn2 = {
+        "messages": [*turn1["messages"], {"role": "assistant", "content": "y" * 50}, {"role": "user", "content": "z"}]
+    }
+    first = prefix_hashes(routing_text("/v1/chat/completions", turn1), chunk_chars=64)
+    second = prefix_hashes(routing_text("/v1/chat/completions", turn2), chunk_chars=64)
+    assert len(first) == 4 and second[: len(first)] == first
+
+
+# ---- round robin ----------------------------------------------------------------------------------
+def test_round_robin_turns_through_the_replicas():
+    policy = RoundRobinPolicy()
+    firsts = [policy.rank(["b", "a", "c"], hint_for("whatever text"))[0] for _ in range(4)]
+    assert firsts == ["a", "b", "c", "a"]
+
+
+# ---- cache aware ----------------------------------------------------------------------------------
+def test_a_new_prefix_goes_to_its_rendezvous_replica_and_stays_there():
+    policy = CacheAwarePolicy()
+    hint = hint_for("abcdefgh")
+    expected = rendezvous_order(REPLICAS, key=hint.prefix_hashes[0])
+    assert policy.rank(REPLICAS, hint) == expected
+    # The order does not depend on the order the replicas are listed in.
+    assert policy.rank(list(reversed(REPLICAS)), hint) == expected
+
+
+def test_the_holder_of_the_longest_prefix_wins():
+    policy = CacheAwarePolicy()
+    short, longer = hint_for("abcd"), hint_for("abcdefgh")
+    rendezvous_first = rendezvous_order(REPLICAS, key=short.prefix_hashes[0])[0]
+    other = next(replica for replica in REPLICAS if replica != rendezvous_first)
+    policy.on_routed(other, longer)  # some earlier request with the longer prefix went to `other`
+    policy.on_completed(other)
+    assert policy.rank(REPLICAS, hint_for("abcdefghijkl"))[0] == other  # continues that prefix
+    assert policy.holders(short, REPLICAS) == [other]  # `other` also took the shared first chunk
+    assert policy.rank(REPLICAS, hint_for("abcdzzzz"))[0] == other  # shares only the first chunk
+    # A second conversation under the same first chunk, sent elsewhere, keeps its own replica.
+    policy.on_routed(rendezvous_first, hint_for("abcdWXYZ"))
+    policy.on_completed(rendezvous_first)
+    assert policy.rank(REPLICAS, hint_for("abcdWXYZmore"))[0] == rendezvous_first
+    assert policy.rank(REPLICAS, hint_for("abcdefghmore"))[0] == other
+
+
+def test_a_hot_prefix_spills_past_the_load_bound():
+    # load_factor 1.25, 2 replicas: the bound is ceil(1.25 * (in flight + 1) / 2).
+    policy = CacheAwarePolicy(load_factor=1.25)
+    replicas = ["a", "b"]
+    hint = hint_for("hot prefix, shared by every request")
+    owner = policy.rank(replicas, hint)[0]
+    spill = next(replica for replica in replicas if replica != owner)
+    table = []
+    for _ in range(6):
+        chosen = policy.rank(replicas, hint)[0]
+        table.append((chosen, policy.load_bound(2)))
+        policy.on_routed(chosen, hint)
+    # In flight before each (owner, spill): (0, 0) bound 1 -> owner; (1, 0) bound 2 -> owner;
+    # (2, 0) bound 2: the owner would hold 3, spill; from then on both hold the prefix and the
+    # less loaded one takes it: (2, 1) bound 3 -> spill; (2, 2) bound 4 -> owner (the older
+    # holder first on a tie); (3, 2) bound 4 -> spill.
+    assert table == [(owner, 1), (owner, 2), (spill, 2), (spill, 3), (owner, 4), (spill, 4)]
+    assert policy.in_flight == {owner: 3, spill: 3}
+
+
+def test_requests_without_a_prefix_go_to_the_least_loaded():
+    policy = CacheAwarePolicy()
+    policy.on_routed("a")
+    policy.on_routed("a")
+    policy.on_routed("c")
+    assert policy.rank(REPLICAS, RouteHint()) == ["b", "c", "a"]
+    policy.on_completed("a")
+    policy.on_completed("a")
+    policy.on_completed("a")  # more completions than routed requests do not go below zero
+    assert policy.in_flight["a"] == 0
+
+
+def test_avoided_replicas_are_left_out_until_all_are_avoided():
+    policy = CacheAwarePolicy()
+    assert set(policy.rank(REPLICAS, RouteHint(avoid=frozenset({"a"})))) == {"b", "c"}
+    assert set(policy.rank(REPLICAS, RouteHint(avoid=frozenset(REPLICAS)))) == set(REPLICAS)
+
+
+def test_a_dead_replica_is_forgotten():
+    policy = CacheAwarePolicy()
+    hint = hint_for("abcdefgh")
+    policy.on_routed("b", hint)
+    policy.on_routed("a", hint)
+    assert policy.holders(hint, REPLICAS) == ["b", "a"]
+    policy.forget("b")
+    assert policy.holders(hint, REPLICAS) == ["a"] and "b" not in policy.in_flight
+    policy.forget("a")
+    assert policy.holders(hint, REPLICAS) == []
+    assert policy.rank(["a", "c"], hint) == rendezvous_order(["a", "c"], key=hint.prefix_hashes[0])
+
+
+def test_the_prefix_table_is_bounded():
+    policy = CacheAwarePolicy(max_prefixes=3)
+    policy.on_routed("a", hint_for("abcdefgh"))  # 2 hashes
+    policy.on_routed("b", hint_for("ijklmnop"))  # 2 more: the oldest goes
+    assert len(policy._holders) == 3
+    assert policy.holders(hint_for("ijklmnop"), REPLICAS) == ["b"]
+    assert policy.holders(hint_for("abcd"), REPLICAS) == []  # the oldest hash was dropped
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"load_factor": 0.5}, "load_factor must be a number >= 1"),
+        ({"load_factor": "2"}, "load_factor must be a number >= 1"),
+        ({"max_prefixes": 0}, "max_prefixes must be a positive integer"),
+    ],
+)
+def test_bad_policy_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_policy("cache_aware", **kwargs)
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match=r"routing policy must be one of \['cache_aware', 'round_robin'\]"):
+        make_policy("random")
+
+
+def test_no_replicas():
+    with pytest.raises(ValueError, match="no replica to route to"):
+        CacheAwarePolicy().rank([], RouteHint())
+
+
+def test_a_new_prefix_goes_to_the_least_loaded_replica_first():
+    policy = CacheAwarePolicy(load_factor=10)  # a bound far away: the order alone decides
+    hint = hint_for("a brand new conversation")
+    rendezvous_first = rendezvous_order(REPLICAS, key=hint.prefix_hashes[0])[0]
+    policy.on_routed(rendezvous_first)  # busy with something else
+    ranked = policy.rank(REPLICAS, hint)
+    assert ranked[-1] == rendezvous_first
+    assert ranked[:2] == [r for r in rendezvous_order(REPLICAS, key=hint.prefix_hashes[0]) if r != rendezvous_first]
