@@ -542,6 +542,20 @@ def _add_bench_serve_parser(suites) -> None:
         metavar="N",
         help="KV cache slots of the server (default: the largest --concurrency)",
     )
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve each mode with N replicas on Ray Serve (a local instance; cores / N CPUs each) instead of "
+        "the single server in this process; needs the ray extra (default: the single server)",
+    )
+    serve.add_argument(
+        "--routing",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin"],
+        help="how the replicas are routed to (with --replicas; default: cache_aware)",
+    )
     serve.add_argument("--out", default=None, metavar="DIR", help="results folder (default: results/serve-DATE-TIME)")
     _add_model_options(serve)
 
@@ -702,6 +716,8 @@ def run_bench_serve(args) -> int:
         modes=tuple(args.modes),
         time_limit_seconds=args.time_limit,
         max_num_seqs=args.max_num_seqs,
+        replicas=args.replicas,
+        routing=args.routing,
     )
     out_dir = Path(args.out) if args.out else default_out_dir()
     report = run_serving_bench(

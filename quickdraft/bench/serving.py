@@ -60,6 +60,10 @@ class ServingBenchOptions:
     max_num_seqs: int | None = None  # None: the largest concurrency, so no level queues for a slot
     request_timeout_seconds: float = 600.0
     modes: tuple[str, ...] = MODES  # which to run; off (the baseline) always runs
+    # None: the single server in this process; N: N replicas on Ray Serve (a local instance),
+    # deployed afresh for each mode, each with cores / N CPUs (quickdraft/server/replicas.py).
+    replicas: int | None = None
+    routing: str = "cache_aware"
 
     def __post_init__(self) -> None:
         self.questions = Path(self.questions)
@@ -79,6 +83,8 @@ class ServingBenchOptions:
             raise ValueError(f"concurrency levels must be distinct, got {list(self.concurrency)}")
         for name in ("requests_per_client", "max_tokens"):
             _check_positive_int(name, getattr(self, name))
+        if self.replicas is not None:
+            _check_positive_int("replicas", self.replicas)
         if self.max_num_seqs is not None:
             _check_positive_int("max_num_seqs", self.max_num_seqs)
         for name in ("time_limit_seconds", "request_timeout_seconds"):
@@ -424,6 +430,13 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
         prompts=len(prompts),
         skipped_question_ids=skipped,
     )
+    if options.replicas is not None:
+        del engine  # the replicas load their own; this one only counted prompt tokens
+        with ray_instance():
+            for mode, speculative_config in options.mode_configs().items():
+                with running_replicas(options, speculative_config=speculative_config) as base_url:
+                    asyncio.run(_run_mode(report, base_url=base_url, prompts=prompts, mode=mode, log=log))
+        return report
     for mode, speculative_config in options.mode_configs().items():
         engine.set_speculative_config(speculative_config)
         # Each mode starts from an empty prefix cache: the modes share one engine and ask the same
@@ -433,6 +446,34 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
         with running_server(server) as base_url:
             asyncio.run(_run_mode(report, base_url=base_url, prompts=prompts, mode=mode, log=log))
     return report
+
+
+@contextlib.contextmanager
+def ray_instance() -> Iterator[None]:
+    """A local Ray instance for the benchmark's deployments (they come and go, Ray stays)."""
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def running_replicas(options: ServingBenchOptions, *, speculative_config: dict | None) -> Iterator[str]:
+    """options.replicas fresh replicas (empty prefix caches) of the mode's server; yields the base URL."""
+    from quickdraft.server.replicas import ReplicaOptions, ReplicatedServer
+
+    replicas = options.replicas or 1
+    config = server_config(options, speculative_config=speculative_config)
+    config.port = 0  # a free one
+    cpus = max(1, (os.cpu_count() or 1) // replicas)
+    server = ReplicatedServer(config, ReplicaOptions(replicas=replicas, cpus_per_replica=cpus, routing=options.routing))
+    try:
+        yield server.base_url
+    finally:
+        server.stop()
 
 
 async def _run_mode(report: ServingBenchReport, *, base_url: str, prompts: list[BenchPrompt], mode: str, log) -> None:
@@ -484,14 +525,22 @@ def machine_description(device: str) -> str:
 
 
 def _header(options: ServingBenchOptions, *, engine, num_prompts: int) -> str:
-    model = options.model or "embedded Gemma 3 270M (GGUF Q4_K_M, dequantized)"
+    model = options.model or "embedded Gemma 3 270M (GGUF Q4_K_M; dtype auto keeps it as stored)"
     return (
         f"Serving benchmark: {model}, {options.dtype}, {options.device}, max_model_len {engine.max_model_len}, "
-        f"{options.num_slots} cache slots; greedy streamed completions of {options.max_tokens} tokens at most, "
+        f"{options.num_slots} cache slots{_replicas_text(options)}; greedy streamed completions of "
+        f"{options.max_tokens} tokens at most, "
         f"{options.requests_per_client} per client; first turns of {num_prompts} Spec-Bench questions from "
         f"{options.questions.name}; always-on = {json.dumps(options.speculative_config, sort_keys=True)}; "
         f"{time.strftime('%Y-%m-%d %H:%M')}"
     )
+
+
+def _replicas_text(options: ServingBenchOptions) -> str:
+    if options.replicas is None:
+        return ""
+    cpus = max(1, (os.cpu_count() or 1) // options.replicas)
+    return f" per replica, {options.replicas} replicas on Ray Serve ({cpus} CPUs each, {options.routing} routing)"
 
 
 # ---- report ---------------------------------------------------------------------------------

@@ -264,3 +264,19 @@ def test_percentile_interpolates_like_numpy():
     for fraction in (0.0, 0.5, 0.9, 1.0):
         assert percentile(values, fraction) == pytest.approx(numpy.percentile(values, fraction * 100))
     assert percentile([], 0.5) is None and percentile([4.0], 0.9) == 4.0
+
+
+def test_bench_serve_on_replicas_gives_the_single_servers_tokens(report, tiny_checkpoints, questions_file, tmp_path):
+    """`--replicas 2`: each mode deployed on Ray Serve; same prompts, same greedy tokens as the single server."""
+    _, single, _ = report
+    extra = ("--concurrency", "2", "--modes", "off", "--replicas", "2")
+    assert run_bench(tiny_checkpoints["gemma3"], questions_file, tmp_path, *extra) == 0
+    data = json.loads((tmp_path / JSON_FILE).read_text())
+    assert "2 replicas on Ray Serve (1 CPUs each, cache_aware routing)" in data["header"]
+    assert data["options"]["replicas"] == 2
+    single_levels = levels_by_key(single)
+    for key, level in levels_by_key(data).items():
+        assert level["summary"]["errors"] == 0
+        tokens = {r["index"]: r["token_ids"] for r in level["requests"]}
+        expected = {r["index"]: r["token_ids"] for r in single_levels[key]["requests"]}
+        assert tokens == expected
