@@ -53,6 +53,17 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the target over N processes on this machine (this process is rank 0; gloo on CPU, NCCL on "
+        "CUDA with one GPU per rank); needs --dtype float32 or bfloat16 (default: 1). See docs/tensor-parallel.md",
+    )
+
+
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: 128)")
@@ -104,14 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template"
     )
-    generate.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the target over N processes on this machine (this process is rank 0); needs --dtype "
-        "float32 or bfloat16 (default: 1). See docs/tensor-parallel.md",
-    )
+    _add_tensor_parallel_option(generate)
     _add_bench_parser(commands)
     _add_train_head_parser(commands)
     _add_serve_parser(commands)
@@ -153,14 +157,7 @@ def _add_serve_parser(commands) -> None:
         metavar="JSON",
         help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
     )
-    serve.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the target over N processes on this machine (this process is rank 0; gloo on CPU, NCCL on "
-        "CUDA with one GPU per rank); needs --dtype float32 or bfloat16 (default: 1). See docs/tensor-parallel.md",
-    )
+    _add_tensor_parallel_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     serve.add_argument(

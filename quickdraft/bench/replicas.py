@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quickdraft.bench.serving import machine_description, percentile, sse_chunks
+from quickdraft.bench.serving import machine_description, percentile, ray_instance, sse_chunks
 from quickdraft.bench.specbench import conversation_prompt, load_questions
 
 DEFAULT_QUESTIONS = Path("../shared/data/specbench/questions.dev.jsonl")
@@ -178,21 +177,17 @@ def summarize(turns: list[TurnResult], *, wall: float) -> dict:
 
 
 def run_replica_bench(options: ReplicaBenchOptions, *, log=print) -> dict:
-    import ray
-
     from quickdraft.server import ServerConfig
     from quickdraft.server.replicas import ReplicaOptions, ReplicatedServer
 
     questions = load_questions(options.questions, categories=("multi-turn",))[: options.conversations]
-    cores = os.cpu_count() or 1
     report: dict = {
         "options": {**asdict(options), "questions": str(options.questions)},
         "machine": machine_description("cpu"),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "setups": [],
     }
-    ray.init(include_dashboard=False, log_to_driver=False)
-    try:
+    with ray_instance():
         outputs: dict[str, list[list[int]]] = {}
         for name, replicas, routing in options.setups():
             config = ServerConfig(
@@ -205,9 +200,8 @@ def run_replica_bench(options: ReplicaBenchOptions, *, log=print) -> dict:
                 speculative_config=options.speculative_config,
                 log_level="warning",
             )
-            server = ReplicatedServer(
-                config, ReplicaOptions(replicas=replicas, cpus_per_replica=max(1, cores // replicas), routing=routing)
-            )
+            # cores / replicas CPUs each: ReplicaOptions' default
+            server = ReplicatedServer(config, ReplicaOptions(replicas=replicas, routing=routing))
             try:
                 turns, wall = asyncio.run(run_conversations(server.base_url, questions=questions, options=options))
             finally:
@@ -219,8 +213,6 @@ def run_replica_bench(options: ReplicaBenchOptions, *, log=print) -> dict:
         baseline = next(iter(outputs.values()))
         for setup in report["setups"]:
             setup["summary"]["same_tokens_as_1_replica"] = outputs[setup["name"]] == baseline
-    finally:
-        ray.shutdown()
     return report
 
 

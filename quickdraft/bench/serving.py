@@ -463,13 +463,11 @@ def ray_instance() -> Iterator[None]:
 @contextlib.contextmanager
 def running_replicas(options: ServingBenchOptions, *, speculative_config: dict | None) -> Iterator[str]:
     """options.replicas fresh replicas (empty prefix caches) of the mode's server; yields the base URL."""
-    from quickdraft.server.replicas import ReplicaOptions, ReplicatedServer
+    from quickdraft.server.replicas import ReplicatedServer
 
-    replicas = options.replicas or 1
     config = server_config(options, speculative_config=speculative_config)
     config.port = 0  # a free one
-    cpus = max(1, (os.cpu_count() or 1) // replicas)
-    server = ReplicatedServer(config, ReplicaOptions(replicas=replicas, cpus_per_replica=cpus, routing=options.routing))
+    server = ReplicatedServer(config, replica_options(options))
     try:
         yield server.base_url
     finally:
@@ -536,11 +534,18 @@ def _header(options: ServingBenchOptions, *, engine, num_prompts: int) -> str:
     )
 
 
+def replica_options(options: ServingBenchOptions):
+    """The deployment of each mode: options.replicas replicas, cores / N CPUs each (ReplicaOptions' default)."""
+    from quickdraft.server.replicas import ReplicaOptions
+
+    return ReplicaOptions(replicas=options.replicas or 1, routing=options.routing)
+
+
 def _replicas_text(options: ServingBenchOptions) -> str:
     if options.replicas is None:
         return ""
-    cpus = max(1, (os.cpu_count() or 1) // options.replicas)
-    return f" per replica, {options.replicas} replicas on Ray Serve ({cpus} CPUs each, {options.routing} routing)"
+    cpus = replica_options(options).replica_cpus()
+    return f" per replica, {options.replicas} replicas on Ray Serve ({cpus:g} CPUs each, {options.routing} routing)"
 
 
 # ---- report ---------------------------------------------------------------------------------
