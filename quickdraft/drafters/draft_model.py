@@ -13,7 +13,7 @@ Sampled requests draw from the draft model's distribution q after the request's 
 parameters, in one of two ways (``coupling``):
 
 - ``"keyed"`` (default): with the noise of the drafted token's own output position
-  (``sampler.sample_keyed``), the very noise the target's draw at that position uses.  The
+  (``sampler.draw_keyed``), the very noise the target's draw at that position uses.  The
   draft is then a point mass that equals the target's draw whenever the two Gumbel races
   agree, and verification follows the target's draws, so a seeded run returns plain
   decoding's tokens.  Measured against the other rule in the README.
@@ -46,11 +46,11 @@ from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder, read_draft_vocab, resolve_model_dir
 from quickdraft.verify.sampler import (
     RowContext,
+    draw_keyed,
     logits_to_probs,
     make_generator,
     position_key,
     sample_from_probs,
-    sample_keyed,
 )
 
 # Room past max_model_len for the drafted tokens that are fed before verification.
@@ -260,11 +260,11 @@ class DraftModelDrafter(Drafter):
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids + drafted,
         )
-        probs = logits_to_probs(logits, [row])  # [1, V]
         if self.coupling == "keyed":
             seed = request.seed if request.seed is not None else self.seed
             key = position_key(seed, len(request.output_token_ids) + len(drafted))
-            return int(sample_keyed(probs, [key])[0]), None
+            return int(draw_keyed(logits, [row], [key])[0]), None
+        probs = logits_to_probs(logits, [row])  # [1, V]
         token = int(sample_from_probs(probs, [self._states[request.request_id].generator])[0])
         return token, probs[0]
 

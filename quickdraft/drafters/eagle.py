@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
-from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
+from quickdraft.drafters.keyed import KeyedDraw, check_coupling, coupled_order
 from quickdraft.drafters.tree import DynamicTree, StaticTree
 from quickdraft.heads import head_precision, resolve_head_dir
 from quickdraft.kernels.attention import attention
@@ -384,15 +384,12 @@ class EagleDrafter(Drafter):
         else:
             candidates, scores = self.head.draft_log_probs(features, copy_sources)  # [Vd + U], [m, Vd + U]
         picks = []
-        noise = NoiseTable(vocab_size=self.vocab_size, device=candidates.device)
         best = torch.topk(scores, min(num_ranks + 1, scores.shape[1]), dim=-1).indices.tolist()
         for row, (ranks, coupling) in enumerate(zip(ranks_per_node, couplings)):
             order = best[row]
             if coupling is not None:
                 key, temperature = coupling
-                order = coupled_order(
-                    scores[row], candidates, order, log_noise=noise.log_noise(key), temperature=temperature
-                )
+                order = coupled_order(scores[row], candidates, order, noise_key=key, temperature=temperature)
             columns = [order[r] for r in ranks if r < len(order)]
             picks.append((candidates[columns].tolist(), scores[row, columns].tolist()))
         return picks

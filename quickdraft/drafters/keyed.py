@@ -13,12 +13,12 @@ the head's most likely other ids, as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from quickdraft.drafters.base import DraftRequest
-from quickdraft.verify.sampler import keyed_noise, position_key
+from quickdraft.verify.sampler import keyed_uniform, position_key
 
 COUPLINGS = ("keyed", "top_k")
 
@@ -55,30 +55,16 @@ class KeyedDraw:
         return position_key(self.seed, self.first_position + depth - 1)
 
 
-@dataclass
-class NoiseTable:
-    """Exp(1) noise of keys over the whole vocabulary, drawn once per key (one step's worth)."""
-
-    vocab_size: int
-    device: torch.device
-    _noise: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def log_noise(self, key: int) -> torch.Tensor:  # [V]
-        noise = self._noise.get(key)
-        if noise is None:
-            noise = self._noise[key] = keyed_noise(key, self.vocab_size, device=self.device).log()
-        return noise
-
-
 def coupled_order(
     log_probs: torch.Tensor,  # [C] the head's log-probabilities (or logits) of the candidates
     candidate_ids: torch.Tensor,  # [C] their target ids
     best: list[int],  # candidate columns, most likely first (at least as many as are wanted)
     *,
-    log_noise: torch.Tensor,  # [V] log of the position's Exp(1) noise
+    noise_key: int,  # position_key of the draft tokens' output position
     temperature: float,
 ) -> list[int]:
     """Candidate columns in proposal order: the head's keyed draw at this temperature first,
-    then the most likely others."""
-    drawn = int(torch.argmax(log_probs / temperature - log_noise[candidate_ids]))
+    then the most likely others.  The noise is counter-based: only the candidates' ids are hashed."""
+    log_noise = keyed_uniform(noise_key, candidate_ids.to(torch.long)).log_().neg_().log_()  # [C] log Exp(1)
+    drawn = int(torch.argmax(log_probs / temperature - log_noise))
     return [drawn] + [column for column in best if column != drawn]

@@ -30,7 +30,7 @@ import torch
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.eagle import head_max_len
-from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
+from quickdraft.drafters.keyed import KeyedDraw, check_coupling, coupled_order
 from quickdraft.drafters.tree import DynamicTree
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.heads import drafting_options, head_precision, resolve_head_dir
@@ -161,10 +161,9 @@ class LayerSkipDrafter(Drafter):
             if not growing:
                 break
             hidden = self._early_layers([requests[i] for i in growing], [trees[i] for i in growing])
-            noise = NoiseTable(vocab_size=self.vocab_size, device=hidden[0].device)
             for i, rows in zip(growing, hidden):
                 keyed = KeyedDraw.of(requests[i]) if self.coupling == "keyed" else None
-                draw = None if keyed is None else (noise.log_noise(keyed.key(depth)), keyed.temperature)
+                draw = None if keyed is None else (keyed.key(depth), keyed.temperature)
                 frontiers[i] = self._grow(
                     trees[i], frontiers[i], rows, depth=depth, budget=budgets[i], draw=draw, sources=sources[i]
                 )
@@ -214,11 +213,11 @@ class LayerSkipDrafter(Drafter):
         *,
         depth: int,
         budget: int,
-        draw: tuple[torch.Tensor, float] | None = None,
+        draw: tuple[int, float] | None = None,
         sources: CopySources | None = None,
     ) -> list[int]:
         """Children for the best frontier nodes (within the budget); returns the new frontier.
-        draw: a sampled request's (log noise [V] of this depth's position, temperature): each
+        draw: a sampled request's (noise key of this depth's position, temperature): each
         node's first child is the head's keyed draw.  sources: what a copy path copies from."""
         expand = tree.best_frontier(frontier, 1 if depth == 1 else self.top_k)
         features = hidden[expand]  # [m, D]
@@ -237,7 +236,7 @@ class LayerSkipDrafter(Drafter):
         for row in range(len(expand)):
             order = best[row]
             if draw is not None:
-                order = coupled_order(log_probs[row], candidates, order, log_noise=draw[0], temperature=draw[1])
+                order = coupled_order(log_probs[row], candidates, order, noise_key=draw[0], temperature=draw[1])
             columns = order[: self.top_k]
             picks.append((candidates[columns].tolist(), log_probs[row, columns].tolist()))
         return self._add_picks(tree, expand, picks, budget=budget)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
-from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
+from quickdraft.drafters.keyed import KeyedDraw, check_coupling, coupled_order
 from quickdraft.drafters.tree import StaticTree, default_medusa_paths
 from quickdraft.heads import drafting_options, head_precision, resolve_head_dir
 from quickdraft.models.layers import default_linear_fn
@@ -112,7 +112,6 @@ class MedusaDrafter(Drafter):
             logits = self.heads(features)  # [K, B, Vd]
             width = min(self.tree.max_rank + 1, logits.shape[-1])  # one spare for a keyed draw
             top = torch.topk(logits, width, dim=-1).indices.tolist()  # [K][B][width] columns
-            noise = NoiseTable(vocab_size=self.vocab_size, device=logits.device)
             for row, request in enumerate(ready):
                 keyed = KeyedDraw.of(request) if self.coupling == "keyed" else None
                 candidates = []  # [K][ranks] target ids: head k's tokens for depth k + 1
@@ -123,7 +122,7 @@ class MedusaDrafter(Drafter):
                             logits[k, row],
                             self.heads.d2t,
                             order,
-                            log_noise=noise.log_noise(keyed.key(k + 1)),
+                            noise_key=keyed.key(k + 1),
                             temperature=keyed.temperature,
                         )
                     candidates.append(self.heads.d2t[order[: self.tree.max_rank]].tolist())

@@ -25,7 +25,7 @@ from quickdraft.drafters.base import AcceptedPath, Proposal
 from quickdraft.engine.request import Request
 from quickdraft.kernels.argmax import argmax_rows
 from quickdraft.verify.rejection import verify_by_target_choice, verify_greedy, verify_proposal
-from quickdraft.verify.sampler import RowContext, logits_to_probs, position_key, sample_keyed, samples_by_argmax
+from quickdraft.verify.sampler import RowContext, draw_keyed, logits_to_probs, position_key, samples_by_argmax
 
 
 def verify_step(
@@ -106,8 +106,8 @@ def _root_draws(*, requests: list[Request], logits: torch.Tensor | None, eos_tok
         return []
     assert logits is not None  # given with the requests
     contexts = [_row_context(r, r.output_token_ids) for r in requests]
-    probs = logits_to_probs(logits, contexts, eos_token_ids=eos_token_ids)
-    return sample_keyed(probs, [position_key(r.seed, len(r.output_token_ids)) for r in requests]).tolist()
+    keys = [position_key(r.seed, len(r.output_token_ids)) for r in requests]
+    return draw_keyed(logits, contexts, keys, eos_token_ids=eos_token_ids).tolist()
 
 
 @dataclass
@@ -124,10 +124,9 @@ class _KeyedChoice:
         if node == 0:
             return self.root
         history = self.request.output_token_ids + self.proposal.tree.path_tokens(self.proposal.token_ids, node)
-        probs = logits_to_probs(
-            self.rows[node : node + 1], [_row_context(self.request, history)], eos_token_ids=self.eos_token_ids
-        )
-        return int(sample_keyed(probs, [position_key(self.request.seed, len(history))])[0])
+        key = position_key(self.request.seed, len(history))
+        row = self.rows[node : node + 1]
+        return int(draw_keyed(row, [_row_context(self.request, history)], [key], eos_token_ids=self.eos_token_ids)[0])
 
 
 def _row_context(request: Request, history: list[int]) -> RowContext:

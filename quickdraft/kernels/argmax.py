@@ -13,7 +13,7 @@ from quickdraft.kernels.build import LazyKernel
 
 __all__ = ["argmax_rows"]
 
-_KERNEL = LazyKernel("argmax_v1", source="argmax.cpp", what="torch.argmax")
+_KERNEL = LazyKernel("argmax_v2", source="argmax.cpp", what="torch.argmax")
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # logits [M, V] -> [M] int64

@@ -46,7 +46,7 @@ and 1, so greedy rows never consume the request's generator.
 
 The engine verifies point-mass proposals of sampled requests another way, which is exact
 too and reproducible: ``verify_by_target_choice`` walks the tree along the target's own
-position-keyed draw at each node (``sampler.sample_keyed``), so a seeded request commits the
+position-keyed draw at each node (``sampler.draw_keyed``), so a seeded request commits the
 tokens plain decoding would have drawn.  For a point-mass child that accepts it with
 probability ``p[x]``, as the rule above does.  The rule above remains for sampled proposals.
 

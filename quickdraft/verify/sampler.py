@@ -19,22 +19,30 @@ Order of processing in ``logits_to_probs`` (all in float32 on a copy of the logi
    row where nothing else is left (a structured output's grammar that only allows stopping).
 3. Greedy rows (temperature 0) become an exact one-hot of the argmax (ties -> lowest
    index, as ``torch.argmax``). top_k / top_p / min_p do not apply to them.
-4. Other rows: ``softmax(logits / temperature)`` in float32, then
-   a. top_k: keep tokens whose probability is >= the k-th largest (ties at the boundary
+4. Other rows: weights ``exp(z - max z)``, ``z = logits / temperature``, in float32 by a fixed
+   polynomial (``exp_nonpositive``: the same bits on every CPU, GPU and in the C++ keyed draw),
+   then
+   a. top_k: keep tokens whose weight is >= the k-th largest (ties at the boundary
       are all kept, as in vLLM and HF); top_k >= V is off;
-   b. top_p: on the distribution left by top_k, keep the smallest prefix of the sorted
-      distribution whose mass reaches ``top_p * kept mass`` (sums in float64); the most
-      likely token is always kept and tokens tied with the last kept one are kept too
-      (a value threshold, so the result does not depend on how a sort orders ties);
-   c. min_p: drop tokens with ``prob < min_p * max prob`` (the ratio is unchanged by the
-      renormalisations above, so this equals vLLM's min_p-first order);
-   d. renormalise the rows that were filtered.
+   b. top_p: on the weights left by top_k, keep the smallest prefix of the sorted
+      distribution whose mass reaches ``top_p * kept mass`` (float64 sums: the kept mass as eight
+      interleaved running sums, the prefix in sorted order); the most likely token is always kept and
+      tokens tied with the last kept one are kept too (a value threshold, so the result does
+      not depend on how a sort orders ties);
+   c. min_p: drop tokens with ``weight < min_p * max weight`` (the ratio is unchanged by the
+      renormalisations, so this equals vLLM's min_p-first order);
+   d. ``logits_to_probs`` divides by the sum; a keyed draw races the weights as they are.
 
-Rows that use no penalty and no filter take a fast path: one softmax, no sort. top_k alone
+Rows that use no penalty and no filter take a fast path: no sort. top_k alone
 uses ``torch.topk``; top_p reuses the top-k values when top_k is set, otherwise looks at the
 top 1024 values first and sorts the whole vocabulary only for rows whose nucleus is larger.
 Work is vectorised over the rows that use a stage, with per-row parameter tensors; Python
 loops run over rows and over token histories, never over the vocabulary.
+
+Position-keyed draws (``draw_keyed``: plain sampled decoding and the verification of sampled
+requests) race the weights against a counter-based Exp(1) noise of (key, token id); on the CPU
+``kernels/csrc/keyed_draw.cpp`` does all of step 4 and the race in one pass, with the bits of
+``sampling_weights`` + ``sample_keyed``.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.kernels.argmax import argmax_rows
+from quickdraft.kernels.keyed_draw import keyed_draw_rows
 from quickdraft.sampling_params import SamplingParams
 
 # Tests set this to True to push every row through every stage (with the stage's "off"
@@ -97,13 +106,52 @@ def logits_to_probs(
     all_sampled = len(sampled) == num_rows
     sampled_idx = _index(sampled, logits.device)
     x = logits if all_sampled else logits[sampled_idx]  # [N, V]
-    temps = torch.tensor([p.temperature for p in sampled_params], device=x.device)  # [N]
-    sampled_probs = torch.softmax(x / temps.unsqueeze(1), dim=-1)  # [N, V] float32
-    _apply_filters(sampled_probs, sampled_params)
+    weights = sampling_weights(x, sampled_params)  # [N, V]
+    sampled_probs = weights / weights.sum(dim=-1, keepdim=True)  # [N, V] float32
     if all_sampled:
         return sampled_probs
     probs[sampled_idx] = sampled_probs
     return probs
+
+
+def sampling_weights(
+    logits: torch.Tensor,  # [N, V] float32 (penalties applied), rows that sample
+    params: Sequence[SamplingParams],  # [N], temperature > 0
+) -> torch.Tensor:  # [N, V] float32, the largest of each row exactly 1
+    """A sampled row's distribution, unnormalised: ``exp(z - max z)`` with ``z = logits / T``,
+    then top_k, top_p and min_p.  ``logits_to_probs`` divides it by its sum, keyed draws race
+    it as it is, and ``kernels/csrc/keyed_draw.cpp`` computes the very same bits in one pass."""
+    if bool((~torch.isfinite(logits).any(dim=-1)).any()) or bool(torch.isnan(logits).any()):
+        raise ValueError("every sampled row needs a finite logit and no NaN")
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)  # [N]
+    z = logits / temps.unsqueeze(1)  # [N, V]
+    weights = exp_nonpositive(z - z.amax(dim=-1, keepdim=True))
+    _apply_filters(weights, params)
+    return weights
+
+
+# exp by Cephes' expf polynomial in float32 operations, one rounding each: torch's own exp
+# differs between CPUs, builds and devices, and the C++ keyed draw must compute the same bits.
+_EXP_CUTOFF = -86.0  # below: weight 0 (< 5e-38 of the top token; the result stays a normal float)
+_LOG2E = 1.44269504088896341
+_LN2_HI = 0.693359375
+_LN2_LO = -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+def exp_nonpositive(d: torch.Tensor) -> torch.Tensor:  # [..] float32 <= 0 (or -inf) -> exp(d), float32
+    dc = d.clamp(min=_EXP_CUTOFF)
+    n = torch.floor(dc * _LOG2E + 0.5)
+    r = dc - n * _LN2_HI
+    r = r - n * _LN2_LO
+    rr = r * r
+    p = r * _EXP_POLY[0] + _EXP_POLY[1]
+    for coefficient in _EXP_POLY[2:]:
+        p = p * r + coefficient
+    p = p * rr + r
+    p = p + 1.0
+    scale = ((n.to(torch.int32) + 127) << 23).view(torch.float32)  # 2^n, n >= -124
+    return torch.where(d >= _EXP_CUTOFF, p * scale, torch.zeros((), dtype=torch.float32, device=d.device))
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N, V] float32
@@ -254,15 +302,14 @@ def _uses_min_p(params: SamplingParams) -> bool:
 
 
 def _apply_filters(probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """In place on ``probs`` [N, V] (softmax output, one row per params entry)."""
+    """In place on ``probs`` [N, V] (weights, one row per params entry; not renormalised)."""
     vocab = probs.shape[1]
     device = probs.device
     k_rows = [i for i, p in enumerate(params) if _uses_top_k(p, vocab)]
     p_rows = [i for i, p in enumerate(params) if _uses_top_p(p)]
     m_rows = [i for i, p in enumerate(params) if _uses_min_p(p)]
-    filtered = sorted(set(k_rows) | set(p_rows) | set(m_rows))
-    if not filtered:
-        return  # fast path: nothing to filter, the softmax is already normalised
+    if not (k_rows or p_rows or m_rows):
+        return  # fast path: nothing to filter
 
     # Sorted top-k values of the top_k rows, reused by top_p (no full-vocabulary sort).
     topk_prefix: _TopKPrefix | None = None
@@ -280,10 +327,6 @@ def _apply_filters(probs: torch.Tensor, params: Sequence[SamplingParams]) -> Non
         idx = _index(m_rows, device)
         min_p = torch.tensor([params[i].min_p for i in m_rows], dtype=torch.float32, device=device)
         probs[idx] = min_p_filter(probs[idx], min_p)
-
-    idx = _index(filtered, device)
-    sub = probs[idx]
-    probs[idx] = sub / sub.sum(dim=-1, keepdim=True)
 
 
 @dataclass
@@ -318,7 +361,7 @@ def _apply_top_p_rows(
         idx = _index(with_k, device)
         sub = probs[idx]  # [M, V], already top-k filtered
         top_p = torch.tensor([params[i].top_p for i in with_k], dtype=torch.float64, device=device)
-        threshold, reached = _top_p_cut(topk_prefix.sorted_vals[pos], total=sub.double().sum(dim=-1), top_p=top_p)
+        threshold, reached = _top_p_cut(topk_prefix.sorted_vals[pos], total=_lane_sum(sub), top_p=top_p)
         threshold = torch.where(reached, threshold, topk_prefix.kth[pos])
         probs[idx] = sub.masked_fill(sub < threshold.unsqueeze(1), 0.0)
 
@@ -351,7 +394,7 @@ def top_p_filter(
 ) -> torch.Tensor:  # [N, V]
     """Keep the smallest most-likely prefix whose mass reaches ``top_p`` of the row's mass."""
     _num_rows, vocab = probs.shape
-    total = probs.double().sum(dim=-1)  # [N]
+    total = _lane_sum(probs)  # [N]
     probe = min(vocab, _TOP_P_PROBE)
     prefix = torch.topk(probs, probe, dim=-1, sorted=True).values  # [N, probe] descending
     threshold, reached = _top_p_cut(prefix, total=total, top_p=top_p)
@@ -365,6 +408,18 @@ def top_p_filter(
     # target; the whole row is then the nucleus.
     threshold = torch.where(reached, threshold, torch.zeros_like(threshold))
     return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
+
+
+def _lane_sum(values: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] float64
+    """Each row's float64 sum as the C++ keyed draw adds it: eight running sums over the entries
+    i = l (mod 8), then added in lane order (a CPU cumsum is one running sum; torch.sum groups the
+    terms its own way)."""
+    x = values.double()
+    pad = -x.shape[1] % 8
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))  # adding 0.0 changes no sum
+    lanes = x.view(x.shape[0], -1, 8).cumsum(dim=1)[:, -1, :]  # [N, 8]
+    return lanes.cumsum(dim=1)[:, -1]
 
 
 def _top_p_cut(
@@ -464,35 +519,93 @@ def position_key(seed: int, position: int) -> int:
     return mix(mix(seed & mask) ^ (position & mask))
 
 
-def keyed_noise(key: int, vocab: int, *, device: torch.device | str = "cpu") -> torch.Tensor:  # [V] float32
-    """Exp(1) noise for one position: -log U with U uniform from a generator seeded with `key`
-    (``torch.rand``; ``exponential_`` costs ~5x more on a 262k vocabulary)."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(key)
-    noise = torch.rand(vocab, generator=gen, device=device).log_().neg_()
-    return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # U = 1 cannot happen; keep 0/0 out anyway
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:  # int64 holding uint32 values
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32  # int64 products wrap; their low 32 bits are the uint32 ones
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def keyed_uniform(key: int, token_ids: torch.Tensor) -> torch.Tensor:  # [C] int64 -> [C] float64 in (0, 1)
+    """The uniform of each token id under `key`: a 32-bit hash of (key, id), ``(h + 0.5) / 2^32``.
+    Counter-based, so any subset of the vocabulary costs only its own ids (as in the C++ draw)."""
+    a = (token_ids * 0x9E3779B9 + (key & _MASK32)) & _MASK32
+    h = _fmix32(_fmix32(a) ^ ((key >> 32) & _MASK32))
+    return (h.double() + 0.5) * 2.0**-32
+
+
+def keyed_noise(key: int, vocab: int, *, device: torch.device | str = "cpu") -> torch.Tensor:  # [V] float64
+    """Exp(1) noise of one key over the vocabulary: ``-log U`` of ``keyed_uniform`` (never 0)."""
+    return keyed_uniform(key, torch.arange(vocab, dtype=torch.long, device=device)).log_().neg_()
 
 
 def sample_keyed(
-    probs: torch.Tensor,  # [R, V] non-negative weights (need not be normalised)
+    weights: torch.Tensor,  # [R, V] non-negative weights (need not be normalised)
     keys: Sequence[int],  # [R] position_key of each row
 ) -> torch.Tensor:  # [R] int64
-    """Position-keyed draws: row r takes ``argmax_i p_i / E_i`` with the noise E of its key.
+    """Position-keyed draws: row r takes the first index of the largest ``w_i / E_i`` (float64),
+    with the noise E of its key.
 
     A deterministic function of the distribution and the key: plain decoding draws output
     position t with key (seed, t), and verification computes the very same draw at every tree
     node of that position, so a seeded run gives the same tokens with or without speculation.
-    Each row is exactly distributed as p (exponential race, as in ``sample_from_probs``).
+    Each row is exactly distributed as w / sum(w) (exponential race, as in ``sample_from_probs``).
     """
-    if probs.dim() != 2 or len(keys) != probs.shape[0]:
-        raise ValueError(f"probs must be [R, V] with one key per row, got {tuple(probs.shape)} and {len(keys)} keys")
-    nonzero = (probs > 0).sum(dim=-1)  # [R]
-    if bool((nonzero == 0).any()):
-        raise ValueError("every row of probs needs a positive entry")
-    out = argmax_rows(probs.float())  # [R]; final for rows with one token left
-    for r in (nonzero > 1).nonzero().flatten().tolist():
-        noise = keyed_noise(keys[r], probs.shape[1], device=probs.device)
-        out[r] = argmax_rows((probs[r].float() / noise)[None])[0]
+    if weights.dim() != 2 or len(keys) != weights.shape[0]:
+        raise ValueError(
+            f"weights must be [R, V] with one key per row, got {tuple(weights.shape)} and {len(keys)} keys"
+        )
+    if bool(((weights > 0).sum(dim=-1) == 0).any()):
+        raise ValueError("every row of weights needs a positive entry")
+    noise = torch.stack([keyed_noise(key, weights.shape[1], device=weights.device) for key in keys])  # [R, V]
+    return (weights.double() / noise).argmax(dim=-1)  # first index of the largest
+
+
+def draw_keyed(
+    logits: torch.Tensor,  # [R, V] the target's (or a drafter's) logits, any float dtype
+    rows: Sequence[RowContext],  # [R]
+    keys: Sequence[int],  # [R] position_key of each row
+    *,
+    eos_token_ids: Sequence[int] = (),
+) -> torch.Tensor:  # [R] int64
+    """Each row's position-keyed token: ``sample_keyed`` of the row's distribution (penalties and
+    min_tokens as in ``logits_to_probs``), the argmax for greedy rows.  On the CPU the sampled rows
+    go through the C++ keyed draw (the same bits, ~10x faster on a 262k vocabulary)."""
+    if logits.dim() != 2 or not len(rows) == len(keys) == logits.shape[0]:
+        raise ValueError(f"logits must be [R, V] with one row context and key each, got {tuple(logits.shape)}")
+    logits = logits.to(torch.float32)
+    if any(_modifies_logits(row) for row in rows):
+        logits = logits.clone().contiguous()  # never write into the caller's tensor
+        _apply_penalties(logits, rows)
+        _apply_min_tokens(logits, rows, eos_token_ids=eos_token_ids)
+    out = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [R]
+    greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+    if greedy:
+        idx = _index(greedy, logits.device)
+        out[idx] = argmax_rows(logits[idx])
+    sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if sampled:
+        idx = _index(sampled, logits.device)
+        x = logits if len(sampled) == len(rows) else logits[idx]  # [N, V]
+        params = [rows[i].params for i in sampled]
+        row_keys = [keys[i] for i in sampled]
+        tokens = keyed_draw_rows(
+            x,
+            temperature=[p.temperature for p in params],
+            top_k=[_effective_top_k(p, x.shape[1]) for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            keys=row_keys,
+        )
+        if tokens is None:
+            tokens = sample_keyed(sampling_weights(x, params), row_keys)
+        elif bool((tokens < 0).any()):
+            raise ValueError("every sampled row needs a finite logit and no NaN")
+        out[idx] = tokens
     return out
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quickdraft.drafters.base import DraftRequest
-from quickdraft.drafters.keyed import KeyedDraw, NoiseTable, check_coupling, coupled_order
+from quickdraft.drafters.keyed import KeyedDraw, check_coupling, coupled_order
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.verify.sampler import position_key, sample_keyed
 
@@ -30,10 +30,9 @@ def test_the_first_column_is_sample_keyed_of_the_heads_distribution(temperature)
     ids = torch.randperm(vocab, generator=generator)[:20]  # a draft vocabulary of 20 target ids
     log_probs = torch.log_softmax(torch.randn(20, generator=generator) * 2, dim=-1)
     best = log_probs.argsort(descending=True).tolist()
-    table = NoiseTable(vocab_size=vocab, device=torch.device("cpu"))
     for position in range(200):
         key = position_key(5, position)
-        order = coupled_order(log_probs, ids, best[:4], log_noise=table.log_noise(key), temperature=temperature)
+        order = coupled_order(log_probs, ids, best[:4], noise_key=key, temperature=temperature)
         spread = torch.zeros(vocab).index_add_(0, ids, (log_probs / temperature).exp())[None]
         assert int(ids[order[0]]) == int(sample_keyed(spread, [key])[0])
         assert order[1:] == [c for c in best[:4] if c != order[0]]

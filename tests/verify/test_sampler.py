@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -8,12 +10,16 @@ from quickdraft.verify import sampler
 from quickdraft.verify.sampler import (
     RowContext,
     compute_logprobs,
+    exp_nonpositive,
+    keyed_noise,
+    keyed_uniform,
     logits_to_probs,
     make_generator,
     min_p_filter,
     position_key,
     sample_from_probs,
     sample_keyed,
+    sampling_weights,
     top_k_filter,
     top_p_filter,
     uniform,
@@ -462,15 +468,15 @@ def test_sampling_float64_weights():
     assert chi_square_accepts(samples, probs)
 
 
-def draw_keyed(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:  # [V] -> [len(keys)]
+def keyed_draws(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:  # [V] -> [len(keys)]
     return sample_keyed(probs.unsqueeze(0).expand(len(keys), -1), keys)
 
 
 @pytest.mark.parametrize("probs", DISTRIBUTIONS)
 def test_keyed_draws_have_the_distribution_across_seeds_and_across_positions(probs):
     probs = torch.tensor(probs)
-    across_seeds = draw_keyed(probs, [position_key(seed, 17) for seed in range(20000)])
-    across_positions = draw_keyed(probs, [position_key(2024, t) for t in range(20000)])
+    across_seeds = keyed_draws(probs, [position_key(seed, 17) for seed in range(20000)])
+    across_positions = keyed_draws(probs, [position_key(2024, t) for t in range(20000)])
     assert chi_square_accepts(across_seeds, probs)
     assert chi_square_accepts(across_positions, probs)
 
@@ -479,8 +485,8 @@ def test_keyed_draws_of_neighbouring_positions_are_independent():
     # The joint of (position t, position t + 1) over seeds must be the product distribution.
     probs = torch.tensor([0.5, 0.3, 0.2])
     seeds = range(30000)
-    first = draw_keyed(probs, [position_key(seed, 0) for seed in seeds])
-    second = draw_keyed(probs, [position_key(seed, 1) for seed in seeds])
+    first = keyed_draws(probs, [position_key(seed, 0) for seed in seeds])
+    second = keyed_draws(probs, [position_key(seed, 1) for seed in seeds])
     assert chi_square_accepts(first * 3 + second, torch.outer(probs, probs).flatten())
     # ...and the check can fail: the same key at both positions is perfectly dependent.
     assert not chi_square_accepts(first * 3 + first, torch.outer(probs, probs).flatten())
@@ -498,6 +504,72 @@ def test_keyed_draw_is_a_function_of_distribution_and_key_alone():
     assert sample_keyed(one_token, keys[:1]).tolist() == [4321]
     with pytest.raises(ValueError, match="positive entry"):
         sample_keyed(torch.zeros(1, 10), keys[:1])
+
+
+def fmix32(h: int) -> int:  # MurmurHash3's finaliser, on Python ints
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@pytest.mark.parametrize("key", [0, 1, 0xDEADBEEF, 2**63 + 12345, 2**64 - 1, position_key(7, 3)])
+def test_keyed_uniform_is_the_documented_hash(key):
+    ids = [0, 1, 2, 255, 65537, 262143, 2**32 - 1]
+    got = keyed_uniform(key, torch.tensor(ids)).tolist()
+    for token, u in zip(ids, got):
+        h = fmix32(fmix32((token * 0x9E3779B9 + key) & 0xFFFFFFFF) ^ (key >> 32))
+        assert u == (h + 0.5) / 2**32
+        assert 0.0 < u < 1.0
+
+
+def test_keyed_noise_is_exponential_and_every_key_bit_matters():
+    noise = keyed_noise(position_key(1, 0), 200000)
+    assert stats.kstest(noise.numpy(), "expon").pvalue > 1e-4
+    assert (noise > 0).all()
+    for bit in (0, 31, 32, 63):
+        assert not torch.equal(keyed_noise(1 << bit, 1000), keyed_noise(0, 1000))
+
+
+def test_exp_nonpositive_is_exp_to_float32_rounding():
+    d = -torch.cat([torch.linspace(0, 86, 100001), torch.rand(10000) * 1e-3])
+    got = exp_nonpositive(d)
+    torch.testing.assert_close(got, torch.exp(d.double()).float(), rtol=4e-7, atol=0)
+    assert exp_nonpositive(torch.tensor([0.0])).item() == 1.0  # the top token weighs exactly 1
+    assert exp_nonpositive(torch.tensor([-86.01, -1e4, -float("inf")])).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_sampling_weights_top_token_is_one_and_errors_name_the_row_problem():
+    weights = sampling_weights(torch.tensor([[0.5, 3.0, -float("inf"), 2.0]]), [SamplingParams(temperature=0.5)])
+    assert weights[0, 1] == 1.0 and weights[0, 2] == 0.0
+    torch.testing.assert_close(weights[0, 3], torch.tensor(math.exp(-2.0)))
+    for bad in ([[float("nan"), 1.0]], [[-float("inf"), -float("inf")]]):
+        with pytest.raises(ValueError, match="finite logit"):
+            sampling_weights(torch.tensor(bad), [SamplingParams(temperature=1.0)])
+
+
+@pytest.mark.parametrize("force_reference", [False, True])
+def test_draw_keyed_has_the_filtered_distribution(force_reference, monkeypatch):
+    """draw_keyed over many keys (the C++ kernel, and the torch reference) against logits_to_probs."""
+    if force_reference:
+        monkeypatch.setattr(sampler, "keyed_draw_rows", lambda *args, **kwargs: None)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -float("inf")] + [-2.0] * 9])
+    for params in (dict(temperature=0.8), dict(temperature=0.8, top_k=4, top_p=0.9), dict(temperature=1.2, min_p=0.1)):
+        r = row(**params)
+        probs = logits_to_probs(logits, [r])[0]
+        keys = [position_key(seed, 3) for seed in range(6000)]
+        draws = torch.cat(
+            [sampler.draw_keyed(logits.expand(500, -1), [r] * 500, keys[i : i + 500]) for i in range(0, 6000, 500)]
+        )
+        assert set(draws.tolist()) <= kept(probs)
+        assert chi_square_accepts(draws, probs)
+
+
+def test_draw_keyed_greedy_rows_take_the_penalised_argmax():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
+    rows = [row(temperature=0.0, output=[1], repetition_penalty=4.0), row(temperature=0.0)]
+    assert sampler.draw_keyed(logits, rows, [1, 2]).tolist() == [2, 1]
 
 
 # ------------------------------------------------------------------------------------
