@@ -7,6 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): a test file runs on one worker,
+    so its module fixtures (trained heads, servers) are built once; files marked
+    ``xdist_group("ray")`` share one worker, so one Ray instance runs at a time."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,

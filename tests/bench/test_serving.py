@@ -29,6 +29,9 @@ QUESTIONS = [
     {"question_id": 9, "category": "rag", "turns": ["the cat sat; the cat sat; the cat"]},
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+# The replicas test starts Ray: this file runs on the pytest-xdist worker of the other Ray tests.
+pytestmark = pytest.mark.xdist_group("ray")
 MAX_TOKENS = 10
 
 

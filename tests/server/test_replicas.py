@@ -25,6 +25,9 @@ SPECULATIVE_CONFIG = {"method": "suffix"}
 RESTART_TIMEOUT_SECONDS = 90.0
 CHUNK_CHARS = 32  # short prompts (the tiny model's context is 512) still have routing hashes
 
+# One Ray instance at a time on this machine: with pytest-xdist, every Ray test runs on one worker.
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 @pytest.fixture(scope="module")
 def replicated(tiny_checkpoints):
