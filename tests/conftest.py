@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): a test file runs on one worker,
     so its module fixtures (trained heads, servers) are built once; files marked
