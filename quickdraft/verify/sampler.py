@@ -85,13 +85,7 @@ def logits_to_probs(
     if len(rows) != num_rows:
         raise ValueError(f"got {len(rows)} RowContexts for {num_rows} logit rows")
 
-    logits = logits.to(torch.float32)
-    if any(_modifies_logits(row) for row in rows):
-        # .to() returns the caller's tensor when it is already float32; never write into it.
-        logits = logits.clone().contiguous()
-        _apply_penalties(logits, rows)
-        _apply_min_tokens(logits, rows, eos_token_ids=eos_token_ids)
-
+    logits = _penalized_logits(logits, rows, eos_token_ids=eos_token_ids)
     greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
     if len(greedy) == num_rows:
         return _one_hot_argmax(logits)
@@ -112,6 +106,22 @@ def logits_to_probs(
         return sampled_probs
     probs[sampled_idx] = sampled_probs
     return probs
+
+
+def _penalized_logits(
+    logits: torch.Tensor,  # [R, V] any float dtype
+    rows: Sequence[RowContext],  # [R]
+    *,
+    eos_token_ids: Sequence[int],
+) -> torch.Tensor:  # [R, V] float32
+    """Steps 1 and 2 (penalties, min_tokens), on a copy only for rows that need them."""
+    logits = logits.to(torch.float32)
+    if any(_modifies_logits(row) for row in rows):
+        # .to() returns the caller's tensor when it is already float32; never write into it.
+        logits = logits.clone().contiguous()
+        _apply_penalties(logits, rows)
+        _apply_min_tokens(logits, rows, eos_token_ids=eos_token_ids)
+    return logits
 
 
 def sampling_weights(
@@ -577,11 +587,7 @@ def draw_keyed(
     go through the C++ keyed draw (the same bits, ~10x faster on a 262k vocabulary)."""
     if logits.dim() != 2 or not len(rows) == len(keys) == logits.shape[0]:
         raise ValueError(f"logits must be [R, V] with one row context and key each, got {tuple(logits.shape)}")
-    logits = logits.to(torch.float32)
-    if any(_modifies_logits(row) for row in rows):
-        logits = logits.clone().contiguous()  # never write into the caller's tensor
-        _apply_penalties(logits, rows)
-        _apply_min_tokens(logits, rows, eos_token_ids=eos_token_ids)
+    logits = _penalized_logits(logits, rows, eos_token_ids=eos_token_ids)
     out = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [R]
     greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
     if greedy:
