@@ -11,7 +11,9 @@ replicas are asked for):
 - **QuickdraftRouter**, a Ray Serve `RequestRouter`: ranks replicas with a routing policy
   (`routing.py`: cache-aware with bounded loads, or round-robin) from the hint the ingress
   attaches to each call. It lives in the ingress process (Ray builds one per handle) and
-  counts requests in flight from Ray's routed/completed callbacks.
+  counts requests in flight from Ray's routed/completed callbacks, and why each request went
+  where it went: it registers its policy with the ingress (`PolicyRegistry`), whose
+  /metrics carries `quickdraft_router_decisions_total{policy, reason}`.
 - **Ingress** (one, no CPU share): Ray Serve's HTTP proxy hands it the request; it reads the
   body under the server's size and time limits, hashes the prompt text's prefixes, forwards,
   and turns a replica that died into a clear 503 (`replica_failed`; a stream gets a final
@@ -41,10 +43,11 @@ from typing import Any
 
 import ray
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -54,7 +57,9 @@ from quickdraft.server.errors import APIError
 from quickdraft.server.routing import (
     DEFAULT_CHUNK_CHARS,
     ROUTING_POLICIES,
+    PolicyRegistry,
     RouteHint,
+    RoutingPolicy,
     make_policy,
     prefix_hashes,
     routing_text,
@@ -274,6 +279,7 @@ class QuickdraftRouter(RequestRouter):
             load_factor=kwargs.get("load_factor", 1.25),
             max_prefixes=kwargs.get("max_prefixes", 65536),
         )
+        self._reported = _report_to_ingress(self.policy)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -285,7 +291,11 @@ class QuickdraftRouter(RequestRouter):
         return [[by_id[replica]] for replica in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.policy.on_routed(replica_id.unique_id, _hint_of(pending_request))
+        if not self._reported:
+            self._reported = _report_to_ingress(self.policy)
+        # The candidates `choose_replicas` ranked among: Ray passes it all its replicas.
+        replicas = [known.unique_id for known in self.curr_replicas]
+        self.policy.on_routed(replica_id.unique_id, _hint_of(pending_request), replicas)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.policy.on_completed(replica_id.unique_id)
@@ -295,11 +305,60 @@ class QuickdraftRouter(RequestRouter):
         self.policy.forget(replica_id.unique_id)
 
 
+def _report_to_ingress(policy: RoutingPolicy) -> bool:
+    """Register policy's decision counts with this process's ingress, for its /metrics; False: not yet.
+
+    Ray Serve builds the router itself, in the process that holds the deployment handle (the
+    ingress replica), and hands it nothing of the handle's owner. Ray's replica context, which
+    Ray keeps per process anyway, names the ingress instance, so this needs no registry of
+    its own at module level.
+
+    The registry's class comes from routing.py on purpose: Ray ships the router's module (this
+    one) to the ingress pickled *by value* (RequestRouterConfig), so the router sees copies of
+    the classes defined here, which an isinstance check against the ingress's would reject;
+    routing.py travels by reference, one class for both.
+    """
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:
+        return True  # a handle outside any replica (a driver's): there is no /metrics to report to
+    owner = context.servable_object
+    if owner is None:
+        return False  # the ingress is still being constructed: try again on a later request
+    policies = getattr(owner, "router_policies", None)
+    if isinstance(policies, PolicyRegistry):
+        policies.register(policy)
+    return True
+
+
 def _hint_of(pending_request: PendingRequest | None) -> RouteHint | None:
     if pending_request is None:
         return None
     hint = pending_request.kwargs.get("route")
     return hint if isinstance(hint, RouteHint) else None
+
+
+class RouterDecisions:
+    """Prometheus collector: the requests the registered policies routed, by policy and reason.
+
+    One sample per (policy name, reason), however many routers registered (PolicyRegistry adds
+    up policies of the same name).
+    """
+
+    NAME = "quickdraft_router_decisions"
+    DOCUMENTATION = (
+        "Requests routed, by routing policy and the reason their replica was chosen "
+        "(prefix_hit, prefix_spill, new_prefix, no_prefix, round_robin, fan_out)"
+    )
+
+    def __init__(self, policies: PolicyRegistry):
+        self.policies = policies
+
+    def collect(self) -> list[Metric]:
+        family = CounterMetricFamily(self.NAME, self.DOCUMENTATION, labels=["policy", "reason"])
+        for (policy, reason), count in self.policies.decisions().items():
+            family.add_metric([policy, reason], count)
+        return [family]
 
 
 # ---- the ingress ---------------------------------------------------------------------------
@@ -323,6 +382,9 @@ class Ingress:
             ["replica"],
             registry=self.registry,
         )
+        # The router of self.replicas (built by Ray in this process) registers its policy here.
+        self.router_policies = PolicyRegistry()
+        self.registry.register(RouterDecisions(self.router_policies))
 
     async def __call__(self, request: Request) -> Response:
         path, method = request.url.path, request.method
@@ -439,7 +501,7 @@ class Ingress:
         """call's answer from each replica reachable now (the router avoids those already asked)."""
         answers: dict[str, WholeResponse] = {}
         for _ in range(2 * self.options.replicas + 2):
-            hint = RouteHint(avoid=frozenset(answers))
+            hint = RouteHint(avoid=frozenset(answers), fan_out=True)
             try:
                 answer = await asyncio.wait_for(
                     self.replicas.request_once.remote(call, route=hint), REPLICA_QUERY_TIMEOUT_SECONDS

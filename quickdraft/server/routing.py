@@ -26,12 +26,17 @@ How a cache-aware policy ranks the replicas for one request:
 
 A prompt with no text (a GET, a body that is not JSON) ranks replicas least loaded first. The
 round-robin policy (the comparison baseline) ignores prefixes and loads.
+
+Each policy also counts why each request went where it went (`RoutingPolicy.decisions`, one
+reason per routed request; the reasons are listed in each policy's docstring), which the
+ingress exposes as `quickdraft_router_decisions_total{policy, reason}`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +49,14 @@ DEFAULT_CHUNK_CHARS = 128  # about 32 tokens of English: two 16-token KV blocks
 MAX_CHUNKS = 512
 HASH_BYTES = 8
 
+# Why a routed request went to its replica (one per request, counted in RoutingPolicy.decisions).
+PREFIX_HIT = "prefix_hit"
+PREFIX_SPILL = "prefix_spill"
+NEW_PREFIX = "new_prefix"
+NO_PREFIX = "no_prefix"
+ROUND_ROBIN = "round_robin"
+FAN_OUT = "fan_out"
+
 
 @dataclass(frozen=True)
 class RouteHint:
@@ -53,6 +66,8 @@ class RouteHint:
     # Replicas this call must not go to (the ingress asks each replica in turn for /metrics
     # and /health); when it names every replica, the ranking holds them all.
     avoid: frozenset[str] = field(default_factory=frozenset)
+    # One of those per-replica queries, not a client's request: counted as `fan_out`.
+    fan_out: bool = False
 
 
 def prefix_hashes(text: str, *, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> tuple[int, ...]:
@@ -121,15 +136,33 @@ class RoutingPolicy:
     Bookkeeping only (replica ids as strings, counts as ints): the Ray router calls `rank`
     when a request arrives, `on_routed` once the request is sent, `on_completed` when it ends
     and `forget` when a replica dies.
+
+    `decisions` counts the routed requests by the reason their replica was chosen (the
+    subclass's `reasons`, every one present from the start at 0): it only grows, `forget`
+    leaves it alone, and its counts add up to the requests routed. `fan_out` (any policy):
+    one of the ingress's queries to every replica in turn (/health, /metrics), not a client's
+    request.
     """
+
+    name = ""
+    reasons: tuple[str, ...] = (FAN_OUT,)
 
     def __init__(self) -> None:
         self.in_flight: dict[str, int] = {}
+        # Its keys never change after this, so another thread may copy it while the router counts.
+        self.decisions: dict[str, int] = dict.fromkeys(self.reasons, 0)
 
     def rank(self, replicas: Sequence[str], hint: RouteHint | None = None) -> list[str]:
         raise NotImplementedError
 
-    def on_routed(self, replica: str, hint: RouteHint | None = None) -> None:
+    def on_routed(self, replica: str, hint: RouteHint | None = None, replicas: Sequence[str] | None = None) -> None:
+        """Count why `replica` took the request, then its load (a subclass learns from it after this).
+
+        `replicas`: the candidates the request was ranked among (the router's replicas now);
+        None when unknown (see the subclass's reasons).
+        """
+        reason = FAN_OUT if hint is not None and hint.fan_out else self._reason(replica, hint, replicas)
+        self.decisions[reason] += 1
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
 
     def on_completed(self, replica: str) -> None:
@@ -138,6 +171,10 @@ class RoutingPolicy:
 
     def forget(self, replica: str) -> None:
         self.in_flight.pop(replica, None)
+
+    def _reason(self, replica: str, hint: RouteHint | None, replicas: Sequence[str] | None) -> str:
+        """Why `replica` took a client's request, from what the policy knows before learning from it."""
+        raise NotImplementedError
 
     def _eligible(self, replicas: Sequence[str], hint: RouteHint | None) -> list[str]:
         if not replicas:
@@ -151,7 +188,14 @@ class RoutingPolicy:
 
 
 class RoundRobinPolicy(RoutingPolicy):
-    """Each request to the next replica in turn, prefixes and loads ignored (the baseline)."""
+    """Each request to the next replica in turn, prefixes and loads ignored (the baseline).
+
+    Its reasons: `round_robin` for every client request, `fan_out` for the ingress's
+    per-replica queries.
+    """
+
+    name = "round_robin"
+    reasons = (ROUND_ROBIN, FAN_OUT)
 
     def __init__(self) -> None:
         super().__init__()
@@ -163,9 +207,34 @@ class RoundRobinPolicy(RoutingPolicy):
         self._turn += 1
         return eligible[start:] + eligible[:start]
 
+    def _reason(self, replica: str, hint: RouteHint | None, replicas: Sequence[str] | None) -> str:
+        return ROUND_ROBIN
+
 
 class CacheAwarePolicy(RoutingPolicy):
-    """Holders of the longest known prefix, then the least loaded; both within a load bound."""
+    """Holders of the longest known prefix, then the least loaded; both within a load bound.
+
+    Why a request went to its replica (`decisions`), decided when it is routed, against the
+    prefix table as it was before this request (the replica becomes a holder only after), with
+    `holders` over the same eligible replicas as `rank` (the candidates less those avoided):
+
+    - `prefix_hit`: the replica holds the longest prefix of the prompt that any eligible
+      replica holds (it took an earlier prompt with that start: its cache likely has it).
+    - `prefix_spill`: an eligible replica held a prefix of the prompt, but the request went to
+      one that does not hold the longest (it may hold a shorter one): the holders were past the
+      load bound, or Ray Serve passed over them (queue full, unreachable).
+    - `new_prefix`: the prompt has whole chunks (prefix hashes) but no eligible replica holds
+      any of them: a new conversation or template, placed by load and rendezvous order.
+    - `no_prefix`: no hint, or a prompt shorter than one chunk (a GET, a body that is not JSON,
+      a short prompt): placed by load alone.
+    - `fan_out`: one of the ingress's queries to every replica (/health, /metrics).
+
+    When the router does not name the candidates (`replicas` None), every replica the prefix
+    table names for the prompt, and the chosen one, count as candidates.
+    """
+
+    name = "cache_aware"
+    reasons = (PREFIX_HIT, PREFIX_SPILL, NEW_PREFIX, NO_PREFIX, FAN_OUT)
 
     def __init__(self, *, load_factor: float = 1.25, max_prefixes: int = 65536):
         super().__init__()
@@ -205,8 +274,8 @@ class CacheAwarePolicy(RoutingPolicy):
         beyond = self._least_loaded([replica for replica in preferred if replica not in within])
         return within + beyond
 
-    def on_routed(self, replica: str, hint: RouteHint | None = None) -> None:
-        super().on_routed(replica, hint)
+    def on_routed(self, replica: str, hint: RouteHint | None = None, replicas: Sequence[str] | None = None) -> None:
+        super().on_routed(replica, hint, replicas)  # counts the reason first, from the table before this request
         if hint is None:
             return
         for chained in hint.prefix_hashes:
@@ -215,6 +284,19 @@ class CacheAwarePolicy(RoutingPolicy):
             self._holders.move_to_end(chained)
         while len(self._holders) > self.max_prefixes:
             self._holders.popitem(last=False)
+
+    def _reason(self, replica: str, hint: RouteHint | None, replicas: Sequence[str] | None) -> str:
+        if hint is None or not hint.prefix_hashes:
+            return NO_PREFIX
+        if replicas is None:
+            named = {holder for chained in hint.prefix_hashes for holder in self._holders.get(chained, ())}
+            candidates = [replica, *sorted(named - {replica})]
+        else:
+            candidates = list(replicas) if replica in replicas else [*replicas, replica]
+        held = self.holders(hint, self._eligible(candidates, hint))
+        if replica in held:
+            return PREFIX_HIT
+        return PREFIX_SPILL if held else NEW_PREFIX
 
     def forget(self, replica: str) -> None:
         super().forget(replica)
@@ -234,6 +316,34 @@ def rendezvous_order(replicas: Sequence[str], *, key: int) -> list[str]:
         return hashlib.blake2b(key.to_bytes(HASH_BYTES, "little") + replica.encode(), digest_size=HASH_BYTES).digest()
 
     return sorted(replicas, key=weight, reverse=True)
+
+
+class PolicyRegistry:
+    """The routing policies of one process's routers, for whoever exposes their decisions.
+
+    The ingress owns one (its /metrics shows the counts); each router that Ray Serve builds in
+    the ingress process registers its policy. Routers register from their own thread, and
+    their policies count on it: the counts are read as copies (fixed keys, plain ints).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._policies: list[RoutingPolicy] = []
+
+    def register(self, policy: RoutingPolicy) -> None:
+        with self._lock:
+            if all(known is not policy for known in self._policies):
+                self._policies.append(policy)
+
+    def decisions(self) -> dict[tuple[str, str], int]:
+        """(policy name, reason) -> requests routed, policies of the same name added up."""
+        with self._lock:
+            policies = list(self._policies)
+        totals: dict[tuple[str, str], int] = {}
+        for policy in policies:
+            for reason, count in dict(policy.decisions).items():
+                totals[(policy.name, reason)] = totals.get((policy.name, reason), 0) + count
+        return totals
 
 
 def make_policy(name: str, *, load_factor: float = 1.25, max_prefixes: int = 65536) -> RoutingPolicy:

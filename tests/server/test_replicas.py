@@ -14,11 +14,20 @@ import time
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from quickdraft.llm import LLM
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.server import ServerConfig
-from quickdraft.server.replicas import REPLICA_HEADER, ReplicaOptions, ReplicatedServer, merge_expositions
+from quickdraft.server.replicas import (
+    REPLICA_HEADER,
+    ReplicaOptions,
+    ReplicatedServer,
+    RouterDecisions,
+    merge_expositions,
+)
+from quickdraft.server.routing import CacheAwarePolicy, PolicyRegistry, RoundRobinPolicy, RouteHint
 
 MAX_REQUEST_BYTES = 64 * 1024
 SPECULATIVE_CONFIG = {"method": "suffix"}
@@ -69,6 +78,17 @@ def complete(client, prompt: str, **fields) -> httpx.Response:
     return response
 
 
+def router_decisions(client) -> dict[str, float]:
+    """reason -> requests the ingress's router routed, from /metrics (whose own queries count as fan_out)."""
+    text = client.get("/metrics").text
+    assert text.count("# HELP quickdraft_router_decisions_total ") == 1
+    assert text.count("# TYPE quickdraft_router_decisions_total counter") == 1
+    families = text_string_to_metric_families(text)
+    [family] = [family for family in families if family.name == "quickdraft_router_decisions"]
+    assert {sample.labels["policy"] for sample in family.samples} == {"cache_aware"}
+    return {sample.labels["reason"]: sample.value for sample in family.samples}
+
+
 def test_health_lists_every_replica(client):
     response = client.get("/health")
     assert response.status_code == 200
@@ -99,6 +119,7 @@ def test_greedy_output_equals_the_engine_alone(client, tiny_checkpoints):
 
 
 def test_a_conversation_stays_on_its_replica_and_hits_its_prefix_cache(client):
+    before = router_decisions(client)
     for n in range(4):
         first_prompt = f"Conversation {n}: " + "tell me about the sea and the ships on it. " * 8
         first = complete(client, first_prompt)
@@ -109,6 +130,12 @@ def test_a_conversation_stays_on_its_replica_and_hits_its_prefix_cache(client):
         # Most of the first turn's prompt came from the replica's prefix cache.
         cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= first.json()["usage"]["prompt_tokens"] - 16
+    # The router says so too: each first turn a new prefix, each second turn a hit on it.
+    after = router_decisions(client)
+    counted = {reason: after[reason] - before[reason] for reason in after}
+    fan_out = counted.pop("fan_out")  # the second /metrics call's queries to each replica
+    assert counted == {"prefix_hit": 4, "prefix_spill": 0, "new_prefix": 4, "no_prefix": 0}
+    assert 2 <= fan_out <= 2 * 2 + 2  # each replica once, then one more that finds them all asked
 
 
 def test_chat_turns_stay_together_too(client):
@@ -185,6 +212,33 @@ def test_merge_expositions_labels_and_dedups():
     merged = merge_expositions({"r1": text, "r2": text}).decode()
     assert merged.count("# HELP x_total") == 1
     assert 'x_total{a="1",replica="r1"} 2.0' in merged and 'x_total{a="1",replica="r2"} 2.0' in merged
+
+
+def test_router_decisions_family():
+    policies = PolicyRegistry()
+    collector = RouterDecisions(policies)
+    assert collector.collect()[0].samples == []  # no router yet: the family, no samples
+    cache_aware, baseline = CacheAwarePolicy(), RoundRobinPolicy()
+    policies.register(cache_aware)
+    policies.register(baseline)
+    cache_aware.on_routed("a", RouteHint(prefix_hashes=(1, 2)))
+    cache_aware.on_routed("a", RouteHint(prefix_hashes=(1, 2, 3)))
+    baseline.on_routed("c", None)
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert text.count("# HELP quickdraft_router_decisions_total ") == 1
+    assert text.count("# TYPE quickdraft_router_decisions_total counter") == 1
+    samples = [line for line in text.splitlines() if not line.startswith("#")]
+    assert samples == [
+        'quickdraft_router_decisions_total{policy="cache_aware",reason="prefix_hit"} 1.0',
+        'quickdraft_router_decisions_total{policy="cache_aware",reason="prefix_spill"} 0.0',
+        'quickdraft_router_decisions_total{policy="cache_aware",reason="new_prefix"} 1.0',
+        'quickdraft_router_decisions_total{policy="cache_aware",reason="no_prefix"} 0.0',
+        'quickdraft_router_decisions_total{policy="cache_aware",reason="fan_out"} 0.0',
+        'quickdraft_router_decisions_total{policy="round_robin",reason="round_robin"} 1.0',
+        'quickdraft_router_decisions_total{policy="round_robin",reason="fan_out"} 0.0',
+    ]
 
 
 def test_a_killed_replica_fails_its_requests_clearly_and_the_endpoint_keeps_serving(replicated, client):

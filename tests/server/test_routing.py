@@ -6,6 +6,7 @@ import pytest
 
 from quickdraft.server.routing import (
     CacheAwarePolicy,
+    PolicyRegistry,
     RoundRobinPolicy,
     RouteHint,
     make_policy,
@@ -196,3 +197,177 @@ def test_a_new_prefix_goes_to_the_least_loaded_replica_first():
     ranked = policy.rank(REPLICAS, hint)
     assert ranked[-1] == rendezvous_first
     assert ranked[:2] == [r for r in rendezvous_order(REPLICAS, key=hint.prefix_hashes[0]) if r != rendezvous_first]
+
+
+# ---- decision reasons -------------------------------------------------------------------------
+def route(policy, hint, replicas=REPLICAS, *, done: bool = False) -> tuple[str, str]:
+    """Rank, send to the first, as the router does: (the replica chosen, the reason counted)."""
+    before = dict(policy.decisions)
+    chosen = policy.rank(replicas, hint)[0]
+    policy.on_routed(chosen, hint, replicas)
+    if done:
+        policy.on_completed(chosen)
+    return chosen, counted_since(policy, before)
+
+
+def counted_since(policy, before: dict[str, int]) -> str:
+    [reason] = [reason for reason, count in policy.decisions.items() if count != before[reason]]
+    assert policy.decisions[reason] == before[reason] + 1
+    return reason
+
+
+def test_every_reason_is_counted_from_zero():
+    assert make_policy("cache_aware").decisions == {
+        "prefix_hit": 0,
+        "prefix_spill": 0,
+        "new_prefix": 0,
+        "no_prefix": 0,
+        "fan_out": 0,
+    }
+    assert make_policy("round_robin").decisions == {"round_robin": 0, "fan_out": 0}
+    assert (CacheAwarePolicy.name, RoundRobinPolicy.name) == ("cache_aware", "round_robin")
+
+
+def test_decisions_of_a_conversation_and_of_requests_without_a_prefix():
+    policy = CacheAwarePolicy()
+    turn1 = hint_for("abcdefgh")
+    owner = rendezvous_order(REPLICAS, key=turn1.prefix_hashes[0])[0]
+    table = [
+        route(policy, turn1, done=True),  # nobody holds it yet (decided before `owner` becomes a holder)
+        route(policy, hint_for("abcdefghijkl"), done=True),  # the next turn: its first turn's replica
+        route(policy, hint_for("abcdefgh"), done=True),  # the same prompt again
+        route(policy, RouteHint(), done=True),  # no prompt text (a GET)
+        route(policy, None, done=True),  # no hint at all
+        route(policy, hint_for("abc"), done=True),  # shorter than one chunk
+        route(policy, RouteHint(avoid=frozenset({"a"}), fan_out=True), done=True),  # the ingress's /metrics query
+    ]
+    assert table == [
+        (owner, "new_prefix"),
+        (owner, "prefix_hit"),
+        (owner, "prefix_hit"),
+        ("a", "no_prefix"),  # nothing in flight: the first listed
+        ("a", "no_prefix"),
+        ("a", "no_prefix"),
+        ("b", "fan_out"),  # "a" avoided, "b" and "c" idle
+    ]
+    assert policy.decisions == {"prefix_hit": 2, "prefix_spill": 0, "new_prefix": 1, "no_prefix": 3, "fan_out": 1}
+    assert sum(policy.decisions.values()) == len(table)
+
+
+def test_decisions_of_a_hot_prefix_spilling_past_the_load_bound():
+    # The scenario of test_a_hot_prefix_spills_past_the_load_bound, with the reasons.
+    policy = CacheAwarePolicy(load_factor=1.25)
+    replicas = ["a", "b"]
+    hint = hint_for("hot prefix, shared by every request")
+    owner = policy.rank(replicas, hint)[0]
+    spill = next(replica for replica in replicas if replica != owner)
+    table = [route(policy, hint, replicas) for _ in range(6)]
+    # The third goes past the bound to a non-holder; from then on both hold the prefix.
+    assert table == [
+        (owner, "new_prefix"),
+        (owner, "prefix_hit"),
+        (spill, "prefix_spill"),
+        (spill, "prefix_hit"),
+        (owner, "prefix_hit"),
+        (spill, "prefix_hit"),
+    ]
+    assert policy.decisions == {"prefix_hit": 4, "prefix_spill": 1, "new_prefix": 1, "no_prefix": 0, "fan_out": 0}
+
+
+def test_a_spill_is_judged_by_the_holders_of_the_longest_prefix():
+    policy = CacheAwarePolicy()
+    policy.on_routed("a", hint_for("abcdefgh"), REPLICAS)  # new_prefix
+    policy.on_routed("b", hint_for("abcdzzzz"), REPLICAS)  # shares "abcd", held by "a": prefix_spill
+    # The holder passed over (Ray Serve found its queue full): "b" holds only the shorter "abcd".
+    before = dict(policy.decisions)
+    policy.on_routed("b", hint_for("abcdefghijkl"), REPLICAS)
+    assert counted_since(policy, before) == "prefix_spill"
+    # A replica that never took the prefix, as a spill.
+    before = dict(policy.decisions)
+    policy.on_routed("c", hint_for("abcdefgh"), REPLICAS)
+    assert counted_since(policy, before) == "prefix_spill"
+    assert policy.decisions == {"prefix_hit": 0, "prefix_spill": 3, "new_prefix": 1, "no_prefix": 0, "fan_out": 0}
+
+
+@pytest.mark.parametrize(
+    ("replicas", "avoid", "reason"),
+    [
+        (REPLICAS, frozenset(), "prefix_spill"),  # "a" holds it and could have taken it
+        (["b", "c"], frozenset(), "new_prefix"),  # "a" is no candidate (gone, not yet forgotten)
+        (REPLICAS, frozenset({"a"}), "new_prefix"),  # "a" avoided
+        (REPLICAS, frozenset(REPLICAS), "prefix_spill"),  # all avoided: all eligible again, as in rank
+    ],
+)
+def test_only_holders_that_rank_would_consider_count(replicas, avoid, reason):
+    policy = CacheAwarePolicy()
+    hint = hint_for("abcdefgh")
+    policy.on_routed("a", hint, REPLICAS)
+    before = dict(policy.decisions)
+    policy.on_routed("b", RouteHint(prefix_hashes=hint.prefix_hashes, avoid=avoid), replicas)
+    assert counted_since(policy, before) == reason
+
+
+def test_decisions_without_the_candidates_use_the_prefix_table():
+    policy = CacheAwarePolicy()
+    hint = hint_for("abcdefgh")
+    reasons = []
+    for replica in ["a", "b", "a", "c"]:
+        before = dict(policy.decisions)
+        policy.on_routed(replica, hint)  # no candidate list: every replica the table names
+        reasons.append(counted_since(policy, before))
+    assert reasons == ["new_prefix", "prefix_spill", "prefix_hit", "prefix_spill"]
+
+
+def test_forgetting_a_replica_keeps_the_counts():
+    policy = CacheAwarePolicy()
+    hint = hint_for("abcdefgh")
+    owner, _ = route(policy, hint, done=True)
+    assert route(policy, hint_for("abcdefghijkl"), done=True) == (owner, "prefix_hit")
+    route(policy, None)
+    counts = dict(policy.decisions)
+    policy.forget(owner)
+    assert policy.decisions == counts and owner not in policy.in_flight
+    # Its prefixes went with it: the conversation starts afresh elsewhere.
+    survivors = [replica for replica in REPLICAS if replica != owner]
+    assert route(policy, hint_for("abcdefghijklmnop"), survivors)[1] == "new_prefix"
+    assert route(policy, hint_for("abcdefghijklmnop"), survivors)[1] == "prefix_hit"
+    assert policy.decisions == {"prefix_hit": 2, "prefix_spill": 0, "new_prefix": 2, "no_prefix": 1, "fan_out": 0}
+    assert sum(policy.decisions.values()) == 5  # every routed request, once
+
+
+def test_round_robin_decisions():
+    policy = RoundRobinPolicy()
+    table = [
+        route(policy, hint)
+        for hint in [hint_for("abcdefgh"), hint_for("abcdefgh"), None, RouteHint(), RouteHint(fan_out=True)]
+    ]
+    assert table == [
+        ("a", "round_robin"),
+        ("b", "round_robin"),
+        ("c", "round_robin"),
+        ("a", "round_robin"),
+        ("b", "fan_out"),
+    ]
+    assert policy.decisions == {"round_robin": 4, "fan_out": 1}
+
+
+def test_the_policy_registry_adds_up_policies_of_the_same_name():
+    registry = PolicyRegistry()
+    assert registry.decisions() == {}
+    first, second, baseline = CacheAwarePolicy(), CacheAwarePolicy(), RoundRobinPolicy()
+    for policy in (first, second, baseline, first):  # registering twice counts once
+        registry.register(policy)
+    first.on_routed("a", hint_for("abcdefgh"))
+    first.on_routed("a", hint_for("abcdefghijkl"))
+    second.on_routed("b", None)
+    second.on_routed("b", RouteHint(fan_out=True))
+    baseline.on_routed("c", None)
+    assert registry.decisions() == {
+        ("cache_aware", "prefix_hit"): 1,
+        ("cache_aware", "prefix_spill"): 0,
+        ("cache_aware", "new_prefix"): 1,
+        ("cache_aware", "no_prefix"): 1,
+        ("cache_aware", "fan_out"): 1,
+        ("round_robin", "round_robin"): 1,
+        ("round_robin", "fan_out"): 0,
+    }
