@@ -1,10 +1,11 @@
 """Plain greedy decode speed with the target split over 1 vs N processes, in one run.
 
-Loads the same model once per tensor-parallel size (float weights: the embedded Gemma 3 270M
-dequantized by default), decodes each prompt alone (batch 1) and all prompts together, and
-prints tokens/s, the ratio to 1 process, and whether the greedy outputs agree.
+Loads the same model once per tensor-parallel size (the embedded Gemma 3 270M by default: its
+GGUF weights as stored with --dtype auto, dequantized with float32 / bfloat16), decodes each
+prompt alone (batch 1) and all prompts together, and prints tokens/s, the ratio to 1 process,
+and whether the greedy outputs agree.
 
-    python benchmarks/tensor_parallel.py --sizes 1 2 --new-tokens 128 --dtype float32
+    python benchmarks/tensor_parallel.py --sizes 1 2 --new-tokens 128 --dtype auto
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _median_run(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)

@@ -27,7 +27,7 @@ from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch, SequenceAttention
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import Decoder, DecoderLayer, ForwardOutput
-from quickdraft.models.loader import build_decoder, convert_hf_tensors, decoder_plan, read_hf_tensors
+from quickdraft.models.loader import build_decoder, load_weights
 from quickdraft.models.quantized import QuantizedWeight
 
 FORWARD, SHUTDOWN = 1, 2  # message kinds
@@ -70,9 +70,12 @@ class TensorParallelDecoder(Decoder):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, max_len: int):
         super().__init__(config, dtype=dtype, max_len=max_len)
         self.group: ParallelGroup | None = None
-        self.lm_head_shard: torch.Tensor | None = None  # [ceil(V / tp), D] this rank's vocabulary rows
+        # [ceil(V / tp), D] this rank's vocabulary rows
+        self.lm_head_shard: torch.Tensor | QuantizedWeight | None = None
 
-    def attach(self, *, group: ParallelGroup, config: ModelConfig, lm_head_shard: torch.Tensor) -> None:
+    def attach(
+        self, *, group: ParallelGroup, config: ModelConfig, lm_head_shard: torch.Tensor | QuantizedWeight
+    ) -> None:
         self.group = group
         self.config = config
         self.lm_head_shard = lm_head_shard
@@ -185,49 +188,80 @@ def serve_forwards(decoder: TensorParallelDecoder, *, cache: TensorParallelKVCac
 
 def shard_decoder(
     config: ModelConfig,
-    state: dict[str, torch.Tensor],  # our full (fused) state dict, as convert_hf_tensors makes it
+    state: dict[str, torch.Tensor],  # our full (fused) float state dict, as convert_hf_tensors makes it
     *,
     group: ParallelGroup,
     dtype: torch.dtype,
     device: torch.device,
     max_len: int,
+    quantized: dict[str, QuantizedWeight] | None = None,  # the weights kept quantized (load_weights)
 ) -> TensorParallelDecoder:
-    """This rank's decoder from the full state (each rank keeps only its slices)."""
+    """This rank's decoder from the full weights (each rank keeps only its slices)."""
     layout = ShardLayout(config=config, rank=group.rank, size=group.size)
-    full_lm_head = state["embed_tokens"] if config.tie_word_embeddings else state["lm_head"]
+    quantized = quantized or {}
+    head_name = "embed_tokens" if config.tie_word_embeddings else "lm_head"
+    full_lm_head = quantized[head_name] if head_name in quantized else state[head_name]
     local = layout.shard_state(state)
+    local_quantized = layout.shard_quantized(quantized)
     keep_full_head = group.rank == 0 and not config.tie_word_embeddings
-    if keep_full_head:
-        local["lm_head"] = full_lm_head  # rank 0's drafters may borrow LM-head rows
+    if keep_full_head:  # rank 0's drafters may borrow LM-head rows
+        if isinstance(full_lm_head, QuantizedWeight):
+            local_quantized["lm_head"] = full_lm_head
+        else:
+            local["lm_head"] = full_lm_head
     decoder = build_decoder(
         layout.local_config(),
         local,
         dtype=dtype,
         device=device,
         max_len=max_len,
+        quantized=local_quantized,
         decoder_class=TensorParallelDecoder,
     )
     assert isinstance(decoder, TensorParallelDecoder)
     if not config.tie_word_embeddings and not keep_full_head:
         decoder.lm_head = None  # followers compute their slice only
-    if config.tie_word_embeddings:
+    if isinstance(full_lm_head, QuantizedWeight):
+        shard: torch.Tensor | QuantizedWeight = layout.lm_head_slice(full_lm_head)
+    elif config.tie_word_embeddings:
         shard = layout.lm_head_slice(decoder.embed_tokens.detach())  # a view where no padding is needed
     else:
-        shard = layout.lm_head_slice(full_lm_head).to(device=device, dtype=dtype).contiguous()
+        rows = layout.lm_head_slice(full_lm_head)
+        assert isinstance(rows, torch.Tensor)
+        shard = rows.to(device=device, dtype=dtype).contiguous()
     decoder.attach(group=group, config=config, lm_head_shard=shard)
     return decoder
 
 
 def load_sharded_decoder(
-    model_dir, *, group: ParallelGroup, dtype: torch.dtype, device: torch.device, max_len: int
+    model_dir,
+    *,
+    group: ParallelGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    quantization: str | None = None,
+    gguf_path=None,
 ) -> tuple[TensorParallelDecoder, ModelConfig]:
-    """This rank's decoder of the HF checkpoint in `model_dir` (float weights of `dtype`)."""
+    """This rank's decoder of the checkpoint in `model_dir` (float weights of `dtype`, or
+    quantized as `load_weights` reads them)."""
     from pathlib import Path
 
-    from quickdraft.models.loader import read_hf_config
-
     model_dir = Path(model_dir)
-    config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
-    state = convert_hf_tensors(config, decoder_plan(config), read_hf_tensors(model_dir))
-    decoder = shard_decoder(config, state, group=group, dtype=dtype, device=device, max_len=max_len)
-    return decoder, config
+    weights = load_weights(
+        model_dir,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+        gguf_path=None if gguf_path is None else Path(gguf_path),
+    )
+    decoder = shard_decoder(
+        weights.config,
+        weights.state,
+        group=group,
+        dtype=dtype,
+        device=device,
+        max_len=max_len,
+        quantized=weights.quantized,
+    )
+    return decoder, weights.config

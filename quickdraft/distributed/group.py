@@ -2,12 +2,16 @@
 
 Each engine builds its own store and backend (gloo on the CPU, NCCL on CUDA) instead of
 torch.distributed's default group, so that several engines (tests, a benchmark that compares
-sizes) can live in one process one after the other, and nothing is module-global.
+sizes) can live in one process one after the other, and nothing is module-global.  CPU ranks
+also map one shared-memory segment (shm.py) for the all_reduce and all_gather of a forward,
+~200x faster than gloo's loopback TCP here; gloo carries rank 0's messages, the start-up
+barrier, tensors larger than a slot, and everything when QUICKDRAFT_TP_SHARED_MEMORY=0.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -15,12 +19,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from quickdraft.distributed.shm import (
+    DEFAULT_SLOT_BYTES,
+    SharedMemoryCollectives,
+    create_segment,
+    segment_bytes,
+    shared_memory_supported,
+)
+
 # How long a collective may wait.  Followers wait for rank 0's next forward between requests,
 # which can be a long idle time; a dead peer is noticed at once anyway (its sockets close).
 DEFAULT_TIMEOUT = datetime.timedelta(days=7)
 # How long rank 0 waits for the followers to start and join the group.
 STARTUP_TIMEOUT = datetime.timedelta(seconds=300)
 LOCALHOST = "127.0.0.1"
+SHARED_MEMORY_KEY = "quickdraft/shared-memory-segment"
+SHARED_MEMORY_SWITCH = "QUICKDRAFT_TP_SHARED_MEMORY"  # "0": gloo for every collective (to compare)
 
 
 @dataclass
@@ -30,6 +44,7 @@ class ParallelGroup:
     device: torch.device  # where the collectives' tensors live (cuda:rank for NCCL)
     backend: Any  # a torch.distributed ProcessGroupGloo / ProcessGroupNCCL
     store: Any  # the TCPStore the backend rendezvoused through (kept alive with it)
+    shared: SharedMemoryCollectives | None = None  # CPU ranks of one machine
 
     @property
     def port(self) -> int:
@@ -38,11 +53,15 @@ class ParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; every rank gets the same bits (the sum is computed once
         per element and shared), so replicated activations stay identical across ranks."""
+        if self.shared is not None and self.shared.fits(tensor):
+            return self.shared.all_reduce(tensor)
         self.backend.allreduce([tensor]).wait()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape on all ranks), in rank order."""
+        if self.shared is not None and self.shared.fits(tensor):
+            return self.shared.all_gather(tensor)
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.backend.allgather([parts], [tensor]).wait()
@@ -94,4 +113,26 @@ def join_group(
         backend = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
         backend = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return ParallelGroup(rank=rank, size=size, device=device, backend=backend, store=store)
+    group = ParallelGroup(rank=rank, size=size, device=device, backend=backend, store=store)
+    if device.type == "cpu" and size > 1 and os.environ.get(SHARED_MEMORY_SWITCH, "1") != "0":
+        group.shared = _map_shared_memory(group, slot_bytes=DEFAULT_SLOT_BYTES)
+    return group
+
+
+def _map_shared_memory(group: ParallelGroup, *, slot_bytes: int) -> SharedMemoryCollectives | None:
+    """Every rank maps rank 0's segment, or none does (then gloo carries every collective)."""
+    if group.rank == 0:
+        fits = shared_memory_supported(segment_bytes(group.size, slot_bytes))
+        group.store.set(SHARED_MEMORY_KEY, create_segment(group.size, slot_bytes) if fits else "")
+    path = group.store.get(SHARED_MEMORY_KEY).decode()
+    shared = None
+    if path:
+        try:
+            shared = SharedMemoryCollectives(path, rank=group.rank, size=group.size, slot_bytes=slot_bytes)
+        except (OSError, RuntimeError):  # e.g. a follower in another mount namespace
+            shared = None
+    mapped = torch.tensor([0 if shared is None else 1])
+    group.backend.allreduce([mapped]).wait()  # every rank mapped it (and wrote its pid), or not
+    if group.rank == 0 and path:
+        os.unlink(path)  # the mappings stay; nothing is left in /dev/shm whatever happens next
+    return shared if int(mapped) == group.size else None

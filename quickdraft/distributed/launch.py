@@ -50,6 +50,8 @@ class WorkerSpec:
     port: int
     model_dir: str
     dtype: str  # "float32" / "bfloat16"
+    quantization: str | None  # None (float weights), "gguf" or "q8_0": as rank 0 resolved it
+    gguf_path: str | None
     device_type: str  # "cpu" / "cuda"
     max_len: int  # the rotary tables' length (the cache's)
     cache: CacheOptions
@@ -135,6 +137,8 @@ def start_tensor_parallel(
     device: torch.device,
     max_len: int,
     cache: CacheOptions,
+    quantization: str | None = None,
+    gguf_path: Path | None = None,
 ) -> TensorParallelTarget:
     """Check the split, start the followers, load rank 0's slice; returns once every rank is ready."""
     config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
@@ -156,6 +160,8 @@ def start_tensor_parallel(
                 port=int(store.port),
                 model_dir=str(model_dir),
                 dtype=str(dtype).removeprefix("torch."),
+                quantization=quantization,
+                gguf_path=None if gguf_path is None else str(gguf_path),
                 device_type=device.type,
                 max_len=max_len,
                 cache=cache,
@@ -171,7 +177,15 @@ def start_tensor_parallel(
         _kill(processes)
         raise
     try:
-        decoder, _ = load_sharded_decoder(model_dir, group=group, dtype=dtype, device=device, max_len=max_len)
+        decoder, _ = load_sharded_decoder(
+            model_dir,
+            group=group,
+            dtype=dtype,
+            device=device,
+            max_len=max_len,
+            quantization=quantization,
+            gguf_path=gguf_path,
+        )
         layout = ShardLayout(config=config, rank=0, size=size)
         kv = build_cache(config, layout, cache, dtype=dtype, device=device)
         _ready(group, workers)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.models.config import ModelConfig
+from quickdraft.models.quantized import QuantizedWeight
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
@@ -97,37 +98,59 @@ class ShardLayout:
         )
 
     # ---- row ranges, in the full tensors --------------------------------------------------
-    def _q_rows(self) -> torch.Tensor:  # rows of the fused qkv weight (and bias) this rank keeps
+    def _q_ranges(self) -> list[tuple[int, int]]:  # rows of the fused qkv weight (and bias) this rank keeps
         hd, c = self.config.head_dim, self.config
-        q = torch.arange(self.first_head * hd, (self.first_head + self.num_heads) * hd)
         kv_start, kv_end = self.first_kv_head * hd, (self.first_kv_head + self.num_kv_heads) * hd
-        k = torch.arange(kv_start, kv_end) + c.q_size
-        v = torch.arange(kv_start, kv_end) + c.q_size + c.kv_size
-        return torch.cat([q, k, v])
+        return [
+            (self.first_head * hd, (self.first_head + self.num_heads) * hd),
+            (c.q_size + kv_start, c.q_size + kv_end),
+            (c.q_size + c.kv_size + kv_start, c.q_size + c.kv_size + kv_end),
+        ]
 
-    def _mlp_rows(self) -> torch.Tensor:  # rows of the fused gate_up weight: gate slice, up slice
-        n, start = self.intermediate_size, self.rank * self.intermediate_size
-        units = torch.arange(start, start + n)
-        return torch.cat([units, units + self.config.intermediate_size])
+    def _mlp_ranges(self) -> list[tuple[int, int]]:  # rows of the fused gate_up weight: gate slice, up slice
+        n, start, full = self.intermediate_size, self.rank * self.intermediate_size, self.config.intermediate_size
+        return [(start, start + n), (full + start, full + start + n)]
+
+    def _column_range(self, leaf: str) -> tuple[int, int]:  # o_proj / down_proj: this rank's input columns
+        if leaf == "o_proj":  # [D, H * hd]: the columns of this rank's heads
+            hd = self.config.head_dim
+            return self.first_head * hd, (self.first_head + self.num_heads) * hd
+        start = self.rank * self.intermediate_size  # down_proj [D, I]: the columns of this rank's units
+        return start, start + self.intermediate_size
 
     def shard_layer_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of one layer tensor (`leaf`: its name within the layer)."""
-        hd = self.config.head_dim
         if leaf in ("qkv_proj", "qkv_bias"):
-            return tensor[self._q_rows()]
+            return torch.cat([tensor[start:stop] for start, stop in self._q_ranges()])
         if leaf in ("gate_up_proj", "gate_up_bias"):
-            return tensor[self._mlp_rows()]
-        if leaf == "o_proj":  # [D, H * hd]: the columns of this rank's heads
-            return tensor[:, self.first_head * hd : (self.first_head + self.num_heads) * hd]
-        if leaf == "down_proj":  # [D, I]: the columns of this rank's units
-            start = self.rank * self.intermediate_size
-            return tensor[:, start : start + self.intermediate_size]
+            return torch.cat([tensor[start:stop] for start, stop in self._mlp_ranges()])
+        if leaf in ("o_proj", "down_proj"):
+            start, stop = self._column_range(leaf)
+            return tensor[:, start:stop]
         if leaf == "qk_norm.weight":  # [H + Hkv, hd]: one row per head, q heads then k heads
             H = self.config.num_heads
             q = tensor[self.first_head : self.first_head + self.num_heads]
             k = tensor[H + self.first_kv_head : H + self.first_kv_head + self.num_kv_heads]
             return torch.cat([q, k])
         return tensor  # norms and the row-parallel biases (added once, after the sum): replicated
+
+    def shard_quantized_weight(self, leaf: str, weight: QuantizedWeight) -> QuantizedWeight:
+        """This rank's slice of a layer weight kept quantized: the same quants and scales (whole
+        blocks), so each rank's partial products are the kernels' usual exact block sums."""
+        if leaf == "qkv_proj":
+            return weight.take_rows(self._q_ranges())
+        if leaf == "gate_up_proj":
+            return weight.take_rows(self._mlp_ranges())
+        if leaf in ("o_proj", "down_proj"):
+            start, stop = self._column_range(leaf)
+            try:
+                return weight.take_columns(start, stop)
+            except ValueError as err:
+                raise ValueError(
+                    f"tensor_parallel_size {self.size} splits {leaf} inside a quantized block ({err}); "
+                    f"use dtype float32 or bfloat16 for this split"
+                ) from err
+        raise ValueError(f"no tensor-parallel split for the quantized layer weight {leaf!r}")
 
     def shard_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our (fused) decoder state -> this rank's, without the LM head (see `lm_head_slice`)."""
@@ -142,11 +165,28 @@ class ShardLayout:
                 out[name] = tensor  # embeddings, final norm
         return out
 
-    def lm_head_slice(self, weight: torch.Tensor) -> torch.Tensor:  # [V, D] -> [ceil(V / tp), D]
-        """This rank's vocabulary rows; the last rank's are padded with zero rows so that every
-        rank's logits have one shape (the all_gather needs it; the padding is cut after)."""
+    def shard_quantized(self, quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        """The quantized layer weights' slices; the embedding stays whole, the LM head is left
+        out (see `lm_head_slice`)."""
+        out = {}
+        for name, weight in quantized.items():
+            if name == "lm_head":
+                continue
+            if name.startswith("layers."):
+                out[name] = self.shard_quantized_weight(name.split(".", 2)[2], weight)
+            else:
+                out[name] = weight
+        return out
+
+    def lm_head_slice(self, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        """This rank's vocabulary rows [ceil(V / tp), D] of the LM head [V, D]; the last rank's
+        are padded with zero rows so that every rank's logits have one shape (the all_gather
+        needs it; the padding is cut after)."""
         rows = self.vocab_rows
         start = self.rank * rows
+        if isinstance(weight, QuantizedWeight):
+            stop = min(start + rows, weight.shape[0])
+            return weight.take_rows([(start, stop)], zero_rows=rows - (stop - start))
         piece = weight[start : start + rows]
         if piece.shape[0] == rows:
             return piece  # a view: a tied LM head shares the embedding's memory

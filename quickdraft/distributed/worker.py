@@ -22,7 +22,13 @@ def run_follower(spec: WorkerSpec) -> None:
     group = join_group(store=store, rank=spec.rank, size=spec.size, device=device)
     dtype = getattr(torch, spec.dtype)
     decoder, config = load_sharded_decoder(
-        spec.model_dir, group=group, dtype=dtype, device=device, max_len=spec.max_len
+        spec.model_dir,
+        group=group,
+        dtype=dtype,
+        device=device,
+        max_len=spec.max_len,
+        quantization=spec.quantization,
+        gguf_path=spec.gguf_path,
     )
     layout = ShardLayout(config=config, rank=spec.rank, size=spec.size)
     cache = build_cache(config, layout, spec.cache, dtype=dtype, device=device)

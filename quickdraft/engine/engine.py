@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,7 +69,7 @@ class Engine:
         # The followers of a tensor-parallel target (None: the whole target is in this process).
         self.tensor_parallel: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:
-            self._start_tensor_parallel(cache_len)
+            self._start_tensor_parallel(cache_len, gguf_path=gguf_path)
         else:
             self.model, self.model_config = load_decoder(
                 model_dir,
@@ -115,22 +116,19 @@ class Engine:
         self._speculator: Speculator | None = None
         self.speculator = self._make_speculator(config.speculative_config)
 
-    def _start_tensor_parallel(self, cache_len: int) -> None:
+    def _start_tensor_parallel(self, cache_len: int, *, gguf_path: Path | None) -> None:
         """The target split over config.tensor_parallel_size processes, this one rank 0
         (quickdraft/distributed); the followers stop with `close` (or when the engine is collected)."""
         from quickdraft.distributed.launch import CacheOptions, start_tensor_parallel
 
-        if self.quantization is not None:
-            raise ValueError(
-                "tensor_parallel_size > 1 needs dtype float32 or bfloat16 (quantized weights are not "
-                f"sharded yet; this model resolved to quantization {self.quantization!r})"
-            )
         target = start_tensor_parallel(
             size=self.config.tensor_parallel_size,
             model_dir=self.model_dir,
             dtype=self.dtype,
             device=self.device,
             max_len=cache_len,
+            quantization=self.quantization,
+            gguf_path=gguf_path,
             cache=CacheOptions(
                 num_slots=self.config.max_num_seqs,
                 max_len=cache_len,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -301,23 +302,30 @@ def build_decoder(
     return decoder
 
 
-def load_decoder(
+@dataclass
+class LoadedWeights:
+    """A checkpoint's weights in our (fused) names: floats in `state`, the rest kept quantized."""
+
+    config: ModelConfig
+    state: dict[str, torch.Tensor]
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+
+
+def load_weights(
     model_dir: Path,
     *,
     dtype: torch.dtype,
     device: torch.device,
-    max_len: int,
     quantization: str | None = None,
     gguf_path: Path | None = None,
-) -> tuple[Decoder, ModelConfig]:
-    """The target decoder.  quantization None: float weights of `dtype`; "gguf": the weights
-    `gguf_path` stores quantized, as stored; "q8_0": linear weights quantized to Q8_0 at load.
-    Quantized models compute in float32 on the CPU."""
+) -> LoadedWeights:
+    """The target's weights.  quantization None: float weights (converted to `dtype` when the
+    decoder is built); "gguf": the weights `gguf_path` stores quantized, as stored; "q8_0":
+    linear weights quantized to Q8_0 at load.  Quantized models compute in float32 on the CPU."""
     config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
     plan = decoder_plan(config)
     if quantization is None:
-        state = convert_hf_tensors(config, plan, read_hf_tensors(model_dir))
-        return build_decoder(config, state, dtype=dtype, device=device, max_len=max_len), config
+        return LoadedWeights(config, convert_hf_tensors(config, plan, read_hf_tensors(model_dir)))
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"quantization {quantization!r} runs on the CPU in float32 (got {device.type}, {dtype})")
     if quantization == "gguf" and gguf_path is None:
@@ -335,9 +343,27 @@ def load_decoder(
         tensors = read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
     state = convert_hf_tensors(config, rest, tensors)
     del tensors
-    decoder = build_decoder(config, state, dtype=dtype, device=device, max_len=max_len, quantized=quantized)
     _return_free_heap()
-    return decoder, config
+    return LoadedWeights(config, state, quantized)
+
+
+def load_decoder(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    quantization: str | None = None,
+    gguf_path: Path | None = None,
+) -> tuple[Decoder, ModelConfig]:
+    """The target decoder of `model_dir` (see `load_weights` for `quantization`)."""
+    weights = load_weights(model_dir, dtype=dtype, device=device, quantization=quantization, gguf_path=gguf_path)
+    decoder = build_decoder(
+        weights.config, weights.state, dtype=dtype, device=device, max_len=max_len, quantized=weights.quantized
+    )
+    del weights
+    _return_free_heap()
+    return decoder, decoder.config
 
 
 def _return_free_heap() -> None:

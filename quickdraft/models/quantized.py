@@ -23,6 +23,7 @@ bytes, lane j (bytes 4j..4j+3) for row j: the vpdpbusd operand layout.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -424,9 +425,76 @@ class QuantizedWeight:
             return self.rows(key)
         return self.rows(torch.arange(self.shape[0])[key])
 
+    # ---- slices that stay quantized (tensor-parallel shards) ----------------------------------
+    def take_rows(self, ranges: list[tuple[int, int]], *, zero_rows: int = 0) -> QuantizedWeight:
+        """Rows [start, stop) of each range, in order, then `zero_rows` rows of zeros; the same
+        quants and scales, so the same bits out of the kernels.  A range that starts and ends
+        on a group of 16 rows is a slice of the packed bytes; other rows are unpacked and packed
+        again (small: heads and MLP units of a layer)."""
+        pieces: list[PackedPart] = []
+        for start, stop in ranges:
+            if not 0 <= start <= stop <= self.shape[0]:
+                raise IndexError(f"rows [{start}, {stop}) outside a weight of {self.shape[0]} rows")
+            for part in self.parts:
+                lo = max(start, part.row_start) - part.row_start
+                hi = min(stop, part.row_start + part.rows) - part.row_start
+                if lo < hi:
+                    pieces.append(_part_rows(part, lo, hi, cols=self.shape[1]))
+        if zero_rows:
+            fmt = pieces[-1].format if pieces else self.parts[-1].format
+            size = -(-zero_rows // ROWS_PER_GROUP) * (self.shape[1] // TILE_K[fmt]) * TILE_BYTES[fmt]
+            zeros = torch.zeros(size, dtype=torch.uint8)  # d = 0: every value 0 in every format
+            pieces.append(PackedPart(format=fmt, packed=zeros, row_start=0, rows=zero_rows))
+        return QuantizedWeight(_stacked(pieces), shape=(sum(p.rows for p in pieces), self.shape[1]))
+
+    def take_columns(self, start: int, stop: int) -> QuantizedWeight:
+        """Columns [start, stop): whole tiles of every part (a slice of the packed bytes; the
+        bounds must be multiples of the formats' tile width, 32 or 256)."""
+        cols = self.shape[1]
+        if not 0 <= start < stop <= cols:
+            raise IndexError(f"columns [{start}, {stop}) outside a weight of {cols} columns")
+        parts = []
+        for part in self.parts:
+            width = TILE_K[part.format]
+            if start % width or stop % width:
+                raise ValueError(
+                    f"{part.format} weights split only at multiples of {width} columns, not at [{start}, {stop})"
+                )
+            tiles = part.packed.view(-1, cols // width, TILE_BYTES[part.format])[:, start // width : stop // width]
+            parts.append(dataclasses.replace(part, packed=tiles.contiguous().view(-1)))
+        return QuantizedWeight(parts, shape=(self.shape[0], stop - start))
+
     def __repr__(self) -> str:
         formats = "+".join(part.format for part in self.parts)
         return f"QuantizedWeight({formats}, shape={tuple(self.shape)}, {self.nbytes / 2**20:.1f} MiB)"
+
+
+def _part_rows(part: PackedPart, start: int, stop: int, *, cols: int) -> PackedPart:
+    """Rows [start, stop) of one packed part (row_start 0; `_stacked` numbers the parts)."""
+    group_bytes = cols // TILE_K[part.format] * TILE_BYTES[part.format]
+    if start % ROWS_PER_GROUP == 0 and (stop % ROWS_PER_GROUP == 0 or stop == part.rows):
+        first, last = start // ROWS_PER_GROUP, -(-stop // ROWS_PER_GROUP)
+        packed = part.packed[first * group_bytes : last * group_bytes].clone()
+    else:
+        parts = unpack_rows(part.format, part.packed.numpy(), rows=np.arange(start, stop), cols=cols)
+        packed = torch.from_numpy(pack(parts))
+    return PackedPart(format=part.format, packed=packed, row_start=0, rows=stop - start)
+
+
+def _stacked(pieces: list[PackedPart]) -> list[PackedPart]:
+    """Consecutive row pieces as parts of one weight: neighbours of one format are joined when
+    the first ends on a whole group (its padding rows would otherwise sit between them)."""
+    parts: list[PackedPart] = []
+    row = 0
+    for piece in pieces:
+        last = parts[-1] if parts else None
+        if last is not None and last.format == piece.format and last.rows % ROWS_PER_GROUP == 0:
+            packed = torch.cat([last.packed, piece.packed])
+            parts[-1] = dataclasses.replace(last, packed=packed, rows=last.rows + piece.rows)
+        else:
+            parts.append(dataclasses.replace(piece, row_start=row))
+        row += piece.rows
+    return parts
 
 
 def matrix_weights(model: torch.nn.Module) -> int:

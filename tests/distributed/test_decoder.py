@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from quickdraft.distributed.group import ParallelGroup, join_group, open_store
 from quickdraft.distributed.launch import CacheOptions, build_cache
 from quickdraft.distributed.sharding import ShardLayout
 from quickdraft.engine.runner import ModelRunner, SequenceWork
+from quickdraft.models.loader import load_weights, resolve_model_dir
 from quickdraft.verify.tree import Tree
-from tests.distributed.test_sharding import load_state
 from tests.models.test_decoder import make_runner, prompt
+from tests.models.test_gguf import build_tiny_gguf
 
 CPU = torch.device("cpu")
 OPTIONS = CacheOptions(num_slots=2, max_len=128, block_size=5, max_step_tokens=128)
@@ -47,19 +49,41 @@ def test_collectives_over_two_ranks():
     assert kind == 7 and torch.equal(obj["tokens"], torch.arange(4))
 
 
-@pytest.mark.parametrize(
-    ("arch", "dtype"), [("gemma3", torch.float32), ("llama", torch.float32), ("llama", torch.bfloat16)]
-)
-def test_sharded_forward_matches_unsharded(tiny_checkpoints, arch, dtype):
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny gemma3 GGUF: Q8_0 embedding (the tied LM head), Q5_0 attention, Q4_0 MLP."""
+    return build_tiny_gguf(tmp_path_factory.mktemp("tp_gguf"), "gemma3-mixed").path
+
+
+CASES = [
+    ("gemma3", torch.float32, None),
+    ("llama", torch.float32, None),
+    ("llama", torch.bfloat16, None),
+    ("llama", torch.float32, "q8_0"),  # HF weights quantized at load, untied LM head
+    ("gemma3-gguf", torch.float32, "gguf"),  # GGUF weights as stored, mixed formats
+]
+
+
+@pytest.mark.parametrize(("arch", "dtype", "quantization"), CASES)
+def test_sharded_forward_matches_unsharded(tiny_checkpoints, tiny_gguf, arch, dtype, quantization):
     """Rank 0 drives a runner as the engine does; rank 1 replays its forwards in a thread."""
-    path = tiny_checkpoints[arch]
-    # bfloat16: the all_reduce rounds each rank's partial sum to bfloat16 before adding them
-    tolerance = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
-    config, state = load_state(path)
+    gguf_path = tiny_gguf if quantization == "gguf" else None
+    path = resolve_model_dir(gguf_path) if gguf_path else tiny_checkpoints[arch]
+    # bfloat16: the all_reduce rounds each rank's partial sum to bfloat16 before adding them;
+    # quantized: the int8 activations of the next layer may round a value the other way
+    tolerance = {
+        torch.float32: dict(atol=2e-5, rtol=1e-4) if quantization is None else dict(atol=2e-3, rtol=1e-3),
+        torch.bfloat16: dict(atol=0.1, rtol=0.05),
+    }[dtype]
+    weights = load_weights(path, dtype=dtype, device=CPU, quantization=quantization, gguf_path=gguf_path)
+    config, state = weights.config, weights.state
+    assert bool(weights.quantized) == (quantization is not None)
     groups = make_groups(2)
     ranks = []
     for group in groups:
-        decoder = shard_decoder(config, state, group=group, dtype=dtype, device=CPU, max_len=128)
+        decoder = shard_decoder(
+            config, state, group=group, dtype=dtype, device=CPU, max_len=128, quantized=weights.quantized
+        )
         layout = ShardLayout(config=config, rank=group.rank, size=2)
         ranks.append((decoder, build_cache(config, layout, OPTIONS, dtype=dtype, device=CPU)))
     follower = threading.Thread(
@@ -67,7 +91,9 @@ def test_sharded_forward_matches_unsharded(tiny_checkpoints, arch, dtype):
     )
     follower.start()
     sharded = ModelRunner(model=ranks[0][0], cache=ranks[0][1], device=CPU)
-    full, full_cache = make_runner(path, num_slots=2, max_len=128, block_size=5, dtype=dtype)
+    full, full_cache = make_runner(
+        path, num_slots=2, max_len=128, block_size=5, dtype=dtype, quantization=quantization, gguf_path=gguf_path
+    )
     try:
         for cache in (ranks[0][1], full_cache):
             for slot in (0, 1):

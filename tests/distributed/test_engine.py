@@ -15,6 +15,7 @@ import pytest
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.config import EngineConfig
+from quickdraft.models.quantized import QuantizedWeight
 from tests.drafters.test_eagle import head_dir  # noqa: F401  (fixture)
 from tests.engine.test_speculative import PositionalDrafter
 from tests.models.test_decoder import prompt
@@ -29,19 +30,37 @@ def token_ids(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "llama"])  # tied and untied LM heads
+# Tied and untied LM heads; float weights and weights quantized to Q8_0 at load (the kernels'
+# int8 block sums split at block edges; the all_reduce adds the two ranks' partial sums).
+@pytest.fixture(scope="module", params=["gemma3", "llama", "gemma3-q8_0", "llama-q8_0"])
 def pair(request, tiny_checkpoints):
-    """(one process, two processes) over the same checkpoint, and the plain greedy output."""
-    path = str(tiny_checkpoints[request.param])
-    single = LLM(path, **SETTINGS)
-    split = LLM(path, tensor_parallel_size=2, **SETTINGS)
-    yield single, split, token_ids(single)
+    """(one process, two processes) over the same checkpoint, and the two processes' plain greedy
+    output (speculation on them must give it exactly: batch invariance holds per tp size)."""
+    arch, _, quantization = request.param.partition("-")
+    path = str(tiny_checkpoints[arch])
+    settings = dict(SETTINGS, quantization=quantization or None)
+    single = LLM(path, **settings)
+    split = LLM(path, tensor_parallel_size=2, **settings)
+    if quantization:
+        assert split.engine.quantization == quantization
+        assert isinstance(split.engine.model.layers[0].o_proj, QuantizedWeight)  # its slice, kept quantized
+    yield single, split, token_ids(split)
     split.close()
 
 
 def test_greedy_equals_one_process(pair):
-    _, split, expected = pair
-    assert token_ids(split) == expected
+    """Float weights: the same tokens as one process.  Quantized weights: the all_reduce adds two
+    partial sums where one process adds every block in turn, and the next layer's int8
+    activations can round a value the other way, so a near-tie may pick another token: the
+    tokens agree for a long stretch, not to the end (the logits' closeness is tested per step in
+    test_decoder.py)."""
+    single, split, expected = pair
+    ours = token_ids(single)
+    if split.engine.quantization is None:
+        assert expected == ours
+    else:
+        agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(expected, ours)]
+        assert min(agree) >= 8 and sum(agree) >= 2 * len(PROMPTS) * GREEDY.max_tokens // 3, agree
     cached_before = split.get_metrics().num_cached_tokens
     assert token_ids(split) == expected  # again: the prompts' blocks now come from the prefix cache
     assert split.get_metrics().num_cached_tokens > cached_before
@@ -99,8 +118,6 @@ def test_bad_configs_fail_before_any_process_starts(tiny_checkpoints):
         LLM(path, tensor_parallel_size=8)  # more ranks than heads
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="quantized weights are not sharded yet"):
-        LLM(path, quantization="q8_0", tensor_parallel_size=2)
 
 
 def test_followers_stop_with_close_and_a_dead_follower_fails_fast(tiny_checkpoints):

@@ -12,6 +12,7 @@ from quickdraft.distributed.sharding import ShardLayout, check_tensor_parallel
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import DecoderLayer
 from quickdraft.models.loader import convert_hf_tensors, decoder_plan, read_hf_config, read_hf_tensors
+from quickdraft.models.quantized import QuantizedWeight, quantize_q8_0
 
 
 def load_state(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -95,6 +96,31 @@ def test_lm_head_slices_pad_the_last_rank():
     assert torch.equal(torch.cat(pieces)[:11], weight)
     assert pieces[0].data_ptr() == weight.data_ptr()  # a view: a tied head costs no memory
     assert torch.equal(pieces[1][5], torch.zeros(2))
+
+
+def test_quantized_slices_keep_the_stored_blocks():
+    """Q8_0 weights: q/k/v and gate/up by row ranges, o/down by whole 32-wide blocks of columns,
+    the LM head by vocabulary rows padded with zero rows; the values are the full weight's."""
+    config = _config(vocab_size=11)  # 4 heads of 16, 2 KV heads, intermediate 128, hidden 64
+    torch.manual_seed(0)
+
+    def q8(rows: int, cols: int) -> QuantizedWeight:
+        return QuantizedWeight.from_parts([quantize_q8_0(torch.randn(rows, cols))])
+
+    qkv, gate_up, o, down, head = q8(128, 64), q8(256, 64), q8(64, 64), q8(64, 128), q8(11, 64)
+    for rank in range(2):
+        layout = ShardLayout(config=config, rank=rank, size=2)
+        for leaf, weight in (("qkv_proj", qkv), ("gate_up_proj", gate_up), ("o_proj", o), ("down_proj", down)):
+            piece = layout.shard_quantized_weight(leaf, weight)
+            assert isinstance(piece, QuantizedWeight)
+            assert torch.equal(piece.dequantize(), layout.shard_layer_tensor(leaf, weight.dequantize())), leaf
+        rows = layout.lm_head_slice(head)
+        assert isinstance(rows, QuantizedWeight) and rows.shape == (6, 64)
+        assert torch.equal(rows.dequantize()[: 6 - rank], head.dequantize()[6 * rank : 6 * rank + 6 - rank])
+    assert torch.equal(ShardLayout(config=config, rank=1, size=2).lm_head_slice(head).dequantize()[5], torch.zeros(64))
+    # 4 ranks: one head of 16 columns each, half a Q8_0 block of o_proj
+    with pytest.raises(ValueError, match="splits o_proj inside a quantized block"):
+        ShardLayout(config=config, rank=1, size=4).shard_quantized_weight("o_proj", o)
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,40 @@ def test_quantized_weight_rows_and_fused_parts():
 
 
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
+def test_row_and_column_slices_stay_quantized(fmt):
+    """Tensor-parallel shards: row ranges (whole groups as byte slices, others repacked), zero
+    padding rows, and column ranges of whole tiles keep every value; the kernel on a slice gives
+    the same bits as the matching columns / rows of the kernel on the whole weight."""
+    cols = cols_for(fmt) * 2
+    _, ref5 = weight("Q5_0", 24, cols, seed=4)  # a part that does not end on a group
+    _, ref = weight(fmt, 45, cols, seed=5)
+    whole = QuantizedWeight.from_parts(
+        [
+            decode_gguf("Q5_0", random_gguf("Q5_0", 24, cols, seed=4), rows=24, cols=cols),
+            decode_gguf(fmt, random_gguf(fmt, 45, cols, seed=5), rows=45, cols=cols),
+        ]
+    )
+    expected = torch.cat([ref5, ref])
+    ranges = [(0, 16), (20, 40), (48, 64), (64, 69)]  # aligned, across parts, mid-part, the tail
+    rows = whole.take_rows(ranges, zero_rows=3)
+    assert rows.shape == (16 + 20 + 16 + 5 + 3, cols)
+    assert torch.equal(rows.dequantize(), torch.cat([expected[a:b] for a, b in ranges] + [torch.zeros(3, cols)]))
+    x = torch.randn(5, cols)
+    full_out = quant_linear(x, whole)
+    sliced_out = quant_linear(x, rows)
+    assert torch.equal(sliced_out[:, :-3], torch.cat([full_out[:, a:b] for a, b in ranges], dim=1))
+    assert torch.equal(sliced_out[:, -3:], torch.zeros(5, 3))
+    width = 256 if fmt.endswith("_K") else 32
+    half = whole.take_columns(cols // 2, cols)  # a multiple of every part's tile width
+    assert torch.equal(half.dequantize(), expected[:, cols // 2 :])
+    assert torch.equal(quant_linear(x[:, cols // 2 :], half), reference_quant_linear(x[:, cols // 2 :], half))
+    with pytest.raises(ValueError, match=f"multiples of {width} columns"):
+        whole.take_columns(width // 2, cols)
+    with pytest.raises(IndexError):
+        whole.take_rows([(60, 70)])
+
+
+@pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
 def test_reference_is_close_to_float64(fmt):
     w, dense = weight(fmt, 40, cols_for(fmt), seed=4)
     x = torch.randn(6, cols_for(fmt))

@@ -14,9 +14,13 @@ from quickdraft.verify.tree import Tree
 from tests.conftest import ARCHS
 
 
-def make_runner(path, *, num_slots=2, max_len=128, dtype=torch.float32, block_size=5):
+def make_runner(
+    path, *, num_slots=2, max_len=128, dtype=torch.float32, block_size=5, quantization=None, gguf_path=None
+):
     """A runner over a paged cache whose small odd blocks make every test cross block edges."""
-    model, config = load_decoder(path, dtype=dtype, device=torch.device("cpu"), max_len=max_len)
+    model, config = load_decoder(
+        path, dtype=dtype, device=torch.device("cpu"), max_len=max_len, quantization=quantization, gguf_path=gguf_path
+    )
     cache = KVCache(
         num_layers=config.num_layers,
         num_slots=num_slots,
