@@ -11,6 +11,15 @@ before have proposed N draft tokens for a request, the later ones are not asked 
 (a confident retrieval match costs no head forward; a head catches up on the features it
 missed the next time it is asked).
 
+``ask_later: "measured"`` (the default; ``"always"`` turns it off) asks the later drafters
+only where that pays, from measured throughput: for each context (greedy or sampled request;
+whether the earlier drafters drafted anything this step) it keeps the committed tokens per
+second of the steps that asked them and of the steps that did not (decayed, from the time
+between one request's consecutive steps), asks by the better of the two, and tries the other
+every ``explore_every`` steps of that context so that a changed text can change the choice.
+The measure includes every cost: a head's forward, the wider tree's verification, and the
+Python around both.
+
 Merged proposals are point masses (``draft_probs=None``): exact for any child, since
 verifying a token as a point mass is exact for every proposal chosen without the
 verifier's randomness.  After verification each child is told the accepted path in its own
@@ -19,7 +28,9 @@ node indices (the part of the path that lies in its tree).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,6 +93,76 @@ def path_in_child(accepted: AcceptedPath, mapping: dict[int, int]) -> AcceptedPa
     )
 
 
+@dataclass
+class ArmThroughput:
+    """Committed tokens and seconds of the steps taken one way in one context, decayed."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+    decay: float = 0.95  # per observation: about the last twenty steps count
+
+    @property
+    def rate(self) -> float:  # tokens per second; untried arms first
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def mean_seconds(self) -> float:
+        weight = (1 - self.decay**self.steps) / (1 - self.decay)
+        return self.seconds / weight if self.steps else 0.0
+
+    def record(self, *, tokens: int, seconds: float) -> None:
+        self.tokens = self.decay * self.tokens + tokens
+        self.seconds = self.decay * self.seconds + seconds
+        self.steps += 1
+
+
+@dataclass
+class LaterDrafterPolicy:
+    """Whether to ask the drafters after the first, per context: the arm (ask / skip) with the
+    higher measured throughput, the other one every `explore_every` steps of the context.
+    Bookkeeping in plain Python; the clock is injectable for tests."""
+
+    explore_every: int = 8
+    clock: Callable[[], float] = time.perf_counter
+    # (sampled, earlier drafters drafted) -> {asked: throughput}
+    arms: dict[tuple[bool, bool], dict[bool, ArmThroughput]] = field(default_factory=dict)
+    _visits: dict[tuple[bool, bool], int] = field(default_factory=dict)
+    # request id -> (clock at its step, output length then, context, asked)
+    _last: dict[str, tuple[float, int, tuple[bool, bool], bool]] = field(default_factory=dict)
+
+    def observe(self, request: DraftRequest, now: float) -> None:
+        """The request's previous step, now that it is back: its tokens and time go to that arm."""
+        last = self._last.pop(request.request_id, None)
+        if last is None:
+            return
+        started, length, context, asked = last
+        tokens, seconds = len(request.output_token_ids) - length, now - started
+        arm = self.arms.setdefault(context, {True: ArmThroughput(), False: ArmThroughput()})[asked]
+        typical = arm.mean_seconds
+        if tokens < 1 or seconds <= 0 or (arm.steps >= 3 and seconds > 4 * typical):
+            return  # not a step of this request alone (it waited, or other work ran between)
+        arm.record(tokens=tokens, seconds=seconds)
+
+    def choose(self, context: tuple[bool, bool]) -> bool:
+        arms = self.arms.setdefault(context, {True: ArmThroughput(), False: ArmThroughput()})
+        visits = self._visits[context] = self._visits.get(context, 0) + 1
+        if arms[True].steps == 0 or arms[False].steps == 0:
+            return arms[True].steps == 0  # each arm once, asking first
+        better = arms[True].rate >= arms[False].rate
+        return (not better) if visits % self.explore_every == 0 else better
+
+    def started(self, request: DraftRequest, now: float, context: tuple[bool, bool], asked: bool) -> None:
+        self._last[request.request_id] = (now, len(request.output_token_ids), context, asked)
+
+    def finish(self, request_id: str) -> None:
+        self._last.pop(request_id, None)
+
+
+def _sampled(request: DraftRequest) -> bool:
+    return request.params is not None and request.params.temperature > 0
+
+
 class HybridDrafter(Drafter):
     def __init__(
         self,
@@ -91,6 +172,8 @@ class HybridDrafter(Drafter):
         num_speculative_tokens: int = 5,
         max_draft_tokens: int | None = None,
         skip_after: int | None = None,
+        ask_later: str = "measured",
+        explore_every: int = 8,
     ):
         from quickdraft.drafters import default_registry
 
@@ -116,6 +199,11 @@ class HybridDrafter(Drafter):
         ):
             raise ValueError(f"skip_after must be a positive integer, got {skip_after!r}")
         self.skip_after = skip_after
+        if ask_later not in ("measured", "always"):
+            raise ValueError(f"ask_later must be 'measured' or 'always', got {ask_later!r}")
+        if not isinstance(explore_every, int) or isinstance(explore_every, bool) or explore_every < 2:
+            raise ValueError(f"explore_every must be an integer >= 2, got {explore_every!r}")
+        self.policy = LaterDrafterPolicy(explore_every=explore_every) if ask_later == "measured" else None
         layers = sorted({layer for child in self.children for layer in getattr(child, "feature_layers", ())})
         self.feature_layers = tuple(layers)
         # Which blocks of the concatenated features each child reads: [child] -> positions in `layers`.
@@ -141,10 +229,17 @@ class HybridDrafter(Drafter):
                 child.skip(request, num_tokens)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
+        now = self.policy.clock() if self.policy is not None else 0.0
+        if self.policy is not None:
+            for request in requests:
+                self.policy.observe(request, now)
         per_child = []  # [child][request index] -> proposal or None
         drafted = [0] * len(requests)
-        for child in self.children:
-            asking = [i for i in range(len(requests)) if self.skip_after is None or drafted[i] < self.skip_after]
+        later: dict[int, bool] = {}  # request index -> whether the later children draft this step
+        for index, child in enumerate(self.children):
+            if index == 1:
+                later = {i: self._asks_later(requests[i], drafted[i], now) for i in range(len(requests))}
+            asking = [i for i in range(len(requests)) if index == 0 or (later[i] and not self._skips(drafted[i]))]
             answers = child.propose([requests[i] for i in asking]) if asking else []
             row: list[Proposal | None] = [None] * len(requests)
             for i, proposal in zip(asking, answers):
@@ -163,6 +258,18 @@ class HybridDrafter(Drafter):
             proposals.append(Proposal(token_ids=merged.token_ids, parents=merged.parents))
         return proposals
 
+    def _skips(self, drafted: int) -> bool:
+        return self.skip_after is not None and drafted >= self.skip_after
+
+    def _asks_later(self, request: DraftRequest, drafted: int, now: float) -> bool:
+        """Whether the children after the first draft for `request` this step."""
+        if self.policy is None or self._skips(drafted):
+            return True  # skip_after still applies child by child
+        context = (_sampled(request), drafted > 0)
+        asked = self.policy.choose(context)
+        self.policy.started(request, now, context, asked)
+        return asked
+
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         merged = self._merged.pop(request.request_id, None)
         for i, child in enumerate(self.children):
@@ -171,5 +278,7 @@ class HybridDrafter(Drafter):
 
     def finish(self, request_id: str) -> None:
         self._merged.pop(request_id, None)
+        if self.policy is not None:
+            self.policy.finish(request_id)
         for child in self.children:
             child.finish(request_id)

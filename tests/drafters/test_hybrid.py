@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.drafters.base import AcceptedPath, Proposal
-from quickdraft.drafters.hybrid import merge_proposals, path_in_child
+from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal
+from quickdraft.drafters.hybrid import LaterDrafterPolicy, merge_proposals, path_in_child
 from tests.drafters.test_eagle import random_head
 from tests.engine.test_speculative import repetitive_prompts
 
@@ -90,7 +92,13 @@ def test_skip_after_asks_the_head_only_when_retrieval_is_short(tiny_checkpoints,
         target,
         max_model_len=256,
         max_num_seqs=4,
-        speculative_config={"method": "hybrid", "drafters": children, "num_speculative_tokens": 4, "skip_after": 2},
+        speculative_config={
+            "method": "hybrid",
+            "drafters": children,
+            "num_speculative_tokens": 4,
+            "skip_after": 2,
+            "ask_later": "always",  # skip_after alone decides here
+        },
     )
     hybrid = llm.engine.speculator.drafter
     ngram, head = hybrid.children
@@ -131,3 +139,98 @@ def test_bad_hybrid_configs(tiny_checkpoints):
                 "skip_after": 0,
             },
         )
+
+
+def _request(sampled: bool = False) -> DraftRequest:
+    params = SamplingParams(temperature=0.7 if sampled else 0.0)
+    return DraftRequest(request_id="r", prompt_token_ids=[1, 2], output_token_ids=[], budget=8, params=params)
+
+
+def _run_steps(policy: LaterDrafterPolicy, request: DraftRequest, steps: int, *, context, outcome) -> list[bool]:
+    """`steps` steps of one request: outcome(asked) -> (tokens committed, seconds taken)."""
+    clock = [0.0]
+    policy.clock = lambda: clock[0]
+    choices = []
+    for _ in range(steps):
+        now = policy.clock()
+        policy.observe(request, now)
+        asked = policy.choose(context)
+        policy.started(request, now, context, asked)
+        tokens, seconds = outcome(asked)
+        request.output_token_ids.extend([7] * tokens)
+        clock[0] += seconds
+        choices.append(asked)
+    return choices
+
+
+def test_later_drafters_asked_by_measured_throughput():
+    """Each arm once (asking first), then the faster one, the other every 8th step of the context."""
+    policy = LaterDrafterPolicy(explore_every=8)
+    greedy = (False, True)
+    # asking: 3 tokens in 30 ms (100 tok/s); not asking: 2 tokens in 10 ms (200 tok/s)
+    choices = _run_steps(
+        policy, _request(), 20, context=greedy, outcome=lambda asked: (3, 0.03) if asked else (2, 0.01)
+    )
+    assert choices == [True, False] + [False] * 5 + [True] + [False] * 7 + [True] + [False] * 4
+    arms = policy.arms[greedy]
+    assert arms[True].rate == pytest.approx(100.0) and arms[False].rate == pytest.approx(200.0)
+    # the same costs the other way round: asking pays, skipping is explored
+    policy = LaterDrafterPolicy(explore_every=8)
+    choices = _run_steps(
+        policy, _request(), 10, context=greedy, outcome=lambda asked: (5, 0.03) if asked else (1, 0.02)
+    )
+    assert choices == [True, False] + [True] * 5 + [False] + [True] * 2
+
+
+def test_contexts_are_measured_apart_and_gaps_are_not_steps():
+    policy = LaterDrafterPolicy(explore_every=4)
+    sampled, greedy = (True, True), (False, True)
+    _run_steps(
+        policy, _request(sampled=True), 6, context=sampled, outcome=lambda asked: (1, 0.03) if asked else (1, 0.01)
+    )
+    assert set(policy.arms) == {sampled} and policy.arms[sampled][True].steps == 2
+    # a new context starts afresh: asking first
+    assert policy.choose(greedy) is True
+    # a step 100 times longer than usual (the request waited) is left out
+    request = _request()
+    arm = policy.arms[sampled][False]
+    before = arm.steps
+    policy.started(request, 0.0, sampled, False)
+    request.output_token_ids.append(5)
+    policy.observe(request, 1.0)
+    assert arm.steps == before
+    policy.finish("r")
+    policy.observe(request, 2.0)  # nothing pending for it: no record
+    assert arm.steps == before
+
+
+def test_adaptive_hybrid_greedy_equals_plain_and_skips_a_costly_head(tiny_checkpoints, tmp_path, plain):
+    """A head that drafts garbage slowly: the hybrid stops asking it (exploring it now and then)
+    and the output stays plain greedy."""
+    target = str(tiny_checkpoints["gemma3"])
+    eagle = {"method": "eagle3", "head": str(random_head(tmp_path / "h")), "top_k": 1}
+    llm = LLM(
+        target,
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={
+            "method": "hybrid",
+            "drafters": [{"method": "ngram", "num_speculative_tokens": 4}, eagle],
+            "num_speculative_tokens": 4,
+        },
+    )
+    hybrid = llm.engine.speculator.drafter
+    head = hybrid.children[1]
+    asked = [0]
+    head_propose = head.propose
+
+    def slow_head(requests):
+        asked[0] += len(requests)
+        time.sleep(0.02)  # costs more than any token it could add on this tiny model
+        return head_propose(requests)
+
+    head.propose = slow_head
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    steps = sum(arm.steps for arms in hybrid.policy.arms.values() for arm in arms.values())
+    assert steps > 20 and asked[0] < steps / 2
