@@ -16,7 +16,8 @@ only where that pays, from measured throughput: for each context (greedy or samp
 whether the earlier drafters drafted anything this step) it keeps the committed tokens per
 second of the steps that asked them and of the steps that did not (decayed, from the time
 between one request's consecutive steps), asks by the better of the two, and tries the other
-every ``explore_every`` steps of that context so that a changed text can change the choice.
+after ``explore_every`` steps of that context (the wait doubling, up to ``max_explore_every``,
+while the explorations confirm the choice) so that a changed text can change it.
 The measure includes every cost: a head's forward, the wider tree's verification, and the
 Python around both.
 
@@ -117,19 +118,24 @@ class ArmThroughput:
         self.steps += 1
 
 
+Context = tuple[bool, bool]  # (the request samples, the earlier drafters drafted this step)
+
+
 @dataclass
 class LaterDrafterPolicy:
     """Whether to ask the drafters after the first, per context: the arm (ask / skip) with the
-    higher measured throughput, the other one every `explore_every` steps of the context.
-    Bookkeeping in plain Python; the clock is injectable for tests."""
+    higher measured throughput, the other one after `explore_every` steps of the context; each
+    exploration that confirms the choice doubles that wait (up to `max_explore_every`), one that
+    changes it resets the wait.  Bookkeeping in plain Python; the clock is injectable for tests."""
 
     explore_every: int = 8
+    max_explore_every: int = 64
     clock: Callable[[], float] = time.perf_counter
-    # (sampled, earlier drafters drafted) -> {asked: throughput}
-    arms: dict[tuple[bool, bool], dict[bool, ArmThroughput]] = field(default_factory=dict)
-    _visits: dict[tuple[bool, bool], int] = field(default_factory=dict)
+    arms: dict[Context, dict[bool, ArmThroughput]] = field(default_factory=dict)  # context -> {asked: ...}
+    _schedule: dict[Context, tuple[int, int]] = field(default_factory=dict)  # (steps since exploring, wait)
+    _tested: dict[Context, bool] = field(default_factory=dict)  # the choice an exploration put to the test
     # request id -> (clock at its step, output length then, context, asked)
-    _last: dict[str, tuple[float, int, tuple[bool, bool], bool]] = field(default_factory=dict)
+    _last: dict[str, tuple[float, int, Context, bool]] = field(default_factory=dict)
 
     def observe(self, request: DraftRequest, now: float) -> None:
         """The request's previous step, now that it is back: its tokens and time go to that arm."""
@@ -144,15 +150,24 @@ class LaterDrafterPolicy:
             return  # not a step of this request alone (it waited, or other work ran between)
         arm.record(tokens=tokens, seconds=seconds)
 
-    def choose(self, context: tuple[bool, bool]) -> bool:
+    def choose(self, context: Context) -> bool:
         arms = self.arms.setdefault(context, {True: ArmThroughput(), False: ArmThroughput()})
-        visits = self._visits[context] = self._visits.get(context, 0) + 1
         if arms[True].steps == 0 or arms[False].steps == 0:
             return arms[True].steps == 0  # each arm once, asking first
         better = arms[True].rate >= arms[False].rate
-        return (not better) if visits % self.explore_every == 0 else better
+        since, wait = self._schedule.get(context, (0, self.explore_every))
+        tested = self._tested.pop(context, None)
+        if tested is not None:
+            wait = min(2 * wait, self.max_explore_every) if tested == better else self.explore_every
+        since += 1
+        if since >= wait:
+            self._schedule[context] = (0, wait)
+            self._tested[context] = better
+            return not better
+        self._schedule[context] = (since, wait)
+        return better
 
-    def started(self, request: DraftRequest, now: float, context: tuple[bool, bool], asked: bool) -> None:
+    def started(self, request: DraftRequest, now: float, context: Context, asked: bool) -> None:
         self._last[request.request_id] = (now, len(request.output_token_ids), context, asked)
 
     def finish(self, request_id: str) -> None:
@@ -174,6 +189,7 @@ class HybridDrafter(Drafter):
         skip_after: int | None = None,
         ask_later: str = "measured",
         explore_every: int = 8,
+        max_explore_every: int = 64,
     ):
         from quickdraft.drafters import default_registry
 
@@ -203,7 +219,17 @@ class HybridDrafter(Drafter):
             raise ValueError(f"ask_later must be 'measured' or 'always', got {ask_later!r}")
         if not isinstance(explore_every, int) or isinstance(explore_every, bool) or explore_every < 2:
             raise ValueError(f"explore_every must be an integer >= 2, got {explore_every!r}")
-        self.policy = LaterDrafterPolicy(explore_every=explore_every) if ask_later == "measured" else None
+        if (
+            not isinstance(max_explore_every, int)
+            or isinstance(max_explore_every, bool)
+            or max_explore_every < explore_every
+        ):
+            raise ValueError(f"max_explore_every must be an integer >= explore_every, got {max_explore_every!r}")
+        self.policy = (
+            LaterDrafterPolicy(explore_every=explore_every, max_explore_every=max_explore_every)
+            if ask_later == "measured"
+            else None
+        )
         layers = sorted({layer for child in self.children for layer in getattr(child, "feature_layers", ())})
         self.feature_layers = tuple(layers)
         # Which blocks of the concatenated features each child reads: [child] -> positions in `layers`.

@@ -8,7 +8,7 @@ import pytest
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafters.base import AcceptedPath, DraftRequest, Proposal
-from quickdraft.drafters.hybrid import LaterDrafterPolicy, merge_proposals, path_in_child
+from quickdraft.drafters.hybrid import ArmThroughput, LaterDrafterPolicy, merge_proposals, path_in_child
 from tests.drafters.test_eagle import random_head
 from tests.engine.test_speculative import repetitive_prompts
 
@@ -164,14 +164,15 @@ def _run_steps(policy: LaterDrafterPolicy, request: DraftRequest, steps: int, *,
 
 
 def test_later_drafters_asked_by_measured_throughput():
-    """Each arm once (asking first), then the faster one, the other every 8th step of the context."""
+    """Each arm once (asking first), then the faster one, the other after 8 steps of the context,
+    then after 16 (the first exploration confirmed the choice)."""
     policy = LaterDrafterPolicy(explore_every=8)
     greedy = (False, True)
     # asking: 3 tokens in 30 ms (100 tok/s); not asking: 2 tokens in 10 ms (200 tok/s)
     choices = _run_steps(
         policy, _request(), 20, context=greedy, outcome=lambda asked: (3, 0.03) if asked else (2, 0.01)
     )
-    assert choices == [True, False] + [False] * 5 + [True] + [False] * 7 + [True] + [False] * 4
+    assert choices == [True, False] + [False] * 7 + [True] + [False] * 10
     arms = policy.arms[greedy]
     assert arms[True].rate == pytest.approx(100.0) and arms[False].rate == pytest.approx(200.0)
     # the same costs the other way round: asking pays, skipping is explored
@@ -179,7 +180,19 @@ def test_later_drafters_asked_by_measured_throughput():
     choices = _run_steps(
         policy, _request(), 10, context=greedy, outcome=lambda asked: (5, 0.03) if asked else (1, 0.02)
     )
-    assert choices == [True, False] + [True] * 5 + [False] + [True] * 2
+    assert choices == [True, False] + [True] * 7 + [False]
+
+
+def test_exploration_waits_double_while_confirmed_and_reset_when_the_choice_changes():
+    policy = LaterDrafterPolicy(explore_every=2, max_explore_every=8)
+    context = (False, True)
+    policy.arms[context] = {
+        True: ArmThroughput(tokens=1, seconds=1, steps=1),
+        False: ArmThroughput(tokens=2, seconds=1, steps=1),
+    }
+    assert [policy.choose(context) for _ in range(6)] == [False, True, False, False, False, True]
+    policy.arms[context][True] = ArmThroughput(tokens=3, seconds=1, steps=1)  # asking is faster now
+    assert [policy.choose(context) for _ in range(3)] == [True, False, True]
 
 
 def test_contexts_are_measured_apart_and_gaps_are_not_steps():
@@ -188,7 +201,7 @@ def test_contexts_are_measured_apart_and_gaps_are_not_steps():
     _run_steps(
         policy, _request(sampled=True), 6, context=sampled, outcome=lambda asked: (1, 0.03) if asked else (1, 0.01)
     )
-    assert set(policy.arms) == {sampled} and policy.arms[sampled][True].steps == 2
+    assert set(policy.arms) == {sampled} and policy.arms[sampled][True].steps == 1
     # a new context starts afresh: asking first
     assert policy.choose(greedy) is True
     # a step 100 times longer than usual (the request waited) is left out
