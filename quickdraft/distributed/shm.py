@@ -34,6 +34,10 @@ SHM_DIR = Path("/dev/shm")
 LINE = 64  # bytes of one rank's header line
 DEFAULT_SLOT_BYTES = 4 << 20  # a [1638, 640] float32 hidden state, or 8 rows of a 131072-row logits slice
 LIVENESS_CHECK_SECONDS = 0.05  # how often a waiting rank checks that its peers are alive
+# A wait spins (yielding) this long, then sleeps in short naps: a peer that is far behind (or
+# descheduled on a busy machine) must not cost a whole core of spinning.
+SPIN_SECONDS = 2e-4
+SLEEP_SECONDS = 5e-5
 
 
 def shared_memory_supported(total_bytes: int) -> bool:
@@ -103,15 +107,21 @@ class SharedMemoryCollectives:
 
     def _wait_for(self, calls: int) -> None:
         counters = self.counters
+        started = time.monotonic()
+        next_check = started + LIVENESS_CHECK_SECONDS
         spins = 0
-        next_check = time.monotonic() + LIVENESS_CHECK_SECONDS
         while counters.min() < calls:
             spins += 1
-            if spins > 64:
+            if spins <= 64:
+                continue  # the peer is usually a few microseconds behind
+            now = time.monotonic()
+            if now - started < SPIN_SECONDS:
                 os.sched_yield()  # a peer sharing this core gets it
-                if time.monotonic() > next_check:
-                    self._check_peers(calls)
-                    next_check = time.monotonic() + LIVENESS_CHECK_SECONDS
+            else:
+                time.sleep(SLEEP_SECONDS)  # a long wait: give the core to other work
+            if now > next_check:
+                self._check_peers(calls)
+                next_check = now + LIVENESS_CHECK_SECONDS
 
     def _check_peers(self, calls: int) -> None:
         for rank in range(self.size):
