@@ -202,7 +202,7 @@ def shard_decoder(
     head_name = "embed_tokens" if config.tie_word_embeddings else "lm_head"
     full_lm_head = quantized[head_name] if head_name in quantized else state[head_name]
     local = layout.shard_state(state)
-    local_quantized = layout.shard_quantized(quantized)
+    local_quantized = layout.shard_state(quantized)
     keep_full_head = group.rank == 0 and not config.tie_word_embeddings
     if keep_full_head:  # rank 0's drafters may borrow LM-head rows
         if isinstance(full_lm_head, QuantizedWeight):

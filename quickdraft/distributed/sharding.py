@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.quantized import QuantizedWeight
+
+Weight = TypeVar("Weight", torch.Tensor, QuantizedWeight)  # a state dict holds one kind
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
@@ -152,30 +155,21 @@ class ShardLayout:
                 ) from err
         raise ValueError(f"no tensor-parallel split for the quantized layer weight {leaf!r}")
 
-    def shard_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our (fused) decoder state -> this rank's, without the LM head (see `lm_head_slice`)."""
-        out = {}
-        for name, tensor in state.items():
+    def shard_state(self, state: dict[str, Weight]) -> dict[str, Weight]:
+        """Our (fused) decoder weights, float or kept quantized -> this rank's, without the LM
+        head (see `lm_head_slice`)."""
+        out: dict[str, Weight] = {}
+        for name, weight in state.items():
             if name == "lm_head":
                 continue
-            if name.startswith("layers."):
-                leaf = name.split(".", 2)[2]
-                out[name] = self.shard_layer_tensor(leaf, tensor).contiguous()
-            else:
-                out[name] = tensor  # embeddings, final norm
-        return out
-
-    def shard_quantized(self, quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-        """The quantized layer weights' slices; the embedding stays whole, the LM head is left
-        out (see `lm_head_slice`)."""
-        out = {}
-        for name, weight in quantized.items():
-            if name == "lm_head":
+            if not name.startswith("layers."):
+                out[name] = weight  # embeddings, final norm
                 continue
-            if name.startswith("layers."):
-                out[name] = self.shard_quantized_weight(name.split(".", 2)[2], weight)
+            leaf = name.split(".", 2)[2]
+            if isinstance(weight, QuantizedWeight):
+                out[name] = self.shard_quantized_weight(leaf, weight)
             else:
-                out[name] = weight
+                out[name] = self.shard_layer_tensor(leaf, weight).contiguous()
         return out
 
     def lm_head_slice(self, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:

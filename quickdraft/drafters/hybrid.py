@@ -255,8 +255,9 @@ class HybridDrafter(Drafter):
                 child.skip(request, num_tokens)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
-        now = self.policy.clock() if self.policy is not None else 0.0
+        now = 0.0
         if self.policy is not None:
+            now = self.policy.clock()
             for request in requests:
                 self.policy.observe(request, now)
         per_child = []  # [child][request index] -> proposal or None

@@ -52,6 +52,12 @@ def plain(tiny_checkpoints):
     return [o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))]
 
 
+def hybrid_llm(target: str, drafters: list[dict], **options) -> LLM:
+    """The tiny target with a hybrid of `drafters`, 4 draft tokens per child; `options` go to the hybrid."""
+    config = {"method": "hybrid", "drafters": drafters, "num_speculative_tokens": 4, **options}
+    return LLM(target, max_model_len=256, max_num_seqs=4, speculative_config=config)
+
+
 @pytest.mark.parametrize(
     "children",
     [
@@ -67,17 +73,7 @@ def test_hybrid_greedy_equals_plain(tiny_checkpoints, tmp_path, plain, children)
             child["head"] = str(head)
         if child["method"] == "draft_model":
             child["model"] = target
-    llm = LLM(
-        target,
-        max_model_len=256,
-        max_num_seqs=4,
-        speculative_config={
-            "method": "hybrid",
-            "drafters": children,
-            "num_speculative_tokens": 4,
-            "max_draft_tokens": 8,
-        },
-    )
+    llm = hybrid_llm(target, children, max_draft_tokens=8)
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain
     metrics = llm.get_metrics()
@@ -88,18 +84,7 @@ def test_skip_after_asks_the_head_only_when_retrieval_is_short(tiny_checkpoints,
     target = str(tiny_checkpoints["gemma3"])
     eagle = {"method": "eagle3", "head": str(random_head(tmp_path / "h")), "top_k": 1}
     children = [{"method": "ngram", "num_speculative_tokens": 4}, eagle]
-    llm = LLM(
-        target,
-        max_model_len=256,
-        max_num_seqs=4,
-        speculative_config={
-            "method": "hybrid",
-            "drafters": children,
-            "num_speculative_tokens": 4,
-            "skip_after": 2,
-            "ask_later": "always",  # skip_after alone decides here
-        },
-    )
+    llm = hybrid_llm(target, children, skip_after=2, ask_later="always")  # skip_after alone decides here
     hybrid = llm.engine.speculator.drafter
     ngram, head = hybrid.children
     asked = {"ngram": 0, "head": 0, "long_matches": 0}
@@ -222,16 +207,7 @@ def test_adaptive_hybrid_greedy_equals_plain_and_skips_a_costly_head(tiny_checkp
     and the output stays plain greedy."""
     target = str(tiny_checkpoints["gemma3"])
     eagle = {"method": "eagle3", "head": str(random_head(tmp_path / "h")), "top_k": 1}
-    llm = LLM(
-        target,
-        max_model_len=256,
-        max_num_seqs=4,
-        speculative_config={
-            "method": "hybrid",
-            "drafters": [{"method": "ngram", "num_speculative_tokens": 4}, eagle],
-            "num_speculative_tokens": 4,
-        },
-    )
+    llm = hybrid_llm(target, [{"method": "ngram", "num_speculative_tokens": 4}, eagle])
     hybrid = llm.engine.speculator.drafter
     head = hybrid.children[1]
     asked = [0]

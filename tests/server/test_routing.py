@@ -115,15 +115,23 @@ def test_a_hot_prefix_spills_past_the_load_bound():
     spill = next(replica for replica in replicas if replica != owner)
     table = []
     for _ in range(6):
-        chosen = policy.rank(replicas, hint)[0]
-        table.append((chosen, policy.load_bound(2)))
-        policy.on_routed(chosen, hint)
+        bound = policy.load_bound(2)
+        chosen, reason = route(policy, hint, replicas)
+        table.append((chosen, bound, reason))
     # In flight before each (owner, spill): (0, 0) bound 1 -> owner; (1, 0) bound 2 -> owner;
-    # (2, 0) bound 2: the owner would hold 3, spill; from then on both hold the prefix and the
-    # less loaded one takes it: (2, 1) bound 3 -> spill; (2, 2) bound 4 -> owner (the older
-    # holder first on a tie); (3, 2) bound 4 -> spill.
-    assert table == [(owner, 1), (owner, 2), (spill, 2), (spill, 3), (owner, 4), (spill, 4)]
+    # (2, 0) bound 2: the owner would hold 3, spill (to a non-holder: counted as a spill); from
+    # then on both hold the prefix and the less loaded one takes it: (2, 1) bound 3 -> spill;
+    # (2, 2) bound 4 -> owner (the older holder first on a tie); (3, 2) bound 4 -> spill.
+    assert table == [
+        (owner, 1, "new_prefix"),
+        (owner, 2, "prefix_hit"),
+        (spill, 2, "prefix_spill"),
+        (spill, 3, "prefix_hit"),
+        (owner, 4, "prefix_hit"),
+        (spill, 4, "prefix_hit"),
+    ]
     assert policy.in_flight == {owner: 3, spill: 3}
+    assert policy.decisions == {"prefix_hit": 4, "prefix_spill": 1, "new_prefix": 1, "no_prefix": 0, "fan_out": 0}
 
 
 def test_requests_without_a_prefix_go_to_the_least_loaded():
@@ -252,26 +260,6 @@ def test_decisions_of_a_conversation_and_of_requests_without_a_prefix():
     ]
     assert policy.decisions == {"prefix_hit": 2, "prefix_spill": 0, "new_prefix": 1, "no_prefix": 3, "fan_out": 1}
     assert sum(policy.decisions.values()) == len(table)
-
-
-def test_decisions_of_a_hot_prefix_spilling_past_the_load_bound():
-    # The scenario of test_a_hot_prefix_spills_past_the_load_bound, with the reasons.
-    policy = CacheAwarePolicy(load_factor=1.25)
-    replicas = ["a", "b"]
-    hint = hint_for("hot prefix, shared by every request")
-    owner = policy.rank(replicas, hint)[0]
-    spill = next(replica for replica in replicas if replica != owner)
-    table = [route(policy, hint, replicas) for _ in range(6)]
-    # The third goes past the bound to a non-holder; from then on both hold the prefix.
-    assert table == [
-        (owner, "new_prefix"),
-        (owner, "prefix_hit"),
-        (spill, "prefix_spill"),
-        (spill, "prefix_hit"),
-        (owner, "prefix_hit"),
-        (spill, "prefix_hit"),
-    ]
-    assert policy.decisions == {"prefix_hit": 4, "prefix_spill": 1, "new_prefix": 1, "no_prefix": 0, "fan_out": 0}
 
 
 def test_a_spill_is_judged_by_the_holders_of_the_longest_prefix():
