@@ -1,6 +1,6 @@
 """The batch-invariant attention kernel (csrc/attention.cpp, attention_row.h): close to torch's,
 and a query row's bits whatever the other rows of the call (rows of a wide call share key and
-value reads between the query heads of a key head, a one-row call does not)."""
+value reads between the query heads of a key head: as many heads per call as keep the threads busy)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,24 @@ def test_a_row_that_sees_nothing_is_zero():
     out = attention(q, keys, values, mask=mask, scale=0.125)
     assert torch.equal(out[5], torch.zeros_like(out[5]))
     assert torch.equal(out[4], attention(q[4:5], keys, values, mask=mask[4:5], scale=0.125)[0])
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(4, 1, 256), (8, 2, 64)])
+def test_heads_sharing_a_call_keep_their_bits(H, Hkv, D):
+    """How many query heads share a call (and their key reads) follows the rows and the threads:
+    with many threads a one-row call runs one head per call, with one thread all heads of a key
+    head share it; the bits are the same."""
+    q, keys, values, mask = _inputs(3, H, Hkv, D, 300, seed=7)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for num_threads in (1, 2, 64):
+            torch.set_num_threads(num_threads)
+            outs.append([attention(q[t : t + 1], keys, values, mask=mask[t : t + 1], scale=D**-0.5) for t in range(3)])
+            outs[-1].append(attention(q, keys, values, mask=mask, scale=D**-0.5))
+    finally:
+        torch.set_num_threads(threads)
+    for other in outs[1:]:
+        for mine, theirs in zip(outs[0], other):
+            assert torch.equal(mine, theirs)
+    assert torch.equal(torch.cat(outs[0][:3]), outs[0][3])

@@ -718,12 +718,13 @@ inline void gated_activation(const float* gate, const float* up, int64_t n, bool
 
 #pragma GCC pop_options
 
-// One head per call: the AVX2 build does not share key reads between heads.
-inline int64_t attention_heads_per_call(int64_t, int64_t, int64_t) { return 1; }
+inline int64_t attention_heads_per_call(int64_t group, int64_t rows_times_kv_heads, int64_t threads) {
+  return qd_attention_avx2::heads_per_call(group, rows_times_kv_heads, threads);
+}
 
-inline void attend_rows(int64_t, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
+inline void attend_rows(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
                         int64_t D, const bool* visible, float scale, float* scores, float* out) {
-  qd_attention_avx2::attend_row(q, k, v, rows, S, D, visible, scale, scores, out);
+  qd_attention_avx2::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 #else
 #pragma GCC push_options
