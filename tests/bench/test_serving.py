@@ -194,6 +194,38 @@ def test_time_limit_stops_new_requests_and_is_reported(tiny_checkpoints, questio
     assert "2/6 (time limit)" in summary_md
 
 
+def test_rounds_ask_new_prompts_and_pool_with_each_rounds_ratio(tiny_checkpoints, questions_file, tmp_path):
+    out = tmp_path / "out"
+    extra = ["--concurrency", "1", "2", "--requests-per-client", "1", "--rounds", "2", "--modes", "off", "always-on"]
+    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, *extra) == 0
+    data = json.loads((out / JSON_FILE).read_text())
+    levels = {(x["mode"], x["concurrency"], x["round"]): x for x in data["levels"]}
+    assert set(levels) == {(m, c, r) for m in ("off", "always-on") for c in (1, 2) for r in (0, 1)}
+    for mode in ("off", "always-on"):
+        # round 2 numbers its requests after round 1's: the next prompts of the interleaved order
+        assert [q["question_id"] for q in levels[(mode, 1, 0)]["requests"]] == [81]
+        assert [q["question_id"] for q in levels[(mode, 1, 1)]["requests"]] == [7]
+        assert [q["index"] for q in levels[(mode, 2, 1)]["requests"]] == [2, 3]
+    for concurrency in (1, 2):
+        for r in (0, 1):  # each round against plain decoding of the same round: the same prompts
+            summary = levels[("always-on", concurrency, r)]["summary"]
+            assert summary["exact"] is True and summary["compared"] == concurrency
+        pooled = {(x["mode"], x["concurrency"]): x for x in data["pooled"]}[("always-on", concurrency)]
+        rounds = [levels[("always-on", concurrency, r)] for r in (0, 1)]
+        assert pooled["summary"]["requests_ok"] == 2 * concurrency
+        assert pooled["wall_seconds"] == pytest.approx(sum(x["wall_seconds"] for x in rounds))
+        assert pooled["summary"]["round_ratios"] == [x["summary"]["throughput_vs_off"] for x in rounds]
+        off = {(x["mode"], x["concurrency"]): x for x in data["pooled"]}[("off", concurrency)]
+        assert pooled["summary"]["throughput_vs_off"] == pytest.approx(
+            pooled["summary"]["tokens_per_second"] / off["summary"]["tokens_per_second"]
+        )
+    summary_md = (out / SUMMARY_FILE).read_text()
+    assert "| vs off by round |" in summary_md
+    row = next(line for line in summary_md.splitlines() if line.startswith("| 2 | always-on |"))
+    ratios = [x["summary"]["throughput_vs_off"] for x in (levels[("always-on", 2, r)] for r in (0, 1))]
+    assert f"| {ratios[0]:.2f}, {ratios[1]:.2f} |" in row
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -203,6 +235,7 @@ def test_time_limit_stops_new_requests_and_is_reported(tiny_checkpoints, questio
         (["--speculative-config", '{"method": "ngram"}', "--concurrency", "0"], "concurrency must be an integer >= 1"),
         (["--speculative-config", '{"method": "ngram"}', "--concurrency", "2", "2"], "distinct"),
         (["--speculative-config", '{"method": "ngram"}', "--time-limit", "0"], "time_limit_seconds must be"),
+        (["--speculative-config", '{"method": "ngram"}', "--rounds", "0"], "rounds must be an integer >= 1"),
         (["--speculative-config", '{"method": "ngram"}', "--questions", "/nonexistent.jsonl"], "not found"),
         (["--speculative-config", '{"method": "ngram"}', "--modes", "adaptive"], "must include 'off'"),
         (["--speculative-config", '{"method": "ngram"}', "--modes", "off", "fast"], "modes must be distinct names"),
