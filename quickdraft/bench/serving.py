@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -427,38 +428,30 @@ class ServingBenchReport:
     def pooled(self) -> list[LevelResult]:
         """Per mode and concurrency, every round's requests as one level (wall times added), its
         summary against the pooled "off" and, in summary["round_ratios"], each round's own ratio."""
-        pooled: dict[tuple[str, int], LevelResult] = {}
+        rounds: dict[tuple[str, int], list[LevelResult]] = {}
         for x in sorted(self.levels, key=lambda x: x.round):
-            key = (x.mode, x.concurrency)
-            if key not in pooled:
-                pooled[key] = LevelResult(
-                    mode=x.mode,
-                    concurrency=x.concurrency,
-                    planned=0,
-                    wall_seconds=0.0,
-                    stopped_by_time_limit=False,
-                    requests=[],
-                )
-            level = pooled[key]
-            level.planned += x.planned
-            level.wall_seconds += x.wall_seconds
-            level.stopped_by_time_limit = level.stopped_by_time_limit or x.stopped_by_time_limit
-            level.requests = level.requests + x.requests
-        for level in sorted(pooled.values(), key=lambda x: MODES.index(x.mode)):  # off first
+            rounds.setdefault((x.mode, x.concurrency), []).append(x)
+        pooled = {
+            (mode, concurrency): LevelResult(
+                mode=mode,
+                concurrency=concurrency,
+                planned=sum(x.planned for x in levels),
+                wall_seconds=sum(x.wall_seconds for x in levels),
+                stopped_by_time_limit=any(x.stopped_by_time_limit for x in levels),
+                requests=[r for x in levels for r in x.requests],
+            )
+            for (mode, concurrency), levels in rounds.items()
+        }
+        for key, level in sorted(pooled.items(), key=lambda item: MODES.index(item[0][0])):  # off first
             baseline = None if level.mode == BASELINE_MODE else pooled.get((BASELINE_MODE, level.concurrency))
             level.summary = summarize_level(level, baseline=baseline)
-            level.summary["round_ratios"] = [
-                x.summary["throughput_vs_off"]
-                for x in sorted(self.levels, key=lambda x: x.round)
-                if (x.mode, x.concurrency) == (level.mode, level.concurrency)
-            ]
+            level.summary["round_ratios"] = [x.summary["throughput_vs_off"] for x in rounds[key]]
         return list(pooled.values())
 
 
 def run_serving_bench(options: ServingBenchOptions, *, command: str | None = None, log=None) -> ServingBenchReport:
     """Every mode at every concurrency; the engine is loaded once and shared by the modes' servers."""
     from quickdraft.engine.engine import Engine
-    from quickdraft.server import QuickdraftServer
 
     log = log or (lambda message: None)
     questions = load_questions(options.questions)
@@ -480,43 +473,54 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
     configs = options.mode_configs()
     if options.replicas is not None:
         del engine  # the replicas load their own; this one only counted prompt tokens
-        with ray_instance():
-            for round_index in range(options.rounds):
-                for mode in _mode_order(list(configs), round_index):
-                    with running_replicas(options, speculative_config=configs[mode]) as base_url:
-                        asyncio.run(
-                            _run_levels(
-                                report,
-                                base_url=base_url,
-                                prompts=prompts,
-                                mode=mode,
-                                concurrency=options.concurrency,
-                                round_index=round_index,
-                                log=log,
-                            )
-                        )
-        return _summarized(report)
-    for round_index in range(options.rounds):
-        for concurrency in options.concurrency:
-            for mode in _mode_order(list(configs), round_index):
-                engine.set_speculative_config(configs[mode])
-                # Each level starts from an empty prefix cache: the modes share one engine and ask
-                # the same prompts, so a later mode would otherwise skip the prefills of an earlier one.
-                engine.reset_prefix_cache()
-                server = QuickdraftServer(server_config(options, speculative_config=configs[mode]), engine=engine)
-                with running_server(server) as base_url:
-                    asyncio.run(
-                        _run_levels(
-                            report,
-                            base_url=base_url,
-                            prompts=prompts,
-                            mode=mode,
-                            concurrency=(concurrency,),
-                            round_index=round_index,
-                            log=log,
-                        )
+        serving, start = ray_instance(), functools.partial(running_replicas, options)
+    else:
+        serving, start = contextlib.nullcontext(), functools.partial(_running_mode, engine, options)
+    with serving:
+        for round_index, mode, levels in _schedule(options, list(configs), per_level=options.replicas is None):
+            with start(speculative_config=configs[mode]) as base_url:
+                asyncio.run(
+                    _run_levels(
+                        report,
+                        base_url=base_url,
+                        prompts=prompts,
+                        mode=mode,
+                        concurrency=levels,
+                        round_index=round_index,
+                        log=log,
                     )
+                )
     return _summarized(report)
+
+
+def _schedule(
+    options: ServingBenchOptions, modes: list[str], *, per_level: bool
+) -> list[tuple[int, str, tuple[int, ...]]]:
+    """(round, mode, concurrency levels) per server start, in running order: every mode of a level
+    back to back (per_level: a server per level), or each mode once for all levels (replicas,
+    whose deployment is slow to start)."""
+    runs = []
+    for round_index in range(options.rounds):
+        if per_level:
+            for concurrency in options.concurrency:
+                runs += [(round_index, mode, (concurrency,)) for mode in _mode_order(modes, round_index)]
+        else:
+            runs += [(round_index, mode, options.concurrency) for mode in _mode_order(modes, round_index)]
+    return runs
+
+
+@contextlib.contextmanager
+def _running_mode(engine, options: ServingBenchOptions, *, speculative_config: dict | None) -> Iterator[str]:
+    """The shared engine switched to the mode, served on a free loopback port; yields the base URL."""
+    from quickdraft.server import QuickdraftServer
+
+    engine.set_speculative_config(speculative_config)
+    # Each level starts from an empty prefix cache: the modes share one engine and ask the same
+    # prompts, so a later mode would otherwise skip the prefills of an earlier one.
+    engine.reset_prefix_cache()
+    server = QuickdraftServer(server_config(options, speculative_config=speculative_config), engine=engine)
+    with running_server(server) as base_url:
+        yield base_url
 
 
 def _mode_order(modes: list[str], round_index: int) -> list[str]:
