@@ -1,0 +1,165 @@
+// The attention row algorithm, written once over a vector type `Vec` and included once per
+// build (no include guard): attention_row.h includes it inside namespace qd_attention under the
+// AVX-512 target with Vec = 16 lanes, attention_row_avx2.h inside qd_attention_avx2 under the
+// AVX2 target with Vec = 8 lanes.  Each build thus keeps its own instructions (a function
+// compiled for AVX-512 never reaches a CPU without it) and its own bits.
+//
+// Vec provides: F (the register type), kLanes, kAccumulators (value registers a weighted sum
+// keeps live), zero, load, store, set1, sub, mul, fmadd, sum (one fixed horizontal order) and
+// exp (elementwise).
+//
+// Order, the same whatever the call holds (number of query rows, other rows' masks, threads):
+// a dot product runs over D in lane-wide steps then sums its lanes one fixed way; the scores,
+// their max, exp and the total run in key order; the weighted values add key after key per lane.
+// Masked keys are skipped, so a query sees the same operations whatever range of keys the call
+// spans.  How many value registers a pass keeps live, or how many heads share a pass, changes
+// which loads are shared, never an operation of a lane: every path gives a (row, head) the same
+// bits.
+//
+// Key and value row s of a call start at k + rows[s] and v + rows[s] (float offsets): a paged
+// cache's rows lie in blocks, a contiguous one's every D floats; where they lie changes no bit.
+
+// Fixed-order dot product of two rows of D floats (D % Vec::kLanes == 0).
+inline float dot(const float* a, const float* b, int64_t D) {
+  Vec::F acc = Vec::zero();
+  for (int64_t d = 0; d < D; d += Vec::kLanes) acc = Vec::fmadd(Vec::load(a + d), Vec::load(b + d), acc);
+  return Vec::sum(acc);
+}
+
+// scores[s] = exp(scores[s] - max_score) for the S keys; returns 1 / (the visible ones' sum, in
+// key order).  The tail goes through a padded copy: each lane's exp is the same function.
+inline float exp_scores(float* scores, int64_t S, float max_score, const bool* visible) {
+  constexpr int L = Vec::kLanes;
+  const Vec::F max_v = Vec::set1(max_score);
+  int64_t s = 0;
+  for (; s + L <= S; s += L) Vec::store(scores + s, Vec::exp(Vec::sub(Vec::load(scores + s), max_v)));
+  if (s < S) {
+    alignas(64) float tail[L];
+    for (int64_t i = 0; i < L; ++i) tail[i] = s + i < S ? scores[s + i] : max_score;
+    Vec::store(tail, Vec::exp(Vec::sub(Vec::load(tail), max_v)));
+    for (int64_t i = 0; s + i < S; ++i) scores[s + i] = tail[i];
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < S; ++t)
+    if (visible == nullptr || visible[t]) total += scores[t];
+  return 1.0f / total;
+}
+
+// The weighted sum of the visible values over W registers of the head from column c.
+template <int W>
+inline void weighted_values(const float* v, const int64_t* rows, int64_t S, const bool* visible,
+                            const float* weights, float inv_total, int64_t c, float* out) {
+  constexpr int L = Vec::kLanes;
+  Vec::F acc[W];
+  for (int j = 0; j < W; ++j) acc[j] = Vec::zero();
+  for (int64_t s = 0; s < S; ++s) {
+    if (visible != nullptr && !visible[s]) continue;
+    const Vec::F pv = Vec::set1(weights[s]);
+    const float* vs = v + rows[s] + c;
+    for (int j = 0; j < W; ++j) acc[j] = Vec::fmadd(pv, Vec::load(vs + L * j), acc[j]);
+  }
+  const Vec::F inv = Vec::set1(inv_total);
+  for (int j = 0; j < W; ++j) Vec::store(out + c + L * j, Vec::mul(acc[j], inv));
+}
+
+// Columns c .. D of the head in passes of W registers while they fit, then narrower ones (a
+// head of 128 floats is one pass of 8 AVX-512 registers, not eight of one).
+template <int W>
+inline void weighted_columns(const float* v, const int64_t* rows, int64_t S, int64_t D, const bool* visible,
+                             const float* weights, float inv_total, int64_t c, float* out) {
+  for (; c + Vec::kLanes * W <= D; c += Vec::kLanes * W)
+    weighted_values<W>(v, rows, S, visible, weights, inv_total, c, out);
+  if constexpr (W > 1) weighted_columns<W / 2>(v, rows, S, D, visible, weights, inv_total, c, out);
+}
+
+// One query row of one head against S keys (scores: a scratch row of S).
+inline void attend_row(const float* q, const float* k, const float* v, const int64_t* rows, int64_t S, int64_t D,
+                       const bool* visible, float scale, float* scores, float* out) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float max_score = neg_inf;
+  for (int64_t s = 0; s < S; ++s) {
+    if (visible != nullptr && !visible[s]) {
+      scores[s] = neg_inf;
+      continue;
+    }
+    scores[s] = dot(q, k + rows[s], D) * scale;
+    max_score = std::max(max_score, scores[s]);
+  }
+  if (max_score == neg_inf) {  // sees nothing: zeros
+    for (int64_t d = 0; d < D; d += Vec::kLanes) Vec::store(out + d, Vec::zero());
+    return;
+  }
+  const float inv_total = exp_scores(scores, S, max_score, visible);
+  weighted_columns<Vec::kAccumulators>(v, rows, S, D, visible, scores, inv_total, 0, out);
+}
+
+// G query heads of one query row that share a key head (grouped-query attention), against the
+// same S keys and mask: each head gets attend_row's very bits (the same operations in the same
+// order); the heads only share the loads.  Each key and value row is read once for the G heads
+// instead of G times: attention over a long context is bound by reading them.  q, out: G heads
+// of D floats, one after the other; scores: G * S scratch.
+template <int G>
+inline void attend_heads(const float* q, const float* k, const float* v, const int64_t* rows, int64_t S, int64_t D,
+                         const bool* visible, float scale, float* scores, float* out) {
+  constexpr int L = Vec::kLanes;
+  constexpr int W = Vec::kAccumulators / G;  // value registers per head at a time
+  if (D % (L * W) != 0) {
+    for (int g = 0; g < G; ++g) attend_row(q + g * D, k, v, rows, S, D, visible, scale, scores + g * S, out + g * D);
+    return;
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float max_score[G];
+  for (int g = 0; g < G; ++g) max_score[g] = neg_inf;
+  for (int64_t s = 0; s < S; ++s) {
+    if (visible != nullptr && !visible[s]) {
+      for (int g = 0; g < G; ++g) scores[g * S + s] = neg_inf;
+      continue;
+    }
+    const float* ks = k + rows[s];
+    Vec::F acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
+    for (int64_t d = 0; d < D; d += L) {
+      const Vec::F kd = Vec::load(ks + d);
+      for (int g = 0; g < G; ++g) acc[g] = Vec::fmadd(Vec::load(q + g * D + d), kd, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      scores[g * S + s] = Vec::sum(acc[g]) * scale;
+      max_score[g] = std::max(max_score[g], scores[g * S + s]);
+    }
+  }
+  if (max_score[0] == neg_inf) {  // the heads share the mask: none sees anything
+    for (int64_t d = 0; d < G * D; d += L) Vec::store(out + d, Vec::zero());
+    return;
+  }
+  float inv_total[G];
+  for (int g = 0; g < G; ++g) inv_total[g] = exp_scores(scores + g * S, S, max_score[g], visible);
+  for (int64_t c = 0; c < D; c += L * W) {
+    Vec::F acc[G][W];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < W; ++j) acc[g][j] = Vec::zero();
+    for (int64_t s = 0; s < S; ++s) {
+      if (visible != nullptr && !visible[s]) continue;
+      const float* vs = v + rows[s] + c;
+      Vec::F vv[W];
+      for (int j = 0; j < W; ++j) vv[j] = Vec::load(vs + L * j);
+      for (int g = 0; g < G; ++g) {
+        const Vec::F pv = Vec::set1(scores[g * S + s]);
+        for (int j = 0; j < W; ++j) acc[g][j] = Vec::fmadd(pv, vv[j], acc[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const Vec::F inv = Vec::set1(inv_total[g]);
+      for (int j = 0; j < W; ++j) Vec::store(out + g * D + c + L * j, Vec::mul(acc[g][j], inv));
+    }
+  }
+}
+
+// attend_heads for a run-time G (from the build's heads_per_call).
+inline void attend_heads_n(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
+                           int64_t D, const bool* visible, float scale, float* scores, float* out) {
+  switch (G) {
+    case 4: attend_heads<4>(q, k, v, rows, S, D, visible, scale, scores, out); return;
+    case 2: attend_heads<2>(q, k, v, rows, S, D, visible, scale, scores, out); return;
+    default: attend_row(q, k, v, rows, S, D, visible, scale, scores, out); return;
+  }
+}
