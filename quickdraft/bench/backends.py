@@ -63,6 +63,13 @@ class QuickdraftBackend:
         """Make this run's speculator the engine's again (runs interleaved question by question)."""
         self.llm.engine.set_speculator(self._speculator)
 
+    def begin_question(self) -> None:
+        """Each question starts from an empty prefix cache (its later turns reuse its earlier
+        ones): the runs share one engine, and a run must not find the prompt that the run before
+        it just computed (its TTFT would be a cache hit, and a feature-reading drafter's first
+        turn would be prefilled anew anyway)."""
+        self.llm.engine.reset_prefix_cache()
+
     def generate(self, prompt_ids: list[int], *, sampling: BenchSampling, seed: int) -> TurnRecord:
         from quickdraft.sampling_params import SamplingParams
 
@@ -191,6 +198,9 @@ class TransformersBackend:
             target_forwards=self.forwards,
         )
 
+    def begin_question(self) -> None:
+        pass  # its own prefix reuse (if any) only ever sees its own earlier prompts
+
     def close(self) -> None:
         self.model = self.assistant = None
 
@@ -295,6 +305,9 @@ class LlamaCppBackend:
             text=self.decode(token_ids),
             target_forwards=min(forwards, len(token_ids)),
         )
+
+    def begin_question(self) -> None:
+        pass  # its own prefix reuse (if any) only ever sees its own earlier prompts
 
     def close(self) -> None:
         if self.llama is not None:

@@ -291,6 +291,7 @@ def _close_quietly(backend) -> None:
 def _answer(backend, question: Question, *, index: int, tokenizer, sampling: BenchSampling) -> QuestionResult:
     result = QuestionResult(question_id=question.question_id, category=question.category)
     answers: list[str] = []
+    backend.begin_question()
     for turn in range(len(question.turns)):
         prompt_ids = tokenizer.encode(conversation_prompt(question.turns[: turn + 1], answers))
         record = backend.generate(prompt_ids, sampling=sampling, seed=sampling.seed + 1000 * index + turn)

@@ -101,8 +101,10 @@ class Drafter(Protocol):
     A drafter that reads the target's hidden states (a head on the target's features) sets
     ``feature_layers`` to the target layers whose outputs it needs and implements
     ``observe``: the engine then captures those layers in every target forward and hands
-    over, in order, the features of every token as its KV enters the target's cache.
-    Drafters that need no features leave ``feature_layers`` empty.
+    over, in order, the features of every token as its KV enters the target's cache (tokens
+    of a prefix cache hit included: their features were stored when their blocks were first
+    computed, see engine/feature_cache.py). Drafters that need no features leave
+    ``feature_layers`` empty.
     """
 
     feature_layers: tuple[int, ...] = ()
@@ -113,11 +115,6 @@ class Drafter(Protocol):
     def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
         """features [n, len(feature_layers) * D]: the next n cached tokens' target features."""
         return None  # drafters without feature_layers are never handed any
-
-    def skip(self, request: DraftRequest, num_tokens: int) -> None:
-        """Drafters with feature_layers: the request's first num_tokens tokens are in the target's
-        cache without features (a prefix cache hit); `observe` goes on from the next one."""
-        return None
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         """One proposal per request (None: no draft, plain decoding for it this step)."""

@@ -66,7 +66,6 @@ class _HeadState:
     first_true: int = 0  # the head attends to true entries first_true..num_true-1 (a window restarts it)
     num_true: int = 0  # true entries in the head cache (index = token position)
     num_features: int = 0  # target features observed (= tokens in the target's cache)
-    first_copy: int = 0  # copy keys exist from this entry on (a prefix cache hit skips the ones before)
 
 
 @dataclass
@@ -242,14 +241,6 @@ class EagleDrafter(Drafter):
         while window is not None and state.num_pending - state.pending[0].shape[0] >= window:
             state.num_pending -= state.pending.pop(0).shape[0]  # older than any catch-up will feed
 
-    def skip(self, request: DraftRequest, num_tokens: int) -> None:
-        """Tokens cached without features (a prefix cache hit): the head's context restarts after
-        them, as after a catch-up window, and copies only from entries it keyed itself."""
-        state = self._states[request.request_id]
-        state.pending, state.num_pending = [], 0
-        state.num_features += num_tokens
-        state.first_true = state.num_true = state.first_copy = state.num_features
-
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         pass  # draft entries sit past num_true: they are overwritten next step
 
@@ -399,10 +390,10 @@ class EagleDrafter(Drafter):
         from: 0..root's entry - 1, the whole context even where a catch-up window restarted the
         head's attention (entry i copies token i + 2; the root's own is the token being drafted).
         None without a copy path or with nothing to copy yet."""
-        if self.copy_key_cache is None or state.num_true - state.first_copy < 2:
+        if self.copy_key_cache is None or state.num_true < 2:
             return None
-        keys = self.copy_key_cache[state.slot, state.first_copy : state.num_true - 1]
-        values = torch.tensor(tokens[state.first_copy + 2 : state.num_true + 1], device=self.device)
+        keys = self.copy_key_cache[state.slot, : state.num_true - 1]
+        values = torch.tensor(tokens[2 : state.num_true + 1], device=self.device)
         return self.head.copy_sources(keys, values)
 
     def _write_copy_keys(self, state: _HeadState, tokens: list[int], features: torch.Tensor, *, start: int) -> None:

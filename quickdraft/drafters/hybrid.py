@@ -249,11 +249,6 @@ class HybridDrafter(Drafter):
             if blocks:
                 child.observe(request, torch.cat([features[:, b * width : (b + 1) * width] for b in blocks], dim=1))
 
-    def skip(self, request: DraftRequest, num_tokens: int) -> None:
-        for child, blocks in zip(self.children, self._feature_blocks):
-            if blocks:
-                child.skip(request, num_tokens)
-
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         now = 0.0
         if self.policy is not None:

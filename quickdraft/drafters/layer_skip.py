@@ -44,7 +44,6 @@ class _CopyKeys:
     """One request's copy keys: entry i (the committed token at position i) copies token i+1."""
 
     keys: torch.Tensor  # [max_len, C] by position
-    first: int = 0  # keys exist from this position on (a prefix cache hit skips the ones before)
     count: int = 0  # positions observed (= tokens in the target's cache)
 
 
@@ -128,20 +127,14 @@ class LayerSkipDrafter(Drafter):
         state.keys[state.count : state.count + n] = self.head.copy_keys(features.to(self.head.dtype))
         state.count += n
 
-    def skip(self, request: DraftRequest, num_tokens: int) -> None:
-        """A prefix cache hit: those tokens have no keys; copying restarts after them."""
-        state = self._copy_keys[request.request_id]
-        state.count += num_tokens
-        state.first = state.count
-
     def _copy_sources(self, request: DraftRequest) -> CopySources | None:
         """The committed entries a draft of `request` copies from (None: no copy path, nothing
         keyed yet, or the keys lag the tokens)."""
         state = self._copy_keys.get(request.request_id)
-        if state is None or state.count != len(request.token_ids) - 1 or state.count - state.first < 1:
+        if state is None or state.count != len(request.token_ids) - 1 or state.count < 1:
             return None
-        values = torch.tensor(request.token_ids[state.first + 1 : state.count + 1], device=state.keys.device)
-        return self.head.copy_sources(state.keys[state.first : state.count], values)
+        values = torch.tensor(request.token_ids[1 : state.count + 1], device=state.keys.device)
+        return self.head.copy_sources(state.keys[: state.count], values)
 
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         pass

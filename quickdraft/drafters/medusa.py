@@ -95,11 +95,6 @@ class MedusaDrafter(Drafter):
         state.last_feature = features[-1]
         state.num_features += features.shape[0]
 
-    def skip(self, request: DraftRequest, num_tokens: int) -> None:
-        state = self._states[request.request_id]
-        state.last_feature = None  # the next observe brings the newest one
-        state.num_features += num_tokens
-
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         pass  # the accepted tokens' features arrive through observe
 

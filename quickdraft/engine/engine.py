@@ -21,6 +21,7 @@ from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.drafters import default_registry
 from quickdraft.drafters.base import AcceptedPath, Proposal, TargetInfo
 from quickdraft.drafters.hybrid import path_in_child
+from quickdraft.engine.feature_cache import FeatureBlockCache
 from quickdraft.engine.request import Request, make_token_logprobs
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
@@ -154,6 +155,14 @@ class Engine:
     def speculator(self, speculator: Speculator | None) -> None:
         self._speculator = speculator
         self.scheduler.draft_reserve = speculator.draft_reserve if speculator is not None else 0
+        self.scheduler.prefix_usable = None
+        if speculator is not None and speculator.feature_layers and self.config.enable_prefix_caching:
+            if speculator.feature_blocks is None:
+                # a hit covers only blocks whose drafter features are held (engine/feature_cache.py)
+                speculator.feature_blocks = FeatureBlockCache(
+                    block_size=self.cache.block_size, max_blocks=self.cache.num_blocks
+                )
+            self.scheduler.prefix_usable = speculator.prefix_usable
 
     def set_speculative_config(self, spec: SpeculativeConfig | dict | None) -> None:
         """Switch drafting method (or turn speculation off) between requests."""
@@ -314,7 +323,12 @@ class Engine:
             if request.num_skipped_tokens:
                 if self.speculator is not None:
                     # A prefix cache hit: those tokens entered the cache without a forward.
-                    self.speculator.skip(request, request.num_skipped_tokens)
+                    keys = self.cache.block_keys(request.scheduled_slot)
+                    self.speculator.restore(
+                        request,
+                        request.num_skipped_tokens,
+                        keys=keys[: request.num_skipped_tokens // self.cache.block_size],
+                    )
                 request.num_skipped_tokens = 0
         # Before any commit changes the requests (one may finish inside its accepted path).
         decode_only = all(item.num_new_tokens == 1 and item.completes_prompt for item in plan)
@@ -551,7 +565,13 @@ class Engine:
             if kept_nodes is not None and accepted is not None:  # the drafter's node numbering: the
                 # path as far as it stays in the drafter's tree (appended forced tokens are not)
                 accepted = path_in_child(accepted, {new: old for new, old in enumerate(kept_nodes) if old >= 0})
-            self.speculator.commit(request, features=kept_features, proposal=drafted, accepted=accepted)
+            self.speculator.commit(
+                request,
+                features=kept_features,
+                block_keys=self.cache.block_keys(request.scheduled_slot) if self.config.enable_prefix_caching else None,
+                proposal=drafted,
+                accepted=accepted,
+            )
         if request.is_finished:
             self._retire(request)
 

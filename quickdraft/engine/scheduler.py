@@ -16,6 +16,7 @@ this happens.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from quickdraft.engine.request import Request, RequestStatus
@@ -45,6 +46,8 @@ class Scheduler:
         # Draft tree nodes a decode may add to the forward (set by the engine from its speculator):
         # held back from prefill chunks, so that drafts are not squeezed out by a long prompt.
         self.draft_reserve = 0
+        # The speculator's say on which cached blocks a hit may cover (None: any).
+        self.prefix_usable: Callable[[bytes], bool] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in order of admission
         self.preempted: list[Request] = []  # by the last schedule(): their drafter state is stale
@@ -123,7 +126,11 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
             req = self.waiting[0]
             # Cached full blocks of the prompt start the slot's tables: their tokens count as computed.
-            prefix = self.cache.find_prefix(req.all_token_ids) if self.enable_prefix_caching else None
+            prefix = (
+                self.cache.find_prefix(req.all_token_ids, usable=self.prefix_usable)
+                if self.enable_prefix_caching
+                else None
+            )
             slot = self.cache.allocate(prefix=prefix)
             computed = prefix.num_tokens if prefix is not None else 0
             first_chunk = computed + min(req.num_tokens - computed, self.max_num_batched_tokens)

@@ -23,6 +23,7 @@ from quickdraft.engine.adaptive import (
     step_throughput,
     worth_probing,
 )
+from quickdraft.engine.feature_cache import FeatureBlockCache
 from quickdraft.engine.request import Request
 
 
@@ -59,6 +60,9 @@ class Speculator:
         # This step's (node budget, max depth) of each request asked to draft: the engine appends
         # grammar-forced tokens within what is left of them (structured outputs).
         self.step_limits: dict[str, tuple[int, int]] = {}
+        # With prefix caching, for drafters that read features: theirs of every full block
+        # committed (the engine attaches it; see engine/feature_cache.py).
+        self.feature_blocks: FeatureBlockCache | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     def view(self, request: Request) -> DraftRequest:
@@ -94,7 +98,14 @@ class Speculator:
         """Target layers whose outputs the drafter reads (empty for most drafters)."""
         return tuple(getattr(self.drafter, "feature_layers", ()))
 
+    def prefix_usable(self, key: bytes) -> bool:
+        """Whether a prefix cache hit may cover the block of `key`: always, unless the drafter
+        reads features and those of the block are not held (the block is recomputed instead)."""
+        return not self.feature_layers or (self.feature_blocks is not None and key in self.feature_blocks)
+
     def finish(self, request_id: str) -> None:
+        if self.feature_blocks is not None:
+            self.feature_blocks.finish(request_id)
         if self._views.pop(request_id, None) is not None:
             self._draft_length.pop(request_id, None)
             self._acceptance.pop(request_id, None)
@@ -192,11 +203,19 @@ class Speculator:
             num_requests=num_drafted_requests, num_draft_tokens=num_draft_tokens, seconds=draft_seconds
         )
 
-    def skip(self, request: Request, num_tokens: int) -> None:
-        """The request's first `num_tokens` tokens entered the target's cache without a forward
-        (a prefix cache hit): drafters that read features get none for them."""
-        if self.feature_layers:
-            self.drafter.skip(self.view(request), num_tokens)
+    def restore(self, request: Request, num_tokens: int, *, keys: list[bytes]) -> None:
+        """The request's first `num_tokens` tokens (the blocks of `keys`) entered the target's
+        cache without a forward (a prefix cache hit): a drafter that reads features gets the ones
+        stored for those blocks (a hit covers no other block: `prefix_usable`)."""
+        if not self.feature_layers:
+            return
+        restored = self.feature_blocks.restore(request.request_id, keys) if self.feature_blocks is not None else None
+        if restored is None or restored.shape[0] != num_tokens:
+            raise RuntimeError(
+                f"request {request.request_id}: a prefix cache hit of {num_tokens} tokens whose drafter features "
+                "are not held (prefix_usable should have refused it)"
+            )
+        self.drafter.observe(self.view(request), restored)
 
     # ---- commit -----------------------------------------------------------------------
     def commit(
@@ -204,6 +223,7 @@ class Speculator:
         request: Request,
         *,
         features: torch.Tensor | None,  # [n, L * D] the features of the n tokens that entered the cache
+        block_keys: list[bytes] | None,  # the request's full blocks' prefix-cache keys (None: no prefix caching)
         proposal: Proposal | None,
         accepted: AcceptedPath | None,
     ) -> None:
@@ -211,6 +231,8 @@ class Speculator:
         new cached tokens' features, and, when the step verified a draft, what was accepted."""
         if features is not None:
             self.drafter.observe(self.view(request), features)
+            if self.feature_blocks is not None and block_keys is not None:
+                self.feature_blocks.add(request.request_id, features, block_keys)
         if proposal is None or accepted is None or proposal.num_draft_tokens == 0:
             return
         depths = proposal.tree.depths[1:]

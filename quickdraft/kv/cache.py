@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -311,14 +312,17 @@ class KVCache:
             raise CacheFullError(f"slot {slot}: no free KV cache blocks to grow to {num_tokens} tokens")
 
     # ---- prefix caching ------------------------------------------------------------------
-    def find_prefix(self, token_ids: list[int]) -> CachedPrefix:
+    def find_prefix(self, token_ids: list[int], *, usable: Callable[[bytes], bool] | None = None) -> CachedPrefix:
         """The cached blocks holding the longest run of full blocks `token_ids` starts with,
-        leaving at least its last token to compute (its logits are needed)."""
+        leaving at least its last token to compute (its logits are needed); `usable`: whether a
+        block's key may be part of the run (the drafter holds what it needs of the block)."""
         keys: list[bytes] = []
         size = self.block_size
         for start in range(0, len(token_ids) - size, size):  # full blocks before the last token
             key = _block_key(keys[-1] if keys else b"", token_ids[start : start + size])
             if not all(group.window is not None or key in group.block_by_key for group in self.groups):
+                break
+            if usable is not None and not usable(key):
                 break
             keys.append(key)
         for num_blocks in range(len(keys), 0, -1):  # window groups need the blocks before the hit
@@ -336,6 +340,10 @@ class KVCache:
                 return None
             blocks.append(tuple(found))
         return tuple(blocks)
+
+    def block_keys(self, slot: int) -> list[bytes]:
+        """The prefix-cache keys of the slot's full blocks so far (not a copy: read only)."""
+        return self._slot_keys[slot]
 
     def reset_prefix_cache(self) -> None:
         """Forget every key: free cached blocks hold nothing worth keeping any more."""

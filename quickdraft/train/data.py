@@ -430,9 +430,6 @@ class FeatureRecorder:
     def observe(self, request, features: torch.Tensor) -> None:  # features [n, L * D]
         self.features[request.request_id].append(features.to(torch.bfloat16))
 
-    def skip(self, request, num_tokens: int) -> None:
-        raise ValueError("recording features needs every token's: run the target with enable_prefix_caching=False")
-
     def propose(self, requests):
         return [None] * len(requests)
 

@@ -37,6 +37,9 @@ class FakeBackend:
     def activate(self) -> None:
         self.log.append(("activate", self.name))
 
+    def begin_question(self) -> None:
+        pass
+
     def generate(self, prompt_ids, *, sampling: BenchSampling, seed: int) -> TurnRecord:
         if sampling.max_new_tokens == 8:  # the warm-up
             return TurnRecord(seconds=0.0, ttft=0.0, token_ids=[1], text="x", target_forwards=1)

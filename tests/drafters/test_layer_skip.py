@@ -139,8 +139,8 @@ def copy_head(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
 @pytest.mark.parametrize("shape", [dict(top_k=1), dict(top_k=2, max_draft_tokens=8)])
 def test_copy_head_greedy_equals_plain_also_after_prefix_cache_hits(tiny_checkpoints, copy_head, arch, shape):
-    """The second round hits the prefix cache: those tokens reach the drafter without features
-    (skip), and the copy keys restart after them."""
+    """The second round hits the prefix cache: those tokens reach the drafter as the features
+    stored when the first round computed them, and copying goes on over the whole context."""
     path = str(tiny_checkpoints[arch])
     params = SamplingParams(max_tokens=30, **GREEDY)
     plain = [o.outputs[0].token_ids for o in LLM(path, max_model_len=256).generate(repetitive_prompts(), params)]

@@ -177,8 +177,8 @@ def test_rejected_branches_never_touch_shared_blocks(tiny_checkpoints):
 
 
 def test_eagle_drafts_after_a_prefix_hit(tiny_checkpoints, head_dir):  # noqa: F811
-    """Features start after the cached tokens: the head's context restarts there, drafts go on,
-    and the output stays plain decoding's."""
+    """The second time, the head gets the cached tokens' stored features (tests/engine/
+    test_feature_cache.py), drafts, and the output stays plain decoding's."""
     path = str(tiny_checkpoints["gemma3"])
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     spec = {"method": "eagle3", "head": str(head_dir), "num_speculative_tokens": 3}
