@@ -160,7 +160,7 @@ class Engine:
             if speculator.feature_blocks is None:
                 # a hit covers only blocks whose drafter features are held (engine/feature_cache.py)
                 speculator.feature_blocks = FeatureBlockCache(
-                    block_size=self.cache.block_size, max_blocks=self.cache.num_blocks
+                    block_size=self.cache.block_size, max_blocks=self.cache.max_prefix_blocks
                 )
             self.scheduler.prefix_usable = speculator.prefix_usable
 

@@ -233,6 +233,13 @@ class KVCache:
         return sum(group.num_blocks for group in self.groups)
 
     @property
+    def max_prefix_blocks(self) -> int:
+        """The most blocks a prefix cache hit can find keyed at once: every block of a hit is in
+        each full-attention group (window groups need only the last ones)."""
+        full = [group.num_blocks for group in self.groups if group.window is None]
+        return min(full or [group.num_blocks for group in self.groups])
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks no slot holds (some keep cached prefixes until they are reused), all groups."""
         return sum(group.num_free for group in self.groups)

@@ -38,7 +38,7 @@ class FakeBackend:
         self.log.append(("activate", self.name))
 
     def begin_question(self) -> None:
-        pass
+        self.log.append(("begin", self.name))
 
     def generate(self, prompt_ids, *, sampling: BenchSampling, seed: int) -> TurnRecord:
         if sampling.max_new_tokens == 8:  # the warm-up
@@ -65,6 +65,8 @@ def test_each_question_is_answered_by_every_run_with_the_first_rotating(tmp_path
     )
     order = [name for event, name in log if event == "activate"]
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    # every run starts every question afresh (QuickdraftBackend: an empty prefix cache)
+    assert [name for event, name in log if event == "begin"] == order
     assert [e for e in log if e[0] == "open"] == [("open", n) for n in "abc"]
     assert [e for e in log if e[0] == "close"] == [("close", n) for n in "abc"]
     for report in reports:
@@ -85,3 +87,19 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path):
     assert ok.error is None and len(ok.results) == 3
     assert [name for event, name in log if event == "activate"].count("b") == 2  # not asked after failing
     assert progress.done == 6
+
+
+def test_a_quickdraft_question_starts_from_an_empty_prefix_cache(tiny_checkpoints):
+    """Runs share one engine: without this, a run's first turn would hit the blocks of the same
+    prompt that the run before it had just computed."""
+    from quickdraft import LLM
+    from quickdraft.bench.backends import QuickdraftBackend
+
+    llm = LLM(str(tiny_checkpoints["llama"]), max_model_len=128, block_size=8)
+    backend = QuickdraftBackend(llm, name="quickdraft plain", speculative_config=None, reference=None)
+    backend.open()
+    prompt_ids = list(range(3, 40))
+    backend.generate(prompt_ids, sampling=BenchSampling(max_new_tokens=2), seed=0)
+    assert llm.engine.cache.find_prefix(prompt_ids).num_tokens == 32
+    backend.begin_question()
+    assert llm.engine.cache.find_prefix(prompt_ids).num_tokens == 0
