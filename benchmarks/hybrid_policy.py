@@ -82,6 +82,7 @@ def main() -> None:
     forward = engine.runner.forward
     for text in args.configs:
         engine.set_speculative_config(json.loads(text))
+        engine.reset_prefix_cache()  # each configuration computes its own prompts
         totals = defaultdict(lambda: [0, 0.0])  # task -> [tokens, modeled seconds]
         task_now = ["warm-up"]
 

@@ -451,11 +451,14 @@ class ServingBenchReport:
 
 def run_serving_bench(options: ServingBenchOptions, *, command: str | None = None, log=None) -> ServingBenchReport:
     """Every mode at every concurrency; the engine is loaded once and shared by the modes' servers."""
+    from quickdraft.engine.compute_thread import ComputeThread
     from quickdraft.engine.engine import Engine
 
     log = log or (lambda message: None)
     questions = load_questions(options.questions)
-    engine = Engine(server_config(options, speculative_config=None).engine_config())
+    # The engine is loaded, set up and stepped on one thread (engine/compute_thread.py says why).
+    compute = ComputeThread(name="quickdraft-bench-engine")
+    engine = compute.run(Engine, server_config(options, speculative_config=None).engine_config())
     prompts, skipped = select_prompts(
         questions,
         count_tokens=lambda text: len(engine.tokenizer.encode(text)),
@@ -475,8 +478,8 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
         del engine  # the replicas load their own; this one only counted prompt tokens
         serving, start = ray_instance(), functools.partial(running_replicas, options)
     else:
-        serving, start = contextlib.nullcontext(), functools.partial(_running_mode, engine, options)
-    with serving:
+        serving, start = contextlib.nullcontext(), functools.partial(_running_mode, engine, options, compute=compute)
+    with serving, contextlib.closing(compute):
         for round_index, mode, levels in _schedule(options, list(configs), per_level=options.replicas is None):
             with start(speculative_config=configs[mode]) as base_url:
                 asyncio.run(
@@ -510,15 +513,18 @@ def _schedule(
 
 
 @contextlib.contextmanager
-def _running_mode(engine, options: ServingBenchOptions, *, speculative_config: dict | None) -> Iterator[str]:
-    """The shared engine switched to the mode, served on a free loopback port; yields the base URL."""
+def _running_mode(engine, options: ServingBenchOptions, *, compute, speculative_config: dict | None) -> Iterator[str]:
+    """The shared engine switched to the mode, served on a free loopback port; yields the base URL.
+    compute: the thread that loaded the engine and that sets it up and steps it."""
     from quickdraft.server import QuickdraftServer
 
-    engine.set_speculative_config(speculative_config)
+    compute.run(engine.set_speculative_config, speculative_config)
     # Each level starts from an empty prefix cache: the modes share one engine and ask the same
     # prompts, so a later mode would otherwise skip the prefills of an earlier one.
-    engine.reset_prefix_cache()
-    server = QuickdraftServer(server_config(options, speculative_config=speculative_config), engine=engine)
+    compute.run(engine.reset_prefix_cache)
+    server = QuickdraftServer(
+        server_config(options, speculative_config=speculative_config), engine=engine, compute=compute
+    )
     with running_server(server) as base_url:
         yield base_url
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from quickdraft.engine.compute_thread import ComputeThread
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.request import RequestStatus
 from quickdraft.outputs import RequestOutput, StreamDelta, TokenLogprobs
@@ -131,12 +132,16 @@ class _Tracked:
 
 
 class EngineLoop:
-    def __init__(self, *, engine: Engine, metrics: ServerMetrics):
+    def __init__(self, *, engine: Engine, metrics: ServerMetrics, compute: ComputeThread | None = None):
         self._engine = engine
         self._metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
-        self._thread = threading.Thread(target=self._run, name="quickdraft-engine-loop", daemon=True)
+        # The loop runs on `compute`, the thread that loaded the engine (engine/compute_thread.py
+        # says why), or on a thread of its own.
+        self._owns_compute = compute is None
+        self._compute = compute
+        self._running: concurrent.futures.Future | None = None
         self._accepting = True
         self._accept_lock = threading.Lock()  # orders "stop" against late submissions
         self._steps = 0
@@ -146,7 +151,9 @@ class EngineLoop:
     # ---- the handlers' side (any thread) ---------------------------------------------
     def start(self) -> None:
         self._publish_stats()
-        self._thread.start()
+        if self._compute is None:
+            self._compute = ComputeThread(name="quickdraft-engine-loop")
+        self._running = self._compute.submit(self._run)
 
     def submit(self, submission: Submission) -> None:
         self._put(_Add(submission))
@@ -170,12 +177,18 @@ class EngineLoop:
             if self._accepting:
                 self._accepting = False
                 self._inbox.put(_Stop(failure or SHUTTING_DOWN))
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        if self._running is None or self._compute is None or threading.current_thread() is self._compute.thread:
+            return
+        try:
+            self._running.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return  # still stopping: not this loop's compute thread to end yet
+        if self._owns_compute:
+            self._compute.close()
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._running is not None and not self._running.done()
 
     def _put(self, command) -> None:
         with self._accept_lock:

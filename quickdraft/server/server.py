@@ -16,6 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import HANDLED_SIGNALS
 
+from quickdraft.engine.compute_thread import ComputeThread
 from quickdraft.engine.engine import Engine
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.engine_loop import EngineLoop, Failed
@@ -68,11 +69,16 @@ class Admission:
 class QuickdraftServer:
     """Loads the engine at construction; the engine loop runs while the app's lifespan does."""
 
-    def __init__(self, config: ServerConfig, *, engine: Engine | None = None):
+    def __init__(self, config: ServerConfig, *, engine: Engine | None = None, compute: ComputeThread | None = None):
+        """engine: one already loaded, on `compute` where given (the thread that loaded it and that
+        should step it); by default the server loads its own on a compute thread of its own."""
         from quickdraft.server.api import create_app  # api imports this module's types
 
         self.config = config
-        self.engine = engine if engine is not None else Engine(config.engine_config())
+        self._own_compute = None
+        if engine is None and compute is None:
+            compute = self._own_compute = ComputeThread(name="quickdraft-engine")
+        self.engine = engine if engine is not None else compute.run(Engine, config.engine_config())
         self.model_name = config.model_name
         speculator = self.engine.speculator
         self.method = speculator.config.method if speculator is not None else "none"
@@ -80,7 +86,7 @@ class QuickdraftServer:
         self.metrics = ServerMetrics(model=self.model_name, method=self.method)
         self.scenarios = ScenarioLabels(max_values=config.max_scenarios)
         self.admission = Admission(max_in_flight=config.max_queue)
-        self.engine_loop = EngineLoop(engine=self.engine, metrics=self.metrics)
+        self.engine_loop = EngineLoop(engine=self.engine, metrics=self.metrics, compute=compute)
         self.preprocessor = Preprocessor()
         self.created = int(time.time())
         self._started = False
@@ -161,6 +167,8 @@ class QuickdraftServer:
         await asyncio.to_thread(self.engine_loop.stop, timeout=10.0, failure=self.shutdown_failure())
         self.preprocessor.close()
         self.engine.close()  # tensor-parallel followers, if any
+        if self._own_compute is not None:
+            self._own_compute.close()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import pytest
@@ -92,3 +93,30 @@ def test_abort_frees_the_slot_and_stop_fails_the_rest(loop):
     assert events and isinstance(events[-1], Failed) and events[-1].status == 503
     with pytest.raises(LoopStopped):
         submit(loop, "late")
+
+
+def test_a_server_loads_and_steps_its_engine_on_one_thread(tiny_checkpoints):
+    """OpenMP keeps a worker pool per thread that starts parallel regions: an engine loaded on
+    one thread and stepped on another decoded 1.6x slower (engine/compute_thread.py)."""
+    from quickdraft.server import QuickdraftServer
+    from tests.server.conftest import tiny_server_config
+
+    loaded_on = []
+    original = Engine.__init__
+
+    def spy(self, *args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        original(self, *args, **kwargs)
+
+    Engine.__init__ = spy
+    try:
+        server = QuickdraftServer(tiny_server_config(tiny_checkpoints["llama"]))
+    finally:
+        Engine.__init__ = original
+    server.engine_loop.start()
+    try:
+        stepped_on = server.engine_loop.call(lambda engine: threading.current_thread()).result(timeout=TIMEOUT)
+        assert loaded_on == [stepped_on] and stepped_on is not threading.current_thread()
+    finally:
+        server.engine_loop.stop(timeout=TIMEOUT)
+    assert not server.engine_loop.is_alive
