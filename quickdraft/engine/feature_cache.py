@@ -50,10 +50,6 @@ class FeatureBlockCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._blocks.values())
-
     def restore(self, request_id: str, keys: Sequence[bytes]) -> torch.Tensor | None:
         """The features [len(keys) * block_size, F] of a hit's blocks (None: one is not held), and
         the request's later features are kept from the end of the hit on."""

@@ -192,15 +192,6 @@ def test_eagle_drafts_after_a_prefix_hit(tiny_checkpoints, head_dir):  # noqa: F
 
 
 def test_a_hit_can_span_no_more_blocks_than_a_full_attention_pool_holds():
-    cache = KVCache(
-        num_layers=3,
-        num_slots=2,
-        num_kv_heads=1,
-        head_dim=4,
-        max_len=64,
-        dtype=torch.float32,
-        block_size=8,
-        layer_windows=[16, None, 16],
-    )
+    cache = small_cache(num_layers=3, num_slots=2, max_len=64, block_size=8, layer_windows=[16, None, 16])
     full = [g.num_blocks for g in cache.groups if g.window is None]
     assert cache.max_prefix_blocks == full[0] == 16 and cache.num_blocks > 16
