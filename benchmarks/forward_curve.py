@@ -4,7 +4,9 @@ One sequence with a committed context (300 tokens by default) verifies a chain o
 and needs logits for all of them, as a speculative step does.  Printed per T: the median wall
 time over repeats, the weight bytes read once per forward divided by the measured read
 bandwidth (the memory roofline), and the multiply-accumulates of the linear layers and the LM
-head divided by the best rate the same kernels reach (the compute roofline).
+head divided by the best rate the same kernels reach (the compute roofline).  Then prompt
+prefill: one forward of P prompt tokens into an empty cache with logits for the last one, as
+a request's first step (its TTFT without the scheduling around it).
 
     python benchmarks/forward_curve.py --dtype auto float32 --repeats 7
 """
@@ -21,6 +23,7 @@ import torch
 from bench_decode import read_bandwidth_gbs  # run from benchmarks/ as a script: its folder is on the path
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+PROMPTS = (64, 300, 1000)
 
 
 def linear_weights(model) -> list:
@@ -51,6 +54,20 @@ def time_forward(engine, *, context: int, width: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_prefill(engine, *, prompt: int, repeats: int) -> float:
+    from quickdraft.engine.runner import SequenceWork
+
+    tokens = [(7 * i) % 1000 + 10 for i in range(prompt)]
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=[prompt - 1])]
+    engine.runner.forward(work)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.runner.forward(work)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -69,7 +86,7 @@ def main() -> None:
     )
     results = {"bandwidth_gbs": bandwidth, "context": args.context, "runs": []}
     for dtype in args.dtype:
-        llm = LLM(args.model, dtype=dtype, max_model_len=args.context + 128, max_num_seqs=1)
+        llm = LLM(args.model, dtype=dtype, max_model_len=max(args.context + 128, max(PROMPTS) + 8), max_num_seqs=1)
         model = llm.engine.model
         weights = linear_weights(model)
         nbytes = sum(weight_nbytes(w) for w in weights)
@@ -97,6 +114,9 @@ def main() -> None:
                 f"{width:4d}{1e3 * seconds:12.2f}{1e3 * seconds / width:10.2f}{1e3 * memory_roof:13.2f}"
                 f"{1e3 * compute_roof:14.2f}"
             )
+        prefill = {p: time_prefill(llm.engine, prompt=p, repeats=max(3, args.repeats // 2)) for p in PROMPTS}
+        shown = ", ".join(f"{p} tokens {1e3 * t:.1f} ({p / t:.0f})" for p, t in prefill.items())
+        print(f"prefill (ms, tokens/s): {shown}")
         results["runs"].append(
             dict(
                 dtype=dtype,
@@ -104,6 +124,7 @@ def main() -> None:
                 weight_mb=nbytes / 1e6,
                 macs_per_token=macs_per_token,
                 rows=rows,
+                prefill_ms={str(p): 1e3 * t for p, t in prefill.items()},
             )
         )
         del llm

@@ -34,7 +34,7 @@ __all__ = [
     "ISAS",
     "ISA_ENV",
     "active_isa",
-    "amx_extension",
+    "amx_min_rows",
     "fused_layer_available",
     "isa_extension",
     "kernel_available",
@@ -66,22 +66,21 @@ _KERNELS = {
 }
 
 
-# AMX tiles (Sapphire Rapids and later) take the integer block dots of wide Q8_0 matmuls (a
-# verification tree through the LM head) beside the AVX-512 kernel: the same bits
-# (csrc/quant_amx.cpp says why), so the row count that picks it changes no result.
-# QUICKDRAFT_CPU_AMX=0 turns it off.
+# AMX tiles (Sapphire Rapids and later) take the integer block dots of wide matmuls (prefill,
+# verification trees, the LM head of a tree) in the AVX-512 build: the same bits (csrc/
+# quant_linear.cpp says why), so the row count that picks them changes no result.
+# QUICKDRAFT_CPU_AMX=0 turns them off.
 AMX_ENV = "QUICKDRAFT_CPU_AMX"
 AMX_MIN_ROWS = 12  # below this the tiles, always 16 rows, lose to VNNI (measured in the README)
-_AMX = LazyKernel(
-    "quant_amx_v1", source="quant_amx.cpp", extra_cflags=("-ffp-contract=off",), what="the AVX-512 kernel"
-)
 
 
-def amx_extension() -> ModuleType | None:
-    """The AMX kernel for wide Q8_0 matmuls, or None (no AMX, turned off, or not built)."""
+def amx_min_rows() -> int:
+    """The row count from which the kernels run on AMX tiles; 0 where they never do (no AMX,
+    not the AVX-512 build, or turned off)."""
     if os.environ.get(AMX_ENV, "1").strip() in ("0", "false", "no"):
-        return None
-    return _AMX.get()
+        return 0
+    ext = _extension()
+    return AMX_MIN_ROWS if ext is not None and ext.isa == "avx512" and ext.amx_usable() else 0
 
 
 def isa_extension(isa: str) -> ModuleType | None:
@@ -200,12 +199,10 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         x2 = x.reshape(-1, k).to(torch.float32).contiguous()
         q, dx, bsum = ext.quantize_rows(x2)
         out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
-        amx = amx_extension() if ext.isa == "avx512" and x2.shape[0] >= AMX_MIN_ROWS else None
+        amx_rows = amx_min_rows()
         for part in weight.parts:
-            if amx is not None and part.format == "Q8_0":
-                amx.q8_0_matmul(q, dx, bsum, part.packed, part.rows, k, out, part.row_start)
-            else:
-                ext.quant_matmul(q, dx, bsum, part.packed, FORMAT_IDS[part.format], part.rows, k, out, part.row_start)
+            fmt = FORMAT_IDS[part.format]
+            ext.quant_matmul(q, dx, bsum, part.packed, fmt, part.rows, k, out, part.row_start, amx_rows)
         out = out.view(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         out = out + bias.to(out.dtype)
@@ -223,7 +220,9 @@ def norm_matmul(
     float32, each row normalized per run of `segment` values (default K) with its slice of
     `norm` [K] -> [M, N].  Needs ``fused_layer_available()``; its normalization rounds like
     the decoder layer's, not like torch's (for drafting, where precision only moves guesses)."""
-    return _extension().norm_matmul(x, norm, segment or x.shape[-1], eps, _parts(weight), weight.shape[0])
+    return _extension().norm_matmul(
+        x, norm, segment or x.shape[-1], eps, _parts(weight), weight.shape[0], amx_min_rows()
+    )
 
 
 def fused_decoder_layer(
@@ -279,4 +278,5 @@ def fused_decoder_layer(
         head_dim,
         weights["down_proj"].shape[1],
         scale,
+        amx_min_rows(),
     )

@@ -17,7 +17,7 @@ from quickdraft.kernels.quant_linear import (
     ISA_ENV,
     ISAS,
     active_isa,
-    amx_extension,
+    amx_min_rows,
     fused_layer_available,
     isa_extension,
     quant_linear,
@@ -25,6 +25,7 @@ from quickdraft.kernels.quant_linear import (
     reference_quant_linear,
 )
 from quickdraft.models.quantized import (
+    FORMAT_IDS,
     GGUF_BLOCK,
     SUPPORTED_FORMATS,
     QuantizedWeight,
@@ -172,32 +173,39 @@ def _cpu_has_amx() -> bool:
     return " amx_int8" in flags and " amx_tile" in flags
 
 
-@pytest.mark.parametrize("m", [AMX_MIN_ROWS, 16, 17, 40])
-@pytest.mark.parametrize("rows", [16, 45])
-def test_amx_tiles_compute_the_vnni_bits(monkeypatch, m, rows):
-    """Wide Q8_0 matmuls on AMX tiles: the reference's bits, with the tiles used and turned off."""
-    if isa_extension("avx512") is None or amx_extension() is None:
-        assert not _cpu_has_amx() or isa_extension("avx512") is None  # AMX here must load
+@pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
+@pytest.mark.parametrize("m", [1, 5, AMX_MIN_ROWS, 16, 17, 40])
+def test_amx_tiles_compute_the_vnni_bits(monkeypatch, fmt, m):
+    """Matmuls on AMX tiles (forced from one row on): the reference's bits in every format, for
+    row counts that fill, pad and overflow a 16-row tile, 45 outputs (a partial group) written
+    at a column offset of a wider output; through quant_linear with the tiles used and turned off."""
+    ext = isa_extension("avx512")
+    if ext is None or not ext.amx_usable():
+        assert not _cpu_has_amx() or ext is None  # AMX here must be usable
         pytest.skip("no AMX on this CPU")
+    cols = cols_for(fmt)
+    w, _ = weight(fmt, 45, cols, seed=8)
+    x = torch.randn(m, cols) * torch.rand(m, 1) * 4  # [m, K]
+    x[0] = 0.0
+    expected = reference_quant_linear(x, w)  # [m, 45]
+    q, dx, bsum = ext.quantize_rows(x)
+    for amx_rows in (1, 0):
+        out = torch.full((m, 52), float("nan"))
+        ext.quant_matmul(q, dx, bsum, w.parts[0].packed, FORMAT_IDS[fmt], 45, cols, out, 3, amx_rows)
+        assert torch.equal(out[:, 3:48], expected), amx_rows
+        assert out[:, :3].isnan().all() and out[:, 48:].isnan().all()
     monkeypatch.setenv(ISA_ENV, "avx512")
-    w, _ = weight("Q8_0", rows, 640, seed=8)
-    x = torch.randn(m, 640) * torch.rand(m, 1) * 4
-    x[1] = 0.0
-    expected = reference_quant_linear(x, w)
-    out = torch.full((m, rows), float("nan"))
-    q, dx, bsum = isa_extension("avx512").quantize_rows(x)
-    amx_extension().q8_0_matmul(q, dx, bsum, w.parts[0].packed, rows, 640, out, 0)
-    assert torch.equal(out, expected)
+    assert amx_min_rows() == AMX_MIN_ROWS
     assert torch.equal(quant_linear(x, w), expected)
     monkeypatch.setenv(AMX_ENV, "0")
-    assert amx_extension() is None
+    assert amx_min_rows() == 0
     assert torch.equal(quant_linear(x, w), expected)
 
 
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
 def test_batch_invariance_every_width(isa, fmt):
-    """Row i computed with 0..63 other rows around it, at every offset: always the same bits (Q8_0
-    switches to AMX tiles from AMX_MIN_ROWS rows on, where the CPU has them)."""
+    """Row i computed with 0..63 other rows around it, at every offset: always the same bits (the
+    AVX-512 build switches to AMX tiles from AMX_MIN_ROWS rows on, where the CPU has them)."""
     w, _ = weight(fmt, 48, cols_for(fmt), seed=6)
     x = torch.randn(64, cols_for(fmt))
     alone = torch.cat([quant_linear(x[i : i + 1], w) for i in range(64)])

@@ -32,11 +32,14 @@
 // kernels carry `#pragma GCC target` and only run after a CPUID check.
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include <tuple>
 #include <vector>
@@ -434,6 +437,21 @@ QD_INLINE void init_offset(VecI* idot, const int32_t* const* bsum, int64_t b, in
   for (int m = 0; m < MB; ++m) idot[m] = vi_set1(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
 }
 
+// Step s of a nibble section as unsigned quants: low nibbles k 4s..4s+3, high nibbles k 16 + 4s..,
+// with bit 4 (FIVE_BITS, masks at +256) and bit 5 (SIX_BITS, masks at +320) added.
+template <bool FIVE_BITS, bool SIX_BITS>
+QD_INLINE void section_step(const uint8_t* section, int s, VecB& lo, VecB& hi) {
+  nibbles(section, s, lo, hi);
+  if constexpr (FIVE_BITS) {
+    lo = high_bits(lo, section + 256, s, 0x10);
+    hi = high_bits(hi, section + 256, s + 4, 0x10);
+  }
+  if constexpr (SIX_BITS) {
+    lo = high_bits(lo, section + 320, s, 0x20);
+    hi = high_bits(hi, section + 320, s + 4, 0x20);
+  }
+}
+
 // The 32 k of a nibble section (and its bit-4 masks when FIVE_BITS) into idot, from k0.
 template <int MB, bool FIVE_BITS>
 QD_INLINE void nibble_block(const uint8_t* section, const int8_t* const* xq, int64_t k0, VecI* idot) {
@@ -441,11 +459,7 @@ QD_INLINE void nibble_block(const uint8_t* section, const int8_t* const* xq, int
   QD_UNROLL
   for (int s = 0; s < 4; ++s) {
     VecB lo, hi;
-    nibbles(section, s, lo, hi);
-    if constexpr (FIVE_BITS) {
-      lo = high_bits(lo, section + 256, s, 0x10);
-      hi = high_bits(hi, section + 256, s + 4, 0x10);
-    }
+    section_step<FIVE_BITS, false>(section, s, lo, hi);
     dots.step(lo, xq, k0 + 4 * s);
     dots.step(hi, xq, k0 + 16 + 4 * s);
   }
@@ -510,9 +524,7 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
       QD_UNROLL
       for (int s = 0; s < 4; ++s) {
         VecB lo, hi;
-        nibbles(sub, s, lo, hi);
-        lo = high_bits(high_bits(lo, sub + 256, s, 0x10), sub + 320, s, 0x20);
-        hi = high_bits(high_bits(hi, sub + 256, s + 4, 0x10), sub + 320, s + 4, 0x20);
+        section_step<true, true>(sub, s, lo, hi);
         lo_dots.step(lo, r.xq, k0 + 32 * j + 4 * s);
         hi_dots.step(hi, r.xq, k0 + 32 * j + 16 + 4 * s);
       }
@@ -585,9 +597,325 @@ void run_all(const uint8_t* packed, int64_t N, int64_t K, const QRows& x, int64_
   });
 }
 
-// run_all for a format known at run time.
+
+// ------------------------------------------------------------------------------------------
+// AMX tiles for wide matmuls (Sapphire Rapids and later), with the very bits of the above
+// ------------------------------------------------------------------------------------------
+// Every kernel above computes each block's dot product of weight and activation quants as an
+// exact int32, then runs a fixed fp32 epilogue per block, block after block in K order.  An
+// exact integer is the same whichever instruction computes it, so here TDPBSUD takes the block
+// dots of 16 activation rows x 16 outputs x 32 k at a time (16 k for Q6_K's half blocks) and
+// the epilogue is tile<>'s, operation for operation: which path a matmul takes (by its row
+// count) changes no bit of any row, and batch invariance holds across the switch.
+//
+// Per group of 16 weight rows the weights are decoded once into B tiles (the vpdpbusd step
+// layout, 16 outputs x 4 k bytes per 64-byte row, is the B-tile layout) as signed quants with
+// their offsets subtracted (Q4_0's 8, Q5_0's 16, Q6_K's 32), so TDPBSSD's dots are the block
+// dots themselves (sum x (w - offset) = sum x w - offset sum x, exactly), and their per-block
+// epilogue vectors; Q8_0's packed quants are B tiles as stored (unsigned, TDPBSUD, the offset
+// added in the epilogue as in tile<>), read in place; every block of 16 activation rows then runs against them (the
+// VNNI kernel decodes the weights again for every 4-8 rows).  The tiles compute the next block
+// pair while the vector units run the epilogue of this one; the epilogue (four to seven vector
+// operations per row, block and 16 outputs, against the eight vpdpbusd it replaces) is what
+// remains of the work.
+#if !defined(QD_ISA_AVX2)
+
+// Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
+inline bool amx_usable() {
+  static const bool usable = [] {
+    if (!cpu_supported()) return false;
+    unsigned eax, ebx, ecx, edx;
+    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+    const bool amx_tile = (edx >> 24) & 1, amx_int8 = (edx >> 25) & 1;
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return amx_tile && amx_int8 && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c,amx-tile,amx-int8")
+
+constexpr int kAmxRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: C, two pairs (16 rows x 16 int32 outputs); tmm4-5: A (16 activation rows x `k`
+// bytes); tmm6-7: B (k / 4 rows of 16 outputs x 4 bytes).  k = 32, or 16 for Q6_K's halves.
+inline TileConfig tile_config(int k) {
+  TileConfig config;
+  for (int c = 0; c < 4; ++c) config.rows[c] = kAmxRows, config.colsb[c] = 64;
+  for (int c = 4; c < 6; ++c) config.rows[c] = kAmxRows, config.colsb[c] = static_cast<uint16_t>(k);
+  for (int c = 6; c < 8; ++c) config.rows[c] = static_cast<uint8_t>(k / 4), config.colsb[c] = 64;
+  return config;
+}
+
+// One 32-k block of a group, decoded: the B tile and the epilogue's per-output vectors.
+struct alignas(64) AmxBlock {
+  uint8_t tile[512];  // [8 steps][16 outputs][4 k] signed quants, offsets removed (Q6_K: k 0-15, 16-31)
+  const uint8_t* b;   // the B tile: `tile`, or Q8_0's packed quants in place
+  VecF scale;         // the block's scale (Q4_0, Q5_0), d * sc (Q4_K, Q5_K), d (Q6_K); Q8_0: in place
+  VecF min;           // Q4_K, Q5_K: dmin * m
+  VecI sc_lo, sc_hi;  // Q6_K: the int8 scales of the block's 16-wide halves
+};
+
+// A nibble section's 32 k as the 8 rows of a B tile (step s's low nibbles are k 4s..4s+3, its
+// high nibbles k 16 + 4s..), the format's offset subtracted.
+template <bool FIVE_BITS, bool SIX_BITS>
+QD_INLINE void decode_section(const uint8_t* section, char offset, uint8_t* tile) {
+  const VecB off = _mm512_set1_epi8(offset);
+  QD_UNROLL
+  for (int s = 0; s < 4; ++s) {
+    VecB lo, hi;
+    section_step<FIVE_BITS, SIX_BITS>(section, s, lo, hi);
+    _mm512_store_si512(tile + 64 * s, _mm512_sub_epi8(lo, off));
+    _mm512_store_si512(tile + 64 * (4 + s), _mm512_sub_epi8(hi, off));
+  }
+}
+
+// Weight group (ntiles tiles of FMT) -> its K / 32 blocks.
+template <int FMT>
+void decode_group(const uint8_t* group, int64_t ntiles, AmxBlock* blocks) {
+  for (int64_t i = 0; i < ntiles; ++i) {
+    const uint8_t* t = group + i * kTileBytes[FMT];
+    if constexpr (FMT == Q8_0) {  // nothing to decode: the tiles and the epilogue read the weights in place
+      blocks[i].b = t;
+      continue;
+    }
+    for (int64_t off = 0; off < kTileBytes[FMT]; off += 64)  // as in group_rows
+      _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchBytes + off), _MM_HINT_T0);
+    if constexpr (FMT == Q4_0 || FMT == Q5_0) {
+      decode_section<FMT == Q5_0, false>(t, FMT == Q4_0 ? 8 : 16, blocks[i].tile);
+      blocks[i].b = blocks[i].tile;
+      blocks[i].scale = half16(t + (FMT == Q4_0 ? 256 : 320));
+    } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
+      const VecF d = half16(t), dmin = half16(t + 32);
+      constexpr int sub_bytes = FMT == Q4_K ? 256 : 320;
+      for (int j = 0; j < 8; ++j) {
+        AmxBlock& block = blocks[8 * i + j];
+        decode_section<FMT == Q5_K, false>(t + 320 + sub_bytes * j, 0, block.tile);
+        block.b = block.tile;
+        block.scale = vf_mul(d, u8x16_to_f32(t + 64 + 16 * j));
+        block.min = vf_mul(dmin, u8x16_to_f32(t + 192 + 16 * j));
+      }
+    } else {  // Q6_K
+      const VecF d = half16(t);
+      for (int j = 0; j < 8; ++j) {
+        AmxBlock& block = blocks[8 * i + j];
+        decode_section<true, true>(t + 288 + 384 * j, 32, block.tile);
+        block.b = block.tile;
+        block.scale = d;
+        block.sc_lo = i8x16_to_i32(t + 32 + 16 * (2 * j));
+        block.sc_hi = i8x16_to_i32(t + 32 + 16 * (2 * j + 1));
+      }
+    }
+  }
+}
+
+// Activation rows padded with zero rows to a multiple of 16 (the A tiles' height), with their
+// 32-wide quant sums as Q8_0's offset and as floats (the K-quants' min term).
+struct PaddedRows {
+  std::vector<int8_t> q;          // [Mp, K]
+  std::vector<float> dx;          // [Mp, K / 32]
+  std::vector<int32_t> offset32;  // [Mp, K / 32]: -128 * (bsum16[2b] + bsum16[2b + 1])
+  std::vector<float> bs32;        // [Mp, K / 32]: float(bsum16[2b] + bsum16[2b + 1])
+  int64_t M, Mp, K;
+};
+
+inline PaddedRows pad_rows(const QRows& x, int64_t M) {
+  const int64_t K = x.K, Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows, nb = K / 32;
+  PaddedRows p{std::vector<int8_t>(Mp * K, 0), std::vector<float>(Mp * nb, 0.0f), std::vector<int32_t>(Mp * nb, 0),
+               std::vector<float>(Mp * nb, 0.0f), M, Mp, K};
+  std::memcpy(p.q.data(), x.q, M * K);
+  std::memcpy(p.dx.data(), x.dx, sizeof(float) * M * nb);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    p.offset32[i] = -kQ8Offset * (x.bsum[2 * i] + x.bsum[2 * i + 1]);
+    p.bs32[i] = static_cast<float>(x.bsum[2 * i] + x.bsum[2 * i + 1]);
+  }
+  return p;
+}
+
+// acc[m] += block b's term for the 16 rows from its dots (Q6_K: of the low and the high half):
+// tile<>'s epilogue for FMT, operation for operation.
+template <int FMT>
+QD_INLINE void amx_epilogue(const AmxBlock& block, const int32_t (*dots)[16], const int32_t (*dots_hi)[16],
+                            const float* dx, const int32_t* offset32, const float* bs32, int64_t nb, int64_t b,
+                            VecF* acc) {
+  VecF scale_q8;
+  if constexpr (FMT == Q8_0) scale_q8 = half16(block.b + 512);
+  QD_UNROLL
+  for (int m = 0; m < kAmxRows; ++m) {
+    const VecF dxv = vf_set1(dx[m * nb + b]);
+    const VecI dot = _mm512_load_si512(dots[m]);
+    if constexpr (FMT == Q4_K || FMT == Q5_K) {
+      const VecF bs = vf_set1(bs32[m * nb + b]);
+      const VecF term = vf_sub(vf_mul(vf_mul(block.scale, dxv), vf_from_i(dot)), vf_mul(vf_mul(block.min, dxv), bs));
+      acc[m] = vf_add(acc[m], term);
+    } else if constexpr (FMT == Q6_K) {
+      const VecI idot = vi_add(vi_mullo(block.sc_lo, dot), vi_mullo(block.sc_hi, _mm512_load_si512(dots_hi[m])));
+      acc[m] = vf_add(acc[m], vf_mul(vf_mul(block.scale, dxv), vf_from_i(idot)));
+    } else if constexpr (FMT == Q8_0) {
+      const VecI idot = vi_add(vi_set1(offset32[m * nb + b]), dot);
+      acc[m] = vf_add(acc[m], vf_mul(vf_mul(scale_q8, dxv), vf_from_i(idot)));
+    } else {
+      acc[m] = vf_add(acc[m], vf_mul(vf_mul(block.scale, dxv), vf_from_i(dot)));
+    }
+  }
+}
+
+// A step is two tile products into the C pair (C0, C1): blocks 2s and 2s + 1 (Q6_K: block s's
+// low and high half).
+template <int FMT>
+constexpr int64_t amx_steps(int64_t nblocks) {
+  return FMT == Q6_K ? nblocks : (nblocks + 1) / 2;
+}
+
+// The tile instructions take register numbers as literals: PAIR 0 is C (0, 1), PAIR 1 is (2, 3).
+template <int PAIR>
+QD_INLINE void zero_pair() {
+  if constexpr (PAIR == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+  } else {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+}
+
+// C += A . B: signed bytes times signed (Q8_0: unsigned) bytes.
+#define QD_TILE_DOT(FMT, c, a, b) \
+  do {                            \
+    if constexpr (FMT == Q8_0)    \
+      _tile_dpbsud(c, a, b);      \
+    else                          \
+      _tile_dpbssd(c, a, b);      \
+  } while (0)
+
+// The first product of a step (A tmm4, B tmm6) into the pair's first C, the second (tmm5,
+// tmm7) into its second.
+template <int FMT, int PAIR, bool SECOND>
+QD_INLINE void tile_dot() {
+  if constexpr (!SECOND && PAIR == 0) QD_TILE_DOT(FMT, 0, 4, 6);
+  else if constexpr (!SECOND) QD_TILE_DOT(FMT, 2, 4, 6);
+  else if constexpr (PAIR == 0) QD_TILE_DOT(FMT, 1, 5, 7);
+  else QD_TILE_DOT(FMT, 3, 5, 7);
+}
+#undef QD_TILE_DOT
+
+template <int FMT, int PAIR>
+QD_INLINE void amx_issue(const AmxBlock* blocks, int64_t nblocks, const int8_t* a, int64_t K, int64_t step) {
+  zero_pair<PAIR>();
+  if constexpr (FMT == Q6_K) {
+    _tile_loadd(4, a + 32 * step, K);
+    _tile_loadd(6, blocks[step].b, 64);
+    _tile_loadd(5, a + 32 * step + 16, K);
+    _tile_loadd(7, blocks[step].b + 256, 64);
+    tile_dot<FMT, PAIR, false>();
+    tile_dot<FMT, PAIR, true>();
+  } else {
+    const int64_t b = 2 * step;
+    if constexpr (FMT == Q8_0)  // weights read in place: 4 KiB ahead, as in group_rows
+      for (int64_t off = 0; off < 2 * kTileBytes[FMT]; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blocks[b].b + kPrefetchBytes + off), _MM_HINT_T0);
+    _tile_loadd(4, a + 32 * b, K);
+    _tile_loadd(6, blocks[b].b, 64);
+    tile_dot<FMT, PAIR, false>();
+    if (b + 1 < nblocks) {
+      _tile_loadd(5, a + 32 * (b + 1), K);
+      _tile_loadd(7, blocks[b + 1].b, 64);
+      tile_dot<FMT, PAIR, true>();
+    }
+  }
+}
+
+template <int FMT>
+QD_INLINE void amx_step_epilogue(const AmxBlock* blocks, int64_t nblocks, const int32_t (*dots)[kAmxRows][16],
+                                 const float* dx, const int32_t* offset32, const float* bs32, int64_t step,
+                                 VecF* acc) {
+  if constexpr (FMT == Q6_K) {
+    amx_epilogue<FMT>(blocks[step], dots[0], dots[1], dx, offset32, bs32, nblocks, step, acc);
+  } else {
+    amx_epilogue<FMT>(blocks[2 * step], dots[0], nullptr, dx, offset32, bs32, nblocks, 2 * step, acc);
+    if (2 * step + 1 < nblocks) amx_epilogue<FMT>(blocks[2 * step + 1], dots[1], nullptr, dx, offset32, bs32, nblocks, 2 * step + 1, acc);
+  }
+}
+
+// Rows m0..m0+15 of x against one decoded group: all K, blocks in order, then the valid rows
+// and outputs stored.  Steps alternate between the C pairs (0, 1) and (2, 3), so the tiles
+// compute step s + 1 while the vector units run step s's epilogue.
+template <int FMT>
+void amx_row_block(const AmxBlock* blocks, int64_t nblocks, const PaddedRows& x, int64_t m0, float* out, int64_t ldo,
+                   int64_t n0, int64_t nvalid) {
+  alignas(64) int32_t dots[2][2][kAmxRows][16];
+  VecF acc[kAmxRows];
+  QD_UNROLL
+  for (int m = 0; m < kAmxRows; ++m) acc[m] = vf_zero();
+  const int64_t K = x.K, nb = K / 32, steps = amx_steps<FMT>(nblocks);
+  const int8_t* a = x.q.data() + m0 * K;
+  const float* dx = x.dx.data() + m0 * nb;
+  const int32_t* offset32 = x.offset32.data() + m0 * nb;
+  const float* bs32 = x.bs32.data() + m0 * nb;
+  amx_issue<FMT, 0>(blocks, nblocks, a, K, 0);
+  for (int64_t s = 0; s < steps; s += 2) {
+    _tile_stored(0, dots[0][0], 64);
+    _tile_stored(1, dots[0][1], 64);
+    if (s + 1 < steps) amx_issue<FMT, 1>(blocks, nblocks, a, K, s + 1);
+    amx_step_epilogue<FMT>(blocks, nblocks, dots[0], dx, offset32, bs32, s, acc);
+    if (s + 1 >= steps) break;
+    _tile_stored(2, dots[1][0], 64);
+    _tile_stored(3, dots[1][1], 64);
+    if (s + 2 < steps) amx_issue<FMT, 0>(blocks, nblocks, a, K, s + 2);
+    amx_step_epilogue<FMT>(blocks, nblocks, dots[1], dx, offset32, bs32, s + 1, acc);
+  }
+  const int64_t rows = std::min<int64_t>(kAmxRows, x.M - m0);
+  for (int64_t m = 0; m < rows; ++m) store_lanes(out + (m0 + m) * ldo + n0, acc[m], nvalid);
+}
+
+template <int FMT>
+void amx_run_all(const uint8_t* packed, int64_t N, int64_t K, const QRows& rows, int64_t M, float* out, int64_t ldo,
+                 int64_t col0) {
+  const PaddedRows x = pad_rows(rows, M);
+  const int64_t groups = (N + 15) / 16, ntiles = K / kTileK[FMT], nblocks = K / 32;
+  const int64_t group_bytes = ntiles * kTileBytes[FMT];
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, group_bytes));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const TileConfig config = tile_config(FMT == Q6_K ? 16 : 32);
+    _tile_loadconfig(&config);  // per thread state
+    std::vector<AmxBlock> blocks(nblocks);
+    for (int64_t g = g0; g < g1; ++g) {
+      decode_group<FMT>(packed + g * group_bytes, ntiles, blocks.data());
+      const int64_t n0 = col0 + 16 * g, nvalid = std::min<int64_t>(16, N - 16 * g);
+      for (int64_t m0 = 0; m0 < x.Mp; m0 += kAmxRows)
+        amx_row_block<FMT>(blocks.data(), nblocks, x, m0, out, ldo, n0, nvalid);
+    }
+    _tile_release();
+  });
+}
+
+#pragma GCC pop_options
+#endif  // !QD_ISA_AVX2
+
+// run_all for a format known at run time; on AMX tiles from amx_min_rows rows on (0: never).
 inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t K, const QRows& x, int64_t M,
-                       float* out, int64_t ldo, int64_t col0) {
+                       float* out, int64_t ldo, int64_t col0, int64_t amx_min_rows) {
+#if !defined(QD_ISA_AVX2)
+  if (amx_min_rows > 0 && M >= amx_min_rows && amx_usable()) {
+    switch (format) {
+      case Q8_0: return amx_run_all<Q8_0>(packed, N, K, x, M, out, ldo, col0);
+      case Q4_0: return amx_run_all<Q4_0>(packed, N, K, x, M, out, ldo, col0);
+      case Q5_0: return amx_run_all<Q5_0>(packed, N, K, x, M, out, ldo, col0);
+      case Q4_K: return amx_run_all<Q4_K>(packed, N, K, x, M, out, ldo, col0);
+      case Q5_K: return amx_run_all<Q5_K>(packed, N, K, x, M, out, ldo, col0);
+      default: return amx_run_all<Q6_K>(packed, N, K, x, M, out, ldo, col0);
+    }
+  }
+#endif
   switch (format) {
     case Q8_0: run_all<Q8_0>(packed, N, K, x, M, out, ldo, col0); break;
     case Q4_0: run_all<Q4_0>(packed, N, K, x, M, out, ldo, col0); break;
@@ -625,7 +953,7 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in) {
 // out[:, col0 : col0 + N] = x @ W^T, W packed in `format`.  out is [M, ldo] float32, written in
 // place (so a fused weight made of parts in different formats fills one output).
 void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
-                  int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0) {
+                  int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0, int64_t amx_min_rows) {
   TORCH_CHECK(cpu_supported(), "quant_matmul: this CPU lacks the instructions of the ", kIsa, " build");
   TORCH_CHECK(format >= 0 && format <= Q6_K, "quant_matmul: unknown format ", format);
   TORCH_CHECK(q.is_contiguous() && dx.is_contiguous() && bsum.is_contiguous() && packed.is_contiguous() &&
@@ -644,7 +972,7 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
   const auto* w = packed.const_data_ptr<uint8_t>();
   float* o = out.mutable_data_ptr<float>();
   const int64_t ldo = out.size(1);
-  run_format(format, w, N, K, x, M, o, ldo, col0);
+  run_format(format, w, N, K, x, M, o, ldo, col0, amx_min_rows);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -661,14 +989,14 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
 using Part = std::tuple<int64_t, at::Tensor, int64_t, int64_t>;  // format, packed, rows, row_start
 
 void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int64_t K, float* out, int64_t ldo,
-                  std::vector<int8_t>& q, std::vector<float>& dx, std::vector<int32_t>& bsum) {
+                  std::vector<int8_t>& q, std::vector<float>& dx, std::vector<int32_t>& bsum, int64_t amx_min_rows) {
   q.resize(M * K);
   dx.resize(M * K / 32);
   bsum.resize(M * K / 16);
   quantize_rows_into(x, M, K, q.data(), dx.data(), bsum.data());
   const QRows rows{q.data(), dx.data(), bsum.data(), K};
   for (const auto& [format, packed, n, col0] : parts) {
-    run_format(format, packed.const_data_ptr<uint8_t>(), n, K, rows, M, out, ldo, col0);
+    run_format(format, packed.const_data_ptr<uint8_t>(), n, K, rows, M, out, ldo, col0, amx_min_rows);
   }
 }
 
@@ -779,6 +1107,43 @@ inline void attend_rows(int64_t G, const float* q, const float* k, const float* 
 #endif
 
 
+// f(n) for every row n < N.  Rows are independent and each is computed by the same operations
+// whichever thread runs it; fewer than kRowsPerThread rows stay on one thread (a parallel
+// region costs more than their work).
+constexpr int64_t kRowsPerThread = 4;
+
+template <typename F>
+void for_rows(int64_t N, const F& f) {
+  at::parallel_for(0, N, kRowsPerThread, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) f(n);
+  });
+}
+
+// Rotary embedding of one head in place: v = v * cos + rotate_half(v) * sin (sin carries
+// rotate_half's sign), as two halves so the compiler vectorizes it.
+inline void rotate_head(float* v, const float* c, const float* s, int64_t hd, float* tmp) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < hd; ++i) tmp[i] = v[i];
+  for (int64_t i = 0; i < half; ++i) v[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
+  for (int64_t i = half; i < hd; ++i) v[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+}
+
+// A float buffer left uninitialized: zeroing a prefill's layer buffers (megabytes) took one
+// thread longer than the rows' norms, and every element is written before it is read.
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) : values_(std::make_unique_for_overwrite<float[]>(n)) {}
+  float* data() { return values_.get(); }
+  float& operator[](int64_t i) { return values_[i]; }
+
+ private:
+  std::unique_ptr<float[]> values_;
+};
+
+// Query rows in the order 0, T-1, 1, T-2, ...: a parallel loop splits its range into one
+// contiguous chunk per thread, and under a causal mask late rows attend to more keys.
+inline int64_t zigzag(int64_t i, int64_t T) { return i % 2 == 0 ? i / 2 : T - 1 - i / 2; }
+
 const float* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
@@ -796,7 +1161,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
                          const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks,
-                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale) {
+                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, int64_t amx_min_rows) {
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor hidden = hidden_in.contiguous();
   const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
@@ -807,7 +1172,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
   const float eps = static_cast<float>(eps_d);
   const bool sandwich = pre_ff_norm.has_value() && pre_ff_norm->defined();
   const float* h = hidden.const_data_ptr<float>();
-  std::vector<float> x(N * std::max(D, I)), qkv_out(N * QKV), attended(N * H * hd), proj(N * D), gu(N * 2 * I);
+  Scratch x(N * std::max(D, I)), qkv_out(N * QKV), attended(N * H * hd), proj(N * D), gu(N * 2 * I);
   std::vector<int8_t> q8;
   std::vector<float> dx;
   std::vector<int32_t> bsum;
@@ -816,23 +1181,20 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
 
   // attention inputs
   const float* w_in = input_norm.const_data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) rms_norm_row(h + n * D, w_in, D, eps, x.data() + n * D);
-  matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum);
+  for_rows(N, [&](int64_t n) { rms_norm_row(h + n * D, w_in, D, eps, x.data() + n * D); });
+  matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum, amx_min_rows);
   const float* w_qk = opt_ptr(qk_norm);
   const float* cp = cosv.const_data_ptr<float>();
   const float* sp = sinv.const_data_ptr<float>();
-  std::vector<float> tmp(hd);
-  for (int64_t n = 0; n < N; ++n) {
+  for_rows(N, [&](int64_t n) {
+    std::vector<float> tmp(hd);
     for (int64_t head = 0; head < H + Hkv; ++head) {  // q and k heads: norm, then rotary
       float* v = qkv_out.data() + n * QKV + head * hd;
       if (w_qk) rms_norm_row(v, nullptr, hd, eps, v);
       if (w_qk) for (int64_t i = 0; i < hd; ++i) v[i] = v[i] * w_qk[head * hd + i];
-      for (int64_t i = 0; i < hd; ++i) tmp[i] = v[i];
-      const float* c = cp + n * hd;
-      const float* s = sp + n * hd;
-      for (int64_t i = 0; i < hd; ++i) v[i] = tmp[i] * c[i] + tmp[(i + hd / 2) % hd] * s[i];
+      rotate_head(v, cp + n * hd, sp + n * hd, hd, tmp.data());
     }
-  }
+  });
   // KV write, then attention per sequence
   float* kc = cache_k.mutable_data_ptr<float>();
   float* vc = cache_v.mutable_data_ptr<float>();
@@ -873,7 +1235,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     at::parallel_for(0, T * calls, grain, [&](int64_t i0, int64_t i1) {
       std::vector<float> scores(G * S + 16);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = i / calls, head = (i % calls) * G, g = head / group;
+        const int64_t t = zigzag(i / calls, T), head = (i % calls) * G, g = head / group;
         attend_rows(G, qkv_out.data() + (r0 + t) * QKV + head * hd, kc, vc, rows.data() + g * S, S, hd,
                     mask ? mask + t * S : nullptr, fscale, scores.data(),
                     attended.data() + (r0 + t) * H * hd + head * hd);
@@ -881,9 +1243,9 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     });
   }
   // block output
-  matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum);
+  matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum, amx_min_rows);
   const float* w_post = post_attention_norm.const_data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
+  for_rows(N, [&](int64_t n) {
     float* yn = y + n * D;
     if (sandwich) {
       rms_norm_row(proj.data() + n * D, w_post, D, eps, yn);
@@ -893,14 +1255,15 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
       for (int64_t i = 0; i < D; ++i) yn[i] = h[n * D + i] + proj[n * D + i];
       rms_norm_row(yn, w_post, D, eps, x.data() + n * D);
     }
-  }
-  matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum);
-  for (int64_t n = 0; n < N; ++n) gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu,
-                                                   x.data() + n * I);
-  matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum);
+  });
+  matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum, amx_min_rows);
+  for_rows(N, [&](int64_t n) {
+    gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu, x.data() + n * I);
+  });
+  matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum, amx_min_rows);
   const float* w_post_ff = opt_ptr(post_ff_norm);
-  std::vector<float> row(D);
-  for (int64_t n = 0; n < N; ++n) {
+  for_rows(N, [&](int64_t n) {
+    std::vector<float> row(D);
     const float* add = proj.data() + n * D;
     if (sandwich) {
       rms_norm_row(add, w_post_ff, D, eps, row.data());
@@ -908,14 +1271,14 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     }
     float* yn = y + n * D;
     for (int64_t i = 0; i < D; ++i) yn[i] = yn[i] + add[i];
-  }
+  });
   return out;
 }
 
 // x [M, K] -> rms_norm(x) @ W^T [M, N], each row normalized per segment of `segment` values
 // with its slice of `norm` [K] (a draft head's input concatenates two normalized halves).
 at::Tensor norm_matmul(const at::Tensor& x_in, const at::Tensor& norm, int64_t segment, double eps,
-                       const std::vector<Part>& parts, int64_t N) {
+                       const std::vector<Part>& parts, int64_t N, int64_t amx_min_rows) {
   TORCH_CHECK(cpu_supported(), "norm_matmul: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
@@ -931,7 +1294,7 @@ at::Tensor norm_matmul(const at::Tensor& x_in, const at::Tensor& norm, int64_t s
   std::vector<int8_t> q8;
   std::vector<float> dx;
   std::vector<int32_t> bsum;
-  matmul_parts(parts, normed.data(), M, K, out.mutable_data_ptr<float>(), N, q8, dx, bsum);
+  matmul_parts(parts, normed.data(), M, K, out.mutable_data_ptr<float>(), N, q8, dx, bsum, amx_min_rows);
   return out;
 }
 }  // namespace
@@ -943,11 +1306,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("quant_matmul", &qd_quant::quant_matmul, "out[:, col0:col0+N] = x @ W^T for a packed quantized W",
         py::arg("q"), py::arg("dx"), py::arg("bsum"), py::arg("packed"), py::arg("format"), py::arg("N"),
-        py::arg("K"), py::arg("out"), py::arg("col0"), py::call_guard<py::gil_scoped_release>());
+        py::arg("K"), py::arg("out"), py::arg("col0"), py::arg("amx_min_rows"), py::call_guard<py::gil_scoped_release>());
   m.def("decoder_layer", &qd_quant::decoder_layer, "one decoder layer on quantized weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("norm_matmul", &qd_quant::norm_matmul, "rms_norm(x) per segment, then x @ W^T on quantized weights",
         py::call_guard<py::gil_scoped_release>());
   m.attr("isa") = qd_quant::kIsa;
   m.def("cpu_supported", &qd_quant::cpu_supported);
+#if defined(QD_ISA_AVX2)
+  m.def("amx_usable", [] { return false; });
+#else
+  m.def("amx_usable", &qd_quant::amx_usable);
+#endif
 }
