@@ -741,16 +741,16 @@ inline PaddedRows pad_rows(const QRows& x, int64_t M) {
   return p;
 }
 
-// acc[m] += block b's term for the 16 rows from its dots (Q6_K: of the low and the high half):
-// tile<>'s epilogue for FMT, operation for operation.
-template <int FMT>
+// acc[m] += block b's term for the first ROWS rows from their dots (Q6_K: of the low and the
+// high half): tile<>'s epilogue for FMT, operation for operation.
+template <int FMT, int ROWS>
 QD_INLINE void amx_epilogue(const AmxBlock& block, const int32_t (*dots)[16], const int32_t (*dots_hi)[16],
                             const float* dx, const int32_t* offset32, const float* bs32, int64_t nb, int64_t b,
                             VecF* acc) {
   VecF scale_q8;
   if constexpr (FMT == Q8_0) scale_q8 = half16(block.b + 512);
   QD_UNROLL
-  for (int m = 0; m < kAmxRows; ++m) {
+  for (int m = 0; m < ROWS; ++m) {
     const VecF dxv = vf_set1(dx[m * nb + b]);
     const VecI dot = _mm512_load_si512(dots[m]);
     if constexpr (FMT == Q4_K || FMT == Q5_K) {
@@ -834,28 +834,29 @@ QD_INLINE void amx_issue(const AmxBlock* blocks, int64_t nblocks, const int8_t* 
   }
 }
 
-template <int FMT>
+template <int FMT, int ROWS>
 QD_INLINE void amx_step_epilogue(const AmxBlock* blocks, int64_t nblocks, const int32_t (*dots)[kAmxRows][16],
                                  const float* dx, const int32_t* offset32, const float* bs32, int64_t step,
                                  VecF* acc) {
   if constexpr (FMT == Q6_K) {
-    amx_epilogue<FMT>(blocks[step], dots[0], dots[1], dx, offset32, bs32, nblocks, step, acc);
+    amx_epilogue<FMT, ROWS>(blocks[step], dots[0], dots[1], dx, offset32, bs32, nblocks, step, acc);
   } else {
-    amx_epilogue<FMT>(blocks[2 * step], dots[0], nullptr, dx, offset32, bs32, nblocks, 2 * step, acc);
-    if (2 * step + 1 < nblocks) amx_epilogue<FMT>(blocks[2 * step + 1], dots[1], nullptr, dx, offset32, bs32, nblocks, 2 * step + 1, acc);
+    amx_epilogue<FMT, ROWS>(blocks[2 * step], dots[0], nullptr, dx, offset32, bs32, nblocks, 2 * step, acc);
+    if (2 * step + 1 < nblocks) amx_epilogue<FMT, ROWS>(blocks[2 * step + 1], dots[1], nullptr, dx, offset32, bs32, nblocks, 2 * step + 1, acc);
   }
 }
 
 // Rows m0..m0+15 of x against one decoded group: all K, blocks in order, then the valid rows
 // and outputs stored.  Steps alternate between the C pairs (0, 1) and (2, 3), so the tiles
-// compute step s + 1 while the vector units run step s's epilogue.
-template <int FMT>
+// compute step s + 1 while the vector units run step s's epilogue.  The epilogue, the larger
+// share of the work, runs for the first ROWS rows only (8 where no more are valid).
+template <int FMT, int ROWS>
 void amx_row_block(const AmxBlock* blocks, int64_t nblocks, const PaddedRows& x, int64_t m0, float* out, int64_t ldo,
                    int64_t n0, int64_t nvalid) {
   alignas(64) int32_t dots[2][2][kAmxRows][16];
-  VecF acc[kAmxRows];
+  VecF acc[ROWS];
   QD_UNROLL
-  for (int m = 0; m < kAmxRows; ++m) acc[m] = vf_zero();
+  for (int m = 0; m < ROWS; ++m) acc[m] = vf_zero();
   const int64_t K = x.K, nb = K / 32, steps = amx_steps<FMT>(nblocks);
   const int8_t* a = x.q.data() + m0 * K;
   const float* dx = x.dx.data() + m0 * nb;
@@ -866,14 +867,14 @@ void amx_row_block(const AmxBlock* blocks, int64_t nblocks, const PaddedRows& x,
     _tile_stored(0, dots[0][0], 64);
     _tile_stored(1, dots[0][1], 64);
     if (s + 1 < steps) amx_issue<FMT, 1>(blocks, nblocks, a, K, s + 1);
-    amx_step_epilogue<FMT>(blocks, nblocks, dots[0], dx, offset32, bs32, s, acc);
+    amx_step_epilogue<FMT, ROWS>(blocks, nblocks, dots[0], dx, offset32, bs32, s, acc);
     if (s + 1 >= steps) break;
     _tile_stored(2, dots[1][0], 64);
     _tile_stored(3, dots[1][1], 64);
     if (s + 2 < steps) amx_issue<FMT, 0>(blocks, nblocks, a, K, s + 2);
-    amx_step_epilogue<FMT>(blocks, nblocks, dots[1], dx, offset32, bs32, s + 1, acc);
+    amx_step_epilogue<FMT, ROWS>(blocks, nblocks, dots[1], dx, offset32, bs32, s + 1, acc);
   }
-  const int64_t rows = std::min<int64_t>(kAmxRows, x.M - m0);
+  const int64_t rows = std::min<int64_t>(ROWS, x.M - m0);
   for (int64_t m = 0; m < rows; ++m) store_lanes(out + (m0 + m) * ldo + n0, acc[m], nvalid);
 }
 
@@ -891,8 +892,12 @@ void amx_run_all(const uint8_t* packed, int64_t N, int64_t K, const QRows& rows,
     for (int64_t g = g0; g < g1; ++g) {
       decode_group<FMT>(packed + g * group_bytes, ntiles, blocks.data());
       const int64_t n0 = col0 + 16 * g, nvalid = std::min<int64_t>(16, N - 16 * g);
-      for (int64_t m0 = 0; m0 < x.Mp; m0 += kAmxRows)
-        amx_row_block<FMT>(blocks.data(), nblocks, x, m0, out, ldo, n0, nvalid);
+      for (int64_t m0 = 0; m0 < x.Mp; m0 += kAmxRows) {
+        if (x.M - m0 <= 8)
+          amx_row_block<FMT, 8>(blocks.data(), nblocks, x, m0, out, ldo, n0, nvalid);
+        else
+          amx_row_block<FMT, kAmxRows>(blocks.data(), nblocks, x, m0, out, ldo, n0, nvalid);
+      }
     }
     _tile_release();
   });
