@@ -77,10 +77,14 @@ AMX_MIN_ROWS = 12  # below this the tiles, always 16 rows, lose to VNNI (measure
 def amx_min_rows() -> int:
     """The row count from which the kernels run on AMX tiles; 0 where they never do (no AMX,
     not the AVX-512 build, or turned off)."""
-    if os.environ.get(AMX_ENV, "1").strip() in ("0", "false", "no"):
+    return _amx_min_rows(_extension())
+
+
+def _amx_min_rows(ext: ModuleType | None) -> int:
+    """amx_min_rows() for the kernel `ext` a caller already holds (one lookup per call)."""
+    if ext is None or ext.isa != "avx512" or os.environ.get(AMX_ENV, "1").strip() in ("0", "false", "no"):
         return 0
-    ext = _extension()
-    return AMX_MIN_ROWS if ext is not None and ext.isa == "avx512" and ext.amx_usable() else 0
+    return AMX_MIN_ROWS if ext.amx_usable() else 0
 
 
 def isa_extension(isa: str) -> ModuleType | None:
@@ -199,7 +203,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         x2 = x.reshape(-1, k).to(torch.float32).contiguous()
         q, dx, bsum = ext.quantize_rows(x2)
         out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
-        amx_rows = amx_min_rows()
+        amx_rows = _amx_min_rows(ext)
         for part in weight.parts:
             fmt = FORMAT_IDS[part.format]
             ext.quant_matmul(q, dx, bsum, part.packed, fmt, part.rows, k, out, part.row_start, amx_rows)
@@ -220,9 +224,8 @@ def norm_matmul(
     float32, each row normalized per run of `segment` values (default K) with its slice of
     `norm` [K] -> [M, N].  Needs ``fused_layer_available()``; its normalization rounds like
     the decoder layer's, not like torch's (for drafting, where precision only moves guesses)."""
-    return _extension().norm_matmul(
-        x, norm, segment or x.shape[-1], eps, _parts(weight), weight.shape[0], amx_min_rows()
-    )
+    ext = _extension()
+    return ext.norm_matmul(x, norm, segment or x.shape[-1], eps, _parts(weight), weight.shape[0], _amx_min_rows(ext))
 
 
 def fused_decoder_layer(
@@ -253,7 +256,8 @@ def fused_decoder_layer(
     for (row_start, row_end, kv_start, kv_end), table in zip(sequences, block_tables, strict=True):
         seqs += [len(tables), row_start, row_end, kv_start, kv_end]
         tables += table
-    return _extension().decoder_layer(
+    ext = _extension()
+    return ext.decoder_layer(
         hidden,
         _parts(weights["qkv_proj"]),
         _parts(weights["o_proj"]),
@@ -278,5 +282,5 @@ def fused_decoder_layer(
         head_dim,
         weights["down_proj"].shape[1],
         scale,
-        amx_min_rows(),
+        _amx_min_rows(ext),
     )

@@ -603,18 +603,19 @@ void run_all(const uint8_t* packed, int64_t N, int64_t K, const QRows& x, int64_
 // ------------------------------------------------------------------------------------------
 // Every kernel above computes each block's dot product of weight and activation quants as an
 // exact int32, then runs a fixed fp32 epilogue per block, block after block in K order.  An
-// exact integer is the same whichever instruction computes it, so here TDPBSUD takes the block
-// dots of 16 activation rows x 16 outputs x 32 k at a time (16 k for Q6_K's half blocks) and
-// the epilogue is tile<>'s, operation for operation: which path a matmul takes (by its row
-// count) changes no bit of any row, and batch invariance holds across the switch.
+// exact integer is the same whichever instruction computes it, so here the tiles (TDPBSSD,
+// TDPBSUD for Q8_0) take the block dots of 16 activation rows x 16 outputs x 32 k at a time
+// (16 k for Q6_K's half blocks) and the epilogue is tile<>'s, operation for operation: which
+// path a matmul takes (by its row count) changes no bit of any row, and batch invariance holds
+// across the switch.
 //
 // Per group of 16 weight rows the weights are decoded once into B tiles (the vpdpbusd step
 // layout, 16 outputs x 4 k bytes per 64-byte row, is the B-tile layout) as signed quants with
 // their offsets subtracted (Q4_0's 8, Q5_0's 16, Q6_K's 32), so TDPBSSD's dots are the block
 // dots themselves (sum x (w - offset) = sum x w - offset sum x, exactly), and their per-block
 // epilogue vectors; Q8_0's packed quants are B tiles as stored (unsigned, TDPBSUD, the offset
-// added in the epilogue as in tile<>), read in place; every block of 16 activation rows then runs against them (the
-// VNNI kernel decodes the weights again for every 4-8 rows).  The tiles compute the next block
+// added in the epilogue as in tile<>), read in place.  Every block of 16 activation rows then
+// runs against them (the VNNI kernel decodes the weights again for every 4-8 rows).  The tiles compute the next block
 // pair while the vector units run the epilogue of this one; the epilogue (four to seven vector
 // operations per row, block and 16 outputs, against the eight vpdpbusd it replaces) is what
 // remains of the work.
@@ -842,7 +843,8 @@ QD_INLINE void amx_step_epilogue(const AmxBlock* blocks, int64_t nblocks, const 
     amx_epilogue<FMT, ROWS>(blocks[step], dots[0], dots[1], dx, offset32, bs32, nblocks, step, acc);
   } else {
     amx_epilogue<FMT, ROWS>(blocks[2 * step], dots[0], nullptr, dx, offset32, bs32, nblocks, 2 * step, acc);
-    if (2 * step + 1 < nblocks) amx_epilogue<FMT, ROWS>(blocks[2 * step + 1], dots[1], nullptr, dx, offset32, bs32, nblocks, 2 * step + 1, acc);
+    if (2 * step + 1 < nblocks)
+      amx_epilogue<FMT, ROWS>(blocks[2 * step + 1], dots[1], nullptr, dx, offset32, bs32, nblocks, 2 * step + 1, acc);
   }
 }
 
@@ -1311,7 +1313,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("quant_matmul", &qd_quant::quant_matmul, "out[:, col0:col0+N] = x @ W^T for a packed quantized W",
         py::arg("q"), py::arg("dx"), py::arg("bsum"), py::arg("packed"), py::arg("format"), py::arg("N"),
-        py::arg("K"), py::arg("out"), py::arg("col0"), py::arg("amx_min_rows"), py::call_guard<py::gil_scoped_release>());
+        py::arg("K"), py::arg("out"), py::arg("col0"), py::arg("amx_min_rows"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("decoder_layer", &qd_quant::decoder_layer, "one decoder layer on quantized weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("norm_matmul", &qd_quant::norm_matmul, "rms_norm(x) per segment, then x @ W^T on quantized weights",
