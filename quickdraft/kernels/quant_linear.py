@@ -71,12 +71,15 @@ _KERNELS = {
 # quant_linear.cpp says why), so the row count that picks them changes no result.
 # QUICKDRAFT_CPU_AMX=0 turns them off.
 AMX_ENV = "QUICKDRAFT_CPU_AMX"
-AMX_MIN_ROWS = 12  # below this the tiles, always 16 rows, lose to VNNI (measured in the README)
+# A block of 16 rows (the last one: the rows left) runs on the tiles, always 16 rows high, when
+# it has at least this many rows, else on VNNI: with the weights prefetched into L2, VNNI is as
+# fast up to 12 rows and within noise at 13-15 (measured in the README).
+AMX_MIN_ROWS = 16
 
 
 def amx_min_rows() -> int:
-    """The row count from which the kernels run on AMX tiles; 0 where they never do (no AMX,
-    not the AVX-512 build, or turned off)."""
+    """The row count from which a 16-row block of a matmul runs on AMX tiles; 0 where none
+    does (no AMX, not the AVX-512 build, or turned off)."""
     return _amx_min_rows(_extension())
 
 

@@ -174,11 +174,13 @@ def _cpu_has_amx() -> bool:
 
 
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
-@pytest.mark.parametrize("m", [1, 5, AMX_MIN_ROWS, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 5, 12, 16, 17, 20, 40])
 def test_amx_tiles_compute_the_vnni_bits(monkeypatch, fmt, m):
-    """Matmuls on AMX tiles (forced from one row on): the reference's bits in every format, for
-    row counts that fill, pad and overflow a 16-row tile, 45 outputs (a partial group) written
-    at a column offset of a wider output; through quant_linear with the tiles used and turned off."""
+    """Matmuls on AMX tiles (forced from one row on), on tiles for whole 16-row blocks with the
+    rows after them on VNNI (blocks of at least 16 or 12 rows on tiles), and on VNNI alone: the
+    reference's bits in every format, for row counts that fill, pad and overflow a 16-row tile,
+    45 outputs (a partial group) written at a column offset of a wider output; through
+    quant_linear with the tiles used and turned off."""
     ext = isa_extension("avx512")
     if ext is None or not ext.amx_usable():
         assert not _cpu_has_amx() or ext is None  # AMX here must be usable
@@ -189,7 +191,7 @@ def test_amx_tiles_compute_the_vnni_bits(monkeypatch, fmt, m):
     x[0] = 0.0
     expected = reference_quant_linear(x, w)  # [m, 45]
     q, dx, bsum = ext.quantize_rows(x)
-    for amx_rows in (1, 0):
+    for amx_rows in (1, 16, 12, 0):
         out = torch.full((m, 52), float("nan"))
         ext.quant_matmul(q, dx, bsum, w.parts[0].packed, FORMAT_IDS[fmt], 45, cols, out, 3, amx_rows)
         assert torch.equal(out[:, 3:48], expected), amx_rows
