@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.kernels import draft_mixture
 from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available, norm_matmul
 from quickdraft.models.config import RopeConfig
 from quickdraft.models.layers import LinearFn, RotaryTable, apply_rotary
@@ -191,8 +192,35 @@ class CopyPath:
 
     def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`mixture(feature, eligible=all sources, ...).top_k(k)` for drafting, where every row
-        copies from the same sources: a third of its torch ops.  feature [m, D] -> target ids
-        [m, k] and log-probabilities [m, k], best first."""
+        copies from the same sources: a third of its torch ops, or one C++ call on CPU float32
+        (kernels/draft_mixture.py).  feature [m, D] -> target ids [m, k] and log-probabilities
+        [m, k], best first."""
+        if not (feature.is_cpu and feature.dtype == self.copy_query.weight.dtype == torch.float32):
+            return self.draft_top_k_reference(feature, sources, k)
+        fast = draft_mixture.draft_top_k(
+            feature,
+            self.draft_logits(feature).float(),
+            query_weight=self.copy_query.weight,
+            gate_weight=self.copy_gate.weight,
+            gate_bias=self.copy_gate.bias,
+            keys=sources.keys,
+            inverse=sources.inverse,
+            distinct=sources.distinct,
+            distinct_draft_ids=sources.distinct_draft_ids,
+            distinct_in_vocab=sources.distinct_in_vocab,
+            copied_draft_id=sources.copied_draft_id,
+            d2t=self.d2t,
+            k=k,
+            eps=self.copy_norm_eps,
+        )
+        if fast is not None:
+            return fast
+        return self.draft_top_k_reference(feature, sources, k)
+
+    def draft_top_k_reference(
+        self, feature: torch.Tensor, sources: CopySources, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_top_k in torch ops (any device and dtype)."""
         gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
         # tokens also copied are scored among copy_scores; max is several times faster than topk
         vocab_top = vocab_log_probs.max(dim=-1, keepdim=True) if k == 1 else vocab_log_probs.topk(k, dim=-1)

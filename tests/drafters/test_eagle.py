@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafters.eagle import _Draft
+from quickdraft.kernels import draft_mixture
+from quickdraft.kernels.quant_linear import kernel_available
 from quickdraft.models.heads import EagleHead, HeadConfig, _unrolled_attention
 from tests.engine.test_speculative import repetitive_prompts
 from tests.stats_checks import assert_speculation_keeps_sampling
@@ -580,7 +582,8 @@ def test_fused_block_is_the_head_block(tiny_checkpoints, head_dir):
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_top_k_is_the_mixture_top_k(copy_head_dir, k):
     """The drafting shortcut (every row copies from the same sources, their distinct ids worked
-    out once per step) picks the CopyMixture's top k with its log-probabilities."""
+    out once per step) picks the CopyMixture's top k with its log-probabilities: its torch ops
+    and its C++ kernel (kernels/draft_mixture.py) alike."""
     head = EagleHead.load(copy_head_dir, dtype=torch.float32)
 
     class Target:  # the tensors attach_target borrows
@@ -599,11 +602,37 @@ def test_draft_top_k_is_the_mixture_top_k(copy_head_dir, k):
     keys = torch.randn(7, head.config.copy_dim, generator=generator) * 3
     feature = torch.randn(4, 64, generator=generator)
     with torch.inference_mode():
-        ids, log_probs = head.draft_top_k(feature, head.copy_sources(keys, values), k)
+        sources = head.copy_sources(keys, values)
+        picks = {
+            "torch": head.draft_top_k_reference(feature, sources, k),
+            "used": head.draft_top_k(feature, sources, k),
+        }
+        logits = head.draft_logits(feature)
+        kernel = draft_mixture.draft_top_k(
+            feature,
+            logits,
+            query_weight=head.copy_query.weight,
+            gate_weight=head.copy_gate.weight,
+            gate_bias=head.copy_gate.bias,
+            keys=sources.keys,
+            inverse=sources.inverse,
+            distinct=sources.distinct,
+            distinct_draft_ids=sources.distinct_draft_ids,
+            distinct_in_vocab=sources.distinct_in_vocab,
+            copied_draft_id=sources.copied_draft_id,
+            d2t=head.d2t,
+            k=k,
+            eps=head.copy_norm_eps,
+        )
+        if kernel is not None:
+            picks["kernel"] = kernel
+        else:
+            assert not kernel_available()  # the kernel builds wherever the quantized kernels do
         mixture = head.mixture(feature, keys=keys, values=values, eligible=torch.ones(4, 7, dtype=torch.bool))
         expected_ids, expected_log_probs = mixture.top_k(k)
-    assert torch.equal(ids, expected_ids)
-    torch.testing.assert_close(log_probs, expected_log_probs, rtol=1e-5, atol=1e-5)
+    for name, (ids, log_probs) in picks.items():
+        assert torch.equal(ids, expected_ids), name
+        torch.testing.assert_close(log_probs, expected_log_probs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("head_fixture", ["head_dir", "copy_head_dir"])
