@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["auto"], help="auto = GGUF weights as stored")
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="tokens per forward")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -86,13 +87,15 @@ def main() -> None:
     )
     results = {"bandwidth_gbs": bandwidth, "context": args.context, "runs": []}
     for dtype in args.dtype:
-        llm = LLM(args.model, dtype=dtype, max_model_len=max(args.context + 128, max(PROMPTS) + 8), max_num_seqs=1)
+        longest = max(args.context + max(args.widths), max(PROMPTS)) + 8
+        llm = LLM(args.model, dtype=dtype, max_model_len=longest, max_num_seqs=1)
         model = llm.engine.model
         weights = linear_weights(model)
         nbytes = sum(weight_nbytes(w) for w in weights)
         macs_per_token = sum(w.shape[0] * w.shape[1] for w in weights)
         times = {
-            width: time_forward(llm.engine, context=args.context, width=width, repeats=args.repeats) for width in WIDTHS
+            width: time_forward(llm.engine, context=args.context, width=width, repeats=args.repeats)
+            for width in args.widths
         }
         best_rate = max(width * macs_per_token / t for width, t in times.items())
         label = f"{dtype} ({llm.engine.quantization or 'float weights'})"
