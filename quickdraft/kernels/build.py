@@ -88,6 +88,8 @@ class LazyKernel:
         self._module: ModuleType | None = None
 
     def get(self) -> ModuleType | None:
+        if self._loaded:  # the common case, several times per layer: no lock once loaded
+            return self._module
         with self._lock:
             if not self._loaded:
                 self._module = load_kernel(**self._args)
