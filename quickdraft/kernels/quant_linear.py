@@ -39,6 +39,7 @@ __all__ = [
     "isa_extension",
     "kernel_available",
     "norm_matmul",
+    "q8_0_rows_kernel",
     "quant_linear",
     "quantize_activations",
     "reference_quant_linear",
@@ -125,6 +126,12 @@ def active_isa() -> str:
 def kernel_available() -> bool:
     """True when quant_linear runs a compiled kernel, AVX-512 VNNI or AVX2 (builds it on first call)."""
     return _extension() is not None
+
+
+def q8_0_rows_kernel() -> ModuleType | None:
+    """The compiled kernel whose ``dequantize_rows_q8_0`` reads rows of a packed Q8_0 weight
+    (QuantizedWeight.rows), or None: the torch reference is forced, or nothing is built."""
+    return _extension()
 
 
 def fused_layer_available() -> bool:

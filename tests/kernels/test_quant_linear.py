@@ -20,6 +20,7 @@ from quickdraft.kernels.quant_linear import (
     amx_min_rows,
     fused_layer_available,
     isa_extension,
+    q8_0_rows_kernel,
     quant_linear,
     quantize_activations,
     reference_quant_linear,
@@ -107,6 +108,32 @@ def test_quantized_weight_rows_and_fused_parts():
     assert torch.equal(quant_linear(x, fused), torch.cat([quant_linear(x, q5), quant_linear(x, q8)], dim=1))
     with pytest.raises(IndexError):
         fused.rows(torch.tensor([40]))
+
+
+def test_q8_0_rows_from_the_kernel_are_the_gguf_values(monkeypatch):
+    """QuantizedWeight.rows on a one-part Q8_0 weight (an embedding table) reads the packed bytes
+    in C++: gguf-py's float32 values for every row asked, in any index shape, with scales of
+    every fp16 kind (normal, subnormal, zero, negative, infinite); the numpy path agrees;
+    an index out of range is an IndexError."""
+    rows, cols = 37, 96
+    raw = random_gguf("Q8_0", rows, cols, seed=9)
+    blocks = raw.reshape(-1, GGUF_BLOCK["Q8_0"][0])
+    special = np.array([6e-8, 3e-5, 0.0, -0.0, -0.013, 65504.0, np.inf, -np.inf], dtype=np.float16)
+    blocks[: len(special), 0:2] = special.view(np.uint8).reshape(-1, 2)
+    q8 = QuantizedWeight.from_parts([decode_gguf("Q8_0", raw, rows=rows, cols=cols)])
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = torch.from_numpy(gguf.quants.dequantize(raw, QType["Q8_0"]).reshape(rows, cols).copy())
+    index = torch.tensor([[36, 0, 5], [16, 15, 0]])
+    if q8_0_rows_kernel() is not None:
+        got = q8_0_rows_kernel().dequantize_rows_q8_0(q8.parts[0].packed, rows, cols, index.reshape(-1))
+        assert torch.equal(got.view(2, 3, cols).nan_to_num(), expected[index].nan_to_num())
+    assert torch.equal(q8.rows(index).nan_to_num(), expected[index].nan_to_num())
+    assert torch.equal(q8.dequantize().nan_to_num(), expected.nan_to_num())
+    with pytest.raises(IndexError):
+        q8.rows(torch.tensor([rows]))
+    monkeypatch.setenv(ISA_ENV, "reference")  # the numpy path
+    assert q8_0_rows_kernel() is None
+    assert torch.equal(q8.rows(index).nan_to_num(), expected[index].nan_to_num())
 
 
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)

@@ -996,6 +996,58 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
   run_format(format, w, N, K, x, M, o, ldo, col0, amx_min_rows);
 }
 
+// IEEE half -> float, exact for every value (subnormals, infinities and NaNs included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: shift the mantissa up to its leading one
+    uint32_t m = mantissa, shift = 0;
+    while ((m & 0x400u) == 0) m <<= 1, ++shift;
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Rows `index` [n] of a Q8_0 weight [N, K] packed for the kernels (per group of 16 rows, per 32
+// values a 544-byte tile: 8 steps x 16 rows x 4 quants stored + 128, then the 16 rows' fp16
+// scales) -> [n, K] float32, each value float(d) * (q - 128): the GGUF file's float32 values.
+// An embedding lookup or a draft head's input: one row costs ~1 us here, ~30 us through numpy.
+at::Tensor dequantize_rows_q8_0(const at::Tensor& packed, int64_t N, int64_t K, const at::Tensor& index_in) {
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "dequantize_rows_q8_0: bad packed bytes");
+  TORCH_CHECK(K % 32 == 0 && packed.numel() == (N + 15) / 16 * (K / 32) * kTileBytes[Q8_0],
+              "dequantize_rows_q8_0: packed weight does not match [", N, ", ", K, "]");
+  const at::Tensor index = index_in.to(at::kLong).contiguous();
+  const int64_t n = index.numel(), ntiles = K / 32;
+  at::Tensor out = at::empty({n, K}, at::kFloat);
+  const auto* w = packed.const_data_ptr<uint8_t>();
+  const int64_t* rows = index.const_data_ptr<int64_t>();
+  float* o = out.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = rows[i];
+    TORCH_CHECK_INDEX(r >= 0 && r < N, "row index ", r, " out of range for a weight of ", N, " rows");
+    const int64_t lane = r % 16;
+    const uint8_t* group = w + (r / 16) * ntiles * kTileBytes[Q8_0];
+    for (int64_t t = 0; t < ntiles; ++t) {
+      const uint8_t* tile = group + t * kTileBytes[Q8_0];
+      uint16_t d_bits;
+      std::memcpy(&d_bits, tile + 512 + 2 * lane, sizeof d_bits);
+      const float d = half_to_float(d_bits);
+      float* dst = o + i * K + 32 * t;
+      for (int s = 0; s < 8; ++s)
+        for (int j = 0; j < 4; ++j) dst[4 * s + j] = d * (static_cast<float>(tile[64 * s + 4 * lane + j]) - 128.0f);
+    }
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------
 // One decoder layer in one call (decoding and verification on quantized weights)
 // ------------------------------------------------------------------------------------------
@@ -1333,6 +1385,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("norm_matmul", &qd_quant::norm_matmul, "rms_norm(x) per segment, then x @ W^T on quantized weights",
         py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows_q8_0", &qd_quant::dequantize_rows_q8_0, "rows of a packed Q8_0 weight as float32",
+        py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("index"));
   m.attr("isa") = qd_quant::kIsa;
   m.def("cpu_supported", &qd_quant::cpu_supported);
 #if defined(QD_ISA_AVX2)
