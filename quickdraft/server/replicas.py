@@ -36,7 +36,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,7 @@ PARSE_OFF_LOOP_BYTES = 64 * 1024
 ROUTE_TIMEOUT_SECONDS = 60.0  # a request no replica takes within this gets a 503 (no_replica)
 REPLICA_QUERY_TIMEOUT_SECONDS = 10.0  # a replica that does not answer /health or /metrics in time is left out
 START_TIMEOUT_SECONDS = 600.0
+PROXY_PORT_ATTEMPTS = 5  # free ports tried for Serve's proxy (one of Ray's processes may take a probed one)
 
 
 @dataclass(kw_only=True)
@@ -638,16 +639,19 @@ class ReplicatedServer:
     def __init__(
         self, config: ServerConfig, options: ReplicaOptions, *, ray_address: str | None = None, quiet: bool = False
     ):
-        port = config.port or _free_port(config.host)
         self.config = config
         self.options = options
-        self.base_url = f"http://{config.host}:{port}"
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(
                 address=ray_address, include_dashboard=False, log_to_driver=not quiet, logging_level=logging.WARNING
             )
-        serve.start(http_options={"host": config.host, "port": port})
+        try:
+            port = start_proxy(config.host, config.port, start=serve.start, stop=serve.shutdown)
+        except Exception:
+            self.stop()
+            raise
+        self.base_url = f"http://{config.host}:{port}"
         try:
             serve.run(build_app(config, options), name=APP_NAME, route_prefix="/", blocking=False)
             self._wait_until_ready()
@@ -675,6 +679,26 @@ class ReplicatedServer:
             serve.shutdown()
         if self._owns_ray:
             ray.shutdown()
+
+
+def start_proxy(host: str, port: int, *, start: Callable[..., object], stop: Callable[[], object]) -> int:
+    """Serve's HTTP proxy (`start`: serve.start) on `port`, or for port 0 on a free one; returns
+    the port.  A port probed free can be taken by one of Ray's own processes before the proxy
+    binds it ("Failed to bind to address"): then Serve is stopped (`stop`) and a fresh port
+    tried, up to PROXY_PORT_ATTEMPTS times.  A port the user chose is tried once."""
+    attempts = 1 if port else PROXY_PORT_ATTEMPTS
+    for attempt in range(attempts):
+        chosen = port or _free_port(host)
+        try:
+            start(http_options={"host": host, "port": chosen})
+            return chosen
+        except Exception as err:
+            if attempt + 1 == attempts or "Failed to bind" not in str(err):
+                raise
+            logger.warning("port %d was taken before Serve's proxy bound it; trying another", chosen)
+            with contextlib.suppress(Exception):
+                stop()
+    raise AssertionError("unreachable")
 
 
 def _free_port(host: str) -> int:

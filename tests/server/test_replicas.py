@@ -21,11 +21,13 @@ from quickdraft.llm import LLM
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.server import ServerConfig
 from quickdraft.server.replicas import (
+    PROXY_PORT_ATTEMPTS,
     REPLICA_HEADER,
     ReplicaOptions,
     ReplicatedServer,
     RouterDecisions,
     merge_expositions,
+    start_proxy,
 )
 from quickdraft.server.routing import CacheAwarePolicy, PolicyRegistry, RoundRobinPolicy, RouteHint
 
@@ -310,3 +312,40 @@ def test_app_builder_for_serve_run_parses_its_arguments():
 def test_replica_options_validate(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReplicaOptions(**kwargs)
+
+
+def test_a_proxy_port_taken_before_serve_binds_it_is_retried_on_another():
+    """Port 0: a probed free port that one of Ray's processes takes first ("Failed to bind") is
+    given up and another tried (Serve stopped in between); a user's port and other errors are
+    not retried."""
+    calls, stops = [], []
+
+    def start(*, http_options):
+        calls.append(http_options["port"])
+        if len(calls) < 3:
+            raise RuntimeError(f"Failed to bind to address '127.0.0.1:{http_options['port']}'.")
+
+    port = start_proxy("127.0.0.1", 0, start=start, stop=lambda: stops.append(True))
+    assert len(calls) == 3 and port == calls[-1] and all(0 < p < 65536 for p in calls) and len(stops) == 2
+    calls.clear()
+    with pytest.raises(RuntimeError, match="Failed to bind"):
+        start_proxy("127.0.0.1", 8123, start=start, stop=lambda: None)
+    assert calls == [8123]
+
+    def always_taken(*, http_options):
+        calls.append(http_options["port"])
+        raise RuntimeError("Failed to bind to address")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="Failed to bind"):
+        start_proxy("127.0.0.1", 0, start=always_taken, stop=lambda: None)
+    assert len(calls) == PROXY_PORT_ATTEMPTS
+
+    def broken(*, http_options):
+        calls.append(http_options["port"])
+        raise ValueError("something else")
+
+    calls.clear()
+    with pytest.raises(ValueError, match="something else"):
+        start_proxy("127.0.0.1", 0, start=broken, stop=lambda: None)
+    assert len(calls) == 1
