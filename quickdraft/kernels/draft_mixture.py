@@ -8,7 +8,7 @@ import torch
 
 from quickdraft.kernels.build import LazyKernel
 
-__all__ = ["draft_top_k"]
+__all__ = ["available", "draft_top_k"]
 
 # Drafting precision never changes the output: the compiler may reorder the float sums.
 _KERNEL = LazyKernel(
@@ -17,6 +17,11 @@ _KERNEL = LazyKernel(
     extra_cflags=("-ffast-math", "-mavx2", "-mfma"),
     what="the torch mixture",
 )
+
+
+def available() -> bool:
+    """Whether the kernel is built and runs on this CPU (builds it on first call)."""
+    return _KERNEL.get() is not None
 
 
 def draft_top_k(

@@ -195,9 +195,19 @@ class CopyPath:
         copies from the same sources: a third of its torch ops, or one C++ call on CPU float32
         (kernels/draft_mixture.py).  feature [m, D] -> target ids [m, k] and log-probabilities
         [m, k], best first."""
+        fast = self.draft_top_k_kernel(feature, sources, k)
+        return fast if fast is not None else self.draft_top_k_reference(feature, sources, k)
+
+    def draft_top_k_kernel(
+        self, feature: torch.Tensor, sources: CopySources, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """draft_top_k in one C++ call, or None where it cannot run (not CPU float32, no kernel):
+        the draft logits are computed only when it can."""
         if not (feature.is_cpu and feature.dtype == self.copy_query.weight.dtype == torch.float32):
-            return self.draft_top_k_reference(feature, sources, k)
-        fast = draft_mixture.draft_top_k(
+            return None
+        if not draft_mixture.available():
+            return None
+        return draft_mixture.draft_top_k(
             feature,
             self.draft_logits(feature).float(),
             query_weight=self.copy_query.weight,
@@ -213,9 +223,6 @@ class CopyPath:
             k=k,
             eps=self.copy_norm_eps,
         )
-        if fast is not None:
-            return fast
-        return self.draft_top_k_reference(feature, sources, k)
 
     def draft_top_k_reference(
         self, feature: torch.Tensor, sources: CopySources, k: int

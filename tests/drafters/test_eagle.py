@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafters.eagle import _Draft
-from quickdraft.kernels import draft_mixture
 from quickdraft.kernels.quant_linear import kernel_available
 from quickdraft.models.heads import EagleHead, HeadConfig, _unrolled_attention
 from tests.engine.test_speculative import repetitive_prompts
@@ -607,23 +606,7 @@ def test_draft_top_k_is_the_mixture_top_k(copy_head_dir, k):
             "torch": head.draft_top_k_reference(feature, sources, k),
             "used": head.draft_top_k(feature, sources, k),
         }
-        logits = head.draft_logits(feature)
-        kernel = draft_mixture.draft_top_k(
-            feature,
-            logits,
-            query_weight=head.copy_query.weight,
-            gate_weight=head.copy_gate.weight,
-            gate_bias=head.copy_gate.bias,
-            keys=sources.keys,
-            inverse=sources.inverse,
-            distinct=sources.distinct,
-            distinct_draft_ids=sources.distinct_draft_ids,
-            distinct_in_vocab=sources.distinct_in_vocab,
-            copied_draft_id=sources.copied_draft_id,
-            d2t=head.d2t,
-            k=k,
-            eps=head.copy_norm_eps,
-        )
+        kernel = head.draft_top_k_kernel(feature, sources, k)
         if kernel is not None:
             picks["kernel"] = kernel
         else:

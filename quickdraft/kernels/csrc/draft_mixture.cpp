@@ -70,7 +70,8 @@ std::vector<at::Tensor> draft_top_k(const at::Tensor& features, const at::Tensor
                                     const at::Tensor& query_weight, const at::Tensor& gate_weight,
                                     const at::Tensor& gate_bias, const at::Tensor& keys, const at::Tensor& inverse,
                                     const at::Tensor& distinct, const at::Tensor& distinct_draft_ids,
-                                    const at::Tensor& distinct_in_vocab, const at::Tensor& copied_draft_id, const at::Tensor& d2t, int64_t k, double eps) {
+                                    const at::Tensor& distinct_in_vocab, const at::Tensor& copied_draft_id,
+                                    const at::Tensor& d2t, int64_t k, double eps) {
   for (const at::Tensor* t : {&features, &logits, &query_weight, &gate_weight, &gate_bias, &keys, &distinct_in_vocab})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->is_cpu(),
                 "draft_top_k: float tensors must be contiguous float32 on the CPU");
@@ -81,8 +82,8 @@ std::vector<at::Tensor> draft_top_k(const at::Tensor& features, const at::Tensor
   const int64_t m = features.size(0), D = features.size(1), Vd = logits.size(1), C = query_weight.size(0);
   const int64_t n = keys.size(0), U = distinct.size(0);
   TORCH_CHECK(logits.size(0) == m && query_weight.size(1) == D && gate_weight.numel() == D && keys.size(1) == C &&
-                  inverse.numel() == n && distinct_draft_ids.numel() == U && distinct_in_vocab.numel() == U && copied_draft_id.numel() == Vd &&
-                  d2t.numel() == Vd && k >= 1 && n >= 1,
+                  inverse.numel() == n && distinct_draft_ids.numel() == U && distinct_in_vocab.numel() == U &&
+                  copied_draft_id.numel() == Vd && d2t.numel() == Vd && k >= 1 && n >= 1,
               "draft_top_k: inconsistent shapes");
   const float* x_all = features.const_data_ptr<float>();
   const float* logits_all = logits.const_data_ptr<float>();

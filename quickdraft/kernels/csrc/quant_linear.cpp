@@ -623,10 +623,10 @@ void run_all(const uint8_t* packed, int64_t N, int64_t K, const QRows& x, int64_
 // dots themselves (sum x (w - offset) = sum x w - offset sum x, exactly), and their per-block
 // epilogue vectors; Q8_0's packed quants are B tiles as stored (unsigned, TDPBSUD, the offset
 // added in the epilogue as in tile<>), read in place.  Every block of 16 activation rows then
-// runs against them (the VNNI kernel decodes the weights again for every 4-8 rows).  The tiles compute the next block
-// pair while the vector units run the epilogue of this one; the epilogue (four to seven vector
-// operations per row, block and 16 outputs, against the eight vpdpbusd it replaces) is what
-// remains of the work.
+// runs against them (the VNNI kernel decodes the weights again for every 4-8 rows).  The tiles
+// compute the next block pair while the vector units run the epilogue of this one; the epilogue
+// (four to seven vector operations per row, block and 16 outputs, against the eight vpdpbusd it
+// replaces) is what remains of the work.
 #if !defined(QD_ISA_AVX2)
 
 // Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
