@@ -154,11 +154,25 @@ class LayerSkipDrafter(Drafter):
             if not growing:
                 break
             hidden = self._early_layers([requests[i] for i in growing], [trees[i] for i in growing])
-            for i, rows in zip(growing, hidden):
+            expands = [trees[i].best_frontier(frontiers[i], 1 if depth == 1 else self.top_k) for i in growing]
+            features = [rows[expand] for rows, expand in zip(hidden, expands)]  # [m_i, D] each
+            # One pass over the draft LM head (megabytes) for every request's rows, not one each.
+            logits = (
+                self.head.draft_logits(torch.cat(features)).split([len(e) for e in expands])
+                if len(growing) > 1
+                else None
+            )
+            for j, (i, expand) in enumerate(zip(growing, expands)):
                 keyed = KeyedDraw.of(requests[i]) if self.coupling == "keyed" else None
                 draw = None if keyed is None else (keyed.key(depth), keyed.temperature)
                 frontiers[i] = self._grow(
-                    trees[i], frontiers[i], rows, depth=depth, budget=budgets[i], draw=draw, sources=sources[i]
+                    trees[i],
+                    expand,
+                    features[j],
+                    logits=None if logits is None else logits[j],
+                    budget=budgets[i],
+                    draw=draw,
+                    sources=sources[i],
                 )
         proposals: list[Proposal | None] = []
         for tree, budget in zip(trees, budgets):
@@ -201,28 +215,28 @@ class LayerSkipDrafter(Drafter):
     def _grow(
         self,
         tree: DynamicTree,
-        frontier: list[int],
-        hidden: torch.Tensor,
+        expand: list[int],
+        features: torch.Tensor,  # [m, D] the head's layer output at the nodes of `expand`
         *,
-        depth: int,
+        logits: torch.Tensor | None,  # [m, Vd] their draft logits, where computed with other requests'
         budget: int,
         draw: tuple[int, float] | None = None,
         sources: CopySources | None = None,
     ) -> list[int]:
-        """Children for the best frontier nodes (within the budget); returns the new frontier.
+        """Children for the frontier nodes to expand (within the budget); returns the new frontier.
         draw: a sampled request's (noise key of this depth's position, temperature): each
         node's first child is the head's keyed draw.  sources: what a copy path copies from."""
-        expand = tree.best_frontier(frontier, 1 if depth == 1 else self.top_k)
-        features = hidden[expand]  # [m, D]
         if sources is not None and draw is None:  # the mixture's own top-k (cheaper than all of it)
-            top_ids, top_log_probs = self.head.draft_top_k(features, sources, self.top_k)
+            top_ids, top_log_probs = self.head.draft_top_k(features, sources, self.top_k, logits=logits)
             picks = list(zip(top_ids.tolist(), top_log_probs.tolist()))
             return self._add_picks(tree, expand, picks, budget=budget)
         if sources is None:
             candidates = self.head.d2t  # [Vd] target ids
-            log_probs = torch.log_softmax(self.head.draft_logits(features).float(), dim=-1)  # [m, Vd]
+            logits = self.head.draft_logits(features) if logits is None else logits
+            log_probs = torch.log_softmax(logits.float(), dim=-1)  # [m, Vd]
         else:
-            candidates, log_probs = self.head.draft_log_probs(features, sources)  # [Vd + U], [m, Vd + U]
+            # [Vd + U], [m, Vd + U]
+            candidates, log_probs = self.head.draft_log_probs(features, sources, logits=logits)
         width = min(self.top_k + (draw is not None), log_probs.shape[-1])
         best = torch.topk(log_probs, width, dim=-1).indices.tolist()
         picks = []

@@ -176,7 +176,10 @@ class CopyPath:
         )
 
     def _draft_mixture(
-        self, feature: torch.Tensor, sources: CopySources
+        self,
+        feature: torch.Tensor,
+        sources: CopySources,
+        logits: torch.Tensor | None = None,  # [m, Vd] draft_logits(feature), where the caller has them
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The drafting mixture's pieces, every row copying from `sources`: the gate [m, 1], the
         vocabulary log-probabilities [m, Vd] and the copied ids' mixture log-probabilities [m, U]."""
@@ -185,31 +188,37 @@ class CopyPath:
         gate = torch.sigmoid(self.linear(normed, self.copy_gate.weight, self.copy_gate.bias).float())  # [m, 1]
         weights = torch.softmax(query @ sources.keys.float().T * self.copy_dim**-0.5, dim=-1)  # [m, n]
         copied = weights.new_zeros(feature.shape[0], sources.distinct.shape[0]).index_add_(1, sources.inverse, weights)
-        vocab_log_probs = torch.log_softmax(self.draft_logits(feature).float(), dim=-1)  # [m, Vd]
+        if logits is None:
+            logits = self.draft_logits(feature)
+        vocab_log_probs = torch.log_softmax(logits.float(), dim=-1)  # [m, Vd]
         vocab_of_copied = vocab_log_probs[:, sources.distinct_draft_ids].exp() * sources.distinct_in_vocab  # [m, U]
         copy_scores = torch.log((1 - gate) * vocab_of_copied + gate * copied)  # [m, U]
         return gate, vocab_log_probs, copy_scores
 
-    def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_top_k(
+        self, feature: torch.Tensor, sources: CopySources, k: int, *, logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`mixture(feature, eligible=all sources, ...).top_k(k)` for drafting, where every row
         copies from the same sources: a third of its torch ops, or one C++ call on CPU float32
         (kernels/draft_mixture.py).  feature [m, D] -> target ids [m, k] and log-probabilities
-        [m, k], best first."""
-        fast = self.draft_top_k_kernel(feature, sources, k)
-        return fast if fast is not None else self.draft_top_k_reference(feature, sources, k)
+        [m, k], best first.  logits [m, Vd]: the rows' draft_logits where the caller computed
+        them with other requests' rows (one pass over the draft LM head for all of a step's
+        requests, which each copy from their own sources)."""
+        fast = self.draft_top_k_kernel(feature, sources, k, logits=logits)
+        return fast if fast is not None else self.draft_top_k_reference(feature, sources, k, logits=logits)
 
     def draft_top_k_kernel(
-        self, feature: torch.Tensor, sources: CopySources, k: int
+        self, feature: torch.Tensor, sources: CopySources, k: int, *, logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """draft_top_k in one C++ call, or None where it cannot run (not CPU float32, no kernel):
-        the draft logits are computed only when it can."""
+        the draft logits are computed (when not given) only when it can."""
         if not (feature.is_cpu and feature.dtype == self.copy_query.weight.dtype == torch.float32):
             return None
         if not draft_mixture.available():
             return None
         return draft_mixture.draft_top_k(
             feature,
-            self.draft_logits(feature).float(),
+            (self.draft_logits(feature) if logits is None else logits).float(),
             query_weight=self.copy_query.weight,
             gate_weight=self.copy_gate.weight,
             gate_bias=self.copy_gate.bias,
@@ -225,10 +234,10 @@ class CopyPath:
         )
 
     def draft_top_k_reference(
-        self, feature: torch.Tensor, sources: CopySources, k: int
+        self, feature: torch.Tensor, sources: CopySources, k: int, *, logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """draft_top_k in torch ops (any device and dtype)."""
-        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
+        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources, logits)
         # tokens also copied are scored among copy_scores; max is several times faster than topk
         vocab_top = vocab_log_probs.max(dim=-1, keepdim=True) if k == 1 else vocab_log_probs.topk(k, dim=-1)
         vocab_scores = (torch.log1p(-gate) + vocab_top.values).masked_fill(
@@ -239,11 +248,13 @@ class CopyPath:
         ids = torch.cat([self.d2t[vocab_top.indices], sources.distinct.expand(m, -1)], dim=1).gather(1, top.indices)
         return ids, top.values
 
-    def draft_log_probs(self, feature: torch.Tensor, sources: CopySources) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_log_probs(
+        self, feature: torch.Tensor, sources: CopySources, *, logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole drafting mixture (every row copying from `sources`): target ids [Vd + U] and
         log-probabilities [m, Vd + U] (draft-vocabulary ids that are also copied are -inf in the
-        first part: their probability is in the copy part)."""
-        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources)
+        first part: their probability is in the copy part).  logits: as in draft_top_k."""
+        gate, vocab_log_probs, copy_scores = self._draft_mixture(feature, sources, logits)
         vocab_scores = (torch.log1p(-gate) + vocab_log_probs).masked_fill(sources.copied_draft_id, -math.inf)
         return torch.cat([self.d2t, sources.distinct]), torch.cat([vocab_scores, copy_scores], dim=1)
 
@@ -294,10 +305,14 @@ class FeatureHead(torch.nn.Module):
     def copy_sources(self, keys: torch.Tensor, values: torch.Tensor) -> CopySources:
         raise NotImplementedError
 
-    def draft_top_k(self, feature: torch.Tensor, sources: CopySources, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_top_k(
+        self, feature: torch.Tensor, sources: CopySources, k: int, *, logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def draft_log_probs(self, feature: torch.Tensor, sources: CopySources) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_log_probs(
+        self, feature: torch.Tensor, sources: CopySources, *, logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     @property

@@ -605,6 +605,9 @@ def test_draft_top_k_is_the_mixture_top_k(copy_head_dir, k):
         picks = {
             "torch": head.draft_top_k_reference(feature, sources, k),
             "used": head.draft_top_k(feature, sources, k),
+            # the logits computed by the caller (eagle: one pass for every request of a step)
+            "given logits": head.draft_top_k(feature, sources, k, logits=head.draft_logits(feature)),
+            "torch, given logits": head.draft_top_k_reference(feature, sources, k, logits=head.draft_logits(feature)),
         }
         kernel = head.draft_top_k_kernel(feature, sources, k)
         if kernel is not None:

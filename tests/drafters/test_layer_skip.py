@@ -216,6 +216,46 @@ def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, 
     assert llm.get_metrics().num_draft_tokens > 20
 
 
+@pytest.mark.parametrize("copy_dim", [0, 8])
+def test_drafting_requests_together_proposes_what_each_alone_would(tiny_checkpoints, tmp_path, copy_dim):
+    """Every request's rows go through the early layers and the draft LM head together (one pass
+    over its rows for all requests): each request's tree is the one it gets alone (a quantized
+    target and a Q8_0 head: batch-invariant kernels, the same bits, so the same picks)."""
+    from quickdraft.drafters.base import DraftRequest
+    from quickdraft.engine.runner import SequenceWork
+    from quickdraft.kernels.quant_linear import kernel_available
+
+    if not kernel_available():
+        pytest.skip("no quantized CPU kernel: the head's matmuls are not batch-invariant")
+    head = random_self_head(tmp_path / "head", copy_dim=copy_dim)
+    llm = LLM(
+        str(tiny_checkpoints["llama"]),
+        max_model_len=128,
+        max_num_seqs=4,
+        quantization="q8_0",
+        speculative_config={"method": "self", "head": str(head), "top_k": 2, "num_speculative_tokens": 3},
+    )
+    engine, drafter = llm.engine, llm.engine.speculator.drafter
+    requests = []
+    for i, prompt in enumerate(repetitive_prompts()[1:4]):
+        slot = engine.cache.allocate()
+        prefill = engine.runner.forward(
+            [SequenceWork(slot=slot, cache_len=0, token_ids=prompt[:-1])], capture_layers=drafter.feature_layers
+        )
+        engine.cache.commit(slot, len(prompt) - 1)
+        request = DraftRequest(
+            request_id=f"r{i}", prompt_token_ids=prompt, output_token_ids=[], budget=8, max_depth=3, slot=slot
+        )
+        drafter.begin(request)
+        for layer in drafter.feature_layers:
+            drafter.observe(request, prefill.forward.captured[layer])
+        requests.append(request)
+    together = [(p.token_ids, p.parents) for p in drafter.propose(requests)]
+    alone = [(p.token_ids, p.parents) for r in requests for p in drafter.propose([r])]
+    assert together == alone
+    assert all(len(token_ids) > 3 for token_ids, _ in together)  # real trees, not single guesses
+
+
 def test_a_heads_manifest_recommends_its_drafting_options(tiny_checkpoints, tmp_path):
     """Options left unset take the head's recommended values (what a shipped head's manifest
     says was measured best for it); options given win; without a recommendation, the defaults."""
