@@ -174,12 +174,12 @@ class EagleDrafter(Drafter):
         cls, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None, **options
     ) -> EagleDrafter:
         """`head`: a directory written by `quickdraft train-head`, or a shipped head's name;
-        `head_dtype`: how the head computes: "float32", "bfloat16", "float16", or "q8_0" (its
-        matrices quantized, float32 elsewhere, on the quantized CPU kernels).  Default: q8_0 when
-        the target runs quantized weights, else the target's dtype.  Drafting precision never
-        affects the output, only how well and how fast the head guesses."""
+        `head_dtype`: how the head computes: "float32", "bfloat16", "float16", or "q8_0", "q5_0",
+        "q4_0" (its matrices quantized, float32 elsewhere, on the quantized CPU kernels).
+        Default: q4_0 when the target runs quantized weights, else the target's dtype.  Drafting
+        precision never affects the output, only how well and how fast the head guesses."""
         directory = resolve_head_dir(head, method="eagle3", model=target.model)
-        dtype, quantize = head_precision(head_dtype, target=target)
+        dtype, quantization = head_precision(head_dtype, target=target)
         module: FeatureHead
         if detect_eagle3_format(directory) is not None:  # a head trained elsewhere (speculators, SpecForge)
             if target.model is None:
@@ -194,8 +194,8 @@ class EagleDrafter(Drafter):
         else:
             module = EagleHead.load(directory, dtype=dtype, device=target.device, max_len=head_max_len(target))
         drafter = cls(target=target, head=module, **options)  # attaches the target's LM rows
-        if quantize:
-            module.quantize_for_drafting()
+        if quantization:
+            module.quantize_for_drafting(quantization)
         return drafter
 
     @classmethod

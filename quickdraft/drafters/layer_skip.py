@@ -80,7 +80,7 @@ class LayerSkipDrafter(Drafter):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(min_draft_prob, (int, float)) or not 0.0 <= min_draft_prob < 1.0:
             raise ValueError(f"min_draft_prob must be in [0, 1), got {min_draft_prob!r}")
-        dtype, quantize = head_precision(head_dtype, target=target)
+        dtype, quantization = head_precision(head_dtype, target=target)
         loaded = LayerSkipHead.load(directory, dtype=dtype, device=target.device)
         assert isinstance(loaded, LayerSkipHead)  # load builds an instance of the class it is called on
         self.head = loaded
@@ -98,8 +98,8 @@ class LayerSkipDrafter(Drafter):
             raise ValueError("the [self] head's draft vocabulary maps to ids outside the target's vocabulary")
         self.head.attach_target(target.model)
         self.head.linear = default_linear_fn(target.device)
-        if quantize:
-            self.head.quantize_for_drafting()
+        if quantization:
+            self.head.quantize_for_drafting(quantization)
         # A copy path reads the early-layer output of every committed token (its copy key).
         self.feature_layers: tuple[int, ...] = (c.feature_layer,) if self.head.copy_dim else ()
         self.max_len = head_max_len(target)

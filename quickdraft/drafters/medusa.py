@@ -49,7 +49,7 @@ class MedusaDrafter(Drafter):
         directory = resolve_head_dir(head, method="medusa", model=target.model)
         options = drafting_options(directory, tree=(tree, "default"), top_k=(top_k, 3))
         tree, top_k = options["tree"], options["top_k"]
-        dtype, quantize = head_precision(head_dtype, target=target)
+        dtype, quantization = head_precision(head_dtype, target=target)
         self.heads = MedusaHeads.load(directory, dtype=dtype, device=target.device)
         c = self.heads.config
         if c.hidden_size != target.model.config.hidden_size:
@@ -79,8 +79,8 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"tree is {self.tree.max_depth} deep; the heads draft {c.num_heads} depths")
         self.heads.attach_target(target.model)
         self.heads.linear = default_linear_fn(target.device)
-        if quantize:
-            self.heads.quantize_for_drafting()
+        if quantization:
+            self.heads.quantize_for_drafting(quantization)
         self.feature_layers = self.heads.feature_layers
         self._states: dict[str, _MedusaState] = {}
 

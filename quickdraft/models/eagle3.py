@@ -37,7 +37,7 @@ from quickdraft.models.config import RopeConfig, _rope_from_params
 from quickdraft.models.heads import FeatureHead, HeadConfig
 from quickdraft.models.layers import RMSNorm, RotaryTable, apply_rotary
 from quickdraft.models.loader import read_hf_config, read_hf_tensors
-from quickdraft.models.quantized import QuantizedWeight, embedding_rows, quantize_q8_0
+from quickdraft.models.quantized import QuantizedWeight, embedding_rows, quantize_legacy
 
 SPECFORGE_ARCHITECTURE = "LlamaForCausalLMEagle3"
 LAYER_TYPES = ("llama", "qwen3")
@@ -205,10 +205,10 @@ class Eagle3Head(FeatureHead):
                 )
             self.embed_tokens = target.embed_tokens.detach()
 
-    def quantize_for_drafting(self) -> None:
-        """Draft with Q8_0 copies of the head's matrices (float32 elsewhere)."""
+    def quantize_for_drafting(self, format: str = "Q8_0") -> None:
+        """Draft with `format` (Q8_0, Q5_0, Q4_0) copies of the head's matrices (float32 elsewhere)."""
         self.draft_weights = {
-            name: QuantizedWeight.from_parts([quantize_q8_0(getattr(self, name))]) for name in DRAFT_MATRICES
+            name: QuantizedWeight.from_parts([quantize_legacy(getattr(self, name), format)]) for name in DRAFT_MATRICES
         }
 
     def _matrix(self, name: str):

@@ -33,12 +33,12 @@ from quickdraft.kernels import draft_mixture
 from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available, norm_matmul
 from quickdraft.models.config import RopeConfig
 from quickdraft.models.layers import LinearFn, RotaryTable, apply_rotary
-from quickdraft.models.quantized import QuantizedWeight, embedding_rows, quantize_q8_0
+from quickdraft.models.quantized import QuantizedWeight, embedding_rows, quantize_legacy
 
 HEAD_CONFIG_FILE = "head_config.json"
 HEAD_WEIGHTS_FILE = "head.safetensors"
 COPY_PARAMETERS = ("copy_query", "copy_key", "copy_gate")
-# The matrices a draft step reads, which `quantize_for_drafting` keeps in Q8_0 (the copy path's
+# The matrices a draft step reads, which `quantize_for_drafting` keeps quantized (the copy path's
 # are a few dozen rows: not worth it).
 DRAFT_MATRICES = ("fuse", "in_proj", "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Stands in for log(0) where gradients flow: exp() of it is exactly 0 in float32, and unlike -inf
@@ -299,8 +299,8 @@ class FeatureHead(torch.nn.Module):
     def copy_keys(self, entry_hidden: torch.Tensor) -> torch.Tensor:  # heads with a copy path
         raise NotImplementedError
 
-    def quantize_for_drafting(self) -> None:  # heads that can draft on Q8_0 copies of their matrices
-        raise NotImplementedError(f"{type(self).__name__} has no Q8_0 drafting copies")
+    def quantize_for_drafting(self, format: str = "Q8_0") -> None:  # heads that draft on quantized copies
+        raise NotImplementedError(f"{type(self).__name__} has no quantized drafting copies")
 
     def copy_sources(self, keys: torch.Tensor, values: torch.Tensor) -> CopySources:
         raise NotImplementedError
@@ -426,10 +426,10 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         self.lm_rows: torch.Tensor | None = None  # [Vd, D] target LM-head rows of the draft vocabulary
         self.logit_softcap: float | None = None
         self.t2d: torch.Tensor | None = None  # [V] draft id of each target id, -1 outside (copy path only)
-        # Q8_0 copies of DRAFT_MATRICES and of lm_rows, read instead of them when drafting on the
-        # quantized kernels (quantize_for_drafting); training never sets them.
+        # Quantized (Q4_0 by default) copies of DRAFT_MATRICES and of lm_rows, read instead of
+        # them when drafting on the quantized kernels (quantize_for_drafting); training never sets them.
         self.draft_weights: dict[str, QuantizedWeight] = {}
-        # Whether drafting runs whole pieces of the head in single C++ calls (set with the Q8_0
+        # Whether drafting runs whole pieces of the head in single C++ calls (set with the quantized
         # copies where the CPU and the head's sizes allow; see runs_fused_block).
         self.fused_drafting = False
         self.draft_input_norm: torch.Tensor | None = None  # [2D] token then feature norm weights
@@ -449,17 +449,17 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         if self.config.copy_dim:
             self.attach_copy_vocabulary(self.embed_tokens.shape[0])
 
-    def quantize_for_drafting(self) -> None:
-        """Draft with Q8_0 copies of the block's matrices and the draft LM rows (a quarter of the
-        float32 bytes per draft depth, on the quantized CPU kernels).  Drafting precision never
-        changes the output, only how well the head guesses: measured in the README.  Call after
-        attach_target; the float weights stay for training and saving."""
+    def quantize_for_drafting(self, format: str = "Q8_0") -> None:
+        """Draft with `format` (Q8_0, Q5_0, Q4_0) copies of the block's matrices and the draft LM
+        rows (Q8_0: a quarter of the float32 bytes per draft depth, on the quantized CPU kernels).
+        Drafting precision never changes the output, only how well the head guesses: measured in
+        the README.  Call after attach_target; the float weights stay for training and saving."""
         if self.lm_rows is None:
             raise RuntimeError("quantize_for_drafting needs the target's LM rows: call attach_target first")
         matrices = {name: getattr(self, name).weight for name in DRAFT_MATRICES if getattr(self, name) is not None}
         matrices["lm_rows"] = self.lm_rows
         self.draft_weights = {
-            name: QuantizedWeight.from_parts([quantize_q8_0(weight)]) for name, weight in matrices.items()
+            name: QuantizedWeight.from_parts([quantize_legacy(weight, format)]) for name, weight in matrices.items()
         }
         # The input's two norms side by side, as norm_matmul reads them: built once, not per depth.
         self.draft_input_norm = torch.cat([self.token_norm.weight, self.feature_norm.weight]).detach()
@@ -523,7 +523,7 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         return hidden + self.linear(act * up, self._matrix("down_proj"), None)
 
     def runs_fused_block(self, hidden: torch.Tensor) -> bool:
-        """Whether `fused_block` (and the one-call input and logits) apply: Q8_0 drafting
+        """Whether `fused_block` (and the one-call input and logits) apply: quantized drafting
         matrices (quantize_for_drafting) on a CPU with the one-call decoder layer, float32 rows.
         Each torch op costs ~10 us here, more than the head's arithmetic at one row."""
         return self.fused_drafting and hidden.is_cpu and hidden.dtype == torch.float32

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from quickdraft.models.heads import CopyMixture, CopyPath
 from quickdraft.models.layers import LinearFn
-from quickdraft.models.quantized import QuantizedWeight, matrix_weights, quantize_q8_0
+from quickdraft.models.quantized import QuantizedWeight, matrix_weights, quantize_legacy
 
 MEDUSA_CONFIG_FILE = "medusa_config.json"
 MEDUSA_WEIGHTS_FILE = "medusa.safetensors"
@@ -67,8 +67,9 @@ class MedusaHeads(torch.nn.Module):
         self.lm_rows: torch.Tensor | None = None  # [Vd, D]
         self.logit_softcap: float | None = None
         self.linear = F.linear  # drafters install their device's inference kernel
-        # Q8_0 copies of the heads' matrices [K] and of lm_rows, read instead of them when drafting
-        # on the quantized kernels (quantize_for_drafting); training never sets them.
+        # Quantized (Q4_0 by default) copies of the heads' matrices [K] and of lm_rows, read
+        # instead of them when drafting on the quantized kernels (quantize_for_drafting); training
+        # never sets them.
         self.draft_weights: list[QuantizedWeight] = []
         self.draft_lm_rows: QuantizedWeight | None = None
         if c.copy_dim and not isinstance(self, CopyPath):
@@ -83,14 +84,15 @@ class MedusaHeads(torch.nn.Module):
         self.lm_rows = target.lm_head_weight.detach()[self.d2t].to(self.weight.dtype)
         self.logit_softcap = target.config.final_logit_softcapping
 
-    def quantize_for_drafting(self) -> None:
-        """Draft with Q8_0 copies of the heads' matrices and the draft LM rows (a quarter of the
-        float32 bytes, on the quantized CPU kernels), as EagleHead does beside a quantized
-        target.  Call after attach_target; the float weights stay for training and saving."""
+    def quantize_for_drafting(self, format: str = "Q8_0") -> None:
+        """Draft with `format` (Q8_0, Q5_0, Q4_0) copies of the heads' matrices and the draft LM
+        rows (Q8_0: a quarter of the float32 bytes, on the quantized CPU kernels), as EagleHead
+        does beside a quantized target.  Call after attach_target; the float weights stay for
+        training and saving."""
         if self.lm_rows is None:
             raise RuntimeError("quantize_for_drafting needs the target's LM rows: call attach_target first")
-        self.draft_weights = [QuantizedWeight.from_parts([quantize_q8_0(w)]) for w in self.weight]
-        self.draft_lm_rows = QuantizedWeight.from_parts([quantize_q8_0(self.lm_rows)])
+        self.draft_weights = [QuantizedWeight.from_parts([quantize_legacy(w, format)]) for w in self.weight]
+        self.draft_lm_rows = QuantizedWeight.from_parts([quantize_legacy(self.lm_rows, format)])
 
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:  # d2t [Vd]
         if d2t.shape != self.d2t.shape:

@@ -460,7 +460,9 @@ def _caught_up_on_six_pairs(drafter, tokens, features):
         return request, state, drafter._catch_up([(state, request.token_ids)])[0]
 
 
-@pytest.mark.parametrize("head_dtype,quantized_head", [(None, True), ("float32", False), ("q8_0", True)])
+@pytest.mark.parametrize(
+    "head_dtype,quantized_head", [(None, True), ("float32", False), ("q8_0", True), ("q5_0", True), ("q4_0", True)]
+)
 def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, head_dir, head_dtype, quantized_head):
     from quickdraft.kernels.quant_linear import kernel_available
 
@@ -478,7 +480,7 @@ def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, 
     llm = LLM(path, max_model_len=256, max_num_seqs=4, quantization="q8_0", speculative_config=spec)
     head = llm.engine.speculator.drafter.head
     # By default the head follows its target onto the kernels (when they run on this CPU).
-    expect_quantized = quantized_head and (head_dtype == "q8_0" or kernel_available())
+    expect_quantized = quantized_head and (head_dtype is not None or kernel_available())
     assert bool(head.draft_weights) == expect_quantized
     if expect_quantized:
         assert set(head.draft_weights) == {
@@ -491,6 +493,8 @@ def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, 
             "lm_rows",
         }
         assert head.draft_weights["lm_rows"].shape == head.lm_rows.shape
+        formats = {part.format for weight in head.draft_weights.values() for part in weight.parts}
+        assert formats == {(head_dtype or "q4_0").upper()}
     assert [o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), params)] == expected
     assert llm.get_metrics().num_draft_tokens > 20
 

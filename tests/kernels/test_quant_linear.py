@@ -32,6 +32,7 @@ from quickdraft.models.quantized import (
     QuantizedWeight,
     decode_gguf,
     pack,
+    quantize_legacy,
     quantize_q8_0,
     unpack_rows,
 )
@@ -321,6 +322,23 @@ def test_quantize_q8_0_matches_gguf_py():
     parts = quantize_q8_0(w)
     ours = decode_gguf("Q8_0", expected, rows=8, cols=64)
     assert np.array_equal(parts.q, ours.q) and np.array_equal(parts.d, ours.d)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q5_0", "Q4_0"])
+def test_quantize_legacy_matches_gguf_py(fmt):
+    """Heads draft on Q5_0 / Q4_0 copies made here: the quants and scales gguf-py's reference
+    quantizers give (a block whose extreme is negative, a zero block, a block of one value)."""
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 4, 16)[:, None]
+    w[3] = 0.0
+    w[5, :32] = -2.5
+    w[6, 32:64] = 0.75
+    w[7, 7] = -9.0
+    expected = decode_gguf(fmt, gguf.quants.quantize(w.numpy(), getattr(QType, fmt)), rows=16, cols=128)
+    parts = quantize_legacy(w, fmt)
+    assert parts.format == fmt
+    assert np.array_equal(parts.q, expected.q) and np.array_equal(parts.d, expected.d)
+    with pytest.raises(ValueError, match="Q4_K"):
+        quantize_legacy(w, "Q4_K")
 
 
 def test_bad_shapes_are_named():
