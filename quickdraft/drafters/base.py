@@ -19,6 +19,7 @@ Two conventions for what a proposal's tokens are, both exact under rejection sam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -79,6 +80,20 @@ class DraftRequest:
     # The request's grammar state (structured outputs) at its committed tokens, or None; drafters
     # read it (forced tokens), only the engine advances it.
     grammar: RequestGrammar | None = None
+    # Adaptive speculation lets a path grow past max_depth, up to extend_depth, where the
+    # probability the drafter itself gives the path stays at least min_path_prob (drafters that
+    # score their paths; others never go past max_depth).
+    extend_depth: int = 0
+    min_path_prob: float = 0.0
+
+    @property
+    def depth_limit(self) -> int:
+        """The deepest a path may grow this step, extensions included."""
+        return max(self.max_depth, self.extend_depth)
+
+    @property
+    def min_log_path_prob(self) -> float:
+        return math.log(self.min_path_prob) if self.min_path_prob > 0 else -math.inf
 
     @property
     def token_ids(self) -> list[int]:
@@ -108,6 +123,10 @@ class Drafter(Protocol):
     """
 
     feature_layers: tuple[int, ...] = ()
+    # True for drafters that grow paths by their own probability (EAGLE-style heads) and grow a
+    # path past a request's ``max_depth`` (up to ``extend_depth``) only while its probability
+    # stays at least the request's ``min_path_prob`` (adaptive speculation's break-even).
+    scores_paths: bool = False
 
     def begin(self, request: DraftRequest) -> None:
         """A request starts (its prompt is known)."""

@@ -78,6 +78,9 @@ class _Draft:
     entry: dict[int, int]  # draft node -> storage index of its draft entry (the root's is a true entry)
     max_depth: int = 1
     budget: int = 1
+    min_log_prob: float = -math.inf  # paths below it stop (min_draft_prob)
+    sure_depth: int = 1  # deeper nodes also need extend_log_prob (adaptive speculation's extension)
+    extend_log_prob: float = -math.inf
     copy_sources: CopySources | None = None
     frontier: list[int] = field(default_factory=lambda: [0])  # the newest depth's nodes
     expand: list[int] = field(default_factory=list)  # the nodes whose children this depth adds
@@ -100,6 +103,8 @@ class _HeadRows:
 
 class EagleDrafter(Drafter):
     """Drives any FeatureHead: a trained EAGLE head, or a checkpoint's own MTP layer."""
+
+    scores_paths = True  # paths grow by the head's probability and stop below min_path_prob
 
     def __init__(
         self,
@@ -260,8 +265,11 @@ class EagleDrafter(Drafter):
                 tree=DynamicTree(root_token=r.token_ids[-1]),
                 hidden={0: root},
                 entry={},
-                max_depth=min(self.depth, r.max_depth),
+                max_depth=min(self.depth, r.depth_limit),
                 budget=min(self.max_draft_tokens, r.budget),
+                min_log_prob=self.min_log_prob,
+                sure_depth=r.max_depth,
+                extend_log_prob=r.min_log_path_prob,
                 copy_sources=self._copy_sources(state, r.token_ids),
                 keyed=KeyedDraw.of(r) if self.coupling == "keyed" else None,
             )
@@ -305,7 +313,10 @@ class EagleDrafter(Drafter):
             draft.frontier = []
             tree = draft.tree
             for node, node_ranks, (picked_ids, picked_log_probs) in zip(draft.expand, draft_ranks, draft_picks):
-                keep = [i for i, lp in enumerate(picked_log_probs) if tree.scores[node] + lp >= self.min_log_prob]
+                floor = draft.min_log_prob
+                if tree.depths[node] >= draft.sure_depth:  # its children extend past max_depth
+                    floor = max(floor, draft.extend_log_prob)
+                keep = [i for i, lp in enumerate(picked_log_probs) if tree.scores[node] + lp >= floor]
                 draft.frontier += tree.add_children(
                     node,
                     [picked_ids[i] for i in keep],

@@ -48,6 +48,8 @@ class _CopyKeys:
 
 
 class LayerSkipDrafter(Drafter):
+    scores_paths = True  # paths grow by the head's probability and stop below min_path_prob
+
     def __init__(
         self,
         *,
@@ -145,11 +147,11 @@ class LayerSkipDrafter(Drafter):
         sources = [self._copy_sources(r) for r in requests]
         frontiers = [[0] for _ in requests]
         budgets = [min(self.max_draft_tokens, r.budget) for r in requests]
-        for depth in range(1, max(min(self.depth, r.max_depth) for r in requests) + 1):
+        for depth in range(1, max(min(self.depth, r.depth_limit) for r in requests) + 1):
             growing = [
                 i
                 for i, r in enumerate(requests)
-                if frontiers[i] and depth <= min(self.depth, r.max_depth) and len(trees[i].token_ids) <= budgets[i]
+                if frontiers[i] and depth <= min(self.depth, r.depth_limit) and len(trees[i].token_ids) <= budgets[i]
             ]
             if not growing:
                 break
@@ -171,6 +173,10 @@ class LayerSkipDrafter(Drafter):
                     features[j],
                     logits=None if logits is None else logits[j],
                     budget=budgets[i],
+                    # past max_depth (adaptive speculation's extension) also the request's floor
+                    min_log_prob=max(self.min_log_prob, requests[i].min_log_path_prob)
+                    if depth > requests[i].max_depth
+                    else self.min_log_prob,
                     draw=draw,
                     sources=sources[i],
                 )
@@ -220,6 +226,7 @@ class LayerSkipDrafter(Drafter):
         *,
         logits: torch.Tensor | None,  # [m, Vd] their draft logits, where computed with other requests'
         budget: int,
+        min_log_prob: float,  # paths below it stop
         draw: tuple[int, float] | None = None,
         sources: CopySources | None = None,
     ) -> list[int]:
@@ -229,7 +236,7 @@ class LayerSkipDrafter(Drafter):
         if sources is not None and draw is None:  # the mixture's own top-k (cheaper than all of it)
             top_ids, top_log_probs = self.head.draft_top_k(features, sources, self.top_k, logits=logits)
             picks = list(zip(top_ids.tolist(), top_log_probs.tolist()))
-            return self._add_picks(tree, expand, picks, budget=budget)
+            return self._add_picks(tree, expand, picks, budget=budget, min_log_prob=min_log_prob)
         if sources is None:
             candidates = self.head.d2t  # [Vd] target ids
             logits = self.head.draft_logits(features) if logits is None else logits
@@ -246,16 +253,22 @@ class LayerSkipDrafter(Drafter):
                 order = coupled_order(log_probs[row], candidates, order, noise_key=draw[0], temperature=draw[1])
             columns = order[: self.top_k]
             picks.append((candidates[columns].tolist(), log_probs[row, columns].tolist()))
-        return self._add_picks(tree, expand, picks, budget=budget)
+        return self._add_picks(tree, expand, picks, budget=budget, min_log_prob=min_log_prob)
 
     def _add_picks(
-        self, tree: DynamicTree, expand: list[int], picks: list[tuple[list[int], list[float]]], *, budget: int
+        self,
+        tree: DynamicTree,
+        expand: list[int],
+        picks: list[tuple[list[int], list[float]]],
+        *,
+        budget: int,
+        min_log_prob: float,
     ) -> list[int]:
         """Each expanded node's picks (target ids, log-probabilities; best first) as its children,
-        those above min_draft_prob and within the budget; returns the new frontier."""
+        those whose path stays above min_log_prob and within the budget; returns the new frontier."""
         new_frontier = []
         for node, (ids, values) in zip(expand, picks):
             room = budget - (len(tree.token_ids) - 1)
-            keep = [k for k in range(len(ids)) if tree.scores[node] + values[k] >= self.min_log_prob][:room]
+            keep = [k for k in range(len(ids)) if tree.scores[node] + values[k] >= min_log_prob][:room]
             new_frontier += tree.add_children(node, [ids[k] for k in keep], [values[k] for k in keep])
         return new_frontier

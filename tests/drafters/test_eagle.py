@@ -670,6 +670,44 @@ def test_drafting_requests_together_proposes_what_each_alone_would(tiny_checkpoi
     assert all(len(token_ids) > 2 for token_ids, _ in together)  # real trees, not single guesses
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_paths_extend_past_max_depth_only_above_the_requests_floor(tiny_checkpoints, copy_head_dir, top_k):
+    """Adaptive speculation's extension: past max_depth (up to extend_depth) a path grows only
+    while the head gives it at least min_path_prob; with no floor that is the deeper draft."""
+    from quickdraft.drafters.base import DraftRequest
+
+    llm = LLM(
+        str(tiny_checkpoints["llama"]),
+        max_model_len=128,
+        speculative_config={
+            "method": "eagle3",
+            "head": str(copy_head_dir),
+            "num_speculative_tokens": 4,
+            "top_k": top_k,
+            "max_draft_tokens": 8,
+        },
+    )
+    drafter = llm.engine.speculator.drafter
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 40, (12,), generator=generator).tolist()
+    features = torch.randn(11, 3 * 64, generator=generator)
+
+    def drafted(**limits):
+        request = DraftRequest(request_id="r", prompt_token_ids=tokens, output_token_ids=[], budget=8, **limits)
+        drafter.begin(request)
+        drafter.observe(request, features)
+        (proposal,) = drafter.propose([request])
+        drafter.finish("r")
+        return proposal
+
+    deep, shallow = drafted(max_depth=4), drafted(max_depth=1)
+    assert max(deep.tree.depths) == 4 and max(shallow.tree.depths) == 1
+    unfloored = drafted(max_depth=1, extend_depth=4, min_path_prob=0.0)
+    assert (unfloored.token_ids, unfloored.parents) == (deep.token_ids, deep.parents)
+    sure_only = drafted(max_depth=1, extend_depth=4, min_path_prob=0.999)  # a random head is never that sure
+    assert (sure_only.token_ids, sure_only.parents) == (shallow.token_ids, shallow.parents)
+
+
 @pytest.mark.parametrize("head_fixture", ["head_dir", "copy_head_dir"])
 @torch.no_grad()
 def test_a_sampled_nodes_first_child_is_the_heads_keyed_draw(tiny_checkpoints, head_fixture, request):

@@ -7,6 +7,7 @@ import pytest
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.config import SpeculativeConfig
+from quickdraft.drafters.base import Proposal
 from quickdraft.engine.adaptive import (
     AcceptanceEstimate,
     ProbeSchedule,
@@ -169,3 +170,41 @@ def test_probes_back_off_after_misses_and_skip_drafters_that_cannot_pay():
     costly = StepCost(fixed=0.04, per_request=0.004, per_token=0.006, draft_per_request=0.02, draft_per_token=0.003)
     assert worth_probing(cost=cheap, throughput=90.0, max_length=5)
     assert not worth_probing(cost=costly, throughput=90.0, max_length=5)  # even 0.9 acceptance would not pay
+
+
+class PathScoringOracle(OracleDrafter):
+    """An oracle that may say it scores its paths: records what adaptive speculation offers it
+    and drafts the known continuation to the deepest it may (sure paths pass any floor)."""
+
+    def __init__(self, *, scores_paths: bool, **options):
+        super().__init__(**options)
+        self.scores_paths = scores_paths
+        self.offers: list[tuple[int, int, float]] = []  # (max_depth, extend_depth, min_path_prob)
+
+    def propose(self, requests):
+        self.offers += [(r.max_depth, r.extend_depth, r.min_path_prob) for r in requests]
+        proposals = []
+        for req in requests:
+            future = self.continuations[tuple(req.prompt_token_ids)][len(req.output_token_ids) :]
+            draft = future[: min(req.budget, req.depth_limit)]
+            proposals.append(Proposal.chain(req.token_ids[-1], draft) if draft else None)
+        return proposals
+
+
+@pytest.mark.parametrize("scores_paths", [False, True])
+def test_drafters_that_score_paths_may_extend_them_past_the_chosen_length(tiny_checkpoints, plain, scores_paths):
+    """A drafting request of a drafter that scores its paths is offered an extension past the
+    chain model's length (to its limits) for paths at least as probable as the step's
+    break-even; other drafters are held to the length.  Greedy output stays exact."""
+    continuations = {tuple(p): out for p, out in zip(repetitive_prompts(), plain)}
+    drafter = PathScoringOracle(continuations=continuations, corrupt=0.0, scores_paths=scores_paths)
+    llm = _adaptive_llm(tiny_checkpoints, drafter)
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=60, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    extended = [offer for offer in drafter.offers if offer[1] > 0]
+    if not scores_paths:
+        assert not extended and all(p == 0.0 for _, _, p in drafter.offers)
+        return
+    assert len(extended) > 0.5 * len(drafter.offers)
+    for max_depth, extend_depth, min_path_prob in extended:
+        assert 1 <= max_depth <= extend_depth <= 6 and 0.0 < min_path_prob < 1.0
