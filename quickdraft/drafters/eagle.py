@@ -156,6 +156,7 @@ class EagleDrafter(Drafter):
         self.head.attach_target(target.model)
         self.head.linear = default_linear_fn(target.device)
         self.feature_layers = tuple(self.head.config.feature_layers)
+        self.feature_dtype = head.dtype  # read per request and step: head.dtype walks the parameters
         c = self.head.config
         self.cache = KVCache(
             num_layers=1,
@@ -239,7 +240,7 @@ class EagleDrafter(Drafter):
     def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
         # features [n, L * D] of the next n tokens entering the target's cache
         state = self._states[request.request_id]
-        state.pending.append(features.to(self.head.dtype))
+        state.pending.append(features.to(self.feature_dtype))
         state.num_pending += features.shape[0]
         state.num_features += features.shape[0]
         window = None if self.copy_key_cache is not None else self.catch_up_window  # copy keys need them all

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,7 +29,10 @@ class _Unkeyed:
     """A request's features after its last stored block."""
 
     position: int  # the first pending token's position (a block boundary)
-    pending: torch.Tensor | None = None  # [n, F]: not stored yet (under a block, or its key not known yet)
+    # [n_i, F] pieces, in order: not stored yet (under a block, or its key not known yet); joined
+    # only when they fill a block (a join per step cost as much as the rest of the step's bookkeeping)
+    pending: list[torch.Tensor] = field(default_factory=list)
+    count: int = 0  # rows in pending
 
 
 class FeatureBlockCache:
@@ -64,8 +67,12 @@ class FeatureBlockCache:
         """features [n, F] of the request's next n cached tokens; keys: its slot's block keys so
         far (the blocks its committed tokens fill).  Stores every block the features complete."""
         unkeyed = self._unkeyed.setdefault(request_id, _Unkeyed(position=0))
-        buffered = torch.cat([unkeyed.pending, features]) if unkeyed.pending is not None else features  # [m, F]
+        unkeyed.pending.append(features.clone())  # a copy: a view would keep the whole step's features alive
+        unkeyed.count += features.shape[0]
         size, offset = self.block_size, 0
+        if unkeyed.count < size or unkeyed.position // size >= len(keys):
+            return
+        buffered = torch.cat(unkeyed.pending) if len(unkeyed.pending) > 1 else unkeyed.pending[0]  # [m, F]
         while buffered.shape[0] - offset >= size and unkeyed.position // size < len(keys):
             key = keys[unkeyed.position // size]
             if key in self._blocks:
@@ -77,7 +84,8 @@ class FeatureBlockCache:
                     self._blocks.popitem(last=False)
             offset += size
             unkeyed.position += size
-        unkeyed.pending = buffered[offset:].clone() if buffered.shape[0] > offset else None
+        rest = buffered[offset:]
+        unkeyed.pending, unkeyed.count = ([rest.clone()] if rest.shape[0] else []), rest.shape[0]
 
     def finish(self, request_id: str) -> None:
         self._unkeyed.pop(request_id, None)
