@@ -310,6 +310,8 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """Schedule, draft, one target forward, verify every request at once, commit each."""
         started = time.perf_counter()
+        if self.speculator is not None:  # adaptive speculation's follows what it drafts
+            self.scheduler.draft_reserve = self.speculator.draft_reserve
         plan = self.scheduler.schedule()
         if self.speculator is not None:
             for request in self.scheduler.preempted:  # it will recompute: its drafter state starts again

@@ -208,3 +208,32 @@ def test_drafters_that_score_paths_may_extend_them_past_the_chosen_length(tiny_c
     assert len(extended) > 0.5 * len(drafter.offers)
     for max_depth, extend_depth, min_path_prob in extended:
         assert 1 <= max_depth <= extend_depth <= 6 and 0.0 < min_path_prob < 1.0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_draft_reserve_follows_what_adaptive_decodes_draft(adaptive):
+    """The scheduler holds back draft_reserve tokens of prefill per decode: the bound without
+    adaptive speculation; under it, the drafted tokens per decode of the last steps, rounded up
+    (decodes that stopped drafting give prefill its whole budget back)."""
+    from quickdraft.engine.speculation import Speculator
+
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 6, "adaptive": adaptive})
+    speculator = Speculator(config=config, drafter=GarbageDrafter(vocab_size=320, tree=False), max_tree_nodes=64)
+    assert speculator.draft_reserve == 6
+
+    def steps(count: int, *, drafted_per_request: int, decode_only: bool = True) -> int:
+        for _ in range(count):
+            speculator.observe_step(
+                num_requests=4,
+                num_tokens=4 * (1 + drafted_per_request),
+                forward_seconds=0.02,
+                decode_only=decode_only,
+                num_drafted_requests=4 if drafted_per_request else 0,
+                num_draft_tokens=4 * drafted_per_request,
+                draft_seconds=0.002,
+            )
+        return speculator.draft_reserve
+
+    assert steps(60, drafted_per_request=0) == (0 if adaptive else 6)
+    assert steps(60, drafted_per_request=3) == (3 if adaptive else 6)
+    assert steps(60, drafted_per_request=0, decode_only=False) == (3 if adaptive else 6)  # prefill steps: no evidence
