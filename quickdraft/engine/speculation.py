@@ -237,7 +237,6 @@ class Speculator:
         if decode_only:
             drafted = num_draft_tokens / max(1, num_requests)
             self._drafted_per_decode += DRAFT_RESERVE_RATE * (drafted - self._drafted_per_decode)
-        if decode_only:
             self.step_costs.observe_forward(num_requests=num_requests, num_tokens=num_tokens, seconds=forward_seconds)
         self.step_costs.observe_drafting(
             num_requests=num_drafted_requests, num_draft_tokens=num_draft_tokens, seconds=draft_seconds
