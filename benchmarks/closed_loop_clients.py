@@ -73,9 +73,8 @@ def main() -> None:
     print(f"{args.clients} clients x {args.requests_per_client} requests, {args.max_tokens} tokens, spec {args.spec}")
     for mode in modes:
         rounds = ", ".join(f"{r:.1f}" for r in rates[mode])
-        print(
-            f"{mode}: {statistics.median(rates[mode]):.1f} tok/s ({rounds}), {statistics.median(rates[mode]) / plain:.3f}x"
-        )
+        median = statistics.median(rates[mode])
+        print(f"{mode}: {median:.1f} tok/s ({rounds}), {median / plain:.3f}x")
 
 
 if __name__ == "__main__":
