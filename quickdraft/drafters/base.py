@@ -91,9 +91,12 @@ class DraftRequest:
         """The deepest a path may grow this step, extensions included."""
         return max(self.max_depth, self.extend_depth)
 
-    @property
-    def min_log_path_prob(self) -> float:
-        return math.log(self.min_path_prob) if self.min_path_prob > 0 else -math.inf
+    def path_log_floor(self, depth: int, own: float) -> float:
+        """The log-probability a path must keep to grow a node at `depth`: the drafter's own
+        floor `own` (its min_draft_prob), and past max_depth also the request's min_path_prob."""
+        if depth <= self.max_depth or self.min_path_prob <= 0:
+            return own
+        return max(own, math.log(self.min_path_prob))
 
     @property
     def token_ids(self) -> list[int]:

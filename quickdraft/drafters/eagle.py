@@ -76,11 +76,9 @@ class _Draft:
     tree: DynamicTree
     hidden: dict[int, torch.Tensor]  # node -> the head's output after it [D] (its children's feature)
     entry: dict[int, int]  # draft node -> storage index of its draft entry (the root's is a true entry)
+    request: DraftRequest  # its limits: depth, budget, path probability floor past max_depth
     max_depth: int = 1
     budget: int = 1
-    min_log_prob: float = -math.inf  # paths below it stop (min_draft_prob)
-    sure_depth: int = 1  # deeper nodes also need extend_log_prob (adaptive speculation's extension)
-    extend_log_prob: float = -math.inf
     copy_sources: CopySources | None = None
     frontier: list[int] = field(default_factory=lambda: [0])  # the newest depth's nodes
     expand: list[int] = field(default_factory=list)  # the nodes whose children this depth adds
@@ -266,11 +264,9 @@ class EagleDrafter(Drafter):
                 tree=DynamicTree(root_token=r.token_ids[-1]),
                 hidden={0: root},
                 entry={},
+                request=r,
                 max_depth=min(self.depth, r.depth_limit),
                 budget=min(self.max_draft_tokens, r.budget),
-                min_log_prob=self.min_log_prob,
-                sure_depth=r.max_depth,
-                extend_log_prob=r.min_log_path_prob,
                 copy_sources=self._copy_sources(state, r.token_ids),
                 keyed=KeyedDraw.of(r) if self.coupling == "keyed" else None,
             )
@@ -314,9 +310,7 @@ class EagleDrafter(Drafter):
             draft.frontier = []
             tree = draft.tree
             for node, node_ranks, (picked_ids, picked_log_probs) in zip(draft.expand, draft_ranks, draft_picks):
-                floor = draft.min_log_prob
-                if tree.depths[node] >= draft.sure_depth:  # its children extend past max_depth
-                    floor = max(floor, draft.extend_log_prob)
+                floor = draft.request.path_log_floor(tree.depths[node] + 1, self.min_log_prob)
                 keep = [i for i, lp in enumerate(picked_log_probs) if tree.scores[node] + lp >= floor]
                 draft.frontier += tree.add_children(
                     node,

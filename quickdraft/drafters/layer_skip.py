@@ -173,10 +173,7 @@ class LayerSkipDrafter(Drafter):
                     features[j],
                     logits=None if logits is None else logits[j],
                     budget=budgets[i],
-                    # past max_depth (adaptive speculation's extension) also the request's floor
-                    min_log_prob=max(self.min_log_prob, requests[i].min_log_path_prob)
-                    if depth > requests[i].max_depth
-                    else self.min_log_prob,
+                    min_log_prob=requests[i].path_log_floor(depth, self.min_log_prob),
                     draw=draw,
                     sources=sources[i],
                 )

@@ -186,48 +186,49 @@ _DECODERS = {
 }
 
 
-def quantize_q8_0(weight: torch.Tensor) -> QuantParts:
-    """Q8_0 parts of a float weight [N, K] (K a multiple of 32), rounded as ggml does."""
-    w = weight.detach().to("cpu", torch.float32).numpy()
-    n, k = w.shape
-    if k % 32:
-        raise ValueError(f"Q8_0 needs rows of a multiple of 32 values, got {k}")
-    blocks = w.reshape(n, k // 32, 32)
-    d = np.abs(blocks).max(axis=2) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    # ggml rounds half away from zero.
-    q = np.trunc(blocks * inv[:, :, None] + np.copysign(np.float32(0.5), blocks))
-    q = (np.clip(q, -127, 127).astype(np.int16) + 128).astype(np.uint8)
-    return QuantParts(format="Q8_0", q=q.reshape(n, k), d=d.astype(np.float16))
-
-
 # Formats a float weight can be quantized to at load time: 32-value blocks with one scale each.
-LEGACY_LEVELS = {"Q8_0": None, "Q5_0": 16, "Q4_0": 8}  # Q5_0 / Q4_0: the quants' offset (levels / 2)
+LOAD_TIME_FORMATS = ("Q8_0", "Q5_0", "Q4_0")
 
 
-def quantize_legacy(weight: torch.Tensor, format: str) -> QuantParts:
-    """`format` (Q8_0, Q5_0 or Q4_0) parts of a float weight [N, K] (K a multiple of 32),
-    rounded as ggml's reference quantizers do."""
-    if format not in LEGACY_LEVELS:
-        raise ValueError(f"can quantize to {', '.join(LEGACY_LEVELS)}, not {format!r}")
-    if format == "Q8_0":
-        return quantize_q8_0(weight)
+def _float_blocks(weight: torch.Tensor, format: str) -> np.ndarray:  # [N, K] -> [N, K / 32, 32] float32
     w = weight.detach().to("cpu", torch.float32).numpy()
     n, k = w.shape
     if k % 32:
         raise ValueError(f"{format} needs rows of a multiple of 32 values, got {k}")
-    offset = LEGACY_LEVELS[format]
-    blocks = w.reshape(n, k // 32, 32)
+    return w.reshape(n, k // 32, 32)
+
+
+def _reciprocal(d: np.ndarray) -> np.ndarray:  # 1 / d, 0 where d is 0 (an all-zero block)
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantParts:
+    """Q8_0 parts of a float weight [N, K] (K a multiple of 32), rounded as ggml does."""
+    blocks = _float_blocks(weight, "Q8_0")
+    d = np.abs(blocks).max(axis=2) / np.float32(127)
+    # ggml rounds half away from zero.
+    q = np.trunc(blocks * _reciprocal(d)[:, :, None] + np.copysign(np.float32(0.5), blocks))
+    q = (np.clip(q, -127, 127).astype(np.int16) + 128).astype(np.uint8)
+    return QuantParts(format="Q8_0", q=q.reshape(weight.shape), d=d.astype(np.float16))
+
+
+def quantize_legacy(weight: torch.Tensor, format: str) -> QuantParts:
+    """`format` (one of LOAD_TIME_FORMATS) parts of a float weight [N, K] (K a multiple of 32),
+    rounded as ggml's reference quantizers do."""
+    if format not in LOAD_TIME_FORMATS:
+        raise ValueError(f"can quantize to {', '.join(LOAD_TIME_FORMATS)}, not {format!r}")
+    if format == "Q8_0":
+        return quantize_q8_0(weight)
+    blocks = _float_blocks(weight, format)
+    offset = OFFSETS[format]  # Q4_0: 8, Q5_0: 16 (half the levels)
     # The block's value of largest magnitude, with its sign, maps to quant 0: d = max / -offset.
     extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None], axis=2)[:, :, 0]
     d = (extreme / np.float32(-offset)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
     # x * inv lies in [-offset, offset]: + offset + 0.5, truncated, is round-half-up to 0..2 * offset.
-    q = np.trunc(blocks * inv[:, :, None] + np.float32(offset + 0.5))
+    q = np.trunc(blocks * _reciprocal(d)[:, :, None] + np.float32(offset + 0.5))
     q = np.minimum(q, 2 * offset - 1).astype(np.uint8)
-    return QuantParts(format=format, q=q.reshape(n, k), d=d.astype(np.float16))
+    return QuantParts(format=format, q=q.reshape(weight.shape), d=d.astype(np.float16))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -174,12 +174,12 @@ def test_training_forward_matches_drafting(tiny_checkpoints, head_dir):
         torch.testing.assert_close(partial, full[3:], rtol=1e-4, atol=1e-4)
     from quickdraft.drafters.tree import DynamicTree
 
-    _request, state, root_hidden = _caught_up_on_six_pairs(drafter, tokens, features)
+    request, state, root_hidden = _caught_up_on_six_pairs(drafter, tokens, features)
     with torch.inference_mode():
         torch.testing.assert_close(head.draft_logits(root_hidden), unrolled[0][5], rtol=1e-4, atol=1e-4)
         tree = DynamicTree(root_token=int(tokens[6]))
         (child,) = tree.add_children(0, [int(tokens[7])], [0.0])
-        draft = _Draft(state=state, tree=tree, hidden={0: root_hidden}, entry={}, expand=[child])
+        draft = _Draft(state=state, tree=tree, hidden={0: root_hidden}, entry={}, request=request, expand=[child])
         drafter._feed_nodes([draft])
         hidden = draft.hidden
         torch.testing.assert_close(head.draft_logits(hidden[child]), unrolled[1][5], rtol=1e-4, atol=1e-4)
@@ -384,7 +384,7 @@ def test_copy_head_drafting_matches_training(tiny_checkpoints, copy_head_dir):
         assert log_probs == pytest.approx(expected.topk(3).values.log().tolist(), abs=1e-4)
         tree = DynamicTree(root_token=int(tokens[6]))
         (child,) = tree.add_children(0, [int(tokens[7])], [0.0])
-        draft = _Draft(state=state, tree=tree, hidden={0: root_hidden}, entry={}, expand=[child])
+        draft = _Draft(state=state, tree=tree, hidden={0: root_hidden}, entry={}, request=request, expand=[child])
         drafter._feed_nodes([draft])
         hidden = draft.hidden
         deeper = head.mixture(hidden[child][None], **every_source)
