@@ -65,7 +65,8 @@ class SpeculativeConfig:
     """
 
     method: str
-    num_speculative_tokens: int = 5
+    # None: the method's own default (DrafterRegistry: 16 for suffix and hybrid, 5 for the others)
+    num_speculative_tokens: int | None = None
     model: str | None = None  # the draft model, for method "draft_model"
     # Per-request draft length that grows after a full accept and shrinks after an early
     # reject (between 1 and num_speculative_tokens). Off by default.
@@ -82,7 +83,7 @@ class SpeculativeConfig:
         if not isinstance(self.method, str) or not self.method:
             raise ValueError(f"speculative_config 'method' must be a non-empty string, got {self.method!r}")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 63:
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 63):
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 63], got {k!r}")
         if not isinstance(self.dynamic_draft_length, bool):
             raise ValueError(f"dynamic_draft_length must be true or false, got {self.dynamic_draft_length!r}")

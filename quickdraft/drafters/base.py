@@ -167,16 +167,26 @@ class TargetInfo:
 
 @dataclass
 class DrafterRegistry:
-    """Maps a speculative config's ``method`` to the drafter class that implements it."""
+    """Maps a speculative config's ``method`` to the drafter class that implements it, and to the
+    draft length a config that names none gets (``num_speculative_tokens``)."""
 
     factories: dict[str, DrafterFactory] = field(default_factory=dict)
+    default_lengths: dict[str, int] = field(default_factory=dict)
 
-    def register(self, method: str, factory: DrafterFactory) -> None:
+    def register(self, method: str, factory: DrafterFactory, *, num_speculative_tokens: int = 5) -> None:
         if method in self.factories:
             raise ValueError(f"drafter method {method!r} is already registered")
         self.factories[method] = factory
+        self.default_lengths[method] = num_speculative_tokens
 
-    def create(self, method: str, **kwargs) -> Drafter:
+    def _check_known(self, method: str) -> None:
         if method not in self.factories:
             raise ValueError(f"unknown speculative method {method!r}; available: {', '.join(sorted(self.factories))}")
+
+    def default_num_speculative_tokens(self, method: str) -> int:
+        self._check_known(method)
+        return self.default_lengths[method]
+
+    def create(self, method: str, **kwargs) -> Drafter:
+        self._check_known(method)
         return self.factories[method](**kwargs)

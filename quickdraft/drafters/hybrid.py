@@ -184,7 +184,7 @@ class HybridDrafter(Drafter):
         *,
         target: TargetInfo,
         drafters: list[dict],
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int = 16,
         max_draft_tokens: int | None = None,
         skip_after: int | None = None,
         ask_later: str = "measured",
@@ -205,7 +205,10 @@ class HybridDrafter(Drafter):
             method = options.pop("method", None)
             if not method or method == "hybrid":
                 raise ValueError(f"hybrid child {config!r} needs a 'method' other than hybrid")
-            options.setdefault("num_speculative_tokens", num_speculative_tokens)
+            # A child's length: its config's, else its method's default within the hybrid's
+            # (a head's 5 stays 5 beside a suffix tree's 16).
+            default_length = registry.default_num_speculative_tokens(method)
+            options.setdefault("num_speculative_tokens", min(num_speculative_tokens, default_length))
             self.children.append(registry.create(method, target=target, **options))
         if max_draft_tokens is not None and (not isinstance(max_draft_tokens, int) or max_draft_tokens < 1):
             raise ValueError(f"max_draft_tokens must be a positive integer, got {max_draft_tokens!r}")

@@ -357,7 +357,7 @@ class SuffixDrafter(Drafter):
     def __init__(
         self,
         *,
-        num_speculative_tokens: int = 8,
+        num_speculative_tokens: int = 16,
         max_tree_depth: int = 24,
         max_cached_requests: int = 1000,
         min_token_prob: float = 0.1,

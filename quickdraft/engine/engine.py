@@ -9,6 +9,7 @@ finished ones free their slot.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import weakref
@@ -206,8 +207,12 @@ class Engine:
             model_dir=str(self.model_dir),
             cache=self.cache,
         )
+        registry = default_registry()
+        if spec.num_speculative_tokens is None:
+            length = registry.default_num_speculative_tokens(spec.method)
+            spec = dataclasses.replace(spec, num_speculative_tokens=length)
         try:
-            drafter = default_registry().create(
+            drafter = registry.create(
                 spec.method, target=target, num_speculative_tokens=spec.num_speculative_tokens, **options
             )
         except TypeError as err:  # an option the drafter does not take

@@ -50,10 +50,13 @@ class DraftLengthPolicy:
 
 class Speculator:
     def __init__(self, *, config: SpeculativeConfig, drafter: Drafter, max_tree_nodes: int):
+        if config.num_speculative_tokens is None:  # the engine fills in the method's default
+            raise ValueError("Speculator needs a config with num_speculative_tokens set")
         self.config = config
+        self.num_speculative_tokens: int = config.num_speculative_tokens
         self.drafter = drafter
         self.max_tree_nodes = max_tree_nodes
-        self.policy = DraftLengthPolicy(maximum=config.num_speculative_tokens, dynamic=config.dynamic_draft_length)
+        self.policy = DraftLengthPolicy(maximum=self.num_speculative_tokens, dynamic=config.dynamic_draft_length)
         self._draft_length: dict[str, int] = {}
         self._views: dict[str, DraftRequest] = {}
         self.step_costs = StepCostModel()  # adaptive: fed by the engine after every step
@@ -63,7 +66,7 @@ class Speculator:
         self._probes: dict[str, ProbeSchedule] = {}  # adaptive: per request
         # adaptive: draft tokens per scheduled request, exponentially averaged over steps (the
         # scheduler's draft_reserve); starts at the bound, as without adaptive speculation
-        self._drafted_per_decode = float(config.num_speculative_tokens)
+        self._drafted_per_decode = float(self.num_speculative_tokens)
         # This step's (node budget, max depth) of each request asked to draft: the engine appends
         # grammar-forced tokens within what is left of them (structured outputs).
         self.step_limits: dict[str, tuple[int, int]] = {}
@@ -87,7 +90,7 @@ class Speculator:
                 grammar=request.grammar,
             )
             self._views[request.request_id] = view
-            self._draft_length[request.request_id] = self.config.num_speculative_tokens
+            self._draft_length[request.request_id] = self.num_speculative_tokens
             self._acceptance[request.request_id] = AcceptanceEstimate(prior=self._all_acceptance.rate)
             self._probes[request.request_id] = ProbeSchedule(every=self.config.adaptive_probe_every)
             self.drafter.begin(view)
@@ -102,7 +105,7 @@ class Speculator:
         half of every mixed step's prefill: adaptive eagle3's TTFT p50 in the serving benchmark
         at concurrency 32 was 1.35x plain decoding's, with the average 1.11x)."""
         bound = min(
-            int(getattr(self.drafter, "max_draft_tokens", None) or self.config.num_speculative_tokens),
+            int(getattr(self.drafter, "max_draft_tokens", None) or self.num_speculative_tokens),
             self.max_tree_nodes - 1,
         )
         if not self.config.adaptive:
@@ -143,7 +146,7 @@ class Speculator:
             if token_room is not None:
                 budget = min(budget, token_room[request.request_id])
             max_depth = min(
-                self._draft_length.get(request.request_id, self.config.num_speculative_tokens),
+                self._draft_length.get(request.request_id, self.num_speculative_tokens),
                 request.remaining_output_tokens - 1,
             )
             limits[request.request_id] = (budget, max_depth)

@@ -223,3 +223,27 @@ def test_adaptive_hybrid_greedy_equals_plain_and_skips_a_costly_head(tiny_checkp
     assert [o.outputs[0].token_ids for o in outs] == plain
     steps = sum(arm.steps for arms in hybrid.policy.arms.values() for arm in arms.values())
     assert steps > 20 and asked[0] < steps / 2
+
+
+def test_draft_lengths_default_per_method(tiny_checkpoints, tmp_path):
+    from quickdraft.drafters import default_registry
+
+    registry = default_registry()
+    assert registry.default_num_speculative_tokens("suffix") == 16
+    assert registry.default_num_speculative_tokens("eagle3") == 5
+    with pytest.raises(ValueError, match="unknown speculative method 'nope'"):
+        registry.default_num_speculative_tokens("nope")
+    target = str(tiny_checkpoints["gemma3"])
+    suffix = LLM(target, max_model_len=256, speculative_config={"method": "suffix"}).engine.speculator
+    assert suffix.config.num_speculative_tokens == 16 and suffix.drafter.num_speculative_tokens == 16
+    chosen = LLM(target, max_model_len=256, speculative_config={"method": "suffix", "num_speculative_tokens": 7})
+    assert chosen.engine.speculator.drafter.num_speculative_tokens == 7
+    # A hybrid's children keep their own defaults within the hybrid's length, unless they set one.
+    eagle = {"method": "eagle3", "head": str(random_head(tmp_path / "h")), "top_k": 1}
+    config = {"method": "hybrid", "drafters": [{"method": "suffix"}, eagle]}
+    hybrid = LLM(target, max_model_len=256, speculative_config=config).engine.speculator
+    assert hybrid.config.num_speculative_tokens == 16
+    assert [hybrid.drafter.children[0].num_speculative_tokens, hybrid.drafter.children[1].depth] == [16, 5]
+    short = hybrid_llm(target, [{"method": "suffix"}, {**eagle, "num_speculative_tokens": 2}], num_speculative_tokens=4)
+    assert [short.engine.speculator.drafter.children[0].num_speculative_tokens] == [4]
+    assert short.engine.speculator.drafter.children[1].depth == 2

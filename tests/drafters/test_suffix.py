@@ -145,9 +145,11 @@ def test_draft_size_grows_with_the_match_length(match_len):
     # with the pattern's last match_len tokens (preceded by an unseen token)
     pattern, follow = list(range(100, 110)), list(range(200, 220))
     prompt = pattern + follow + [300] + pattern[10 - match_len :]
-    default = propose(SuffixDrafter(), request(prompt, budget=20))
-    assert default.token_ids[1:] == follow[: min(8, match_len)]
-    half = propose(SuffixDrafter(max_spec_factor=0.5), request(prompt, budget=20))
+    default = propose(SuffixDrafter(), request(prompt, budget=20))  # 16 nodes at most
+    assert default.token_ids[1:] == follow[:match_len]
+    eight = propose(SuffixDrafter(num_speculative_tokens=8), request(prompt, budget=20))
+    assert eight.token_ids[1:] == follow[: min(8, match_len)]
+    half = propose(SuffixDrafter(num_speculative_tokens=8, max_spec_factor=0.5), request(prompt, budget=20))
     if match_len < 2:
         assert half is None
     else:
