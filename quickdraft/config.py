@@ -65,7 +65,7 @@ class SpeculativeConfig:
     """
 
     method: str
-    # None: the method's own default (DrafterRegistry: 16 for suffix and hybrid, 5 for the others)
+    # None: the method's own default, filled in by the engine (DrafterRegistry.default_num_speculative_tokens)
     num_speculative_tokens: int | None = None
     model: str | None = None  # the draft model, for method "draft_model"
     # Per-request draft length that grows after a full accept and shrinks after an early
