@@ -26,7 +26,7 @@ from quickdraft.distributed.sharding import ShardLayout
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch, SequenceAttention
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.decoder import Decoder, DecoderLayer, ForwardOutput
+from quickdraft.models.decoder import Decoder, DecoderLayer, ForwardOutput, LogitsBuffer
 from quickdraft.models.loader import build_decoder, load_weights
 from quickdraft.models.quantized import QuantizedWeight
 
@@ -89,7 +89,8 @@ class TensorParallelDecoder(Decoder):
             raise RuntimeError("only rank 0 keeps the full LM head of an untied model")
         return super().lm_head_weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, D] -> [M, V]
+    def compute_logits(self, hidden: torch.Tensor, *, buffer: LogitsBuffer | None = None) -> torch.Tensor:
+        """[M, D] -> [M, V]: every rank's shard gathered (a gathered result is fresh memory: `buffer` unused)."""
         assert self.group is not None and self.lm_head_shard is not None
         local = self.linear(self.norm(hidden), self.lm_head_shard, None)  # [M, ceil(V / tp)]
         logits = torch.cat(self.group.all_gather(local), dim=-1)[:, : self.config.vocab_size]
@@ -110,6 +111,7 @@ class TensorParallelDecoder(Decoder):
         end_layer: int | None = None,
         capture_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
+        logits_buffer: LogitsBuffer | None = None,
     ) -> ForwardOutput:
         assert self.group is not None
         if self.group.rank == 0:

@@ -95,7 +95,7 @@ class Engine:
                 max_step_tokens=max(config.max_num_batched_tokens, CACHE_HEADROOM),
                 memory_bytes=config.kv_cache_memory_bytes,
             )
-        self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
+        self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device, reuse_logits=True)
         self.scheduler = Scheduler(
             cache=self.cache,
             max_num_seqs=config.max_num_seqs,

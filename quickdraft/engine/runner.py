@@ -8,7 +8,7 @@ import torch
 
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch, build_sequence_attention
-from quickdraft.models.decoder import Decoder, ForwardOutput
+from quickdraft.models.decoder import Decoder, ForwardOutput, LogitsBuffer
 from quickdraft.verify.tree import Tree
 
 
@@ -30,11 +30,22 @@ class RunnerOutput:
     forward: ForwardOutput
 
 
+# A runner that reuses its logits memory keeps at most this much (128 rows of a 262k vocabulary:
+# 32 decodes with trees of 4 nodes, or 8 of 16) and takes fresh memory for wider forwards.
+REUSED_LOGITS_BYTES = 128 * 1024 * 1024
+
+
 class ModelRunner:
-    def __init__(self, *, model: Decoder, cache: KVCache, device: torch.device):
+    def __init__(self, *, model: Decoder, cache: KVCache, device: torch.device, reuse_logits: bool = False):
+        """`reuse_logits`: every forward writes its logits into the same memory, so a forward's
+        logits are valid only until the next one (the engine's target: a step's logits are used
+        within the step)."""
         self.model = model
         self.cache = cache
         self.device = device
+        self.logits_buffer = (
+            LogitsBuffer(vocab_size=model.config.vocab_size, max_bytes=REUSED_LOGITS_BYTES) if reuse_logits else None
+        )
 
     def forward(
         self, work: list[SequenceWork], *, capture_layers: tuple[int, ...] = (), end_layer: int | None = None
@@ -92,6 +103,7 @@ class ModelRunner:
             capture_layers=capture_layers,
             end_layer=end_layer,
             logits_rows=self._long(logits_rows) if logits_rows else None,
+            logits_buffer=self.logits_buffer,
         )
         return RunnerOutput(logits=out.logits, logits_offsets=logits_offsets, forward=out)
 

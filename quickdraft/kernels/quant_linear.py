@@ -201,18 +201,31 @@ def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for x [..., K] float32 (other dtypes are cast) -> [..., N] float32."""
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,  # [M, N] float32, contiguous: written instead of a new tensor
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for x [..., K] float32 (other dtypes are cast) -> [..., N] float32.
+
+    `out` (x 2-D, no bias) lets a caller reuse one buffer across calls: a fresh LM-head output
+    of M x 262k floats is M MiB of pages the kernel first-touches, a page fault per 4 KiB."""
     k = weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {k}")
+    if out is not None:
+        _check_out(out, rows=x.shape[0] if x.dim() == 2 else -1, cols=weight.shape[0], has_bias=bias is not None)
     ext = _extension() if x.device.type == "cpu" else None
     if ext is None:
-        out = reference_quant_linear(x.cpu(), weight).to(x.device)
+        result = reference_quant_linear(x.cpu(), weight).to(x.device)
+        out = result if out is None else out.copy_(result)
     else:
         x2 = x.reshape(-1, k).to(torch.float32).contiguous()
         q, dx, bsum = ext.quantize_rows(x2)
-        out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
+        if out is None:
+            out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
         amx_rows = _amx_min_rows(ext)
         for part in weight.parts:
             fmt = FORMAT_IDS[part.format]
@@ -221,6 +234,16 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out
+
+
+def _check_out(out: torch.Tensor, *, rows: int, cols: int, has_bias: bool) -> None:
+    if has_bias or rows < 0:
+        raise ValueError("quant_linear: out= needs a 2-D x and no bias")
+    if out.shape != (rows, cols) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(
+            f"quant_linear: out must be a contiguous float32 [{rows}, {cols}] tensor, "
+            f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def _parts(weight: QuantizedWeight) -> list[tuple[int, torch.Tensor, int, int]]:

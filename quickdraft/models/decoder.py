@@ -16,12 +16,36 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.attention import attention
-from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available
+from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available, quant_linear
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch
 from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from quickdraft.models.layers import LinearFn, RMSNorm, RotaryTable, apply_rotary
 from quickdraft.models.quantized import QuantizedWeight, embedding_rows
+
+
+class LogitsBuffer:
+    """Memory that a runner's forwards write their LM-head rows into, kept from one forward to
+    the next: every forward's [M, V] float32 logits in fresh memory cost a page fault per
+    4 KiB on the CPU (M MiB for Gemma's 262k vocabulary; at 32 decodes a step that was ~10% of
+    the step, and it moved from run to run with the allocator's state).  The rows handed out
+    are valid until the next forward through the same buffer; more rows than `max_bytes`
+    holds get fresh memory, so one wide prefill does not stay resident."""
+
+    def __init__(self, *, vocab_size: int, max_bytes: int):
+        if vocab_size <= 0 or max_bytes < 0:
+            raise ValueError(f"LogitsBuffer needs vocab_size > 0 and max_bytes >= 0, got {vocab_size}, {max_bytes}")
+        self.vocab_size = vocab_size
+        self.max_rows = max_bytes // (4 * vocab_size)
+        self._memory = torch.empty(0, vocab_size, dtype=torch.float32)  # [capacity, V]
+
+    def rows(self, count: int) -> torch.Tensor | None:  # -> [count, V] float32, or None past the cap
+        if count > self.max_rows:
+            return None
+        if count > self._memory.shape[0]:
+            capacity = min(self.max_rows, max(count, 2 * self._memory.shape[0]))
+            self._memory = torch.empty(capacity, self.vocab_size, dtype=torch.float32)
+        return self._memory[:count]
 
 
 @dataclass
@@ -244,8 +268,14 @@ class Decoder(torch.nn.Module):
             hidden = hidden * self.embed_scale
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, D] -> [M, V]
-        logits = self.linear(self.norm(hidden), self.lm_head_weight, None)
+    def compute_logits(self, hidden: torch.Tensor, *, buffer: LogitsBuffer | None = None) -> torch.Tensor:
+        """[M, D] -> [M, V]; a quantized LM head on the CPU writes into `buffer`'s rows when given."""
+        weight = self.lm_head_weight
+        out = buffer.rows(hidden.shape[0]) if buffer is not None and hidden.is_cpu else None
+        if out is not None and isinstance(weight, QuantizedWeight):
+            logits = quant_linear(self.norm(hidden), weight, None, out=out)  # what self.linear runs for it
+        else:
+            logits = self.linear(self.norm(hidden), weight, None)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -278,6 +308,7 @@ class Decoder(torch.nn.Module):
         end_layer: int | None = None,  # exclusive
         capture_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,  # [M] rows that need logits; None = no logits
+        logits_buffer: LogitsBuffer | None = None,  # where the logits may be written (valid until its next use)
     ) -> ForwardOutput:
         end_layer = self.config.num_layers if end_layer is None else end_layer
         if not 0 <= start_layer < end_layer <= self.config.num_layers:
@@ -300,5 +331,5 @@ class Decoder(torch.nn.Module):
         if logits_rows is not None:
             if end_layer != self.config.num_layers:
                 raise ValueError("logits need the full stack of layers (end_layer = num_layers)")
-            logits = self.compute_logits(hidden[logits_rows])
+            logits = self.compute_logits(hidden[logits_rows], buffer=logits_buffer)
         return ForwardOutput(logits=logits, hidden_states=hidden, captured=captured)

@@ -193,6 +193,29 @@ def test_kernel_equals_reference_bits(isa, fmt, rows):
     assert torch.equal(quant_linear(x, w, bias), reference_quant_linear(x, w) + bias)
 
 
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K"])
+def test_out_buffer_gets_the_same_bits(isa, fmt):
+    w, _ = weight(fmt, 37, cols_for(fmt), seed=6)
+    x = torch.randn(9, cols_for(fmt))
+    memory = torch.full((12, 37), float("nan"))  # stale values must all be overwritten
+    out = quant_linear(x, w, out=memory[:9])
+    assert out.data_ptr() == memory.data_ptr()
+    assert torch.equal(out, quant_linear(x, w))
+
+
+def test_bad_out_buffer_is_named():
+    w, _ = weight("Q8_0", 16, 64)
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match=r"contiguous float32 \[3, 16\].*\(4, 16\)"):
+        quant_linear(x, w, out=torch.empty(4, 16))
+    with pytest.raises(ValueError, match="float64"):
+        quant_linear(x, w, out=torch.empty(3, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not contiguous"):
+        quant_linear(x, w, out=torch.empty(16, 3).t())
+    with pytest.raises(ValueError, match="no bias"):
+        quant_linear(x, w, torch.zeros(16), out=torch.empty(3, 16))
+
+
 def _cpu_has_amx() -> bool:
     try:
         flags = open("/proc/cpuinfo").read()

@@ -9,6 +9,7 @@ import torch
 
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.kv.cache import KVCache
+from quickdraft.models.decoder import LogitsBuffer
 from quickdraft.models.loader import load_decoder
 from quickdraft.verify.tree import Tree
 from tests.conftest import ARCHS
@@ -178,3 +179,36 @@ def test_sharded_checkpoint_loads_the_same(tiny_checkpoints, tmp_path):
     runner, _ = make_runner(sharded)
     out = runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=[5])])
     torch.testing.assert_close(out.logits[0], reference_logits(path, tokens)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_logits_buffer_reuses_its_memory_up_to_its_cap():
+    buffer = LogitsBuffer(vocab_size=10, max_bytes=4 * 10 * 6)  # 6 rows
+    first = buffer.rows(2)
+    assert first is not None and first.shape == (2, 10) and first.dtype == torch.float32
+    grown = buffer.rows(3)  # doubles to 4 rows
+    assert grown is not None and buffer.rows(4).data_ptr() == grown.data_ptr()  # type: ignore[union-attr]
+    widest = buffer.rows(6)  # capped at 6, not 8
+    assert widest is not None and widest.shape == (6, 10)
+    assert buffer.rows(1).data_ptr() == widest.data_ptr()  # type: ignore[union-attr]
+    assert buffer.rows(7) is None  # past the cap: the caller takes fresh memory
+    with pytest.raises(ValueError, match="vocab_size"):
+        LogitsBuffer(vocab_size=0, max_bytes=100)
+
+
+def test_reused_logits_memory_gives_the_same_bits(tiny_checkpoints, tmp_path):
+    """A runner that writes every forward's logits into one buffer (the engine's) computes the
+    bits of one that allocates (quantized LM head, the path that uses the buffer)."""
+    path = tiny_checkpoints["llama"]
+    fresh, _ = make_runner(path, quantization="q8_0")
+    reused, _ = make_runner(path, quantization="q8_0")
+    reused.logits_buffer = LogitsBuffer(vocab_size=reused.model.config.vocab_size, max_bytes=64 * 1024 * 1024)
+    tokens = prompt(12)
+    pointers = set()
+    steps = ((0, tokens[:8], [4, 5, 6, 7]), (8, tokens[8:], [0, 3]), (12, tokens[:5], [0, 1, 2, 3, 4]))
+    for cache_len, chunk, nodes in steps:
+        work = [SequenceWork(slot=0, cache_len=cache_len, token_ids=chunk, logits_nodes=nodes)]
+        expected, got = fresh.forward(work).logits, reused.forward(work).logits
+        assert got is not None and expected is not None
+        assert torch.equal(got, expected)
+        pointers.add(got.data_ptr())
+    assert len(pointers) == 2  # one memory, then one of twice its rows when a forward needed more
