@@ -338,7 +338,8 @@ class Engine:
                     )
                 request.num_skipped_tokens = 0
         # Before any commit changes the requests (one may finish inside its accepted path).
-        decode_only = all(item.num_new_tokens == 1 and item.completes_prompt for item in plan)
+        num_decodes = sum(1 for item in plan if item.num_new_tokens == 1 and item.completes_prompt)
+        decode_only = num_decodes == len(plan)
         drafts = self._propose(plan)
         drafted = time.perf_counter()
         # Every item that completes its known tokens ends in a proposal; a plain decode's is its root alone.
@@ -403,6 +404,7 @@ class Engine:
             drafts=drafts,
             num_tokens=row_starts[-1],
             decode_only=decode_only,
+            num_decodes=num_decodes,
             draft_seconds=drafted - started,
             verify_seconds=finished - drafted,
         )
@@ -589,6 +591,7 @@ class Engine:
         drafts: dict[str, Proposal],
         num_tokens: int,
         decode_only: bool,
+        num_decodes: int,
         draft_seconds: float,
         verify_seconds: float,
     ) -> None:
@@ -598,6 +601,7 @@ class Engine:
                 num_tokens=num_tokens,
                 forward_seconds=verify_seconds,
                 decode_only=decode_only,
+                num_decodes=num_decodes,
                 num_drafted_requests=len(drafts),
                 draft_seconds=draft_seconds,
                 num_draft_tokens=sum(p.num_draft_tokens for p in drafts.values()),

@@ -221,19 +221,23 @@ def test_the_draft_reserve_follows_what_adaptive_decodes_draft(adaptive):
     speculator = Speculator(config=config, drafter=GarbageDrafter(vocab_size=320, tree=False), max_tree_nodes=64)
     assert speculator.draft_reserve == 6
 
-    def steps(count: int, *, drafted_per_request: int, decode_only: bool = True) -> int:
+    def steps(count: int, *, drafted_per_request: int, num_decodes: int = 4, num_prefills: int = 0) -> int:
         for _ in range(count):
             speculator.observe_step(
-                num_requests=4,
-                num_tokens=4 * (1 + drafted_per_request),
+                num_requests=num_decodes + num_prefills,
+                num_tokens=num_decodes * (1 + drafted_per_request) + 100 * num_prefills,
                 forward_seconds=0.02,
-                decode_only=decode_only,
-                num_drafted_requests=4 if drafted_per_request else 0,
-                num_draft_tokens=4 * drafted_per_request,
+                decode_only=num_prefills == 0,
+                num_decodes=num_decodes,
+                num_drafted_requests=num_decodes if drafted_per_request else 0,
+                num_draft_tokens=num_decodes * drafted_per_request,
                 draft_seconds=0.002,
             )
         return speculator.draft_reserve
 
     assert steps(60, drafted_per_request=0) == (0 if adaptive else 6)
     assert steps(60, drafted_per_request=3) == (3 if adaptive else 6)
-    assert steps(60, drafted_per_request=0, decode_only=False) == (3 if adaptive else 6)  # prefill steps: no evidence
+    assert steps(60, drafted_per_request=0, num_decodes=0, num_prefills=2) == (3 if adaptive else 6)  # no decodes
+    # decodes beside prefill chunks that stopped drafting give prefill its budget back too
+    assert steps(60, drafted_per_request=0, num_decodes=3, num_prefills=1) == (0 if adaptive else 6)
+    assert steps(60, drafted_per_request=2, num_decodes=3, num_prefills=1) == (2 if adaptive else 6)
