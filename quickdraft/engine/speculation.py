@@ -238,17 +238,18 @@ class Speculator:
     ) -> None:
         """A finished step's size and timings, for the cost model of adaptive speculation.
 
-        The draft reserve hears every step with decodes, also those beside prefill chunks: under
-        a stream of new requests most steps are mixed, and a fresh speculator's reserve (the
-        bound) stayed there, holding back up to half of every step's prefill for drafts that
-        never came (adaptive eagle3 in the serving benchmark at 16 clients: TTFT p50 1000 ms vs
-        plain's 851, 0.93x plain with every step plain).  Drafts beside prefill are not cut below
-        the reserve (the scheduler holds it back for them), so mixed steps only bring it down to
-        what decodes draft."""
+        The draft reserve hears steps of decodes alone, and steps of decodes beside prefill
+        chunks where they drafted less than the reserve: there the decodes had at least the
+        reserve's room (the scheduler held it back for them) and chose fewer nodes, while a
+        count at the reserve or above may be one the room cut.  Under a stream of new requests
+        most steps are mixed, and a fresh speculator's reserve (the bound) stayed there, holding
+        back up to half of every step's prefill for drafts that never came (adaptive eagle3 in
+        the serving benchmark at 16 clients: TTFT p50 1000 ms vs plain's 851, every step plain);
+        counting every mixed step instead kept a reserve cut by the room from growing again."""
         if not self.config.adaptive:
             return  # nothing else reads the cost model
-        if num_decodes:
-            drafted = num_draft_tokens / num_decodes
+        drafted = num_draft_tokens / max(1, num_decodes)
+        if num_decodes and (decode_only or drafted < self._drafted_per_decode):
             self._drafted_per_decode += DRAFT_RESERVE_RATE * (drafted - self._drafted_per_decode)
         if decode_only:
             self.step_costs.observe_forward(num_requests=num_requests, num_tokens=num_tokens, seconds=forward_seconds)

@@ -238,6 +238,9 @@ def test_the_draft_reserve_follows_what_adaptive_decodes_draft(adaptive):
     assert steps(60, drafted_per_request=0) == (0 if adaptive else 6)
     assert steps(60, drafted_per_request=3) == (3 if adaptive else 6)
     assert steps(60, drafted_per_request=0, num_decodes=0, num_prefills=2) == (3 if adaptive else 6)  # no decodes
-    # decodes beside prefill chunks that stopped drafting give prefill its budget back too
+    # decodes beside prefill chunks that draft less give prefill its budget back too; drafting
+    # more there (the room may have cut it) does not raise the reserve, decodes alone do
+    assert steps(60, drafted_per_request=1, num_decodes=3, num_prefills=1) == (1 if adaptive else 6)
+    assert steps(60, drafted_per_request=4, num_decodes=3, num_prefills=1) == (1 if adaptive else 6)
+    assert steps(60, drafted_per_request=4) == (4 if adaptive else 6)
     assert steps(60, drafted_per_request=0, num_decodes=3, num_prefills=1) == (0 if adaptive else 6)
-    assert steps(60, drafted_per_request=2, num_decodes=3, num_prefills=1) == (2 if adaptive else 6)
