@@ -95,7 +95,7 @@ class Engine:
                 max_step_tokens=max(config.max_num_batched_tokens, CACHE_HEADROOM),
                 memory_bytes=config.kv_cache_memory_bytes,
             )
-        self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device, reuse_logits=True)
+        self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
         self.scheduler = Scheduler(
             cache=self.cache,
             max_num_seqs=config.max_num_seqs,
@@ -354,7 +354,7 @@ class Engine:
             for item, proposal, masks in zip(plan, proposals, grammar_masks)
         ]
         feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
-        out = self.runner.forward(work, capture_layers=feature_layers)
+        out = self.runner.forward(work, capture_layers=feature_layers, reuse_logits=True)  # used within the step
         features = _features(out.forward.captured, feature_layers)  # [N, L * D] or None
         row_starts = list(itertools.accumulate((len(w.token_ids) for w in work), initial=0))
         verified = [(i, proposal) for i, proposal in enumerate(proposals) if proposal is not None]

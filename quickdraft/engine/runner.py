@@ -36,22 +36,24 @@ REUSED_LOGITS_BYTES = 128 * 1024 * 1024
 
 
 class ModelRunner:
-    def __init__(self, *, model: Decoder, cache: KVCache, device: torch.device, reuse_logits: bool = False):
-        """`reuse_logits`: every forward writes its logits into the same memory, so a forward's
-        logits are valid only until the next one (the engine's target: a step's logits are used
-        within the step)."""
+    def __init__(self, *, model: Decoder, cache: KVCache, device: torch.device):
         self.model = model
         self.cache = cache
         self.device = device
-        self.logits_buffer = (
-            LogitsBuffer(vocab_size=model.config.vocab_size, max_bytes=REUSED_LOGITS_BYTES) if reuse_logits else None
-        )
+        self.logits_buffer = LogitsBuffer(vocab_size=model.config.vocab_size, max_bytes=REUSED_LOGITS_BYTES)
 
     def forward(
-        self, work: list[SequenceWork], *, capture_layers: tuple[int, ...] = (), end_layer: int | None = None
+        self,
+        work: list[SequenceWork],
+        *,
+        capture_layers: tuple[int, ...] = (),
+        end_layer: int | None = None,
+        reuse_logits: bool = False,
     ) -> RunnerOutput:
         """One forward over `work`; `end_layer` stops after that many layers (no logits then:
-        the output's hidden_states are that layer's)."""
+        the output's hidden_states are that layer's).  `reuse_logits`: the logits go into this
+        runner's buffer, valid only until its next forward that reuses it (the engine's step,
+        which uses them within the step); otherwise they are a tensor of their own."""
         if not work:
             raise ValueError("forward needs at least one sequence")
         token_ids: list[int] = []
@@ -103,7 +105,7 @@ class ModelRunner:
             capture_layers=capture_layers,
             end_layer=end_layer,
             logits_rows=self._long(logits_rows) if logits_rows else None,
-            logits_buffer=self.logits_buffer,
+            logits_buffer=self.logits_buffer if reuse_logits else None,
         )
         return RunnerOutput(logits=out.logits, logits_offsets=logits_offsets, forward=out)
 

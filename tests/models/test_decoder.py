@@ -196,19 +196,24 @@ def test_logits_buffer_reuses_its_memory_up_to_its_cap():
 
 
 def test_reused_logits_memory_gives_the_same_bits(tiny_checkpoints, tmp_path):
-    """A runner that writes every forward's logits into one buffer (the engine's) computes the
-    bits of one that allocates (quantized LM head, the path that uses the buffer)."""
+    """Forwards that write their logits into the runner's buffer (the engine's step) compute the
+    bits of forwards that allocate (quantized LM head, the path that uses the buffer); without
+    reuse_logits every forward's logits are a tensor of their own."""
     path = tiny_checkpoints["llama"]
     fresh, _ = make_runner(path, quantization="q8_0")
     reused, _ = make_runner(path, quantization="q8_0")
-    reused.logits_buffer = LogitsBuffer(vocab_size=reused.model.config.vocab_size, max_bytes=64 * 1024 * 1024)
     tokens = prompt(12)
     pointers = set()
     steps = ((0, tokens[:8], [4, 5, 6, 7]), (8, tokens[8:], [0, 3]), (12, tokens[:5], [0, 1, 2, 3, 4]))
     for cache_len, chunk, nodes in steps:
         work = [SequenceWork(slot=0, cache_len=cache_len, token_ids=chunk, logits_nodes=nodes)]
-        expected, got = fresh.forward(work).logits, reused.forward(work).logits
+        expected, got = fresh.forward(work).logits, reused.forward(work, reuse_logits=True).logits
         assert got is not None and expected is not None
         assert torch.equal(got, expected)
         pointers.add(got.data_ptr())
     assert len(pointers) == 2  # one memory, then one of twice its rows when a forward needed more
+    kept = reused.forward(work).logits
+    assert kept is not None and kept.data_ptr() not in pointers
+    copy = kept.clone()
+    reused.forward([SequenceWork(slot=1, cache_len=0, token_ids=tokens[3:9], logits_nodes=[0, 1, 2, 3, 4, 5])])
+    assert torch.equal(kept, copy)  # a forward without reuse_logits keeps its logits
