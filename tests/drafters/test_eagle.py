@@ -229,6 +229,16 @@ def test_catch_up_window_feeds_only_the_last_tokens(tiny_checkpoints, head_dir):
     drafter.finish("r")
 
 
+def test_observed_features_are_kept_as_copies(tiny_checkpoints, copy_head_dir):
+    """The rows a drafter keeps do not hold on to the step's tensor they came from."""
+    drafter, _, _, features, _ = observed_with_window(tiny_checkpoints["gemma3"], copy_head_dir, window=4, seed=3)
+    kept = drafter._states["r"].pending
+    assert sum(rows.shape[0] for rows in kept) == features.shape[0]  # a copy head keeps them all
+    assert all(rows.untyped_storage().data_ptr() != features.untyped_storage().data_ptr() for rows in kept)
+    torch.testing.assert_close(torch.cat(kept), features, rtol=0, atol=0)
+    drafter.finish("r")
+
+
 @pytest.mark.parametrize("head_fixture", ["head_dir", "copy_head_dir"])
 def test_sampled_tokens_have_the_target_distribution(tiny_checkpoints, head_fixture, request):
     head = request.getfixturevalue(head_fixture)
