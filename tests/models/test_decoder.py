@@ -212,8 +212,10 @@ def test_reused_logits_memory_gives_the_same_bits(tiny_checkpoints, tmp_path):
         assert torch.equal(got, expected)
         pointers.add(got.data_ptr())
     assert len(pointers) == 2  # one memory, then one of twice its rows when a forward needed more
+    buffered, buffered_copy = got, got.clone()  # the buffer's rows of the last forward
     kept = reused.forward(work).logits
-    assert kept is not None and kept.data_ptr() not in pointers
+    assert kept is not None and kept.data_ptr() != buffered.data_ptr()
+    assert torch.equal(buffered, buffered_copy)  # it did not write into the buffer
     copy = kept.clone()
     reused.forward([SequenceWork(slot=1, cache_len=0, token_ids=tokens[3:9], logits_nodes=[0, 1, 2, 3, 4, 5])])
     assert torch.equal(kept, copy)  # a forward without reuse_logits keeps its logits
