@@ -216,7 +216,7 @@ def quant_linear(
     if x.shape[-1] != k:
         raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {k}")
     if out is not None:
-        _check_out(out, rows=x.shape[0] if x.dim() == 2 else -1, cols=weight.shape[0], has_bias=bias is not None)
+        _check_out(out, x=x, cols=weight.shape[0], has_bias=bias is not None)
     ext = _extension() if x.device.type == "cpu" else None
     if ext is None:
         result = reference_quant_linear(x.cpu(), weight).to(x.device)
@@ -236,9 +236,10 @@ def quant_linear(
     return out
 
 
-def _check_out(out: torch.Tensor, *, rows: int, cols: int, has_bias: bool) -> None:
-    if has_bias or rows < 0:
+def _check_out(out: torch.Tensor, *, x: torch.Tensor, cols: int, has_bias: bool) -> None:
+    if has_bias or x.dim() != 2:
         raise ValueError("quant_linear: out= needs a 2-D x and no bias")
+    rows = x.shape[0]
     if out.shape != (rows, cols) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(
             f"quant_linear: out must be a contiguous float32 [{rows}, {cols}] tensor, "

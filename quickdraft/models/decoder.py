@@ -271,8 +271,12 @@ class Decoder(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor, *, buffer: LogitsBuffer | None = None) -> torch.Tensor:
         """[M, D] -> [M, V]; a quantized LM head on the CPU writes into `buffer`'s rows when given."""
         weight = self.lm_head_weight
-        out = buffer.rows(hidden.shape[0]) if buffer is not None and hidden.is_cpu else None
-        if out is not None and isinstance(weight, QuantizedWeight):
+        # Rows are taken only for the path that writes into them: a float LM head would grow the
+        # buffer (up to its cap) and leave it unused.
+        out = None
+        if buffer is not None and hidden.is_cpu and isinstance(weight, QuantizedWeight):
+            out = buffer.rows(hidden.shape[0])  # None past its cap
+        if out is not None:
             logits = quant_linear(self.norm(hidden), weight, None, out=out)  # what self.linear runs for it
         else:
             logits = self.linear(self.norm(hidden), weight, None)
