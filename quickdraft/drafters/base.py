@@ -135,7 +135,8 @@ class Drafter(Protocol):
         """A request starts (its prompt is known)."""
 
     def observe(self, request: DraftRequest, features: torch.Tensor) -> None:
-        """features [n, len(feature_layers) * D]: the next n cached tokens' target features."""
+        """features [n, len(feature_layers) * D]: the next n cached tokens' target features, a
+        tensor of these rows alone that nothing changes later: a drafter may keep it as it is."""
         return None  # drafters without feature_layers are never handed any
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:

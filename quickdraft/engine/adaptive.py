@@ -235,10 +235,18 @@ def choose_draft_lengths(
 
 
 def _best_length(rate: float, limit: int, throughput: float, per_token: float, per_request: float) -> int:
-    """argmax over k of tokens(k) - throughput * extra seconds(k), for one request."""
+    """argmax over k of tokens(k) - throughput * extra seconds(k), for one request.  Past k = 1 a
+    token adds rate^k tokens for a fixed cost, so once that no longer pays no longer k does (run
+    for every request of every step: most of adaptive's per-step work in a busy batch)."""
     best_k, best_gain = 0, 0.0
+    token_cost = throughput * per_token
+    drafted, power = 0.0, 1.0  # expected_tokens(rate, k) - 1 and rate^k, built up with k
     for k in range(1, limit + 1):
-        gain = expected_tokens(rate, k) - 1.0 - throughput * (per_token * k + per_request)
+        power = power * rate if rate < 1.0 else 1.0
+        if k > 1 and power <= token_cost:
+            break
+        drafted += power
+        gain = drafted - token_cost * k - throughput * per_request
         if gain > best_gain:
             best_k, best_gain = k, gain
     return best_k

@@ -559,8 +559,11 @@ class Engine:
             self.cache.cache_full_blocks(request.scheduled_slot, request.all_token_ids)
         kept_features = None
         if features is not None:
-            if path == list(range(len(path))):  # the fed tokens in order: a view, no copy
-                kept_features = features[: num_known + len(path)]
+            # A tensor of these rows alone, which the drafter and the prefix cache's feature
+            # blocks both keep as it is: a view would keep the whole step's features alive
+            # (a copy head keeps a plain-decoding request's rows for many steps).
+            if path == list(range(len(path))):  # the fed tokens in order
+                kept_features = features[: num_known + len(path)].clone()
             else:
                 rows = list(range(num_known)) + [num_known + node for node in path]
                 kept_features = features[torch.tensor(rows, device=features.device)]

@@ -29,22 +29,28 @@ class _Unkeyed:
     """A request's features after its last stored block."""
 
     position: int  # the first pending token's position (a block boundary)
-    # [n_i, F] pieces, in order: not stored yet (under a block, or its key not known yet); joined
-    # only when they fill a block (a join per step cost as much as the rest of the step's bookkeeping)
+    # [n_i, F] pieces, in order: not stored yet (under a block, or its key not known yet)
     pending: list[torch.Tensor] = field(default_factory=list)
     count: int = 0  # rows in pending
 
 
 class FeatureBlockCache:
     """Features [block_size, F] per prefix-cache block key, the least recently used dropped
-    beyond `max_blocks` (a target's KV cache never keys more blocks than it holds)."""
+    beyond `max_blocks` (a target's KV cache never keys more blocks than it holds).
+
+    A block is kept as the pieces the engine handed over (rows of the request's commits, each a
+    tensor of its own that the drafter keeps too: Drafter.observe), sliced at block boundaries,
+    not copied or joined: a join and a copy per block and request were most of the bookkeeping a
+    plain-decoding step of a feature-reading drafter added (adaptive eagle3 at 32 clients), and
+    the copies doubled the memory its features take.  A hit joins its blocks' pieces once."""
 
     def __init__(self, *, block_size: int, max_blocks: int):
         if block_size < 1 or max_blocks < 1:
             raise ValueError(f"need a positive block_size and max_blocks, got {block_size=} {max_blocks=}")
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> [block_size, F]
+        # key -> pieces [n_i, F] whose rows add up to block_size
+        self._blocks: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
         self._unkeyed: dict[str, _Unkeyed] = {}
 
     def __len__(self) -> int:
@@ -61,31 +67,42 @@ class FeatureBlockCache:
         for key in keys:
             self._blocks.move_to_end(key)
         self._unkeyed[request_id] = _Unkeyed(position=len(keys) * self.block_size)
-        return torch.cat([self._blocks[key] for key in keys]) if keys else None
+        return torch.cat([piece for key in keys for piece in self._blocks[key]]) if keys else None
 
     def add(self, request_id: str, features: torch.Tensor, keys: Sequence[bytes]) -> None:
-        """features [n, F] of the request's next n cached tokens; keys: its slot's block keys so
-        far (the blocks its committed tokens fill).  Stores every block the features complete."""
+        """features [n, F] of the request's next n cached tokens, a tensor of these rows alone that
+        nothing changes later (kept as it is); keys: its slot's block keys so far (the blocks its
+        committed tokens fill).  Stores every block the features complete."""
         unkeyed = self._unkeyed.setdefault(request_id, _Unkeyed(position=0))
-        unkeyed.pending.append(features.clone())  # a copy: a view would keep the whole step's features alive
+        unkeyed.pending.append(features)
         unkeyed.count += features.shape[0]
-        size, offset = self.block_size, 0
-        if unkeyed.count < size or unkeyed.position // size >= len(keys):
-            return
-        buffered = torch.cat(unkeyed.pending) if len(unkeyed.pending) > 1 else unkeyed.pending[0]  # [m, F]
-        while buffered.shape[0] - offset >= size and unkeyed.position // size < len(keys):
+        size = self.block_size
+        while unkeyed.count >= size and unkeyed.position // size < len(keys):
+            block = self._take_block(unkeyed)
             key = keys[unkeyed.position // size]
             if key in self._blocks:
                 self._blocks.move_to_end(key)
             else:
-                # a copy: a view would keep the whole step's features alive
-                self._blocks[key] = buffered[offset : offset + size].clone()
+                self._blocks[key] = block
                 while len(self._blocks) > self.max_blocks:
                     self._blocks.popitem(last=False)
-            offset += size
             unkeyed.position += size
-        rest = buffered[offset:]
-        unkeyed.pending, unkeyed.count = ([rest.clone()] if rest.shape[0] else []), rest.shape[0]
+
+    def _take_block(self, unkeyed: _Unkeyed) -> list[torch.Tensor]:
+        """The first block_size rows of the pending pieces, as pieces (the last one maybe a
+        slice of a piece whose rest stays pending)."""
+        block, needed = [], self.block_size
+        while needed:
+            piece = unkeyed.pending[0]
+            if piece.shape[0] <= needed:
+                block.append(unkeyed.pending.pop(0))
+                needed -= piece.shape[0]
+            else:
+                block.append(piece[:needed])
+                unkeyed.pending[0] = piece[needed:]
+                needed = 0
+        unkeyed.count -= self.block_size
+        return block
 
     def finish(self, request_id: str) -> None:
         self._unkeyed.pop(request_id, None)

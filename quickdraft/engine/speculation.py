@@ -208,10 +208,13 @@ class Speculator:
         break_even = min(0.99, throughput * (cost.per_token + depth_seconds))
         scores_paths = getattr(self.drafter, "scores_paths", False)
         chosen, path_probs = {}, {}
+        probe_pays: dict[int, bool] = {}  # by cap: the same answer for every request of the step
         for request, estimate, cap, k in zip(requests, estimates, caps, lengths):
             rid = request.request_id
             probes = self._probes[rid]
-            if k == 0 and cap > 0 and probes.due and worth_probing(cost=cost, throughput=throughput, max_length=cap):
+            if k == 0 and cap > 0 and probes.due and cap not in probe_pays:
+                probe_pays[cap] = worth_probing(cost=cost, throughput=throughput, max_length=cap)
+            if k == 0 and cap > 0 and probes.due and probe_pays[cap]:
                 k = min(cap, PROBE_LENGTH)  # fresh evidence for an estimate that may have fallen too low
                 chosen[rid] = (k, k)
             elif k > 0 and scores_paths:
@@ -276,7 +279,7 @@ class Speculator:
         self,
         request: Request,
         *,
-        features: torch.Tensor | None,  # [n, L * D] the features of the n tokens that entered the cache
+        features: torch.Tensor | None,  # [n, L * D] the n tokens' features, a tensor of their own (kept as is)
         block_keys: list[bytes] | None,  # the request's full blocks' prefix-cache keys (None: no prefix caching)
         proposal: Proposal | None,
         accepted: AcceptedPath | None,

@@ -13,6 +13,7 @@ from quickdraft.engine.adaptive import (
     ProbeSchedule,
     StepCost,
     StepCostModel,
+    _best_length,
     _DecayedFit,
     choose_draft_lengths,
     expected_tokens,
@@ -28,6 +29,18 @@ COSTS = StepCost(fixed=1.0, per_request=0.0, per_token=0.05, draft_per_request=0
 )
 def test_expected_tokens_of_a_chain(rate, depth, tokens):
     assert expected_tokens(rate, depth) == pytest.approx(tokens)
+
+
+def test_a_requests_best_length_is_what_trying_every_length_gives():
+    """The early stop (past k = 1 a token pays only while rate^k beats its cost) finds what
+    trying every length finds."""
+    for rate in (0.0, 0.1, 0.35, 0.6, 0.8, 0.93, 0.99, 1.0):
+        for throughput in (0.5, 2.0, 10.0, 40.0):
+            for per_token, per_request in ((0.001, 0.0), (0.01, 0.02), (0.03, 0.0), (0.2, 0.1)):
+                gains = [0.0] + [
+                    expected_tokens(rate, k) - 1.0 - throughput * (per_token * k + per_request) for k in range(1, 9)
+                ]
+                assert gains[_best_length(rate, 8, throughput, per_token, per_request)] == pytest.approx(max(gains))
 
 
 def test_good_drafts_get_long_chains_and_garbage_none():

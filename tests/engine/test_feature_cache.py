@@ -47,13 +47,28 @@ def test_least_recently_used_blocks_go_first():
     assert b"k0" in cache and b"k5" in cache and b"k1" not in cache
 
 
-def test_stored_blocks_do_not_keep_the_step_alive():
+def test_blocks_keep_the_pieces_handed_over_without_copies():
+    """The engine hands over tensors of their own rows (Drafter.observe's contract), which the
+    drafter keeps too: a block keeps those pieces, sliced at its boundaries, and a hit joins them."""
     cache = FeatureBlockCache(block_size=2, max_blocks=4)
-    step = rows(0, 5)
-    cache.add("a", step[:3], keys=[b"k0"])
-    step.zero_()  # the engine's buffers are reused; what was stored is a copy
-    cache.add("a", rows(3, 4), keys=[b"k0", b"k1"])
+    first, second = rows(0, 3), rows(3, 4)
+    cache.add("a", first, keys=[b"k0"])
+    cache.add("a", second, keys=[b"k0", b"k1"])
+    stored = [piece for key in (b"k0", b"k1") for piece in cache._blocks[key]]
+    assert {piece.untyped_storage().data_ptr() for piece in stored} == {
+        first.untyped_storage().data_ptr(),
+        second.untyped_storage().data_ptr(),
+    }
     assert torch.equal(cache.restore("b", [b"k0", b"k1"]), rows(0, 4))
+
+
+def test_a_piece_over_several_blocks_fills_them_all():
+    cache = FeatureBlockCache(block_size=2, max_blocks=8)
+    cache.add("a", rows(0, 1), keys=[])
+    cache.add("a", rows(1, 8), keys=[b"k0", b"k1", b"k2"])  # a prefill chunk: three blocks and a row
+    assert len(cache) == 3
+    cache.add("a", rows(8, 9), keys=[b"k0", b"k1", b"k2", b"k3"])
+    assert torch.equal(cache.restore("b", [b"k0", b"k1", b"k2", b"k3"]), rows(0, 8))
 
 
 def test_bad_sizes_are_refused():
