@@ -5,9 +5,11 @@ tasks) as soon as their previous request finishes, driving `Engine.step` directl
 and the speculative modes alternate for `--rounds` rounds (each round from an empty prefix cache)
 and the medians of output tokens per second are printed with the ratio to plain.  Reproduces the
 serving benchmark's mix of prompt chunks and decodes, which `LLM.generate` (every prompt at once)
-does not.
+does not.  Each mode loads its own `LLM`, unless `--shared-engine`: one engine switched between
+the modes before each of their rounds, as `quickdraft bench serve` does (the mode order then
+rotates each round).
 
-    python benchmarks/closed_loop_clients.py --clients 32 --modes plain adaptive
+    python benchmarks/closed_loop_clients.py --clients 32 --modes plain adaptive [--shared-engine]
 """
 
 from __future__ import annotations
@@ -49,24 +51,37 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shared-engine", action="store_true", help="one engine switched between the modes")
     args = parser.parse_args()
     spec = json.loads(args.spec)
     configs = {"plain": None, "always-on": spec, "adaptive": dict(spec, adaptive=True)}
     modes = ["plain", *(m for m in args.modes if m != "plain")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llms = {
-        m: LLM(max_model_len=args.max_model_len, max_num_seqs=args.clients, speculative_config=configs[m])
-        for m in modes
-    }
+    if args.shared_engine:
+        shared = LLM(max_model_len=args.max_model_len, max_num_seqs=args.clients)
+        llms = dict.fromkeys(modes, shared)
+    else:
+        llms = {
+            m: LLM(max_model_len=args.max_model_len, max_num_seqs=args.clients, speculative_config=configs[m])
+            for m in modes
+        }
+
+    def switched(mode: str) -> LLM:
+        if args.shared_engine:
+            llms[mode].engine.set_speculative_config(configs[mode])
+        return llms[mode]
+
     room = args.max_model_len - args.max_tokens
     questions = first_questions(QUESTIONS, 16)
     fitting = [q for q in questions if len(llms["plain"].engine.tokenizer.encode(q)) < room]
     prompts = fitting[: args.clients * args.requests_per_client]
-    for llm in llms.values():  # warm-up
-        run_clients(llm, prompts[: args.clients], clients=args.clients, params=SamplingParams(max_tokens=8))
+    for mode in modes:  # warm-up
+        run_clients(switched(mode), prompts[: args.clients], clients=args.clients, params=SamplingParams(max_tokens=8))
     rates: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(args.rounds):
-        for mode, llm in llms.items():
+    for round_index in range(args.rounds):
+        shift = round_index % len(modes) if args.shared_engine else 0
+        for mode in modes[shift:] + modes[:shift]:
+            llm = switched(mode)
             llm.engine.reset_prefix_cache()
             rates[mode].append(run_clients(llm, prompts, clients=args.clients, params=params))
     plain = statistics.median(rates["plain"])
@@ -74,7 +89,8 @@ def main() -> None:
     for mode in modes:
         rounds = ", ".join(f"{r:.1f}" for r in rates[mode])
         median = statistics.median(rates[mode])
-        print(f"{mode}: {median:.1f} tok/s ({rounds}), {median / plain:.3f}x")
+        by_round = ", ".join(f"{r / p:.3f}" for r, p in zip(rates[mode], rates["plain"]))
+        print(f"{mode}: {median:.1f} tok/s ({rounds}), {median / plain:.3f}x (by round {by_round})")
 
 
 if __name__ == "__main__":

@@ -226,13 +226,13 @@ def test_drafters_that_score_paths_may_extend_them_past_the_chosen_length(tiny_c
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_the_draft_reserve_follows_what_adaptive_decodes_draft(adaptive):
     """The scheduler holds back draft_reserve tokens of prefill per decode: the bound without
-    adaptive speculation; under it, the drafted tokens per decode of the last steps, rounded up
-    (decodes that stopped drafting give prefill its whole budget back)."""
+    adaptive speculation; under it, the drafted tokens per decode of the last steps, rounded up,
+    from none (decodes that stopped drafting give prefill its whole budget back)."""
     from quickdraft.engine.speculation import Speculator
 
     config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 6, "adaptive": adaptive})
     speculator = Speculator(config=config, drafter=GarbageDrafter(vocab_size=320, tree=False), max_tree_nodes=64)
-    assert speculator.draft_reserve == 6
+    assert speculator.draft_reserve == (0 if adaptive else 6)  # adaptive: nothing drafted yet
 
     def steps(count: int, *, drafted_per_request: int, num_decodes: int = 4, num_prefills: int = 0) -> int:
         for _ in range(count):
