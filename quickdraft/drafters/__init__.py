@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DrafterRegistry, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.suffix import DEFAULT_DRAFT_LENGTH as SUFFIX_DRAFT_LENGTH
 
 
 def _ngram(*, target: TargetInfo, **options) -> Drafter:
@@ -63,9 +64,7 @@ def default_registry() -> DrafterRegistry:
     """The built-in methods; a caller may register more on the returned registry."""
     registry = DrafterRegistry()
     registry.register("ngram", _ngram)
-    # Suffix trees match long repeated spans (a base model's own loops, copied passages): 16
-    # nodes gave 3.17-3.33x plain on Spec-Bench against 2.68x with 5 (README, 2026-12-03).
-    registry.register("suffix", _suffix, num_speculative_tokens=16)
+    registry.register("suffix", _suffix, num_speculative_tokens=SUFFIX_DRAFT_LENGTH)  # suffix.py says why
     registry.register("draft_model", _draft_model)
     registry.register("eagle3", _eagle)  # the head's config says which target layers it reads
     registry.register("medusa", _medusa)
@@ -73,7 +72,7 @@ def default_registry() -> DrafterRegistry:
     registry.register("mtp", _mtp)  # the checkpoint's own nextn layers (or a head in that layout)
     registry.register("grammar", _grammar)  # forced tokens of structured-output requests
     # A hybrid's depth bound; each child keeps its own default length unless its config sets one.
-    registry.register("hybrid", _hybrid, num_speculative_tokens=16)
+    registry.register("hybrid", _hybrid, num_speculative_tokens=SUFFIX_DRAFT_LENGTH)
     return registry
 
 

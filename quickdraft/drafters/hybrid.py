@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.suffix import DEFAULT_DRAFT_LENGTH
 
 
 @dataclass
@@ -184,7 +185,7 @@ class HybridDrafter(Drafter):
         *,
         target: TargetInfo,
         drafters: list[dict],
-        num_speculative_tokens: int = 16,
+        num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH,
         max_draft_tokens: int | None = None,
         skip_after: int | None = None,
         ask_later: str = "measured",
