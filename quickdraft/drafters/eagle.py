@@ -239,7 +239,9 @@ class EagleDrafter(Drafter):
         # (Drafter.observe), kept as it is where it has the head's dtype.  A request that decodes
         # plainly keeps its pending rows (a copy head: all of them) for many steps.
         state = self._states[request.request_id]
-        state.pending.append(features.to(self.feature_dtype))
+        if features.dtype != self.feature_dtype:  # checked here: a torch call per request and step
+            features = features.to(self.feature_dtype)  # hands a server's GIL away (engine._kept_features)
+        state.pending.append(features)
         state.num_pending += features.shape[0]
         state.num_features += features.shape[0]
         window = None if self.copy_key_cache is not None else self.catch_up_window  # copy keys need them all

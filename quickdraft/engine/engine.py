@@ -14,7 +14,7 @@ import itertools
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -386,6 +386,9 @@ class Engine:
             for k, i in enumerate(verifying):
                 accepted[i], logprobs[i] = paths[k], path_logprobs[k]
         now = time.perf_counter()
+        kept_features = _kept_features(
+            features, plan=plan, proposals=proposals, accepted=accepted, row_starts=row_starts
+        )
         for i, item in enumerate(plan):
             masks = grammar_masks[i]
             self._commit(
@@ -395,7 +398,7 @@ class Engine:
                 kept_nodes=None if masks is None else masks.kept,
                 accepted=accepted[i],
                 logprobs=logprobs[i],
-                features=None if features is None else features[row_starts[i] : row_starts[i + 1]],
+                features=kept_features[i],
                 now=now,
             )
         finished = time.perf_counter()
@@ -536,7 +539,7 @@ class Engine:
         kept_nodes: list[int] | None,  # proposal node -> drafted node, when a grammar cut the tree
         accepted: AcceptedPath | None,
         logprobs: list[TokenLogprobs | None],  # per committed token
-        features: torch.Tensor | None,  # [num fed tokens, L * D] when the drafter reads features
+        features: torch.Tensor | None,  # [kept tokens, L * D] when the drafter reads features (_kept_features)
         now: float,
     ) -> None:
         """Every state change of one request's step: cache, tokens, metrics, drafter, retirement."""
@@ -557,16 +560,6 @@ class Engine:
         if self.config.enable_prefix_caching and request.num_computed_tokens // size > start // size:
             # This commit filled blocks: shareable from now on (most commits fill none).
             self.cache.cache_full_blocks(request.scheduled_slot, request.all_token_ids)
-        kept_features = None
-        if features is not None:
-            # A tensor of these rows alone, which the drafter and the prefix cache's feature
-            # blocks both keep as it is: a view would keep the whole step's features alive
-            # (a copy head keeps a plain-decoding request's rows for many steps).
-            if path == list(range(len(path))):  # the fed tokens in order
-                kept_features = features[: num_known + len(path)].clone()
-            else:
-                rows = list(range(num_known)) + [num_known + node for node in path]
-                kept_features = features[torch.tensor(rows, device=features.device)]
         if accepted is not None:
             request.metrics.num_target_forwards += 1
             # Committed token j was chosen from the logits after path node j.
@@ -579,7 +572,7 @@ class Engine:
                 accepted = path_in_child(accepted, {new: old for new, old in enumerate(kept_nodes) if old >= 0})
             self.speculator.commit(
                 request,
-                features=kept_features,
+                features=features,
                 block_keys=self.cache.block_keys(request.scheduled_slot) if self.config.enable_prefix_caching else None,
                 proposal=drafted,
                 accepted=accepted,
@@ -657,6 +650,38 @@ class Engine:
             finish_reason=request.finish_reason,
             output=request.to_output() if request.is_finished else None,
         )
+
+
+def _kept_features(
+    features: torch.Tensor | None,  # [N, L * D] the step's features, or None
+    *,
+    plan: list[ScheduledRequest],
+    proposals: list[Proposal | None],
+    accepted: list[AcceptedPath | None],
+    row_starts: list[int],
+) -> list[torch.Tensor | None]:
+    """Per item, the features [kept, L * D] of the rows its commit keeps (fed tokens before the
+    proposal's root, then the accepted path), each a tensor of its own: the drafter and the
+    prefix cache's feature blocks keep them as they are, and a view would keep the whole step's
+    features alive (a copy head keeps a plainly decoding request's rows for many steps).  Made in
+    one or two torch calls for the step, not one per request: in a server each call hands the GIL
+    to its event loop's thread and waits to get it back (32 clients, adaptive eagle3 decoding
+    plainly: a copy per request cost 5% of the server's throughput, none in one process)."""
+    if features is None:
+        return [None] * len(plan)
+    rows: list[int] = []
+    sizes = []
+    for item, proposal, path, start in zip(plan, proposals, accepted, row_starts):
+        num_known = item.num_new_tokens - (proposal is not None)
+        nodes = path.nodes if path is not None else []
+        rows += range(start, start + num_known)
+        rows += [start + num_known + node for node in nodes]
+        sizes.append(num_known + len(nodes))
+    if rows != list(range(features.shape[0])):
+        features = features[torch.tensor(rows, device=features.device)]
+    # torch's stubs type split_with_sizes_copy by its out= form (returning None); it returns the pieces
+    pieces = torch.split_with_sizes_copy(features, sizes)  # type: ignore[func-returns-value]
+    return list(cast("list[torch.Tensor]", pieces))
 
 
 def _features(captured: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor | None:
