@@ -545,9 +545,7 @@ class Engine:
         """Every state change of one request's step: cache, tokens, metrics, drafter, retirement."""
         request = item.request
         start = request.num_computed_tokens
-        # Fed tokens before the proposal's root: a prefill chunk's (all of them when nothing is sampled).
-        num_known = item.num_new_tokens - (proposal is not None)
-        path = accepted.nodes if accepted is not None else []
+        num_known, path = _committed_rows(item, proposal, accepted)
         # Keep the accepted path's KV (root included), moved to the positions of its depths.
         self.cache.compact(
             request.scheduled_slot,
@@ -652,6 +650,16 @@ class Engine:
         )
 
 
+def _committed_rows(
+    item: ScheduledRequest, proposal: Proposal | None, accepted: AcceptedPath | None
+) -> tuple[int, list[int]]:
+    """The rows of an item's forward that its commit keeps: the fed tokens before the proposal's
+    root (a prefill chunk's; all of them when nothing is verified), then the accepted path's
+    nodes (the root first)."""
+    num_known = item.num_new_tokens - (proposal is not None)
+    return num_known, accepted.nodes if accepted is not None else []
+
+
 def _kept_features(
     features: torch.Tensor | None,  # [N, L * D] the step's features, or None
     *,
@@ -672,8 +680,7 @@ def _kept_features(
     rows: list[int] = []
     sizes = []
     for item, proposal, path, start in zip(plan, proposals, accepted, row_starts):
-        num_known = item.num_new_tokens - (proposal is not None)
-        nodes = path.nodes if path is not None else []
+        num_known, nodes = _committed_rows(item, proposal, path)
         rows += range(start, start + num_known)
         rows += [start + num_known + node for node in nodes]
         sizes.append(num_known + len(nodes))

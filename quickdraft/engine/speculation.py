@@ -8,6 +8,7 @@ request and step, what the engine committed; verification itself is the engine's
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -211,13 +212,12 @@ class Speculator:
         break_even = min(0.99, throughput * (cost.per_token + depth_seconds))
         scores_paths = getattr(self.drafter, "scores_paths", False)
         chosen, path_probs = {}, {}
-        probe_pays: dict[int, bool] = {}  # by cap: the same answer for every request of the step
+        # by cap: the same answer for every request of the step
+        probe_pays = functools.cache(lambda cap: worth_probing(cost=cost, throughput=throughput, max_length=cap))
         for request, estimate, cap, k in zip(requests, estimates, caps, lengths):
             rid = request.request_id
             probes = self._probes[rid]
-            if k == 0 and cap > 0 and probes.due and cap not in probe_pays:
-                probe_pays[cap] = worth_probing(cost=cost, throughput=throughput, max_length=cap)
-            if k == 0 and cap > 0 and probes.due and probe_pays[cap]:
+            if k == 0 and cap > 0 and probes.due and probe_pays(cap):
                 k = min(cap, PROBE_LENGTH)  # fresh evidence for an estimate that may have fallen too low
                 chosen[rid] = (k, k)
             elif k > 0 and scores_paths:
