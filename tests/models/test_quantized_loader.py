@@ -127,6 +127,35 @@ def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
     assert torch.equal(tree, alone[:3])
 
 
+def test_many_decodes_in_one_forward_equal_each_alone(tiny_gguf_paths):
+    """Ten requests with contexts of different lengths, each decoding a token: one forward for
+    all (attention's work items of every sequence in one parallel region, their heads sharing key
+    reads) gives each request's bits decoded alone."""
+    model, config = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
+    slots = 10
+    cache = KVCache(
+        num_layers=config.num_layers,
+        num_slots=slots,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=128,
+        dtype=torch.float32,
+        device=CPU,
+        block_size=4,
+    )
+    runner = ModelRunner(model=model, cache=cache, device=CPU)
+    lengths = [2 + slot for slot in range(slots)]  # windows full and not, one block and several
+    for slot, length in enumerate(lengths):
+        runner.forward([SequenceWork(slot=slot, cache_len=0, token_ids=PROMPT[:length], logits_nodes=[0])])
+    decodes = [
+        SequenceWork(slot=slot, cache_len=length, token_ids=[PROMPT[length]], logits_nodes=[0])
+        for slot, length in enumerate(lengths)
+    ]
+    together = runner.forward(decodes).logits
+    alone = torch.cat([runner.forward([work]).logits for work in decodes])
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("amx", ["1", "0"])
 def test_prefill_rows_equal_decoded_rows(tiny_gguf_paths, monkeypatch, amx):
     """All 18 rows of a prompt in one forward (wide enough for the AMX tiles of the Q8_0 LM head

@@ -1221,6 +1221,66 @@ const float* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
 
+// One attention work item: query row t of a sequence, G heads from `head`.
+struct AttentionItem {
+  int64_t seq, t, head;
+};
+
+// Attention of every query row of every sequence, in one parallel region: a region per
+// sequence cost more than a decode row's work (32 decodes: ~2 ms of every layer's 3).  Each
+// (row, G heads) is one attend_rows call whatever the chunking, so the split changes no bit.
+// G follows the layer's rows (N), not a sequence's: a batch of decodes has enough items to keep
+// every thread busy with its heads together, so the keys are read once per row, not per head.
+// Items go to threads in contiguous runs of about equal keys read.
+template <typename Offset>
+void attend_sequences(const float* qkv, const float* kc, const float* vc, const std::vector<int64_t>& seqs,
+                      const std::vector<c10::optional<at::Tensor>>& masks,
+                      const Offset& offset, int64_t N, int64_t H, int64_t Hkv, int64_t hd, int64_t QKV, float scale,
+                      float* attended) {
+  const int64_t num_seqs = static_cast<int64_t>(masks.size()), group = H / Hkv;
+  const int64_t threads = at::get_num_threads();
+  const int64_t G = attention_heads_per_call(group, N * Hkv, threads), calls = H / G;
+  std::vector<int64_t> rows_at(num_seqs + 1, 0);  // where each sequence's key offsets start in `rows`
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t S = seqs[5 * b + 4] - seqs[5 * b + 3];
+    rows_at[b + 1] = rows_at[b] + Hkv * S;
+    max_keys = std::max(max_keys, S);
+  }
+  std::vector<int64_t> rows(rows_at[num_seqs]);  // per sequence and key head, where each key row lies
+  std::vector<AttentionItem> items;
+  std::vector<int64_t> work_before;  // keys read by the items before each one (and the total last)
+  work_before.push_back(0);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2];
+    const int64_t kv_start = seqs[5 * b + 3], S = seqs[5 * b + 4] - kv_start, T = r1 - r0;
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t s = 0; s < S; ++s) rows[rows_at[b] + g * S + s] = offset(ts, g, kv_start + s);
+    for (int64_t i = 0; i < T * calls; ++i) {
+      items.push_back({b, zigzag(i / calls, T), (i % calls) * G});
+      work_before.push_back(work_before.back() + S * G);
+    }
+  }
+  const int64_t total = work_before.back(), num_items = static_cast<int64_t>(items.size());
+  // At least ~64k floats of keys per thread: below that a region costs more than it saves.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, total * hd / (1 << 16)));
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> scores(G * max_keys + 16);
+    for (int64_t c = c0; c < c1; ++c) {
+      // items whose work starts in this chunk's share of the total
+      const auto first = std::lower_bound(work_before.begin(), work_before.end() - 1, total * c / chunks);
+      const auto last = std::lower_bound(work_before.begin(), work_before.end() - 1, total * (c + 1) / chunks);
+      for (int64_t i = first - work_before.begin(); i < std::min(num_items, last - work_before.begin()); ++i) {
+        const auto [b, t, head] = items[i];
+        const int64_t r0 = seqs[5 * b + 1], S = seqs[5 * b + 4] - seqs[5 * b + 3], g = head / group;
+        const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
+        attend_rows(G, qkv + (r0 + t) * QKV + head * hd, kc, vc, rows.data() + rows_at[b] + g * S, S, hd,
+                    mask ? mask + t * S : nullptr, scale, scores.data(), attended + (r0 + t) * H * hd + head * hd);
+      }
+    }
+  });
+}
+
 // hidden [N, D] -> the layer's output [N, D].  cache_k / cache_v [num_blocks, Hkv, block_size, hd]: a
 // paged cache (a slot cache is one block per slot).  seqs: per sequence (table_start, row_start,
 // row_end, kv_start, kv_end) of this layer's attention type, its block table at
@@ -1292,29 +1352,8 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
         std::memcpy(vc + at, qkv_out.data() + n * QKV + (H + Hkv + g) * hd, hd * sizeof(float));
       }
   }
-  const float fscale = static_cast<float>(scale);
-  std::vector<int64_t> rows;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2];
-    const int64_t kv_start = seqs[5 * b + 3], kv_end = seqs[5 * b + 4], S = kv_end - kv_start;
-    const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
-    const int64_t T = r1 - r0, group = H / Hkv;
-    rows.resize(Hkv * S);  // per key head, where each key / value row of the range lies
-    for (int64_t g = 0; g < Hkv; ++g)
-      for (int64_t s = 0; s < S; ++s) rows[g * S + s] = offset(ts, g, kv_start + s);
-    // G query heads of a key head per call (they share its key and value reads).
-    const int64_t G = attention_heads_per_call(group, T * Hkv, at::get_num_threads()), calls = H / G;
-    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, S * hd * G));
-    at::parallel_for(0, T * calls, grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores(G * S + 16);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = zigzag(i / calls, T), head = (i % calls) * G, g = head / group;
-        attend_rows(G, qkv_out.data() + (r0 + t) * QKV + head * hd, kc, vc, rows.data() + g * S, S, hd,
-                    mask ? mask + t * S : nullptr, fscale, scores.data(),
-                    attended.data() + (r0 + t) * H * hd + head * hd);
-      }
-    });
-  }
+  attend_sequences(qkv_out.data(), kc, vc, seqs, masks, offset, N, H, Hkv, hd, QKV, static_cast<float>(scale),
+                   attended.data());
   // block output
   matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum, amx_min_rows);
   const float* w_post = post_attention_norm.const_data_ptr<float>();
