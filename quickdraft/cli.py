@@ -9,6 +9,8 @@ import shlex
 import sys
 import time
 
+from quickdraft.config import KV_CACHE_DTYPES
+
 DESCRIPTION = """\
 quickdraft: an LLM inference engine built around lossless speculative decoding.
 
@@ -54,6 +56,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="the target's KV cache: auto (default: the compute dtype) or float16 (half the bytes that "
+        "attention over long contexts reads; keys and values round once when written)",
+    )
+
+
 def _add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size",
@@ -95,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("prompt", help="the prompt text")
     _add_model_options(generate)
+    _add_kv_cache_dtype_option(generate)
     _add_sampling_options(generate)
     spec = generate.add_argument_group("speculative decoding")
     spec.add_argument(
@@ -152,6 +165,7 @@ def _add_serve_parser(commands) -> None:
         help="local HF directory or .gguf file (default: embedded Gemma 3 270M)",
     )
     _add_model_options(serve)
+    _add_kv_cache_dtype_option(serve)
     serve.add_argument(
         "--speculative-config",
         default=None,
@@ -565,6 +579,7 @@ def _add_bench_serve_parser(suites) -> None:
     )
     serve.add_argument("--out", default=None, metavar="DIR", help="results folder (default: results/serve-DATE-TIME)")
     _add_model_options(serve)
+    _add_kv_cache_dtype_option(serve)
 
 
 def _sampling_params(args):
@@ -593,6 +608,7 @@ def run_generate(args) -> int:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         device=args.device,
         max_model_len=args.max_model_len,
@@ -715,6 +731,7 @@ def run_bench_serve(args) -> int:
         questions=Path(args.questions),
         model=args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         concurrency=tuple(args.concurrency),
@@ -832,6 +849,7 @@ def run_serve(args) -> int:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_queue=args.max_queue,
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
         tensor_parallel_size=args.tensor_parallel_size,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
 
 @dataclass
 class EngineConfig:
@@ -25,6 +27,11 @@ class EngineConfig:
     # nothing ever waits.  Less packs more requests per byte: when blocks run out, the newest
     # running requests are preempted and recompute later (vLLM's kv_cache_memory_bytes).
     kv_cache_memory_bytes: int | None = None
+    # How the target's KV cache holds keys and values: "auto" (the compute dtype) or "float16"
+    # (half the bytes: a batch of decodes over long contexts is bound by reading them; each key
+    # and value rounds once when written, so outputs may differ slightly from "auto", and stay
+    # the same for plain and speculative decoding).  llama.cpp's default cache type is f16.
+    kv_cache_dtype: str = "auto"
     seed: int = 0  # seeds the RNG of requests that give no seed of their own
     speculative_config: SpeculativeConfig | dict | None = None
     # Processes the target's layers and LM head are split over (quickdraft/distributed): rank 0
@@ -41,6 +48,10 @@ class EngineConfig:
         memory = self.kv_cache_memory_bytes
         if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory < 1):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer or None, got {memory!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError("kv_cache_dtype other than 'auto' needs tensor_parallel_size 1 (not built for the split)")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.seed, int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from quickdraft.cli import build_parser, main
 
@@ -28,6 +29,34 @@ def test_generate_streams_and_summarises(tiny_checkpoints, capsys):
     assert code == 0
     assert captured.out.startswith("hello")
     assert "5 tokens (length)" in captured.err and "TTFT" in captured.err and "tokens/s" in captured.err
+
+
+def test_generate_with_a_float16_kv_cache(tiny_checkpoints, capsys, monkeypatch):
+    from quickdraft import llm as llm_module
+
+    made = []
+    real = llm_module.LLM
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(llm_module, "LLM", recording)
+    argv = [
+        "generate",
+        "hello",
+        "--model",
+        str(tiny_checkpoints["llama"]),
+        "--max-tokens",
+        "3",
+        "--max-model-len",
+        "64",
+    ]
+    assert main([*argv, "--kv-cache-dtype", "float16"]) == 0
+    assert made[0].engine.cache.keys[0].dtype == torch.float16
+    with pytest.raises(SystemExit):
+        main([*argv, "--kv-cache-dtype", "bfloat8"])
+    assert "--kv-cache-dtype" in capsys.readouterr().err
 
 
 def test_generate_with_tensor_parallel_prints_what_one_process_prints(tiny_checkpoints, capsys):

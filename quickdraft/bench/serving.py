@@ -52,6 +52,7 @@ class ServingBenchOptions:
     questions: Path = DEFAULT_QUESTIONS
     model: str | None = None  # None: the embedded Gemma 3 270M
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
@@ -398,6 +399,7 @@ def server_config(options: ServingBenchOptions, *, speculative_config: dict | No
         model=options.model,
         served_model_name=SERVED_MODEL_NAME,
         dtype=options.dtype,
+        kv_cache_dtype=options.kv_cache_dtype,
         device=options.device,
         max_model_len=options.max_model_len,
         max_num_seqs=options.num_slots,
@@ -633,7 +635,8 @@ def machine_description(device: str) -> str:
 def _header(options: ServingBenchOptions, *, engine, num_prompts: int) -> str:
     model = options.model or "embedded Gemma 3 270M (GGUF Q4_K_M; dtype auto keeps it as stored)"
     return (
-        f"Serving benchmark: {model}, {options.dtype}, {options.device}, max_model_len {engine.max_model_len}, "
+        f"Serving benchmark: {model}, {options.dtype}, KV cache {options.kv_cache_dtype}, {options.device}, "
+        f"max_model_len {engine.max_model_len}, "
         f"{options.num_slots} cache slots{_replicas_text(options)}; greedy streamed completions of "
         f"{options.max_tokens} tokens at most, "
         f"{options.requests_per_client} per client; first turns of {num_prompts} Spec-Bench questions from "

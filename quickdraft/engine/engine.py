@@ -57,6 +57,8 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
+        # the target's keys and values: the compute dtype, or as config.kv_cache_dtype names
+        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self.model_dir = model_dir = resolve_model_dir(config.model)
         gguf_path = resolve_gguf_path(config.model)
         self.quantization = resolve_quantization(
@@ -87,7 +89,7 @@ class Engine:
                 num_kv_heads=self.model_config.num_kv_heads,
                 head_dim=self.model_config.head_dim,
                 max_len=cache_len,
-                dtype=self.dtype,
+                dtype=self.kv_cache_dtype,
                 device=self.device,
                 block_size=config.block_size,
                 layer_windows=self.model_config.layer_windows,

@@ -421,8 +421,9 @@ class KVCache:
         block_index: torch.Tensor,  # [N] blocks of this layer's group
         block_offset: torch.Tensor,  # [N]
     ) -> None:
-        self.keys[layer][block_index, :, block_offset] = keys
-        self.values[layer][block_index, :, block_offset] = values
+        pool_dtype = self.keys[layer].dtype  # a float16 cache beside float compute rounds here
+        self.keys[layer][block_index, :, block_offset] = keys.to(pool_dtype)
+        self.values[layer][block_index, :, block_offset] = values.to(pool_dtype)
 
     def read(self, layer: int, *, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> keys, values [Hkv, end - start, hd]: views when the range lies in one block, else

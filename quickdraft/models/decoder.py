@@ -229,6 +229,8 @@ class DecoderLayer(torch.nn.Module):
             kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
             mask = seq.sliding_mask if self.is_sliding else seq.full_mask
             keys, values = cache.read(self.layer_index, slot=seq.slot, start=kv_start, end=seq.kv_end)
+            if keys.dtype != q.dtype:  # a float16 cache (kv_cache_dtype) beside float compute
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             out[seq.row_start : seq.row_end] = attention(
                 q[seq.row_start : seq.row_end], keys, values, mask=mask, scale=self.attn_scale
             )

@@ -33,6 +33,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # None: every slot can reach max_model_len at once
+    kv_cache_dtype: str = "auto"  # or "float16": the target's keys and values in half the bytes
     seed: int = 0
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # processes the target is split over (quickdraft/distributed)
@@ -77,6 +78,7 @@ class ServerConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            kv_cache_dtype=self.kv_cache_dtype,
             seed=self.seed,
             speculative_config=self.speculative_config,
             tensor_parallel_size=self.tensor_parallel_size,

@@ -69,14 +69,14 @@ def _quantized_weights(model) -> dict[str, QuantizedWeight]:
     }
 
 
-def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3):
+def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_dtype=torch.float32):
     cache = KVCache(
         num_layers=config.num_layers,
         num_slots=slots,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         max_len=128,
-        dtype=torch.float32,
+        dtype=kv_dtype,
         device=CPU,
         block_size=4,  # the same rows whichever blocks the slots' keys land in
     )
@@ -86,8 +86,9 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3):
     return [runner.forward(work).logits for work in work_list]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0"])
-def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
+def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name, kv_dtype):
     model, config = load(tiny_gguf_paths[name], "gguf")
     prefix, rest = PROMPT[:12], PROMPT[12:]
     n = len(prefix)
@@ -97,6 +98,7 @@ def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
         [[SequenceWork(slot=0, cache_len=n + i, token_ids=[rest[i]], logits_nodes=[0])] for i in range(len(rest))],
         prefix=prefix,
         slots=1,
+        kv_dtype=kv_dtype,
     )
     alone = torch.cat(alone)
     chain_and_other, tree = _logits(
@@ -122,15 +124,17 @@ def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name):
             ],
         ],
         prefix=prefix,
+        kv_dtype=kv_dtype,
     )
     assert torch.equal(chain_and_other[4:], alone)
     assert torch.equal(tree, alone[:3])
 
 
-def test_many_decodes_in_one_forward_equal_each_alone(tiny_gguf_paths):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_many_decodes_in_one_forward_equal_each_alone(tiny_gguf_paths, kv_dtype):
     """Ten requests with contexts of different lengths, each decoding a token: one forward for
     all (attention's work items of every sequence in one parallel region, their heads sharing key
-    reads) gives each request's bits decoded alone."""
+    reads) gives each request's bits decoded alone, with a float32 or a float16 KV cache."""
     model, config = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
     slots = 10
     cache = KVCache(
@@ -139,7 +143,7 @@ def test_many_decodes_in_one_forward_equal_each_alone(tiny_gguf_paths):
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         max_len=128,
-        dtype=torch.float32,
+        dtype=kv_dtype,
         device=CPU,
         block_size=4,
     )
@@ -182,6 +186,36 @@ def test_prefill_rows_equal_decoded_rows(tiny_gguf_paths, monkeypatch, amx):
     assert torch.equal(wide, torch.cat(alone))
 
 
+@pytest.mark.parametrize("quantization", ["gguf", None])
+def test_float16_kv_cache_rounds_keys_and_values_once(tiny_gguf_paths, quantization):
+    """A float16 KV cache (the fused layer, or the float layer's torch attention) holds the
+    float32 cache's keys and values rounded to half, and gives logits close to its."""
+    model, config = load(tiny_gguf_paths["gemma3-mixed"], quantization)
+    work = [[SequenceWork(slot=0, cache_len=0, token_ids=PROMPT, logits_nodes=list(range(len(PROMPT))))]]
+    caches = {}
+    logits = {}
+    for dtype in (torch.float32, torch.float16):
+        cache = KVCache(
+            num_layers=config.num_layers,
+            num_slots=1,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            max_len=128,
+            dtype=dtype,
+            device=CPU,
+            block_size=4,
+        )
+        logits[dtype] = ModelRunner(model=model, cache=cache, device=CPU).forward(work[0]).logits
+        caches[dtype] = cache
+    assert caches[torch.float16].keys[0].dtype == torch.float16
+    assert caches[torch.float16].keys[0].nbytes * 2 == caches[torch.float32].keys[0].nbytes
+    # layer 0's keys depend on the prompt only: the half cache holds them rounded once
+    assert torch.equal(caches[torch.float16].keys[0], caches[torch.float32].keys[0].half())
+    assert torch.equal(caches[torch.float16].values[0], caches[torch.float32].values[0].half())
+    difference = (logits[torch.float16] - logits[torch.float32]).abs().max()
+    assert 0 < difference < 0.05 * logits[torch.float32].abs().max()
+
+
 def test_quantized_logits_close_to_float(tiny_gguf_paths):
     floats, config = load(tiny_gguf_paths["gemma3-mixed"], None)
     quantized, _ = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
@@ -191,16 +225,22 @@ def test_quantized_logits_close_to_float(tiny_gguf_paths):
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, tree):
+def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, tree, kv_cache_dtype):
     path = str(tiny_gguf_paths["gemma3-mixed"])
     params = SamplingParams(max_tokens=24, **GREEDY)
     prompts = [p[:12] for p in repetitive_prompts()]
-    plain = LLM(path, max_model_len=128, max_num_seqs=4)
+    plain = LLM(path, max_model_len=128, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
     assert plain.engine.quantization == "gguf"
+    assert plain.engine.cache.keys[0].dtype == (torch.float16 if kv_cache_dtype == "float16" else torch.float32)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = LLM(
-        path, max_model_len=128, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 6}
+        path,
+        max_model_len=128,
+        max_num_seqs=4,
+        kv_cache_dtype=kv_cache_dtype,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 6},
     )
     llm.engine.speculator.drafter = GarbageDrafter(vocab_size=plain.engine.model_config.vocab_size, tree=tree)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected

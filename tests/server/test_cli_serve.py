@@ -67,10 +67,13 @@ def test_serve_options_reach_the_config(monkeypatch, tmp_path):
             "5",
             "--served-model-name",
             "mine",
+            "--kv-cache-dtype",
+            "float16",
         ]
     )
     assert code == 0
     config = seen[0]
+    assert config.kv_cache_dtype == "float16" and config.engine_config().kv_cache_dtype == "float16"
     assert config.model == str(tmp_path) and config.speculative_config == {"method": "suffix"}
     assert (config.host, config.port, config.max_model_len, config.max_num_seqs) == ("0.0.0.0", 9001, 256, 3)
     assert (config.dtype, config.max_queue, config.model_name) == ("bfloat16", 5, "mine")

@@ -40,6 +40,7 @@ struct Vec {
   static constexpr int kAccumulators = 16;  // of 32 registers
   static F zero() { return _mm512_setzero_ps(); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }

@@ -15,7 +15,7 @@
 namespace qd_attention_avx2 {
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 // The 8 lanes' sum by one fixed tree: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
 inline float sum8(__m256 acc) {
@@ -49,6 +49,7 @@ struct Vec {
   static constexpr int kAccumulators = 8;  // of 16 registers
   static F zero() { return _mm256_setzero_ps(); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }

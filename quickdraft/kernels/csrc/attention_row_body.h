@@ -16,13 +16,25 @@
 // which loads are shared, never an operation of a lane: every path gives a (row, head) the same
 // bits.
 //
-// Key and value row s of a call start at k + rows[s] and v + rows[s] (float offsets): a paged
-// cache's rows lie in blocks, a contiguous one's every D floats; where they lie changes no bit.
+// Key and value row s of a call start at k + rows[s] and v + rows[s] (element offsets): a paged
+// cache's rows lie in blocks, a contiguous one's every D elements; where they lie changes no bit.
+//
+// Keys and values are floats, or IEEE halves (Float16: a float16 KV cache, half the bytes a
+// long context's attention reads); a half widens to its float exactly, and every operation
+// after the load is the float path's, so a half cache gives every (row, head) one set of bits
+// too (its own: the cache rounded each key and value once when it wrote them).
+struct Float16 {
+  uint16_t bits;
+};
 
-// Fixed-order dot product of two rows of D floats (D % Vec::kLanes == 0).
-inline float dot(const float* a, const float* b, int64_t D) {
+inline Vec::F load_kv(const float* p) { return Vec::load(p); }
+inline Vec::F load_kv(const Float16* p) { return Vec::load_half(&p->bits); }
+
+// Fixed-order dot product of a query row and a key row of D values (D % Vec::kLanes == 0).
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t D) {
   Vec::F acc = Vec::zero();
-  for (int64_t d = 0; d < D; d += Vec::kLanes) acc = Vec::fmadd(Vec::load(a + d), Vec::load(b + d), acc);
+  for (int64_t d = 0; d < D; d += Vec::kLanes) acc = Vec::fmadd(Vec::load(a + d), load_kv(b + d), acc);
   return Vec::sum(acc);
 }
 
@@ -46,8 +58,8 @@ inline float exp_scores(float* scores, int64_t S, float max_score, const bool* v
 }
 
 // The weighted sum of the visible values over W registers of the head from column c.
-template <int W>
-inline void weighted_values(const float* v, const int64_t* rows, int64_t S, const bool* visible,
+template <int W, typename KV>
+inline void weighted_values(const KV* v, const int64_t* rows, int64_t S, const bool* visible,
                             const float* weights, float inv_total, int64_t c, float* out) {
   constexpr int L = Vec::kLanes;
   Vec::F acc[W];
@@ -55,8 +67,8 @@ inline void weighted_values(const float* v, const int64_t* rows, int64_t S, cons
   for (int64_t s = 0; s < S; ++s) {
     if (visible != nullptr && !visible[s]) continue;
     const Vec::F pv = Vec::set1(weights[s]);
-    const float* vs = v + rows[s] + c;
-    for (int j = 0; j < W; ++j) acc[j] = Vec::fmadd(pv, Vec::load(vs + L * j), acc[j]);
+    const KV* vs = v + rows[s] + c;
+    for (int j = 0; j < W; ++j) acc[j] = Vec::fmadd(pv, load_kv(vs + L * j), acc[j]);
   }
   const Vec::F inv = Vec::set1(inv_total);
   for (int j = 0; j < W; ++j) Vec::store(out + c + L * j, Vec::mul(acc[j], inv));
@@ -64,8 +76,8 @@ inline void weighted_values(const float* v, const int64_t* rows, int64_t S, cons
 
 // Columns c .. D of the head in passes of W registers while they fit, then narrower ones (a
 // head of 128 floats is one pass of 8 AVX-512 registers, not eight of one).
-template <int W>
-inline void weighted_columns(const float* v, const int64_t* rows, int64_t S, int64_t D, const bool* visible,
+template <int W, typename KV>
+inline void weighted_columns(const KV* v, const int64_t* rows, int64_t S, int64_t D, const bool* visible,
                              const float* weights, float inv_total, int64_t c, float* out) {
   for (; c + Vec::kLanes * W <= D; c += Vec::kLanes * W)
     weighted_values<W>(v, rows, S, visible, weights, inv_total, c, out);
@@ -73,7 +85,8 @@ inline void weighted_columns(const float* v, const int64_t* rows, int64_t S, int
 }
 
 // One query row of one head against S keys (scores: a scratch row of S).
-inline void attend_row(const float* q, const float* k, const float* v, const int64_t* rows, int64_t S, int64_t D,
+template <typename KV>
+inline void attend_row(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
                        const bool* visible, float scale, float* scores, float* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float max_score = neg_inf;
@@ -98,8 +111,8 @@ inline void attend_row(const float* q, const float* k, const float* v, const int
 // order); the heads only share the loads.  Each key and value row is read once for the G heads
 // instead of G times: attention over a long context is bound by reading them.  q, out: G heads
 // of D floats, one after the other; scores: G * S scratch.
-template <int G>
-inline void attend_heads(const float* q, const float* k, const float* v, const int64_t* rows, int64_t S, int64_t D,
+template <int G, typename KV>
+inline void attend_heads(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
                          const bool* visible, float scale, float* scores, float* out) {
   constexpr int L = Vec::kLanes;
   constexpr int W = Vec::kAccumulators / G;  // value registers per head at a time
@@ -115,11 +128,11 @@ inline void attend_heads(const float* q, const float* k, const float* v, const i
       for (int g = 0; g < G; ++g) scores[g * S + s] = neg_inf;
       continue;
     }
-    const float* ks = k + rows[s];
+    const KV* ks = k + rows[s];
     Vec::F acc[G];
     for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
     for (int64_t d = 0; d < D; d += L) {
-      const Vec::F kd = Vec::load(ks + d);
+      const Vec::F kd = load_kv(ks + d);
       for (int g = 0; g < G; ++g) acc[g] = Vec::fmadd(Vec::load(q + g * D + d), kd, acc[g]);
     }
     for (int g = 0; g < G; ++g) {
@@ -139,9 +152,9 @@ inline void attend_heads(const float* q, const float* k, const float* v, const i
       for (int j = 0; j < W; ++j) acc[g][j] = Vec::zero();
     for (int64_t s = 0; s < S; ++s) {
       if (visible != nullptr && !visible[s]) continue;
-      const float* vs = v + rows[s] + c;
+      const KV* vs = v + rows[s] + c;
       Vec::F vv[W];
-      for (int j = 0; j < W; ++j) vv[j] = Vec::load(vs + L * j);
+      for (int j = 0; j < W; ++j) vv[j] = load_kv(vs + L * j);
       for (int g = 0; g < G; ++g) {
         const Vec::F pv = Vec::set1(scores[g * S + s]);
         for (int j = 0; j < W; ++j) acc[g][j] = Vec::fmadd(pv, vv[j], acc[g][j]);
@@ -155,7 +168,8 @@ inline void attend_heads(const float* q, const float* k, const float* v, const i
 }
 
 // attend_heads for a run-time G (from the build's heads_per_call).
-inline void attend_heads_n(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
+template <typename KV>
+inline void attend_heads_n(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
                            int64_t D, const bool* visible, float scale, float* scores, float* out) {
   switch (G) {
     case 4: attend_heads<4>(q, k, v, rows, S, D, visible, scale, scores, out); return;

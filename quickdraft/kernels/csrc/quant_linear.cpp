@@ -1123,7 +1123,10 @@ inline int64_t attention_heads_per_call(int64_t group, int64_t rows_times_kv_hea
   return qd_attention_avx2::heads_per_call(group, rows_times_kv_heads, threads);
 }
 
-inline void attend_rows(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
+using KvHalf = qd_attention_avx2::Float16;  // a float16 cache's element, as the attention rows read it
+
+template <typename KV>
+inline void attend_rows(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
                         int64_t D, const bool* visible, float scale, float* scores, float* out) {
   qd_attention_avx2::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
@@ -1173,7 +1176,10 @@ inline int64_t attention_heads_per_call(int64_t group, int64_t rows_times_kv_hea
   return qd_attention::heads_per_call(group, rows_times_kv_heads, threads);
 }
 
-inline void attend_rows(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
+using KvHalf = qd_attention::Float16;  // a float16 cache's element, as the attention rows read it
+
+template <typename KV>
+inline void attend_rows(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
                         int64_t D, const bool* visible, float scale, float* scores, float* out) {
   qd_attention::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
@@ -1221,6 +1227,12 @@ const float* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
 
+// A new key or value row into the cache: as it is, or rounded to half (to nearest, once).
+inline void store_kv_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_kv_row(KvHalf* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i].bits = c10::Half(src[i]).x;
+}
+
 // One attention work item: query row t of a sequence, G heads from `head`.
 struct AttentionItem {
   int64_t seq, t, head;
@@ -1232,8 +1244,8 @@ struct AttentionItem {
 // G follows the layer's rows (N), not a sequence's: a batch of decodes has enough items to keep
 // every thread busy with its heads together, so the keys are read once per row, not per head.
 // Items go to threads in contiguous runs of about equal keys read.
-template <typename Offset>
-void attend_sequences(const float* qkv, const float* kc, const float* vc, const std::vector<int64_t>& seqs,
+template <typename KV, typename Offset>
+void attend_sequences(const float* qkv, const KV* kc, const KV* vc, const std::vector<int64_t>& seqs,
                       const std::vector<c10::optional<at::Tensor>>& masks,
                       const Offset& offset, int64_t N, int64_t H, int64_t Hkv, int64_t hd, int64_t QKV, float scale,
                       float* attended) {
@@ -1328,13 +1340,14 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
       rotate_head(v, cp + n * hd, sp + n * hd, hd, tmp.data());
     }
   });
-  // KV write, then attention per sequence
-  float* kc = cache_k.mutable_data_ptr<float>();
-  float* vc = cache_v.mutable_data_ptr<float>();
+  // KV write, then attention of every sequence
+  TORCH_CHECK(cache_k.scalar_type() == cache_v.scalar_type() &&
+                  (cache_k.scalar_type() == at::kFloat || cache_k.scalar_type() == at::kHalf),
+              "decoder_layer: the KV cache must be float32 or float16, got ", cache_k.scalar_type());
   const int64_t block_size = cache_k.size(2), block_stride = Hkv * block_size * hd, head_stride = block_size * hd;
   const int64_t num_seqs = static_cast<int64_t>(masks.size());
   const int64_t num_blocks = cache_k.size(0), num_table_entries = static_cast<int64_t>(tables.size());
-  // Where storage index p of a sequence's key head g starts, in floats from the cache's start.
+  // Where storage index p of a sequence's key head g starts, in elements from the cache's start.
   auto offset = [&](int64_t table_start, int64_t g, int64_t p) {
     const int64_t entry = table_start + p / block_size;
     TORCH_CHECK(entry < num_table_entries, "decoder_layer: storage index past the block table");
@@ -1342,18 +1355,25 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     TORCH_CHECK(block >= 0 && block < num_blocks, "decoder_layer: block ", block, " outside the cache");
     return block * block_stride + g * head_stride + (p % block_size) * hd;
   };
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2], kv_end = seqs[5 * b + 4];
-    const int64_t cache_len = kv_end - (r1 - r0);
-    for (int64_t n = r0; n < r1; ++n)
-      for (int64_t g = 0; g < Hkv; ++g) {
-        const int64_t at = offset(ts, g, cache_len + n - r0);
-        std::memcpy(kc + at, qkv_out.data() + n * QKV + (H + g) * hd, hd * sizeof(float));
-        std::memcpy(vc + at, qkv_out.data() + n * QKV + (H + Hkv + g) * hd, hd * sizeof(float));
-      }
-  }
-  attend_sequences(qkv_out.data(), kc, vc, seqs, masks, offset, N, H, Hkv, hd, QKV, static_cast<float>(scale),
-                   attended.data());
+  auto write_and_attend = [&](auto* kc, auto* vc) {
+    for (int64_t b = 0; b < num_seqs; ++b) {
+      const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2], kv_end = seqs[5 * b + 4];
+      const int64_t cache_len = kv_end - (r1 - r0);
+      for (int64_t n = r0; n < r1; ++n)
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const int64_t at = offset(ts, g, cache_len + n - r0);
+          store_kv_row(kc + at, qkv_out.data() + n * QKV + (H + g) * hd, hd);
+          store_kv_row(vc + at, qkv_out.data() + n * QKV + (H + Hkv + g) * hd, hd);
+        }
+    }
+    attend_sequences(qkv_out.data(), kc, vc, seqs, masks, offset, N, H, Hkv, hd, QKV, static_cast<float>(scale),
+                     attended.data());
+  };
+  if (cache_k.scalar_type() == at::kHalf)
+    write_and_attend(reinterpret_cast<KvHalf*>(cache_k.mutable_data_ptr<at::Half>()),
+                     reinterpret_cast<KvHalf*>(cache_v.mutable_data_ptr<at::Half>()));
+  else
+    write_and_attend(cache_k.mutable_data_ptr<float>(), cache_v.mutable_data_ptr<float>());
   // block output
   matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum, amx_min_rows);
   const float* w_post = post_attention_norm.const_data_ptr<float>();
