@@ -69,7 +69,7 @@ def _quantized_weights(model) -> dict[str, QuantizedWeight]:
     }
 
 
-def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_dtype=torch.float32):
+def _runner(model, config, *, slots: int, kv_dtype=torch.float32) -> ModelRunner:
     cache = KVCache(
         num_layers=config.num_layers,
         num_slots=slots,
@@ -80,7 +80,11 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
         device=CPU,
         block_size=4,  # the same rows whichever blocks the slots' keys land in
     )
-    runner = ModelRunner(model=model, cache=cache, device=CPU)
+    return ModelRunner(model=model, cache=cache, device=CPU)
+
+
+def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_dtype=torch.float32):
+    runner = _runner(model, config, slots=slots, kv_dtype=kv_dtype)
     for slot in range(slots if prefix else 0):  # no prefix: nothing to prefill
         runner.forward([SequenceWork(slot=slot, cache_len=0, token_ids=prefix, logits_nodes=[0])])
     return [runner.forward(work).logits for work in work_list]
@@ -137,17 +141,7 @@ def test_many_decodes_in_one_forward_equal_each_alone(tiny_gguf_paths, kv_dtype)
     reads) gives each request's bits decoded alone, with a float32 or a float16 KV cache."""
     model, config = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
     slots = 10
-    cache = KVCache(
-        num_layers=config.num_layers,
-        num_slots=slots,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_len=128,
-        dtype=kv_dtype,
-        device=CPU,
-        block_size=4,
-    )
-    runner = ModelRunner(model=model, cache=cache, device=CPU)
+    runner = _runner(model, config, slots=slots, kv_dtype=kv_dtype)
     lengths = [2 + slot for slot in range(slots)]  # windows full and not, one block and several
     for slot, length in enumerate(lengths):
         runner.forward([SequenceWork(slot=slot, cache_len=0, token_ids=PROMPT[:length], logits_nodes=[0])])
@@ -195,18 +189,9 @@ def test_float16_kv_cache_rounds_keys_and_values_once(tiny_gguf_paths, quantizat
     caches = {}
     logits = {}
     for dtype in (torch.float32, torch.float16):
-        cache = KVCache(
-            num_layers=config.num_layers,
-            num_slots=1,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            max_len=128,
-            dtype=dtype,
-            device=CPU,
-            block_size=4,
-        )
-        logits[dtype] = ModelRunner(model=model, cache=cache, device=CPU).forward(work[0]).logits
-        caches[dtype] = cache
+        runner = _runner(model, config, slots=1, kv_dtype=dtype)
+        logits[dtype] = runner.forward(work[0]).logits
+        caches[dtype] = runner.cache
     assert caches[torch.float16].keys[0].dtype == torch.float16
     assert caches[torch.float16].keys[0].nbytes * 2 == caches[torch.float32].keys[0].nbytes
     # layer 0's keys depend on the prompt only: the half cache holds them rounded once
