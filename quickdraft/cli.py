@@ -446,6 +446,7 @@ def _add_bench_parser(commands) -> None:
     )
     spec.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_options(spec)
+    _add_kv_cache_dtype_option(spec)
     redo = suites.add_parser(
         "report",
         help="rewrite a results folder's tables and plots from its results.json",
@@ -685,6 +686,7 @@ def run_bench(args) -> int:
         questions_per_task=args.questions_per_task,
         model=args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         device=args.device,
         max_model_len=args.max_model_len,

@@ -44,6 +44,7 @@ class BenchOptions:
     questions_per_task: int | None = None
     model: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # quickdraft's runs (the peers keep their own caches)
     quantization: str | None = None
     device: str = "cpu"
     max_model_len: int | None = None
@@ -133,6 +134,7 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
     llm = LLM(
         options.model,
         dtype=options.dtype,
+        kv_cache_dtype=options.kv_cache_dtype,
         quantization=options.quantization,
         device=options.device,
         max_model_len=options.max_model_len,
@@ -386,6 +388,7 @@ def _header(options: BenchOptions, questions: list[Question], llm) -> str:
     return (
         f"Spec-Bench: {len(questions)} questions from {Path(options.questions).name}, "
         f"model {options.model or 'embedded Gemma 3 270M (GGUF Q4_K_M)'}, dtype {options.dtype}, "
+        f"KV cache {options.kv_cache_dtype}, "
         f"{options.device}, {mode}, {s.max_new_tokens} new tokens, batch 1"
         f"{', quickdraft runs interleaved question by question' if options.interleave else ''}; "
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "

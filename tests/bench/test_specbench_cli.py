@@ -167,10 +167,13 @@ def test_sampled_run_reports_acceptance_not_exactness(tiny_checkpoints, question
             "0.3",
             "--seed",
             "3",
+            "--kv-cache-dtype",
+            "float16",
         )
         == 0
     )
-    assert "temperature 0.3" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "temperature 0.3" in printed and "KV cache float16" in printed
     run = runs_by_name(json.loads((out / JSON_FILE).read_text()))["quickdraft ngram num_speculative_tokens=4"]
     assert run["summary"]["overall"]["exact_match"] is None
     assert run["summary"]["overall"]["acceptance_rate"] is not None
