@@ -1274,16 +1274,19 @@ void attend_sequences(const float* qkv, const KV* kc, const KV* vc, const std::v
       work_before.push_back(work_before.back() + S * G);
     }
   }
-  const int64_t total = work_before.back(), num_items = static_cast<int64_t>(items.size());
+  const int64_t total = work_before.back();
   // At least ~64k floats of keys per thread: below that a region costs more than it saves.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, total * hd / (1 << 16)));
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> scores(G * max_keys + 16);
     for (int64_t c = c0; c < c1; ++c) {
-      // items whose work starts in this chunk's share of the total
-      const auto first = std::lower_bound(work_before.begin(), work_before.end() - 1, total * c / chunks);
-      const auto last = std::lower_bound(work_before.begin(), work_before.end() - 1, total * (c + 1) / chunks);
-      for (int64_t i = first - work_before.begin(); i < std::min(num_items, last - work_before.begin()); ++i) {
+      // items whose work starts in this chunk's share of the total (the search stops at the
+      // items, so the last chunk ends after the last item)
+      const auto starts_from = [&](int64_t share) {
+        return std::lower_bound(work_before.begin(), work_before.end() - 1, share) - work_before.begin();
+      };
+      const int64_t first = starts_from(total * c / chunks), last = starts_from(total * (c + 1) / chunks);
+      for (int64_t i = first; i < last; ++i) {
         const auto [b, t, head] = items[i];
         const int64_t r0 = seqs[5 * b + 1], S = seqs[5 * b + 4] - seqs[5 * b + 3], g = head / group;
         const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
