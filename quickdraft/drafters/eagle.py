@@ -47,7 +47,7 @@ from quickdraft.drafters.keyed import KeyedDraw, check_coupling, coupled_order
 from quickdraft.drafters.tree import DynamicTree, StaticTree
 from quickdraft.heads import head_precision, resolve_head_dir
 from quickdraft.kernels.attention import attention
-from quickdraft.kv.cache import KVCache
+from quickdraft.kv.cache import KVCache, zeroed_pool
 from quickdraft.models.eagle3 import Eagle3Head, detect_eagle3_format
 from quickdraft.models.heads import CopySources, EagleHead, FeatureHead
 from quickdraft.models.layers import default_linear_fn
@@ -167,7 +167,7 @@ class EagleDrafter(Drafter):
         )
         # [num_slots, max_len, C]: copy keys of the true entries, by entry index (heads with a copy path)
         self.copy_key_cache = (
-            torch.zeros(target.max_num_seqs, head_max_len(target), c.copy_dim, dtype=head.dtype, device=target.device)
+            zeroed_pool((target.max_num_seqs, head_max_len(target), c.copy_dim), dtype=head.dtype, device=target.device)
             if c.copy_dim
             else None
         )

@@ -29,6 +29,7 @@ from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
 from quickdraft.engine.verification import verify_step
 from quickdraft.kv.cache import KVCache
+from quickdraft.models.heap import return_free_heap
 from quickdraft.models.loader import (
     load_decoder,
     resolve_device,
@@ -108,7 +109,7 @@ class Engine:
             dict.fromkeys(list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids))
         )
         self.grammars = GrammarCompiler(  # structured outputs; indexes the vocabulary on first use
-            tokenizer_json=self.tokenizer.backend.to_str(),
+            tokenizer=self.tokenizer.backend,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.eos_token_ids,
         )
@@ -119,6 +120,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self._speculator: Speculator | None = None
         self.speculator = self._make_speculator(config.speculative_config)
+        return_free_heap()  # the drafter's load temporaries (a head quantized at load: ~30 MB)
 
     def _start_tensor_parallel(self, cache_len: int, *, gguf_path: Path | None) -> None:
         """The target split over config.tensor_parallel_size processes, this one rank 0

@@ -38,6 +38,8 @@ Bookkeeping (free blocks, tables, lengths) is plain Python ints and lists.
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
@@ -210,8 +212,8 @@ class KVCache:
         self.values: list[torch.Tensor] = []
         for layer in range(num_layers):
             shape = (pool_sizes[self.group_of_layer[layer]], num_kv_heads, block_size, head_dim)
-            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.keys.append(zeroed_pool(shape, dtype=dtype, device=device))
+            self.values.append(zeroed_pool(shape, dtype=dtype, device=device))
         self.lengths = [0] * num_slots  # committed tokens whose KV is stored, per slot
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._slot_keys: list[list[bytes]] = [[] for _ in range(num_slots)]  # keys of a slot's full blocks
@@ -447,6 +449,20 @@ class KVCache:
             return picked.transpose(0, 1).reshape(picked.shape[1], -1, picked.shape[3])[:, row : row + end - start]
 
         return gathered(self.keys[layer]), gathered(self.values[layer])
+
+
+def zeroed_pool(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A pool of zeros.  On the CPU its memory is fresh anonymous pages, which the OS backs only
+    once written: the default pool is sized for every slot's worst case (458 MB for the embedded
+    model), and torch.zeros writes every page of it, so resident memory would be that size from
+    the start instead of growing with the blocks requests use."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # Private anonymous pages: zero-filled, and a read maps the shared zero page (a shared
+    # mapping, mmap's default, would back every page read with memory of its own).
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # the tensor keeps it alive
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
 def _pool_sizes(*, per_slot: list[int], block_bytes: list[int], num_slots: int, memory_bytes: int | None) -> list[int]:

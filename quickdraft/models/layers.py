@@ -67,7 +67,10 @@ class RMSNorm(torch.nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # -> [head_dim // 2]
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU even under a meta-device context: a meta arange imports torch's symbolic-shape
+    # machinery (sympy and ~800 modules, 68 MB resident) for a table that is rebuilt anyway.
+    positions = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (rope.theta ** (positions.float() / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -99,7 +102,7 @@ class RotaryTable(torch.nn.Module):
     def __init__(self, rope: RopeConfig, *, head_dim: int, max_len: int, dtype: torch.dtype):
         super().__init__()
         inv_freq = rope_inv_freq(rope, head_dim)  # [D/2]
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        freqs = torch.arange(max_len, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, D]
         sin = emb.sin()
         signed_sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1)

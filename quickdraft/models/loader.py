@@ -12,6 +12,7 @@ import torch
 
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import Decoder
+from quickdraft.models.heap import return_free_heap
 from quickdraft.models.layers import RotaryTable, default_linear_fn
 from quickdraft.models.quantized import QuantizedWeight
 from quickdraft.models.quantized_loader import PACKED_CACHE_FILE, load_packed, quantized_state, save_packed
@@ -343,7 +344,7 @@ def load_weights(
         tensors = read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
     state = convert_hf_tensors(config, rest, tensors)
     del tensors
-    _return_free_heap()
+    return_free_heap()
     return LoadedWeights(config, state, quantized)
 
 
@@ -362,16 +363,5 @@ def load_decoder(
         weights.config, weights.state, dtype=dtype, device=device, max_len=max_len, quantized=weights.quantized
     )
     del weights
-    _return_free_heap()
+    return_free_heap()
     return decoder, decoder.config
-
-
-def _return_free_heap() -> None:
-    """Give the decoding and packing temporaries back to the OS (glibc keeps freed heap: ~70 MB
-    of the embedded model's load stayed resident otherwise)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass

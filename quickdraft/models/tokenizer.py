@@ -25,6 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers.models import BPE
 
 from quickdraft.models.gguf import open_gguf, read_field
+from quickdraft.models.heap import return_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +380,7 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as error:
             raise ValueError(f"Cannot parse {tokenizer_file}: {error}") from error
+        return_free_heap()
         config = _read_json(path / "tokenizer_config.json", required=True)
         extra_eos: list[int] = []
         for name in ("config.json", "generation_config.json"):

@@ -4,7 +4,7 @@ Engine: llguidance, chosen by measurement (``benchmarks/grammar_mask_cost.py``, 
 262k-token tokenizer, this 2-core machine): a JSON-schema mask costs 28 us median (xgrammar
 8 us), a regex mask 150 us (xgrammar 5 us), against a ~20 ms target forward, so either is
 <= 1% of a step per tree node; llguidance needs no per-schema compile (1-2 ms vs xgrammar's
-~90 ms for the schema), reads our ``tokenizer.json`` directly with the same Rust tokenizers
+~90 ms for the schema), reads our tokenizer's JSON directly with the same Rust tokenizers
 (no guess of the vocabulary's byte encoding), computes forced tokens (``compute_ff_tokens``)
 and rolls back; it is a 8 MB wheel with no dependencies, where xgrammar requires triton
 (1 GB installed) and transformers.  Both take ~5 s once to index a 262k vocabulary
@@ -21,18 +21,20 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import tokenizers
 import torch
 
 from quickdraft.drafters.base import Proposal
 from quickdraft.kernels.token_mask import apply_token_bitmask
+from quickdraft.models.heap import return_free_heap
 from quickdraft.structured.params import StructuredOutputsParams
 
 
 class GrammarCompiler:
     """Builds request matchers over one tokenizer (its llguidance index is made on first use)."""
 
-    def __init__(self, *, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
-        self.tokenizer_json = tokenizer_json
+    def __init__(self, *, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        self.tokenizer = tokenizer  # serialized for llguidance only when first needed (~100 MB of temporaries)
         self.vocab_size = vocab_size  # the model's: ids past the tokenizer's are never allowed
         self.eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer = None
@@ -45,8 +47,9 @@ class GrammarCompiler:
                 import llguidance
 
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                    self.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                 )
+                return_free_heap()
             return self._ll_tokenizer
 
     def prepare_in_background(self) -> None:

@@ -202,3 +202,27 @@ def test_a_small_memory_budget_sizes_the_pools_and_refuses_less_than_one_request
     assert not half.try_reserve(other, 4) and half.held_blocks(other) == [0, 0]  # nothing taken
     with pytest.raises(CacheFullError, match="no free KV cache blocks"):
         half.reserve(other, 4)
+
+
+def _resident_bytes() -> int:
+    from quickdraft.bench.memory import current_rss_bytes
+
+    return current_rss_bytes()
+
+
+def test_a_fresh_pool_is_zeros_and_costs_resident_memory_only_where_written():
+    # 2 layers x keys and values x 64 blocks x 16 rows x 1024 floats = 32 MiB of pools
+    before = _resident_bytes()
+    cache = KVCache(
+        num_layers=2, num_slots=4, num_kv_heads=4, head_dim=256, max_len=256, dtype=torch.float32, block_size=16
+    )
+    assert _resident_bytes() - before < 8 * 2**20  # torch.zeros would make all 32 MiB resident
+    assert not any(pool.any() for pool in cache.keys + cache.values)  # reading maps the zero page
+    slot = cache.allocate()
+    cache.reserve(slot, 16)
+    blocks, rows = cache.locate(slot, list(range(16)))
+    keys = torch.randn(16, 4, 256)
+    cache.write(0, keys=keys, values=-keys, block_index=torch.tensor(blocks), block_offset=torch.tensor(rows))
+    stored_keys, stored_values = cache.read(0, slot=slot, start=0, end=16)
+    assert torch.equal(stored_keys, keys.transpose(0, 1)) and torch.equal(stored_values, -keys.transpose(0, 1))
+    assert _resident_bytes() - before < 8 * 2**20

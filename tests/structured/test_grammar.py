@@ -20,7 +20,7 @@ def compiler(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
     write_tiny_tokenizer(folder, bos="<bos>", eos="<eos>", chat=False)
     tokenizer = Tokenizer.from_dir(folder)
-    compiler = GrammarCompiler(tokenizer_json=tokenizer.backend.to_str(), vocab_size=VOCAB, eos_token_ids=[EOS])
+    compiler = GrammarCompiler(tokenizer=tokenizer.backend, vocab_size=VOCAB, eos_token_ids=[EOS])
     compiler.ids = {ch: tokenizer.token_to_id(ch) for ch in "abcdxyz0123456789"}
     return compiler
 
