@@ -200,6 +200,7 @@ class EagleDrafter(Drafter):
         drafter = cls(target=target, head=module, **options)  # attaches the target's LM rows
         if quantization:
             module.quantize_for_drafting(quantization)
+            module.drop_borrowed_float_rows()  # this head only drafts
         return drafter
 
     @classmethod

@@ -281,6 +281,10 @@ class FeatureHead(torch.nn.Module):
     def attach_target(self, target) -> None:
         raise NotImplementedError
 
+    def drop_borrowed_float_rows(self) -> None:
+        """For a head that only drafts from now on: drop float copies of the target's tensors that
+        its quantized drafting copies replace (none here; EagleHead's draft LM rows)."""
+
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., L * D] -> [..., D]
         raise NotImplementedError
 
@@ -341,7 +345,7 @@ class FeatureHead(torch.nn.Module):
         """Matrix weights one draft token reads: the block, the fusion, the draft LM rows."""
         return (
             sum(p.numel() for name, p in self.named_parameters() if p.dim() == 2 and name != "lm_head")
-            + self.lm_rows.numel()
+            + self.d2t.numel() * self.config.hidden_size  # the draft LM rows [Vd, D]
         )
 
     # ---- training: all positions at once, unrolled over draft depths -------------------
@@ -470,6 +474,14 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
             and c.head_dim % 16 == 0
             and (c.num_heads * c.head_dim % 32 == 0 and c.intermediate_size % 32 == 0)
         )
+
+    def drop_borrowed_float_rows(self) -> None:
+        """Drop the float32 LM rows borrowed from the target once their quantized copy exists
+        (40 MiB for the embedded model's 16,384-token draft vocabulary): drafting reads the copy;
+        training, saving and exporting never read these rows, and a head that drops them cannot be
+        quantized again."""
+        if "lm_rows" in self.draft_weights:
+            self.lm_rows = None
 
     def _matrix(self, name: str):  # the weight a draft step reads: [N, K] float or QuantizedWeight
         packed = self.draft_weights.get(name)
