@@ -340,6 +340,7 @@ def load_weights(
         quantized, rest = quantized_state(config, plan, mode=quantization, float_tensors=tensors, gguf_path=gguf_path)
         if quantization == "gguf" and quantized:
             save_packed(cache_file, quantized)
+            quantized = load_packed(cache_file) or quantized  # mapped from the file, as every later load
     if quantization == "gguf":
         tensors = read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
     state = convert_hf_tensors(config, rest, tensors)

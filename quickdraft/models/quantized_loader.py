@@ -243,11 +243,11 @@ def load_packed(path: Path) -> dict[str, QuantizedWeight] | None:
             layout = json.loads(file.metadata()["layout"])
             return {
                 name: QuantizedWeight(
-                    # cloned: the tensors would otherwise live on the file's memory map
+                    # Left on the file's memory map, as llama.cpp maps a GGUF: the weights are page
+                    # cache, shared by every process that serves the model (replicas, tensor-parallel
+                    # ranks), and a load copies nothing (a copy doubled the load's peak).
                     [
-                        PackedPart(
-                            format=fmt, packed=file.get_tensor(f"{name}#{index}").clone(), row_start=start, rows=rows
-                        )
+                        PackedPart(format=fmt, packed=file.get_tensor(f"{name}#{index}"), row_start=start, rows=rows)
                         for index, (fmt, rows, start) in enumerate(entry["parts"])
                     ],
                     shape=tuple(entry["shape"]),

@@ -6,6 +6,7 @@ tree, beside another request), and so speculative greedy output equals plain out
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -336,10 +337,40 @@ def test_packed_weights_are_cached_beside_the_conversion(tiny_gguf_paths):
     second, _ = load(path, "gguf")  # read back from the cache
     for name, weight in _quantized_weights(first).items():
         assert torch.equal(_quantized_weights(second)[name].dequantize(), weight.dequantize()), name
-    cache_file.write_bytes(b"not a safetensors file")
+    # A broken cache (replaced, not written in place: the loads above map the file's pages)
+    broken = cache_file.with_name("broken.tmp")
+    broken.write_bytes(b"not a safetensors file")
+    os.replace(broken, cache_file)
     third, _ = load(path, "gguf")  # a broken cache is rebuilt, not trusted
     assert torch.equal(
         _quantized_weights(third)["layers.0.qkv_proj"].dequantize(),
         _quantized_weights(first)["layers.0.qkv_proj"].dequantize(),
     )
     assert cache_file.stat().st_size > 1000
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of `path` (Linux /proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path):
+                start, end = (int(address, 16) for address in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")
+def test_packed_weights_are_mapped_from_the_cache_file_not_copied(tiny_gguf_paths):
+    from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
+
+    path = tiny_gguf_paths["llama-q8_0"]
+    cache_file = resolve_model_dir(path) / PACKED_CACHE_FILE
+    for _ in range(2):  # the load that writes the cache, then one that reads it
+        model, _ = load(path, "gguf")
+        ranges = _mapped_ranges(cache_file.resolve())
+        for name, weight in _quantized_weights(model).items():
+            for part in weight.parts:
+                address = part.packed.data_ptr()
+                assert any(start <= address < end for start, end in ranges), name  # page cache, shared
