@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -455,6 +456,7 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
     """Every mode at every concurrency; the engine is loaded once and shared by the modes' servers."""
     from quickdraft.engine.compute_thread import ComputeThread
     from quickdraft.engine.engine import Engine
+    from quickdraft.server.server import freeze_loaded_objects
 
     log = log or (lambda message: None)
     questions = load_questions(options.questions)
@@ -481,7 +483,9 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
         serving, start = ray_instance(), functools.partial(running_replicas, options)
     else:
         serving, start = contextlib.nullcontext(), functools.partial(_running_mode, engine, options, compute=compute)
-    with serving, contextlib.closing(compute):
+    freeze_loaded_objects()  # as `quickdraft serve` does after loading; undone below for the caller
+    with serving, contextlib.closing(compute), contextlib.ExitStack() as undo:
+        undo.callback(gc.unfreeze)
         for round_index, mode, levels in _schedule(options, list(configs), per_level=options.replicas is None):
             with start(speculative_config=configs[mode]) as base_url:
                 asyncio.run(

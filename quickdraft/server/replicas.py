@@ -147,13 +147,14 @@ class EngineReplica:
     def __init__(self, config: ServerConfig, *, threads: int):
         import torch
 
-        from quickdraft.server.server import QuickdraftServer
+        from quickdraft.server.server import QuickdraftServer, freeze_loaded_objects
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         _pin_to_cpu_share(local_rank=context.rank.local_rank if context.rank is not None else 0, threads=threads)
         torch.set_num_threads(threads)
         self.server = QuickdraftServer(config)
+        freeze_loaded_objects()  # the replica's process lives as long as its engine
         self.server.start()
         self.app = self.server.app
 

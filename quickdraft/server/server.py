@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -312,10 +313,20 @@ class ServerThread:
             raise RuntimeError("the server thread did not stop")
 
 
+def freeze_loaded_objects() -> None:
+    """Exempt what the process holds once its engine is loaded (torch's and the tokenizer's modules,
+    the engine: ~220k objects) from Python's full garbage collections: each scanned them all, a
+    pause of ~105 ms for every request in flight (measured: one per ~1,000 decoded tokens at batch
+    1).  For processes whose engine lives as long as they do (servers), as vLLM does after start."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_server(config: ServerConfig) -> None:
     """Load the model, serve until SIGINT/SIGTERM, shut down gracefully."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = QuickdraftServer(config)
+    freeze_loaded_objects()
     logger.info(
         "serving %s (speculation: %s) on http://%s:%d/v1%s",
         server.model_name,
