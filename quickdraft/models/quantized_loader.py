@@ -244,8 +244,8 @@ def load_packed(path: Path) -> dict[str, QuantizedWeight] | None:
             return {
                 name: QuantizedWeight(
                     # Left on the file's memory map, as llama.cpp maps a GGUF: the weights are page
-                    # cache, shared by every process that serves the model (replicas, tensor-parallel
-                    # ranks), and a load copies nothing (a copy doubled the load's peak).
+                    # cache, shared by the processes that serve the model (replicas; a tensor-parallel
+                    # rank copies its shard), and a load copies nothing (a copy doubled its peak).
                     [
                         PackedPart(format=fmt, packed=file.get_tensor(f"{name}#{index}"), row_start=start, rows=rows)
                         for index, (fmt, rows, start) in enumerate(entry["parts"])
