@@ -8,11 +8,9 @@ tables, the per-question JSON and the plots.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import platform
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from quickdraft.bench.specbench import (
     summarize,
 )
 from quickdraft.config import SELF_DRAFTER
+from quickdraft.models.heap import loaded_objects_frozen
 
 PEERS = ("transformers", "llama-cpp")
 PLAIN = "quickdraft plain"
@@ -155,7 +154,8 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
         )
     peer_specs = _peer_specs(options, llm)
     progress = _progress(total=len(questions) * (len(quickdraft_runs) + len(peer_specs)), enabled=options.progress)
-    with _loaded_objects_frozen():
+    # No ~105 ms full garbage collection lands on whichever run and question it hits.
+    with loaded_objects_frozen():
         runs = _quickdraft_runs(
             quickdraft_runs,
             questions,
@@ -173,7 +173,7 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
             runs.append(RunReport(name=name, engine=name.split()[0], setting="", reference=None, error=str(err)))
             progress.update(len(questions))
             continue
-        with _loaded_objects_frozen():
+        with loaded_objects_frozen():
             runs.append(
                 _run(
                     backend,
@@ -190,19 +190,6 @@ def run_specbench(options: BenchOptions, *, command: str | None = None) -> Bench
     report = BenchReport(options=options, runs=runs, header=header, command=command)
     summarize_report(report)
     return report
-
-
-@contextlib.contextmanager
-def _loaded_objects_frozen() -> Iterator[None]:
-    """While an engine answers the questions, what was alive after its load is exempt from Python's
-    full garbage collections (as `quickdraft serve` does): each scanned ~220k objects, a pause of
-    ~105 ms that fell on whichever run and question it hit.  Unfrozen after, so the engine can go."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _quickdraft_runs(

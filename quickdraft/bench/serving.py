@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import json
 import math
 import os
@@ -456,7 +455,7 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
     """Every mode at every concurrency; the engine is loaded once and shared by the modes' servers."""
     from quickdraft.engine.compute_thread import ComputeThread
     from quickdraft.engine.engine import Engine
-    from quickdraft.server.server import freeze_loaded_objects
+    from quickdraft.models.heap import loaded_objects_frozen
 
     log = log or (lambda message: None)
     questions = load_questions(options.questions)
@@ -483,9 +482,8 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
         serving, start = ray_instance(), functools.partial(running_replicas, options)
     else:
         serving, start = contextlib.nullcontext(), functools.partial(_running_mode, engine, options, compute=compute)
-    freeze_loaded_objects()  # as `quickdraft serve` does after loading; undone below for the caller
-    with serving, contextlib.closing(compute), contextlib.ExitStack() as undo:
-        undo.callback(gc.unfreeze)
+    # frozen as `quickdraft serve` does after loading; unfrozen after, for the caller
+    with loaded_objects_frozen(), serving, contextlib.closing(compute):
         for round_index, mode, levels in _schedule(options, list(configs), per_level=options.replicas is None):
             with start(speculative_config=configs[mode]) as base_url:
                 asyncio.run(

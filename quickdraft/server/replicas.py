@@ -147,7 +147,8 @@ class EngineReplica:
     def __init__(self, config: ServerConfig, *, threads: int):
         import torch
 
-        from quickdraft.server.server import QuickdraftServer, freeze_loaded_objects
+        from quickdraft.models.heap import freeze_loaded_objects
+        from quickdraft.server.server import QuickdraftServer
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quickdraft.bench.memory import current_rss_bytes
 from quickdraft.engine.runner import SequenceWork
 from quickdraft.kv.cache import RELEASED, CacheFullError, KVCache
 from quickdraft.verify.tree import Tree
@@ -204,19 +205,13 @@ def test_a_small_memory_budget_sizes_the_pools_and_refuses_less_than_one_request
         half.reserve(other, 4)
 
 
-def _resident_bytes() -> int:
-    from quickdraft.bench.memory import current_rss_bytes
-
-    return current_rss_bytes()
-
-
 def test_a_fresh_pool_is_zeros_and_costs_resident_memory_only_where_written():
     # 2 layers x keys and values x 64 blocks x 16 rows x 1024 floats = 32 MiB of pools
-    before = _resident_bytes()
+    before = current_rss_bytes()
     cache = KVCache(
         num_layers=2, num_slots=4, num_kv_heads=4, head_dim=256, max_len=256, dtype=torch.float32, block_size=16
     )
-    assert _resident_bytes() - before < 8 * 2**20  # torch.zeros would make all 32 MiB resident
+    assert current_rss_bytes() - before < 8 * 2**20  # torch.zeros would make all 32 MiB resident
     assert not any(pool.any() for pool in cache.keys + cache.values)  # reading maps the zero page
     slot = cache.allocate()
     cache.reserve(slot, 16)
@@ -225,4 +220,4 @@ def test_a_fresh_pool_is_zeros_and_costs_resident_memory_only_where_written():
     cache.write(0, keys=keys, values=-keys, block_index=torch.tensor(blocks), block_offset=torch.tensor(rows))
     stored_keys, stored_values = cache.read(0, slot=slot, start=0, end=16)
     assert torch.equal(stored_keys, keys.transpose(0, 1)) and torch.equal(stored_values, -keys.transpose(0, 1))
-    assert _resident_bytes() - before < 8 * 2**20
+    assert current_rss_bytes() - before < 8 * 2**20
