@@ -11,11 +11,16 @@ read only the storage range it needs, and rollback is just a shorter length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from quickdraft.kernels.quant_linear import FusedSequences
 from quickdraft.verify.tree import Tree
+
+if TYPE_CHECKING:
+    from quickdraft.kv.cache import KVCache
 
 
 @dataclass
@@ -44,6 +49,25 @@ class AttentionBatch:
     sequences: list[SequenceAttention]
     block_index: torch.Tensor  # [G, N] int64, per cache group the block each new token's KV is written to
     block_offset: torch.Tensor  # [N] int64, its row in that block
+    # Per (cache group, sliding) the sequences as the fused layer kernel reads them: the same for
+    # every layer of that kind, so built by its first layer of the forward.
+    _fused: dict[tuple[int, bool], FusedSequences] = field(default_factory=dict, repr=False, compare=False)
+
+    def fused_sequences(self, cache: KVCache, *, layer: int, sliding: bool) -> FusedSequences:
+        """The sequences of this forward as layer `layer` (sliding-window or full attention)
+        reads them: key ranges, masks and block tables of its cache group."""
+        group = cache.group_of_layer[layer]
+        key = (group, sliding)
+        built = self._fused.get(key)
+        if built is None:
+            sequences, masks = [], []
+            for seq in self.sequences:
+                kv_start = seq.sliding_kv_start if sliding else seq.full_kv_start
+                sequences.append((seq.row_start, seq.row_end, kv_start, seq.kv_end))
+                masks.append(seq.sliding_mask if sliding else seq.full_mask)
+            block_tables = [cache.block_table(seq.slot, layer=layer) for seq in self.sequences]
+            built = self._fused[key] = FusedSequences.of(sequences=sequences, block_tables=block_tables, masks=masks)
+        return built
 
 
 def build_sequence_attention(

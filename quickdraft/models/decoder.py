@@ -16,7 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.attention import attention
-from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available, quant_linear
+from quickdraft.kernels.quant_linear import (
+    FusedLayerWeights,
+    fused_decoder_layer,
+    fused_layer_available,
+    quant_linear,
+)
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch
 from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
@@ -77,6 +82,8 @@ class DecoderLayer(torch.nn.Module):
         self.gelu = c.activation == "gelu_tanh"
         # Quantized layers run as one C++ call (csrc/quant_linear.cpp) unless this is False.
         self.fused = True
+        # (the weights and norms it was built from, the fused kernel's arguments or None)
+        self._fused_cache: tuple[tuple, FusedLayerWeights | None] | None = None
         # Tensor parallelism (quickdraft/distributed): o_proj and down_proj hold a slice of their
         # input dimension on each rank, so their outputs are partial sums that this adds up over
         # the ranks (before the bias, which is added once).  None: the whole layer is here.
@@ -110,8 +117,9 @@ class DecoderLayer(torch.nn.Module):
         cache: KVCache,
         linear: LinearFn,
     ) -> torch.Tensor:  # [N, D]
-        if self._runs_fused(hidden):
-            return self._fused_forward(hidden, rotary=rotary, attn=attn, cache=cache)
+        fused = self._fused_weights_for(hidden)
+        if fused is not None:
+            return self._fused_forward(hidden, fused, rotary=rotary, attn=attn, cache=cache)
         q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear)
         cache.write(
             self.layer_index,
@@ -122,61 +130,76 @@ class DecoderLayer(torch.nn.Module):
         )
         return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
 
-    def _runs_fused(self, hidden: torch.Tensor) -> bool:
-        """Whether the one-call C++ layer applies: quantized weights without biases, on the CPU."""
+    def _fused_weights_for(self, hidden: torch.Tensor) -> FusedLayerWeights | None:
+        """The one-call C++ layer's arguments where it applies (quantized weights without biases,
+        on the CPU, a compiled build), else None: the layer below, per matmul."""
         if (
             not self.fused
             or self.reduce_output is not None
             or not hidden.is_cpu
             or hidden.dtype != torch.float32
             or self.head_dim % 16
+            or not fused_layer_available()
         ):
-            return False
-        weights = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+            return None
+        return self._fused_weights()
+
+    def _fused_weights(self) -> FusedLayerWeights | None:
+        """The kernel's arguments that stay from call to call, gathered at the first fused call and
+        again whenever a weight or norm is replaced; None where a weight is not quantized or has
+        a bias.  The check reads the module dicts directly: torch's Module.__getattr__ costs ~1 us
+        a lookup, and this runs for every layer of every forward."""
+        modules = self._modules
+        weights = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)  # plain attributes
+        norms = tuple(
+            None if modules.get(name) is None else modules[name]._parameters["weight"]
+            for name in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+                "qk_norm",
+            )
+        )
+        sources = weights + norms
+        cached = self._fused_cache
+        if cached is not None and all(a is b for a, b in zip(sources, cached[0])):
+            return cached[1]
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)
-        if not all(isinstance(w, QuantizedWeight) for w in weights) or any(b is not None for b in biases):
-            return False
-        return fused_layer_available()  # a compiled build (AVX-512 or AVX2): else the layer below, per matmul
+        usable = all(isinstance(w, QuantizedWeight) for w in weights) and all(b is None for b in biases)
+        layer = (
+            FusedLayerWeights.of(
+                weights=dict(zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), weights)),
+                norms=dict(zip(("input", "post_attention", "pre_feedforward", "post_feedforward", "qk"), norms)),
+                eps=self.input_layernorm.eps,
+                gelu=self.gelu,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                scale=self.attn_scale,
+            )
+            if usable
+            else None
+        )
+        self._fused_cache = (sources, layer)  # the sources kept alive: their ids stay theirs
+        return layer
 
     def _fused_forward(
-        self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor], attn: AttentionBatch, cache: KVCache
+        self,
+        hidden: torch.Tensor,
+        layer: FusedLayerWeights,
+        *,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBatch,
+        cache: KVCache,
     ) -> torch.Tensor:  # [N, D] -> [N, D]
-        sequences, masks = [], []
-        for seq in attn.sequences:
-            kv_start = seq.sliding_kv_start if self.is_sliding else seq.full_kv_start
-            sequences.append((seq.row_start, seq.row_end, kv_start, seq.kv_end))
-            masks.append(seq.sliding_mask if self.is_sliding else seq.full_mask)
-
-        def norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
-            return None if norm is None else norm.weight
-
         return fused_decoder_layer(
             hidden,
-            weights={
-                "qkv_proj": self.qkv_proj,
-                "o_proj": self.o_proj,
-                "gate_up_proj": self.gate_up_proj,
-                "down_proj": self.down_proj,
-            },
-            norms={
-                "input": self.input_layernorm.weight,
-                "post_attention": self.post_attention_layernorm.weight,
-                "pre_feedforward": norm_weight(self.pre_feedforward_layernorm),
-                "post_feedforward": norm_weight(self.post_feedforward_layernorm),
-                "qk": norm_weight(self.qk_norm),
-            },
-            eps=self.input_layernorm.eps,
-            gelu=self.gelu,
+            layer=layer,
             rotary=rotary,
             cache_keys=cache.keys[self.layer_index],
             cache_values=cache.values[self.layer_index],
-            sequences=sequences,
-            block_tables=[cache.block_table(seq.slot, layer=self.layer_index) for seq in attn.sequences],
-            masks=masks,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            scale=self.attn_scale,
+            sequences=attn.fused_sequences(cache, layer=self.layer_index, sliding=self.is_sliding),
         )
 
     # The pieces below are also driven by feature-level draft heads that hold a decoder layer

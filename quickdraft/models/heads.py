@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels import draft_mixture
-from quickdraft.kernels.quant_linear import fused_decoder_layer, fused_layer_available, norm_matmul
+from quickdraft.kernels.quant_linear import (
+    FusedLayerWeights,
+    FusedSequences,
+    fused_decoder_layer,
+    fused_layer_available,
+    norm_matmul,
+)
 from quickdraft.models.config import RopeConfig
 from quickdraft.models.layers import LinearFn, RotaryTable, apply_rotary
 from quickdraft.models.quantized import QuantizedWeight, embedding_rows, quantize_legacy
@@ -433,6 +439,8 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         # Quantized (Q4_0 by default) copies of DRAFT_MATRICES and of lm_rows, read instead of
         # them when drafting on the quantized kernels (quantize_for_drafting); training never sets them.
         self.draft_weights: dict[str, QuantizedWeight] = {}
+        # (the weights and norms it was built from, fused_block's kernel arguments)
+        self._fused_block_cache: tuple[tuple, FusedLayerWeights] | None = None
         # Whether drafting runs whole pieces of the head in single C++ calls (set with the quantized
         # copies where the CPU and the head's sizes allow; see runs_fused_block).
         self.fused_drafting = False
@@ -558,30 +566,43 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         sequences: per request (row_start, row_end, kv_start, kv_end) with its block table, its
         rows' KV written at kv_end - rows .. kv_end - 1; masks: per request [rows, kv_end -
         kv_start] bool -> [N, D]."""
-        c = self.config
         return fused_decoder_layer(
             hidden.contiguous(),
-            weights={name: self.draft_weights[name] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
-            norms={
-                "input": self.attn_norm.weight,
-                "post_attention": self.mlp_norm.weight,
-                "pre_feedforward": None,
-                "post_feedforward": None,
-                "qk": None,
-            },
-            eps=self.attn_norm.eps,
-            gelu=c.activation == "gelu_tanh",
+            layer=self._fused_block_weights(),
             rotary=self.rotary.lookup(positions),
             cache_keys=cache_keys,
             cache_values=cache_values,
-            sequences=sequences,
-            block_tables=block_tables,
-            masks=[mask.contiguous() for mask in masks],
-            num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            scale=self.attn_scale,
+            sequences=FusedSequences.of(
+                sequences=sequences, block_tables=block_tables, masks=[mask.contiguous() for mask in masks]
+            ),
         )
+
+    def _fused_block_weights(self) -> FusedLayerWeights:
+        """fused_block's unchanging kernel arguments, gathered again only when the quantized
+        matrices or the norms are replaced (a draft depth is ~0.3 ms: Python per call counts)."""
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        sources = (*(self.draft_weights[name] for name in names), self.attn_norm.weight, self.mlp_norm.weight)
+        cached = self._fused_block_cache
+        if cached is None or len(cached[0]) != len(sources) or any(a is not b for a, b in zip(sources, cached[0])):
+            c = self.config
+            layer = FusedLayerWeights.of(
+                weights=dict(zip(names, sources[:4])),
+                norms={
+                    "input": self.attn_norm.weight,
+                    "post_attention": self.mlp_norm.weight,
+                    "pre_feedforward": None,
+                    "post_feedforward": None,
+                    "qk": None,
+                },
+                eps=self.attn_norm.eps,
+                gelu=c.activation == "gelu_tanh",
+                num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                scale=self.attn_scale,
+            )
+            cached = self._fused_block_cache = (sources, layer)  # sources kept alive: ids stay theirs
+        return cached[1]
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., Vd]
         if self.runs_fused_block(hidden):

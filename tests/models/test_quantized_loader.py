@@ -327,6 +327,24 @@ def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
     assert (fused_logits.argmax(-1) == python_logits.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
+def test_one_call_layer_follows_a_replaced_weight_or_norm(tiny_gguf_paths):
+    """The fused layer gathers its kernel arguments once; a weight or norm put in place later
+    (another model's) must be what the next forward reads, as a freshly loaded model would."""
+    model, config = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
+    other, _ = load(tiny_gguf_paths["gemma3-mixed"], "gguf")
+    with torch.no_grad():
+        other.layers[0].input_layernorm.weight.mul_(-1.5)
+    other.layers[1].gate_up_proj = model.layers[0].gate_up_proj  # same shape, other values
+    work = [[SequenceWork(slot=0, cache_len=1, token_ids=PROMPT[1:], logits_nodes=list(range(len(PROMPT) - 1)))]]
+    before = torch.cat(_logits(model, config, work, prefix=[2]))
+    expected = torch.cat(_logits(other, config, work, prefix=[2]))
+    assert not torch.equal(before, expected)
+    model.layers[0].input_layernorm.weight = other.layers[0].input_layernorm.weight  # a new Parameter
+    model.layers[1].gate_up_proj = other.layers[1].gate_up_proj
+    assert torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
+
+
 def test_packed_weights_are_cached_beside_the_conversion(tiny_gguf_paths):
     from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
 
