@@ -167,6 +167,89 @@ inline void attend_heads(const float* q, const KV* k, const KV* v, const int64_t
   }
 }
 
+// attend_heads<G> for one query row with its work shared between threads: a decode row at
+// batch 1 is one item, so the item split above would leave threads idle or (one head per task)
+// read its keys once per head.  The scores of a range of keys per task, then the softmax over all
+// of them on the calling thread, then the weighted values of a range of columns per task.  Every
+// (head, key) score and (head, column) lane runs attend_heads's very operations in its order, so
+// a row gets the same bits whichever way it is computed.  Needs D % (kLanes * kAccumulators / G)
+// == 0.  `parallel(begin, end, grain, f)` runs f(b, e) over [begin, end), as at::parallel_for.
+template <int G, typename KV, typename Parallel>
+inline void attend_heads_shared(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
+                                const bool* visible, float scale, float* scores, float* out,
+                                const Parallel& parallel) {
+  constexpr int L = Vec::kLanes;
+  constexpr int W = Vec::kAccumulators / G;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  parallel(0, S, 32, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      if (visible != nullptr && !visible[s]) {
+        for (int g = 0; g < G; ++g) scores[g * S + s] = neg_inf;
+        continue;
+      }
+      const KV* ks = k + rows[s];
+      Vec::F acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
+      for (int64_t d = 0; d < D; d += L) {
+        const Vec::F kd = load_kv(ks + d);
+        for (int g = 0; g < G; ++g) acc[g] = Vec::fmadd(Vec::load(q + g * D + d), kd, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) scores[g * S + s] = Vec::sum(acc[g]) * scale;
+    }
+  });
+  float max_score[G], inv_total[G];
+  for (int g = 0; g < G; ++g) {
+    max_score[g] = neg_inf;  // max is exact: the order of the keys does not matter
+    for (int64_t s = 0; s < S; ++s)
+      if (visible == nullptr || visible[s]) max_score[g] = std::max(max_score[g], scores[g * S + s]);
+  }
+  if (max_score[0] == neg_inf) {  // the heads share the mask: none sees anything
+    for (int64_t d = 0; d < G * D; d += L) Vec::store(out + d, Vec::zero());
+    return;
+  }
+  for (int g = 0; g < G; ++g) inv_total[g] = exp_scores(scores + g * S, S, max_score[g], visible);
+  parallel(0, D / (L * W), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0 * L * W; c < c1 * L * W; c += L * W) {
+      Vec::F acc[G][W];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < W; ++j) acc[g][j] = Vec::zero();
+      for (int64_t s = 0; s < S; ++s) {
+        if (visible != nullptr && !visible[s]) continue;
+        const KV* vs = v + rows[s] + c;
+        Vec::F vv[W];
+        for (int j = 0; j < W; ++j) vv[j] = load_kv(vs + L * j);
+        for (int g = 0; g < G; ++g) {
+          const Vec::F pv = Vec::set1(scores[g * S + s]);
+          for (int j = 0; j < W; ++j) acc[g][j] = Vec::fmadd(pv, vv[j], acc[g][j]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const Vec::F inv = Vec::set1(inv_total[g]);
+        for (int j = 0; j < W; ++j) Vec::store(out + g * D + c + L * j, Vec::mul(acc[g][j], inv));
+      }
+    }
+  });
+}
+
+// Heads per attend_heads_shared call for `group` query heads per key head (4, 2 or 1, the most
+// that divide it), or 0 where a head of D floats is not whole passes of its value registers.
+inline int64_t shared_heads(int64_t group, int64_t D) {
+  int64_t g = 1;
+  while (g < 4 && group % (2 * g) == 0) g *= 2;
+  return D % (Vec::kLanes * (Vec::kAccumulators / g)) == 0 ? g : 0;
+}
+
+template <typename KV, typename Parallel>
+inline void attend_heads_shared_n(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
+                                  int64_t D, const bool* visible, float scale, float* scores, float* out,
+                                  const Parallel& parallel) {
+  switch (G) {
+    case 4: attend_heads_shared<4>(q, k, v, rows, S, D, visible, scale, scores, out, parallel); return;
+    case 2: attend_heads_shared<2>(q, k, v, rows, S, D, visible, scale, scores, out, parallel); return;
+    default: attend_heads_shared<1>(q, k, v, rows, S, D, visible, scale, scores, out, parallel); return;
+  }
+}
+
 // attend_heads for a run-time G (from the build's heads_per_call).
 template <typename KV>
 inline void attend_heads_n(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,

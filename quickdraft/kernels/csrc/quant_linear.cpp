@@ -1130,6 +1130,15 @@ inline void attend_rows(int64_t G, const float* q, const KV* k, const KV* v, con
                         int64_t D, const bool* visible, float scale, float* scores, float* out) {
   qd_attention_avx2::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
+
+inline int64_t shared_row_heads(int64_t group, int64_t D) { return qd_attention_avx2::shared_heads(group, D); }
+
+template <typename KV>
+inline void attend_row_shared(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
+                              int64_t D, const bool* visible, float scale, float* scores, float* out) {
+  qd_attention_avx2::attend_heads_shared_n(G, q, k, v, rows, S, D, visible, scale, scores, out,
+                              [](int64_t b, int64_t e, int64_t grain, const auto& f) { at::parallel_for(b, e, grain, f); });
+}
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
@@ -1182,6 +1191,15 @@ template <typename KV>
 inline void attend_rows(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
                         int64_t D, const bool* visible, float scale, float* scores, float* out) {
   qd_attention::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
+}
+
+inline int64_t shared_row_heads(int64_t group, int64_t D) { return qd_attention::shared_heads(group, D); }
+
+template <typename KV>
+inline void attend_row_shared(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
+                              int64_t D, const bool* visible, float scale, float* scores, float* out) {
+  qd_attention::attend_heads_shared_n(G, q, k, v, rows, S, D, visible, scale, scores, out,
+                              [](int64_t b, int64_t e, int64_t grain, const auto& f) { at::parallel_for(b, e, grain, f); });
 }
 #endif
 
@@ -1238,6 +1256,30 @@ struct AttentionItem {
   int64_t seq, t, head;
 };
 
+// Every query row of every sequence, each row's G heads at a time with its keys and columns
+// shared between the threads (attend_row_shared): for a batch with fewer (row, key head) pairs
+// than threads, a batch-1 decode above all.  The same bits as attend_sequences's items.
+template <typename KV, typename Offset>
+void attend_rows_shared(const float* qkv, const KV* kc, const KV* vc, const std::vector<int64_t>& seqs,
+                        const std::vector<c10::optional<at::Tensor>>& masks, const Offset& offset, int64_t H,
+                        int64_t Hkv, int64_t hd, int64_t QKV, float scale, int64_t G, float* attended) {
+  const int64_t group = H / Hkv;
+  for (int64_t b = 0; b < static_cast<int64_t>(masks.size()); ++b) {
+    const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2];
+    const int64_t kv_start = seqs[5 * b + 3], S = seqs[5 * b + 4] - kv_start;
+    const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
+    std::vector<int64_t> rows(S);
+    std::vector<float> scores(G * S + 16);
+    for (int64_t g = 0; g < Hkv; ++g) {
+      for (int64_t s = 0; s < S; ++s) rows[s] = offset(ts, g, kv_start + s);
+      for (int64_t t = 0; t < r1 - r0; ++t)
+        for (int64_t head = g * group; head < (g + 1) * group; head += G)
+          attend_row_shared(G, qkv + (r0 + t) * QKV + head * hd, kc, vc, rows.data(), S, hd,
+                            mask ? mask + t * S : nullptr, scale, scores.data(), attended + (r0 + t) * H * hd + head * hd);
+    }
+  }
+}
+
 // Attention of every query row of every sequence, in one parallel region: a region per
 // sequence cost more than a decode row's work (32 decodes over 150 keys: 3.1 -> 2.2 ms a layer
 // with one region, fewer key reads included).  Each
@@ -1252,6 +1294,11 @@ void attend_sequences(const float* qkv, const KV* kc, const KV* vc, const std::v
                       float* attended) {
   const int64_t num_seqs = static_cast<int64_t>(masks.size()), group = H / Hkv;
   const int64_t threads = at::get_num_threads();
+  const int64_t shared_G = shared_row_heads(group, hd);
+  if (N * Hkv < threads && shared_G > 0) {  // fewer (row, key head) pairs than threads: share each
+    attend_rows_shared(qkv, kc, vc, seqs, masks, offset, H, Hkv, hd, QKV, scale, shared_G, attended);
+    return;
+  }
   const int64_t G = attention_heads_per_call(group, N * Hkv, threads), calls = H / G;
   std::vector<int64_t> rows_at(num_seqs + 1, 0);  // where each sequence's key offsets start in `rows`
   int64_t max_keys = 0;
