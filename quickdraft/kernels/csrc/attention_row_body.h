@@ -106,70 +106,9 @@ inline void attend_row(const float* q, const KV* k, const KV* v, const int64_t* 
   weighted_columns<Vec::kAccumulators>(v, rows, S, D, visible, scores, inv_total, 0, out);
 }
 
-// G query heads of one query row that share a key head (grouped-query attention), against the
-// same S keys and mask: each head gets attend_row's very bits (the same operations in the same
-// order); the heads only share the loads.  Each key and value row is read once for the G heads
-// instead of G times: attention over a long context is bound by reading them.  q, out: G heads
-// of D floats, one after the other; scores: G * S scratch.
-template <int G, typename KV>
-inline void attend_heads(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
-                         const bool* visible, float scale, float* scores, float* out) {
-  constexpr int L = Vec::kLanes;
-  constexpr int W = Vec::kAccumulators / G;  // value registers per head at a time
-  if (D % (L * W) != 0) {
-    for (int g = 0; g < G; ++g) attend_row(q + g * D, k, v, rows, S, D, visible, scale, scores + g * S, out + g * D);
-    return;
-  }
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  float max_score[G];
-  for (int g = 0; g < G; ++g) max_score[g] = neg_inf;
-  for (int64_t s = 0; s < S; ++s) {
-    if (visible != nullptr && !visible[s]) {
-      for (int g = 0; g < G; ++g) scores[g * S + s] = neg_inf;
-      continue;
-    }
-    const KV* ks = k + rows[s];
-    Vec::F acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
-    for (int64_t d = 0; d < D; d += L) {
-      const Vec::F kd = load_kv(ks + d);
-      for (int g = 0; g < G; ++g) acc[g] = Vec::fmadd(Vec::load(q + g * D + d), kd, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) {
-      scores[g * S + s] = Vec::sum(acc[g]) * scale;
-      max_score[g] = std::max(max_score[g], scores[g * S + s]);
-    }
-  }
-  if (max_score[0] == neg_inf) {  // the heads share the mask: none sees anything
-    for (int64_t d = 0; d < G * D; d += L) Vec::store(out + d, Vec::zero());
-    return;
-  }
-  float inv_total[G];
-  for (int g = 0; g < G; ++g) inv_total[g] = exp_scores(scores + g * S, S, max_score[g], visible);
-  for (int64_t c = 0; c < D; c += L * W) {
-    Vec::F acc[G][W];
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < W; ++j) acc[g][j] = Vec::zero();
-    for (int64_t s = 0; s < S; ++s) {
-      if (visible != nullptr && !visible[s]) continue;
-      const KV* vs = v + rows[s] + c;
-      Vec::F vv[W];
-      for (int j = 0; j < W; ++j) vv[j] = load_kv(vs + L * j);
-      for (int g = 0; g < G; ++g) {
-        const Vec::F pv = Vec::set1(scores[g * S + s]);
-        for (int j = 0; j < W; ++j) acc[g][j] = Vec::fmadd(pv, vv[j], acc[g][j]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const Vec::F inv = Vec::set1(inv_total[g]);
-      for (int j = 0; j < W; ++j) Vec::store(out + g * D + c + L * j, Vec::mul(acc[g][j], inv));
-    }
-  }
-}
-
 // attend_heads<G> for one query row with its work shared between threads: a decode row at
-// batch 1 is one item, so the item split above would leave threads idle or (one head per task)
-// read its keys once per head.  The scores of a range of keys per task, then the softmax over all
+// batch 1 is one item, so splitting a forward's rows into items would leave threads idle or
+// (one head per item) read its keys once per head.  The scores of a range of keys per task, then the softmax over all
 // of them on the calling thread, then the weighted values of a range of columns per task.  Every
 // (head, key) score and (head, column) lane runs attend_heads's very operations in its order, so
 // a row gets the same bits whichever way it is computed.  Needs D % (kLanes * kAccumulators / G)
@@ -229,6 +168,22 @@ inline void attend_heads_shared(const float* q, const KV* k, const KV* v, const 
       }
     }
   });
+}
+
+// G query heads of one query row that share a key head (grouped-query attention), against the
+// same S keys and mask: each head gets attend_row's very bits (the same operations in the same
+// order); the heads only share the loads.  Each key and value row is read once for the G heads
+// instead of G times: attention over a long context is bound by reading them.  q, out: G heads
+// of D floats, one after the other; scores: G * S scratch.  (attend_heads_shared on this thread.)
+template <int G, typename KV>
+inline void attend_heads(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
+                         const bool* visible, float scale, float* scores, float* out) {
+  if (D % (Vec::kLanes * (Vec::kAccumulators / G)) != 0) {
+    for (int g = 0; g < G; ++g) attend_row(q + g * D, k, v, rows, S, D, visible, scale, scores + g * S, out + g * D);
+    return;
+  }
+  const auto serial = [](int64_t begin, int64_t end, int64_t, const auto& f) { f(begin, end); };
+  attend_heads_shared<G>(q, k, v, rows, S, D, visible, scale, scores, out, serial);
 }
 
 // Heads per attend_heads_shared call for `group` query heads per key head (4, 2 or 1, the most

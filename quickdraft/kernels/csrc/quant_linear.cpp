@@ -1131,14 +1131,7 @@ inline void attend_rows(int64_t G, const float* q, const KV* k, const KV* v, con
   qd_attention_avx2::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 
-inline int64_t shared_row_heads(int64_t group, int64_t D) { return qd_attention_avx2::shared_heads(group, D); }
-
-template <typename KV>
-inline void attend_row_shared(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
-                              int64_t D, const bool* visible, float scale, float* scores, float* out) {
-  qd_attention_avx2::attend_heads_shared_n(G, q, k, v, rows, S, D, visible, scale, scores, out,
-                              [](int64_t b, int64_t e, int64_t grain, const auto& f) { at::parallel_for(b, e, grain, f); });
-}
+namespace qd_attention_isa = qd_attention_avx2;  // this build's attention rows
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
@@ -1193,16 +1186,17 @@ inline void attend_rows(int64_t G, const float* q, const KV* k, const KV* v, con
   qd_attention::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 
-inline int64_t shared_row_heads(int64_t group, int64_t D) { return qd_attention::shared_heads(group, D); }
+namespace qd_attention_isa = qd_attention;  // this build's attention rows
+#endif
+
+inline int64_t shared_row_heads(int64_t group, int64_t D) { return qd_attention_isa::shared_heads(group, D); }
 
 template <typename KV>
 inline void attend_row_shared(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
                               int64_t D, const bool* visible, float scale, float* scores, float* out) {
-  qd_attention::attend_heads_shared_n(G, q, k, v, rows, S, D, visible, scale, scores, out,
-                              [](int64_t b, int64_t e, int64_t grain, const auto& f) { at::parallel_for(b, e, grain, f); });
+  const auto parallel = [](int64_t b, int64_t e, int64_t grain, const auto& f) { at::parallel_for(b, e, grain, f); };
+  qd_attention_isa::attend_heads_shared_n(G, q, k, v, rows, S, D, visible, scale, scores, out, parallel);
 }
-#endif
-
 
 // f(n) for every row n < N.  Rows are independent and each is computed by the same operations
 // whichever thread runs it; fewer than kRowsPerThread rows stay on one thread (a parallel
