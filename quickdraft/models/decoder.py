@@ -82,7 +82,7 @@ class DecoderLayer(torch.nn.Module):
         self.gelu = c.activation == "gelu_tanh"
         # Quantized layers run as one C++ call (csrc/quant_linear.cpp) unless this is False.
         self.fused = True
-        # (the weights and norms it was built from, the fused kernel's arguments or None)
+        # (the weights, norms and biases it was built from, the fused kernel's arguments or None)
         self._fused_cache: tuple[tuple, FusedLayerWeights | None] | None = None
         # Tensor parallelism (quickdraft/distributed): o_proj and down_proj hold a slice of their
         # input dimension on each rank, so their outputs are partial sums that this adds up over
@@ -146,8 +146,8 @@ class DecoderLayer(torch.nn.Module):
 
     def _fused_weights(self) -> FusedLayerWeights | None:
         """The kernel's arguments that stay from call to call, gathered at the first fused call and
-        again whenever a weight or norm is replaced; None where a weight is not quantized or has
-        a bias.  The check reads the module dicts directly: torch's Module.__getattr__ costs ~1 us
+        again whenever a weight, norm or bias is replaced; None where a weight is not quantized or
+        has a bias.  The check reads the module dicts directly: torch's Module.__getattr__ costs ~1 us
         a lookup, and this runs for every layer of every forward."""
         modules = self._modules
         weights = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)  # plain attributes
@@ -161,11 +161,11 @@ class DecoderLayer(torch.nn.Module):
                 "qk_norm",
             )
         )
-        sources = weights + norms
+        biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)  # None: plain attributes
+        sources = weights + norms + biases
         cached = self._fused_cache
         if cached is not None and all(a is b for a, b in zip(sources, cached[0])):
             return cached[1]
-        biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)
         usable = all(isinstance(w, QuantizedWeight) for w in weights) and all(b is None for b in biases)
         layer = (
             FusedLayerWeights.of(

@@ -583,13 +583,13 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         sources = (*(self.draft_weights[name] for name in names), self.attn_norm.weight, self.mlp_norm.weight)
         cached = self._fused_block_cache
-        if cached is None or len(cached[0]) != len(sources) or any(a is not b for a, b in zip(sources, cached[0])):
+        if cached is None or any(a is not b for a, b in zip(sources, cached[0])):
             c = self.config
             layer = FusedLayerWeights.of(
                 weights=dict(zip(names, sources[:4])),
                 norms={
-                    "input": self.attn_norm.weight,
-                    "post_attention": self.mlp_norm.weight,
+                    "input": sources[4],
+                    "post_attention": sources[5],
                     "pre_feedforward": None,
                     "post_feedforward": None,
                     "qk": None,

@@ -343,6 +343,9 @@ def test_one_call_layer_follows_a_replaced_weight_or_norm(tiny_gguf_paths):
     model.layers[0].input_layernorm.weight = other.layers[0].input_layernorm.weight  # a new Parameter
     model.layers[1].gate_up_proj = other.layers[1].gate_up_proj
     assert torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
+    # A bias set later takes the layer off the fused kernel (which has none): the outputs move.
+    model.layers[1].qkv_bias = torch.nn.Parameter(torch.full((model.layers[1].qkv_proj.shape[0],), 0.5))
+    assert not torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
 
 
 def test_packed_weights_are_cached_beside_the_conversion(tiny_gguf_paths):

@@ -1239,6 +1239,11 @@ const float* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
 
+// A sequence's attention mask [rows, keys], or null where it has none (it sees every key).
+const bool* mask_ptr(const c10::optional<at::Tensor>& mask) {
+  return mask.has_value() && mask->defined() ? mask->const_data_ptr<bool>() : nullptr;
+}
+
 // A new key or value row into the cache: as it is, or rounded to half (to nearest, once).
 inline void store_kv_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void store_kv_row(KvHalf* dst, const float* src, int64_t n) {
@@ -1261,7 +1266,7 @@ void attend_rows_shared(const float* qkv, const KV* kc, const KV* vc, const std:
   for (int64_t b = 0; b < static_cast<int64_t>(masks.size()); ++b) {
     const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2];
     const int64_t kv_start = seqs[5 * b + 3], S = seqs[5 * b + 4] - kv_start;
-    const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
+    const bool* mask = mask_ptr(masks[b]);
     std::vector<int64_t> rows(S);
     std::vector<float> scores(G * S + 16);
     for (int64_t g = 0; g < Hkv; ++g) {
@@ -1330,7 +1335,7 @@ void attend_sequences(const float* qkv, const KV* kc, const KV* vc, const std::v
       for (int64_t i = first; i < last; ++i) {
         const auto [b, t, head] = items[i];
         const int64_t r0 = seqs[5 * b + 1], S = seqs[5 * b + 4] - seqs[5 * b + 3], g = head / group;
-        const bool* mask = masks[b].has_value() && masks[b]->defined() ? masks[b]->const_data_ptr<bool>() : nullptr;
+        const bool* mask = mask_ptr(masks[b]);
         attend_rows(G, qkv + (r0 + t) * QKV + head * hd, kc, vc, rows.data() + rows_at[b] + g * S, S, hd,
                     mask ? mask + t * S : nullptr, scale, scores.data(), attended + (r0 + t) * H * hd + head * hd);
       }
