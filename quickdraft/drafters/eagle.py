@@ -276,9 +276,24 @@ class EagleDrafter(Drafter):
             )
             for r, state, root in zip(ready, states, roots)
         }
-        for depth in range(1, max(d.max_depth for d in drafts.values()) + 1):
+        grown_at_once = len(drafts) == 1 and self._grow_chain_in_one_call(next(iter(drafts.values())))
+        if not grown_at_once:
+            self._grow_depth_by_depth(list(drafts.values()))
+        proposals: list[Proposal | None] = []
+        for request in requests:
+            grown = drafts.get(request.request_id)
+            if grown is None or len(grown.tree.token_ids) == 1:
+                proposals.append(None)
+                continue
+            token_ids, parents = grown.tree.pruned(grown.budget)
+            proposals.append(Proposal(token_ids=token_ids, parents=parents))
+        return proposals
+
+    def _grow_depth_by_depth(self, drafts: list[_Draft]) -> None:
+        """Every draft's tree, one head forward per depth for all of them."""
+        for depth in range(1, max(d.max_depth for d in drafts) + 1):
             growing = []
-            for draft in drafts.values():
+            for draft in drafts:
                 draft.expand = (
                     self._nodes_to_expand(draft.tree, draft.frontier, depth) if depth <= draft.max_depth else []
                 )
@@ -289,15 +304,34 @@ class EagleDrafter(Drafter):
             if depth > 1:  # depth-1 children come from the catch-up's last rows
                 self._feed_nodes(growing)
             self._add_children(growing)
-        proposals: list[Proposal | None] = []
-        for request in requests:
-            grown = drafts.get(request.request_id)
-            if grown is None or len(grown.tree.token_ids) == 1:
-                proposals.append(None)
-                continue
-            token_ids, parents = grown.tree.pruned(grown.budget)
-            proposals.append(Proposal(token_ids=token_ids, parents=parents))
-        return proposals
+
+    def _grow_chain_in_one_call(self, draft: _Draft) -> bool:
+        """A lone request's top-1 chain, every depth in one C++ call (EagleHead.draft_chain):
+        ~10 Python-driven calls per depth cost more than the head's arithmetic at one row.  The
+        same picks as the depth-by-depth loop, which runs where this cannot (trees, keyed draws,
+        several requests, heads without a copy path) -- False then, and nothing has changed."""
+        if self.static_tree is not None or self.top_k != 1 or draft.keyed is not None or draft.copy_sources is None:
+            return False
+        chain_head = getattr(self.head, "draft_chain", None)
+        if chain_head is None:
+            return False
+        state, request = draft.state, draft.request
+        picks = chain_head(
+            draft.hidden[0],
+            sources=draft.copy_sources,
+            cache_keys=self.cache.keys[0],
+            cache_values=self.cache.values[0],
+            block_table=self.cache.block_table(state.slot),
+            first_true=state.first_true,
+            num_true=state.num_true,
+            floors=[request.path_log_floor(depth, self.min_log_prob) for depth in range(1, draft.max_depth + 1)],
+        )
+        if picks is None:
+            return False
+        node = 0
+        for token, log_prob in zip(*picks):
+            node = draft.tree.add_children(node, [token], [log_prob], [0])[0]
+        return True
 
     def _in_step(self, request: DraftRequest) -> bool:
         """New features arrived and they match the tokens (else: no draft for it this step)."""

@@ -8,7 +8,7 @@ import torch
 
 from quickdraft.kernels.build import LazyKernel
 
-__all__ = ["available", "draft_top_k"]
+__all__ = ["available", "draft_top_k", "top_k_address"]
 
 # Drafting precision never changes the output: the compiler may reorder the float sums.
 _KERNEL = LazyKernel(
@@ -59,3 +59,10 @@ def draft_top_k(
         eps,
     )
     return ids, log_probs
+
+
+def top_k_address() -> int | None:
+    """Where the kernel's mixture function starts, for a chain grown in one call by the quantized
+    kernels' module (``draft_chain`` in csrc/quant_linear.cpp), or None where it is not built."""
+    ext = _KERNEL.get()
+    return None if ext is None else int(ext.mixture_top_k_address())

@@ -36,6 +36,7 @@ __all__ = [
     "ISA_ENV",
     "active_isa",
     "amx_min_rows",
+    "draft_chain",
     "fused_layer_available",
     "isa_extension",
     "kernel_available",
@@ -388,3 +389,72 @@ def fused_decoder_layer(
         layer.scale,
         _amx_min_rows(ext),
     )
+
+
+def draft_chain(
+    root: torch.Tensor,  # [1, D] the head's output after the root pair
+    *,
+    embed: QuantizedWeight,  # [V, D] the target's token embedding, Q8_0 in one part
+    embed_scale: float | None,
+    input_norm: torch.Tensor,  # [2 D] the token's then the feature's norm weights
+    in_proj: QuantizedWeight,  # [D, 2 D]
+    input_eps: float,
+    layer: FusedLayerWeights,  # the head's block
+    rotary_tables: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin [max_len, hd]
+    cache_keys: torch.Tensor,  # [blocks, Hkv, block_size, hd] the head's cache
+    cache_values: torch.Tensor,
+    block_table: list[int],
+    first_true: int,
+    num_true: int,
+    final_norm: torch.Tensor,  # [D]
+    final_eps: float,
+    lm_rows: QuantizedWeight,  # [Vd, D] the draft vocabulary's LM rows
+    mixture_address: int,  # draft_mixture.top_k_address()
+    mixture_tensors: list[torch.Tensor],  # as csrc/quant_linear.cpp's draft_chain lists them
+    mixture_eps: float,
+    floors: list[float],  # per depth, the path log-probability a pick must keep
+) -> tuple[list[int], list[float]]:
+    """A copy-path head's top-1 chain grown in one call (``draft_chain`` in
+    csrc/quant_linear.cpp, which says what it computes): the picks' target ids and
+    log-probabilities, at most len(floors), as the depth-by-depth path picks them."""
+    ext = _extension()
+    cos, sin = rotary_tables
+    ids, log_probs = ext.draft_chain(
+        root,
+        embed.parts[0].packed,
+        embed.shape[0],
+        0.0 if embed_scale is None else float(embed_scale),
+        input_norm,
+        _parts(in_proj),
+        input_eps,
+        layer.qkv,
+        layer.o_proj,
+        layer.gate_up,
+        layer.down,
+        layer.input_norm,
+        layer.post_attention_norm,
+        layer.eps,
+        layer.gelu,
+        cos,
+        sin,
+        cache_keys,
+        cache_values,
+        block_table,
+        first_true,
+        num_true,
+        layer.num_heads,
+        layer.num_kv_heads,
+        layer.head_dim,
+        layer.intermediate_size,
+        layer.scale,
+        final_norm,
+        final_eps,
+        _parts(lm_rows),
+        lm_rows.shape[0],
+        mixture_address,
+        mixture_tensors,
+        mixture_eps,
+        floors,
+        _amx_min_rows(ext),
+    )
+    return ids.tolist(), log_probs.tolist()

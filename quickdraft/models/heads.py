@@ -33,6 +33,7 @@ from quickdraft.kernels import draft_mixture
 from quickdraft.kernels.quant_linear import (
     FusedLayerWeights,
     FusedSequences,
+    draft_chain,
     fused_decoder_layer,
     fused_layer_available,
     norm_matmul,
@@ -618,6 +619,71 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
+
+    def draft_chain(
+        self,
+        root: torch.Tensor,  # [D] the head's output after the root pair
+        *,
+        sources: CopySources,
+        cache_keys: torch.Tensor,  # [blocks, Hkv, block_size, hd] the drafter's head cache
+        cache_values: torch.Tensor,
+        block_table: list[int],
+        first_true: int,
+        num_true: int,
+        floors: list[float],  # per depth d = 1.., the path log-probability its pick must keep
+    ) -> tuple[list[int], list[float]] | None:
+        """A top-1 chain of up to len(floors) picks grown in one C++ call: the picks' target ids
+        and log-probabilities, the very values the depth-by-depth path (input_hidden,
+        fused_block, draft_logits and draft_top_k per depth) gives; its draft entries are
+        written at num_true.. of the head cache.  None where that call cannot run here (no fused
+        drafting, no copy path, no mixture kernel, an embedding that is not Q8_0 in one part, a
+        logit softcap): the caller grows the chain depth by depth."""
+        embed = self.embed_tokens
+        address = draft_mixture.top_k_address() if self.fused_drafting and self.config.copy_dim else None
+        if (
+            address is None
+            or self.logit_softcap
+            or not self.runs_fused_block(root)
+            or not isinstance(embed, QuantizedWeight)
+            or len(embed.parts) != 1
+            or embed.parts[0].format != "Q8_0"
+            or sources.keys.dtype != torch.float32
+        ):
+            return None
+        assert self.draft_input_norm is not None  # set with fused_drafting
+        return draft_chain(
+            root.reshape(1, -1).contiguous(),
+            embed=embed,
+            embed_scale=self.embed_scale,
+            input_norm=self.draft_input_norm,
+            in_proj=self.draft_weights["in_proj"],
+            input_eps=self.token_norm.eps,
+            layer=self._fused_block_weights(),
+            rotary_tables=(self.rotary.cos, self.rotary.signed_sin),
+            cache_keys=cache_keys,
+            cache_values=cache_values,
+            block_table=block_table,
+            first_true=first_true,
+            num_true=num_true,
+            final_norm=self.final_norm.weight,
+            final_eps=self.final_norm.eps,
+            lm_rows=self.draft_weights["lm_rows"],
+            mixture_address=address,
+            mixture_tensors=[
+                self.copy_query.weight,
+                self.copy_gate.weight,
+                self.copy_gate.bias,
+                sources.keys.contiguous(),
+                sources.inverse,
+                sources.distinct,
+                sources.distinct_draft_ids,
+                sources.distinct_in_vocab,
+                sources.copied_draft_id,
+                self.d2t,
+            ],
+            mixture_eps=self.copy_norm_eps,
+            floors=floors,
+        )
 
     # ---- the copy path (CopyPath) ------------------------------------------------------
     def with_fresh_copy_path(self, copy_dim: int) -> EagleHead:

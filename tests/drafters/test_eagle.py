@@ -698,6 +698,68 @@ def test_drafting_requests_together_proposes_what_each_alone_would(tiny_checkpoi
     assert all(len(token_ids) > 2 for token_ids, _ in together)  # real trees, not single guesses
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+@pytest.mark.parametrize("min_draft_prob", [0.0, 0.04, 0.2])
+def test_a_lone_chain_grown_in_one_call_is_the_depth_by_depth_chain(
+    tiny_checkpoints, copy_head_dir, arch, min_draft_prob, monkeypatch
+):
+    """A lone request's top-1 chain grown in one C++ call (EagleHead.draft_chain) is the chain
+    the depth-by-depth loop grows: the same tokens, cut where the same path floor cuts it, pruned
+    to the same budget (Gemma's embedding scale and Llama's none)."""
+    from quickdraft.drafters.base import DraftRequest
+    from quickdraft.drafters.eagle import EagleDrafter
+
+    if not kernel_available():
+        pytest.skip("no quantized CPU kernel: no fused drafting to grow a chain in one call")
+    llm = LLM(
+        str(tiny_checkpoints[arch]),
+        max_model_len=128,
+        quantization="q8_0",
+        speculative_config={
+            "method": "eagle3",
+            "head": str(copy_head_dir),
+            "num_speculative_tokens": 5,
+            "top_k": 1,
+            "min_draft_prob": min_draft_prob,
+        },
+    )
+    drafter = llm.engine.speculator.drafter
+    generator = torch.Generator().manual_seed(7)
+    cases = [(n, budget) for n in (6, 11, 17, 30) for budget in (2, 16)]
+    tokens = {n: torch.randint(3, 30, (n,), generator=generator).tolist() for n, _ in cases}  # repeats to copy
+    features = {n: torch.randn(n - 1, 3 * 64, generator=generator) for n, _ in cases}
+
+    def drafted() -> list[tuple[list[int], list[int]] | None]:
+        proposals = []
+        for n, budget in cases:
+            r = DraftRequest(request_id=f"r{n}", prompt_token_ids=tokens[n], output_token_ids=[], budget=budget)
+            drafter.begin(r)
+            drafter.observe(r, features[n])
+            proposal = drafter.propose([r])[0]
+            drafter.finish(r.request_id)
+            proposals.append(None if proposal is None else (proposal.token_ids, proposal.parents))
+        return proposals
+
+    one_call = EagleDrafter._grow_chain_in_one_call
+    grown_at_once: list[bool] = []
+
+    def counted(self, draft):
+        grown_at_once.append(one_call(self, draft))
+        return grown_at_once[-1]
+
+    monkeypatch.setattr(EagleDrafter, "_grow_chain_in_one_call", counted)
+    at_once = drafted()
+    assert grown_at_once and all(grown_at_once)  # every lone chain took the one call
+    monkeypatch.setattr(EagleDrafter, "_grow_chain_in_one_call", lambda self, draft: False)
+    assert at_once == drafted()
+    lengths = [0 if p is None else len(p[0]) - 1 for p in at_once]
+    assert all(length <= 2 for length, (_, budget) in zip(lengths, cases) if budget == 2)
+    if min_draft_prob:
+        assert max(lengths) > 0 and min(lengths) < 5  # chains, some cut short by the floor
+    else:
+        assert max(lengths) == 5  # the whole depth where nothing cuts it
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_paths_extend_past_max_depth_only_above_the_requests_floor(tiny_checkpoints, copy_head_dir, top_k):
     """Adaptive speculation's extension: past max_depth (up to extend_depth) a path grows only

@@ -25,6 +25,8 @@
 
 #include <torch/extension.h>
 
+#include "draft_mixture.h"
+
 namespace qd_mixture {
 
 bool cpu_supported() {  // built with -mavx2 -mfma (csrc's other kernels need AVX2 as well)
@@ -61,6 +63,53 @@ float dot(const float* a, const float* b, int64_t n) {  // vectorized: -ffast-ma
   return s;
 }
 
+// The k best candidates of every row (see the top) into ids [m, k] and log_probs [m, k], which
+// the caller fills with -1 / -inf.  Not inlined: the pybind entry and a chain grown in
+// quant_linear.cpp (through this function's address) run the same machine code.
+__attribute__((noinline)) void mixture_top_k(const qd_mixture_abi::MixtureInputs& in, int64_t* ids,
+                                             float* out_lp) {
+  const int64_t m = in.m, D = in.D, Vd = in.Vd, C = in.C, n = in.n, U = in.U, k = in.k;
+  std::vector<float> unit(D), query(C), weights(n), copied(U);
+  const float inv_sqrt_c = 1.0f / std::sqrt(static_cast<float>(C));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* x = in.features + r * D;
+    const float* lg = in.logits + r * Vd;
+    float lmax = lg[0];  // no infinities in comparisons: -ffast-math assumes finite values
+    for (int64_t v = 1; v < Vd; ++v) lmax = std::max(lmax, lg[v]);
+    float total = 0.0f;
+    for (int64_t v = 0; v < Vd; ++v) total += std::exp(lg[v] - lmax);
+    const float lse = lmax + std::log(total);
+    const float scale = 1.0f / std::sqrt(dot(x, x, D) / static_cast<float>(D) + in.eps);
+    for (int64_t i = 0; i < D; ++i) unit[i] = x[i] * scale;
+    for (int64_t c = 0; c < C; ++c) query[c] = dot(unit.data(), in.query_weight + c * D, D);
+    const float gate = 1.0f / (1.0f + std::exp(-(dot(unit.data(), in.gate_weight, D) + in.gate_bias)));
+    for (int64_t i = 0; i < n; ++i) weights[i] = dot(query.data(), in.keys + i * C, C) * inv_sqrt_c;
+    float smax = weights[0];
+    for (int64_t i = 1; i < n; ++i) smax = std::max(smax, weights[i]);
+    float wsum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      weights[i] = std::exp(weights[i] - smax);
+      wsum += weights[i];
+    }
+    std::fill(copied.begin(), copied.end(), 0.0f);
+    for (int64_t i = 0; i < n; ++i) copied[in.inverse[i]] += weights[i] / wsum;
+    std::vector<Candidate> candidates;
+    const float log_keep = std::log1p(-gate);
+    for (const auto& [logit, v] : top_values(lg, Vd, k))
+      if (!in.copied_draft_id[v]) candidates.push_back({log_keep + (logit - lse), in.d2t[v], v});
+    for (int64_t j = 0; j < U; ++j) {
+      const float vocab = in.distinct_in_vocab[j] > 0.0f ? std::exp(lg[in.distinct_draft_ids[j]] - lse) : 0.0f;
+      candidates.push_back({std::log((1.0f - gate) * vocab + gate * copied[j]), in.distinct[j], Vd + j});
+    }
+    const int64_t kept = std::min<int64_t>(k, static_cast<int64_t>(candidates.size()));
+    std::partial_sort(candidates.begin(), candidates.begin() + kept, candidates.end(), better);
+    for (int64_t i = 0; i < kept; ++i) {
+      ids[r * k + i] = candidates[i].id;
+      out_lp[r * k + i] = candidates[i].score;
+    }
+  }
+}
+
 // features [m, D], logits [m, Vd] float32; query_weight [C, D], gate_weight [D], gate_bias [1];
 // keys [n, C]; inverse [n] (index of each source's token in distinct); distinct [U] target ids;
 // distinct_draft_ids [U] and distinct_in_vocab [U] (float, 0 where the token is outside the draft
@@ -85,59 +134,31 @@ std::vector<at::Tensor> draft_top_k(const at::Tensor& features, const at::Tensor
                   inverse.numel() == n && distinct_draft_ids.numel() == U && distinct_in_vocab.numel() == U &&
                   copied_draft_id.numel() == Vd && d2t.numel() == Vd && k >= 1 && n >= 1,
               "draft_top_k: inconsistent shapes");
-  const float* x_all = features.const_data_ptr<float>();
-  const float* logits_all = logits.const_data_ptr<float>();
-  const float* wq = query_weight.const_data_ptr<float>();
-  const float* wg = gate_weight.const_data_ptr<float>();
-  const float bg = gate_bias.const_data_ptr<float>()[0];
-  const float* kp = keys.const_data_ptr<float>();
-  const int64_t* inv = inverse.const_data_ptr<int64_t>();
-  const int64_t* dist = distinct.const_data_ptr<int64_t>();
-  const int64_t* dist_draft = distinct_draft_ids.const_data_ptr<int64_t>();
-  const float* dist_in_vocab = distinct_in_vocab.const_data_ptr<float>();
-  const bool* copied_id = copied_draft_id.const_data_ptr<bool>();
-  const int64_t* d2t_p = d2t.const_data_ptr<int64_t>();
+  const qd_mixture_abi::MixtureInputs in{
+      features.const_data_ptr<float>(),
+      logits.const_data_ptr<float>(),
+      m,
+      D,
+      Vd,
+      query_weight.const_data_ptr<float>(),
+      C,
+      gate_weight.const_data_ptr<float>(),
+      gate_bias.const_data_ptr<float>()[0],
+      keys.const_data_ptr<float>(),
+      n,
+      inverse.const_data_ptr<int64_t>(),
+      distinct.const_data_ptr<int64_t>(),
+      U,
+      distinct_draft_ids.const_data_ptr<int64_t>(),
+      distinct_in_vocab.const_data_ptr<float>(),
+      copied_draft_id.const_data_ptr<bool>(),
+      d2t.const_data_ptr<int64_t>(),
+      k,
+      static_cast<float>(eps),
+  };
   at::Tensor ids = at::full({m, k}, -1, at::kLong);
   at::Tensor out_lp = at::full({m, k}, -std::numeric_limits<float>::infinity(), at::kFloat);
-  std::vector<float> unit(D), query(C), weights(n), copied(U);
-  const float inv_sqrt_c = 1.0f / std::sqrt(static_cast<float>(C));
-  for (int64_t r = 0; r < m; ++r) {
-    const float* x = x_all + r * D;
-    const float* lg = logits_all + r * Vd;
-    float lmax = lg[0];  // no infinities in comparisons: -ffast-math assumes finite values
-    for (int64_t v = 1; v < Vd; ++v) lmax = std::max(lmax, lg[v]);
-    float total = 0.0f;
-    for (int64_t v = 0; v < Vd; ++v) total += std::exp(lg[v] - lmax);
-    const float lse = lmax + std::log(total);
-    const float scale = 1.0f / std::sqrt(dot(x, x, D) / static_cast<float>(D) + static_cast<float>(eps));
-    for (int64_t i = 0; i < D; ++i) unit[i] = x[i] * scale;
-    for (int64_t c = 0; c < C; ++c) query[c] = dot(unit.data(), wq + c * D, D);
-    const float gate = 1.0f / (1.0f + std::exp(-(dot(unit.data(), wg, D) + bg)));
-    for (int64_t i = 0; i < n; ++i) weights[i] = dot(query.data(), kp + i * C, C) * inv_sqrt_c;
-    float smax = weights[0];
-    for (int64_t i = 1; i < n; ++i) smax = std::max(smax, weights[i]);
-    float wsum = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      weights[i] = std::exp(weights[i] - smax);
-      wsum += weights[i];
-    }
-    std::fill(copied.begin(), copied.end(), 0.0f);
-    for (int64_t i = 0; i < n; ++i) copied[inv[i]] += weights[i] / wsum;
-    std::vector<Candidate> candidates;
-    const float log_keep = std::log1p(-gate);
-    for (const auto& [logit, v] : top_values(lg, Vd, k))
-      if (!copied_id[v]) candidates.push_back({log_keep + (logit - lse), d2t_p[v], v});
-    for (int64_t j = 0; j < U; ++j) {
-      const float vocab = dist_in_vocab[j] > 0.0f ? std::exp(lg[dist_draft[j]] - lse) : 0.0f;
-      candidates.push_back({std::log((1.0f - gate) * vocab + gate * copied[j]), dist[j], Vd + j});
-    }
-    const int64_t kept = std::min<int64_t>(k, static_cast<int64_t>(candidates.size()));
-    std::partial_sort(candidates.begin(), candidates.begin() + kept, candidates.end(), better);
-    for (int64_t i = 0; i < kept; ++i) {
-      ids.data_ptr<int64_t>()[r * k + i] = candidates[i].id;
-      out_lp.data_ptr<float>()[r * k + i] = candidates[i].score;
-    }
-  }
+  mixture_top_k(in, ids.data_ptr<int64_t>(), out_lp.data_ptr<float>());
   return {ids, out_lp};
 }
 
@@ -146,4 +167,6 @@ std::vector<at::Tensor> draft_top_k(const at::Tensor& features, const at::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_supported", &qd_mixture::cpu_supported);
   m.def("draft_top_k", &qd_mixture::draft_top_k);
+  // For quant_linear's draft_chain (same process, same compiler): where mixture_top_k starts.
+  m.def("mixture_top_k_address", [] { return reinterpret_cast<int64_t>(&qd_mixture::mixture_top_k); });
 }

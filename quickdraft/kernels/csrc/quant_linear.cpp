@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include <tuple>
@@ -50,6 +51,7 @@
 
 #include "attention_row.h"
 #include "attention_row_avx2.h"
+#include "draft_mixture.h"
 
 namespace qd_quant {
 // Internal linkage: the AVX-512 and the AVX2 module may both be loaded in one process, and
@@ -1479,6 +1481,107 @@ at::Tensor norm_matmul(const at::Tensor& x_in, const at::Tensor& norm, int64_t s
   matmul_parts(parts, normed.data(), M, K, out.mutable_data_ptr<float>(), N, q8, dx, bsum, amx_min_rows);
   return out;
 }
+
+// A copy-path draft head's chain, every depth in this one call: ~10 Python-driven calls per depth
+// (the input, the block, the draft logits, the mixture, their arguments) cost more than the
+// head's arithmetic at one row.  The same computation as the drafter's depth-by-depth path for a
+// top-1 chain (quickdraft/drafters/eagle.py), with the same functions: the token's embedding row
+// times embed_scale (float32, as torch multiplies a float32 row by a Python float) beside the
+// previous output, norm_matmul through in_proj, decoder_layer attending the head's true entries
+// first_true..num_true-1 and the chain's own entries after them (no mask: a chain sees them all),
+// norm_matmul through the draft LM rows, then the mixture's best candidate (mixture_top_k of
+// draft_mixture.cpp, by address).  Depth d keeps its pick while the path's log-probability plus
+// the pick's is at least floors[d - 1]; the path then adds min(0, log_prob), as DynamicTree does.
+// root [1, D]: the head's output after the root pair; rotary tables [max_len, hd]; the chain's
+// entry for depth d is num_true + d - 1 at position num_true + d (its first pick needs no
+// entry).  Returns the picks (target ids [n], log-probabilities [n] float32), n <= floors.size().
+std::vector<at::Tensor> draft_chain(
+    const at::Tensor& root, const at::Tensor& embed_packed, int64_t embed_rows, double embed_scale,
+    const at::Tensor& input_norm, const std::vector<Part>& in_proj, double input_eps, const std::vector<Part>& qkv,
+    const std::vector<Part>& o_proj, const std::vector<Part>& gate_up, const std::vector<Part>& down,
+    const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double block_eps, bool gelu, const at::Tensor& cos_table,
+    const at::Tensor& sin_table, at::Tensor& cache_k, at::Tensor& cache_v, const std::vector<int64_t>& table,
+    int64_t first_true, int64_t num_true, int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale,
+    const at::Tensor& final_norm, double final_eps, const std::vector<Part>& lm_rows, int64_t Vd,
+    int64_t mixture_address, const std::vector<at::Tensor>& mixture_tensors, double mixture_eps,
+    const std::vector<double>& floors, int64_t amx_min_rows) {
+  TORCH_CHECK(cpu_supported(), "draft_chain: this CPU lacks the instructions of the ", kIsa, " build");
+  TORCH_CHECK(mixture_address != 0 && mixture_tensors.size() == 10, "draft_chain: bad mixture arguments");
+  TORCH_CHECK(root.dim() == 2 && root.size(0) == 1 && root.scalar_type() == at::kFloat, "draft_chain: bad root");
+  const int64_t D = root.size(1);
+  TORCH_CHECK(cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.size(1) == hd,
+              "draft_chain: bad rotary tables");
+  // query weight [C, D], gate weight [1, D], gate bias [1], keys [n, C], inverse [n], distinct [U],
+  // distinct draft ids [U], distinct in vocab [U], copied draft id [Vd] bool, d2t [Vd]
+  const auto& mt = mixture_tensors;
+  for (int i : {0, 1, 2, 3, 7})
+    TORCH_CHECK(mt[i].scalar_type() == at::kFloat && mt[i].is_contiguous(), "draft_chain: bad mixture tensor ", i);
+  for (int i : {4, 5, 6, 9})
+    TORCH_CHECK(mt[i].scalar_type() == at::kLong && mt[i].is_contiguous(), "draft_chain: bad mixture index ", i);
+  TORCH_CHECK(mt[8].scalar_type() == at::kBool && mt[8].numel() == Vd && mt[9].numel() == Vd &&
+                  mt[0].size(1) == D && mt[3].size(1) == mt[0].size(0) && mt[3].size(0) >= 1,
+              "draft_chain: inconsistent mixture shapes");
+  const auto mixture = reinterpret_cast<qd_mixture_abi::MixtureTopK>(mixture_address);
+  qd_mixture_abi::MixtureInputs in{};
+  in.m = 1;
+  in.D = D;
+  in.Vd = Vd;
+  in.query_weight = mt[0].const_data_ptr<float>();
+  in.C = mt[0].size(0);
+  in.gate_weight = mt[1].const_data_ptr<float>();
+  in.gate_bias = mt[2].const_data_ptr<float>()[0];
+  in.keys = mt[3].const_data_ptr<float>();
+  in.n = mt[3].size(0);
+  in.inverse = mt[4].const_data_ptr<int64_t>();
+  in.distinct = mt[5].const_data_ptr<int64_t>();
+  in.U = mt[5].numel();
+  in.distinct_draft_ids = mt[6].const_data_ptr<int64_t>();
+  in.distinct_in_vocab = mt[7].const_data_ptr<float>();
+  in.copied_draft_id = mt[8].const_data_ptr<bool>();
+  in.d2t = mt[9].const_data_ptr<int64_t>();
+  in.k = 1;
+  in.eps = static_cast<float>(mixture_eps);
+
+  const float embed_mul = static_cast<float>(embed_scale);
+  std::vector<int64_t> picked_ids;
+  std::vector<float> picked_log_probs;
+  at::Tensor hidden = root.contiguous();
+  at::Tensor joined = at::empty({1, 2 * D}, root.options());
+  double path = 0.0;
+  for (int64_t depth = 1; depth <= static_cast<int64_t>(floors.size()); ++depth) {
+    if (depth > 1) {  // feed the last pick: its entry num_true + depth - 2, position num_true + depth - 1
+      const int64_t entry = num_true + depth - 2, position = entry + 1;
+      TORCH_CHECK(position < cos_table.size(0), "draft_chain: position past the rotary table");
+      at::Tensor token = at::empty({1}, at::kLong);
+      token.mutable_data_ptr<int64_t>()[0] = picked_ids.back();
+      const at::Tensor embedded = dequantize_rows_q8_0(embed_packed, embed_rows, D, token);
+      float* j = joined.mutable_data_ptr<float>();
+      const float* e = embedded.const_data_ptr<float>();
+      for (int64_t i = 0; i < D; ++i) j[i] = embed_scale > 0.0 ? e[i] * embed_mul : e[i];
+      std::memcpy(j + D, hidden.const_data_ptr<float>(), D * sizeof(float));
+      const at::Tensor x = norm_matmul(joined, input_norm, D, input_eps, in_proj, D, amx_min_rows);
+      hidden = decoder_layer(x, qkv, o_proj, gate_up, down, attn_norm, mlp_norm, c10::nullopt, c10::nullopt,
+                             c10::nullopt, block_eps, gelu, cos_table.narrow(0, position, 1),
+                             sin_table.narrow(0, position, 1), cache_k, cache_v, {0, 0, 1, first_true, entry + 1},
+                             table, {c10::nullopt}, H, Hkv, hd, I, scale, amx_min_rows);
+    }
+    const at::Tensor logits = norm_matmul(hidden, final_norm, D, final_eps, lm_rows, Vd, amx_min_rows);
+    in.features = hidden.const_data_ptr<float>();
+    in.logits = logits.const_data_ptr<float>();
+    int64_t id = -1;
+    float log_prob = -std::numeric_limits<float>::infinity();
+    mixture(in, &id, &log_prob);
+    if (id < 0 || !(path + static_cast<double>(log_prob) >= floors[depth - 1])) break;
+    picked_ids.push_back(id);
+    picked_log_probs.push_back(log_prob);
+    path += std::min(0.0, static_cast<double>(log_prob));
+  }
+  const int64_t n = static_cast<int64_t>(picked_ids.size());
+  at::Tensor ids = at::empty({n}, at::kLong), log_probs = at::empty({n}, at::kFloat);
+  std::copy(picked_ids.begin(), picked_ids.end(), ids.mutable_data_ptr<int64_t>());
+  std::copy(picked_log_probs.begin(), picked_log_probs.end(), log_probs.mutable_data_ptr<float>());
+  return {ids, log_probs};
+}
 }  // namespace
 }  // namespace qd_quant
 
@@ -1493,6 +1596,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &qd_quant::decoder_layer, "one decoder layer on quantized weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("norm_matmul", &qd_quant::norm_matmul, "rms_norm(x) per segment, then x @ W^T on quantized weights",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("draft_chain", &qd_quant::draft_chain, "a copy-path draft head's top-1 chain, every depth in one call",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows_q8_0", &qd_quant::dequantize_rows_q8_0, "rows of a packed Q8_0 weight as float32",
         py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("index"));
