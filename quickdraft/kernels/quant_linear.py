@@ -288,6 +288,26 @@ class FusedLayerWeights:
     intermediate_size: int
     scale: float
 
+    def weight_args(self) -> tuple:
+        """The kernels' layer arguments before the per-call ones (decoder_layer, DecoderStack)."""
+        return (
+            self.qkv,
+            self.o_proj,
+            self.gate_up,
+            self.down,
+            self.input_norm,
+            self.post_attention_norm,
+            self.pre_feedforward_norm,
+            self.post_feedforward_norm,
+            self.qk_norm,
+            self.eps,
+            self.gelu,
+        )
+
+    def size_args(self) -> tuple:
+        """The kernels' head and width arguments (after the per-call ones in decoder_layer)."""
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.scale)
+
     @classmethod
     def of(
         cls,
@@ -348,6 +368,62 @@ class FusedSequences:
         return cls(seqs=seqs, tables=tables, masks=masks)
 
 
+class FusedStack:
+    """A decoder's layers for one C++ call per forward (``DecoderStack`` in csrc/quant_linear.cpp):
+    each layer's FusedLayerWeights handed to the kernel once, at construction.  `layers` are kept
+    (`built_from` compares them by identity: a layer whose weights or norms were replaced gives
+    a new FusedLayerWeights, and its owner builds a new stack)."""
+
+    def __init__(self, layers: list[FusedLayerWeights]):
+        self.layers = tuple(layers)
+        self._ext = _extension()
+        self._stack = self._ext.DecoderStack()
+        for layer in layers:
+            self._stack.add_layer(*layer.weight_args(), *layer.size_args())
+
+    def built_from(self, layers: list[FusedLayerWeights]) -> bool:
+        """Whether this stack holds exactly these layers, with the kernel build in use now."""
+        return (
+            len(layers) == len(self.layers)
+            and all(a is b for a, b in zip(layers, self.layers))
+            and _extension() is self._ext
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [N, D]
+        *,
+        start: int,
+        end: int,
+        rotary_kind: list[int],  # per layer: its index into rotary
+        sequence_kind: list[int],  # per layer: its index into sequences
+        rotary: list[tuple[torch.Tensor, torch.Tensor]],  # cos, sin [N, 1, hd] per kind
+        sequences: list[FusedSequences],
+        cache_keys: list[torch.Tensor],  # per layer [blocks, Hkv, block_size, hd]
+        cache_values: list[torch.Tensor],
+        capture: list[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Layers start..end-1 over `hidden` -> (the last one's output [N, D], the outputs of the
+        layers in `capture`, in its order)."""
+        out = self._stack.forward(
+            hidden.contiguous(),
+            start,
+            end,
+            rotary_kind,
+            sequence_kind,
+            [cos.reshape(cos.shape[0], -1) for cos, _ in rotary],
+            [sin.reshape(sin.shape[0], -1) for _, sin in rotary],
+            cache_keys,
+            cache_values,
+            [s.seqs for s in sequences],
+            [s.tables for s in sequences],
+            [s.masks for s in sequences],
+            capture,
+            _amx_min_rows(self._ext),
+        )
+        return out[0], out[1:]
+
+
 def fused_decoder_layer(
     hidden: torch.Tensor,
     *,
@@ -364,17 +440,7 @@ def fused_decoder_layer(
     ext = _extension()
     return ext.decoder_layer(
         hidden,
-        layer.qkv,
-        layer.o_proj,
-        layer.gate_up,
-        layer.down,
-        layer.input_norm,
-        layer.post_attention_norm,
-        layer.pre_feedforward_norm,
-        layer.post_feedforward_norm,
-        layer.qk_norm,
-        layer.eps,
-        layer.gelu,
+        *layer.weight_args(),
         cos.reshape(cos.shape[0], -1),
         sin.reshape(sin.shape[0], -1),
         cache_keys,
@@ -382,11 +448,7 @@ def fused_decoder_layer(
         sequences.seqs,
         sequences.tables,
         sequences.masks,
-        layer.num_heads,
-        layer.num_kv_heads,
-        layer.head_dim,
-        layer.intermediate_size,
-        layer.scale,
+        *layer.size_args(),
         _amx_min_rows(ext),
     )
 

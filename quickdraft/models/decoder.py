@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from quickdraft.kernels.attention import attention
 from quickdraft.kernels.quant_linear import (
     FusedLayerWeights,
+    FusedStack,
     fused_decoder_layer,
     fused_layer_available,
     quant_linear,
@@ -282,6 +283,7 @@ class Decoder(torch.nn.Module):
             None if c.embed_scale is None else torch.tensor(c.embed_scale, dtype=dtype, device="cpu").item()
         )
         self.linear: LinearFn = F.linear
+        self._fused_stack: FusedStack | None = None  # every layer in one C++ call per forward
 
     @property
     def lm_head_weight(self) -> torch.Tensor | QuantizedWeight:  # [V, D]
@@ -324,6 +326,51 @@ class Decoder(torch.nn.Module):
             out.append(torch.tanh(logits / cap) * cap if cap else logits)
         return out
 
+    def _stack_for(self, hidden: torch.Tensor) -> FusedStack | None:
+        """The one-call stack of every layer where each layer runs the one-call C++ layer (see
+        DecoderLayer._fused_weights_for), rebuilt when a layer's arguments were; else None."""
+        layers = []
+        for layer in self.layers:
+            fused = layer._fused_weights_for(hidden)
+            if fused is None:
+                return None
+            layers.append(fused)
+        stack = self._fused_stack
+        if stack is None or not stack.built_from(layers):
+            stack = self._fused_stack = FusedStack(layers)
+        return stack
+
+    def _stack_forward(
+        self,
+        stack: FusedStack,
+        hidden: torch.Tensor,  # [N, D]
+        *,
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],  # per attention type: cos, sin [N, 1, hd]
+        attn: AttentionBatch,
+        cache: KVCache,
+        layers: range,
+        capture_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`layers` of the stack in one call: what the loop over DecoderLayer.forward computes."""
+        names = list(rotary)
+        rotary_kind = [names.index(SLIDING_ATTENTION if layer.is_sliding else FULL_ATTENTION) for layer in self.layers]
+        keys = [(cache.group_of_layer[i], layer.is_sliding) for i, layer in enumerate(self.layers)]
+        distinct = list(dict.fromkeys(keys))  # (cache group, sliding) kinds, first layer of each first
+        capture = [i for i in capture_layers if i in layers]
+        out, captured = stack.forward(
+            hidden,
+            start=layers.start,
+            end=layers.stop,
+            rotary_kind=rotary_kind,
+            sequence_kind=[distinct.index(key) for key in keys],
+            rotary=[rotary[name] for name in names],
+            sequences=[attn.fused_sequences(cache, layer=keys.index(key), sliding=key[1]) for key in distinct],
+            cache_keys=cache.keys,
+            cache_values=cache.values,
+            capture=capture,
+        )
+        return out, dict(zip(capture, captured))
+
     @torch.inference_mode()
     def forward(
         self,
@@ -350,7 +397,18 @@ class Decoder(torch.nn.Module):
             hidden = hidden_states
         rotary = {name: table.lookup(positions) for name, table in self.rotary.items()}
         captured: dict[int, torch.Tensor] = {}
-        for index in range(start_layer, end_layer):
+        stack = self._stack_for(hidden)
+        if stack is not None:
+            hidden, captured = self._stack_forward(
+                stack,
+                hidden,
+                rotary=rotary,
+                attn=attn,
+                cache=cache,
+                layers=range(start_layer, end_layer),
+                capture_layers=capture_layers,
+            )
+        for index in range(start_layer, end_layer) if stack is None else ():
             layer = self.layers[index]
             layer_rotary = rotary[SLIDING_ATTENTION if layer.is_sliding else FULL_ATTENTION]
             hidden = layer(hidden, rotary=layer_rotary, attn=attn, cache=cache, linear=self.linear)

@@ -14,7 +14,7 @@ import torch
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.engine.runner import ModelRunner, SequenceWork
-from quickdraft.kernels.quant_linear import kernel_available
+from quickdraft.kernels.quant_linear import fused_layer_available, kernel_available
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder, resolve_gguf_path, resolve_model_dir, resolve_quantization
 from quickdraft.models.quantized import QuantizedWeight
@@ -346,6 +346,38 @@ def test_one_call_layer_follows_a_replaced_weight_or_norm(tiny_gguf_paths):
     # A bias set later takes the layer off the fused kernel (which has none): the outputs move.
     model.layers[1].qkv_bias = torch.nn.Parameter(torch.full((model.layers[1].qkv_proj.shape[0],), 0.5))
     assert not torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
+
+
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0"])
+def test_every_layer_in_one_call_is_the_layer_by_layer_forward(tiny_gguf_paths, name, monkeypatch):
+    """The decoder's stack in one C++ call (FusedStack) computes what the loop over the one-call
+    layers does, bit for bit: logits, captured layers, and a forward stopped early (end_layer),
+    with Gemma's sliding and full layers reading their own rotary tables and key ranges."""
+    from quickdraft.models.decoder import Decoder
+
+    if not fused_layer_available():
+        pytest.skip("no compiled decoder layer here")
+    model, config = load(tiny_gguf_paths[name], "gguf")
+    capture = (0, config.num_layers // 2, config.num_layers - 1)
+    work = [SequenceWork(slot=0, cache_len=12, token_ids=PROMPT[12:], logits_nodes=list(range(len(PROMPT) - 12)))]
+
+    def forwards() -> list[torch.Tensor]:
+        runner = _runner(model, config, slots=1)
+        runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=PROMPT[:12], logits_nodes=[11])])
+        full = runner.forward(work, capture_layers=capture)
+        no_logits = [SequenceWork(slot=0, cache_len=12, token_ids=PROMPT[12:])]
+        partial = runner.forward(no_logits, end_layer=config.num_layers - 1)
+        return [full.logits, *(full.forward.captured[i] for i in capture), partial.forward.hidden_states]
+
+    stacks = []
+    built = Decoder._stack_for
+    monkeypatch.setattr(Decoder, "_stack_for", lambda self, hidden: stacks.append(built(self, hidden)) or stacks[-1])
+    at_once = forwards()
+    assert stacks and all(stack is not None for stack in stacks)  # every forward took the one call
+    monkeypatch.setattr(Decoder, "_stack_for", lambda self, hidden: None)
+    layer_by_layer = forwards()
+    for a, b in zip(at_once, layer_by_layer, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_packed_weights_are_cached_beside_the_conversion(tiny_gguf_paths):
