@@ -408,12 +408,13 @@ class Decoder(torch.nn.Module):
                 layers=range(start_layer, end_layer),
                 capture_layers=capture_layers,
             )
-        for index in range(start_layer, end_layer) if stack is None else ():
-            layer = self.layers[index]
-            layer_rotary = rotary[SLIDING_ATTENTION if layer.is_sliding else FULL_ATTENTION]
-            hidden = layer(hidden, rotary=layer_rotary, attn=attn, cache=cache, linear=self.linear)
-            if index in capture_layers:
-                captured[index] = hidden
+        else:
+            for index in range(start_layer, end_layer):
+                layer = self.layers[index]
+                layer_rotary = rotary[SLIDING_ATTENTION if layer.is_sliding else FULL_ATTENTION]
+                hidden = layer(hidden, rotary=layer_rotary, attn=attn, cache=cache, linear=self.linear)
+                if index in capture_layers:
+                    captured[index] = hidden
         logits = None
         if logits_rows is not None:
             if end_layer != self.config.num_layers:
