@@ -2,9 +2,9 @@
 
 ``attention(q, keys, values, mask=..., scale=...)`` gives every (query, head) the same bits
 whatever else is in the call: how many tree nodes, which mask, which threads.  Built for
-AVX-512, else for AVX2 and FMA.  Where neither can run (an older CPU, a head_dim that is not a
-multiple of 16, other devices) it is torch's scaled_dot_product_attention, which is exact to
-rounding but not batch-invariant.
+AVX-512, else for AVX2 and FMA; bfloat16 and float16 inputs are widened to float32 for it.
+Where neither can run (an older CPU, a head_dim that is not a multiple of 16, other devices)
+it is torch's scaled_dot_product_attention, which is exact to rounding but not batch-invariant.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from quickdraft.kernels.build import LazyKernel
 
 __all__ = ["attention", "kernel_available"]
+
+_WIDENED = (torch.bfloat16, torch.float16)
 
 # -ffp-contract=off: the same bits as the copy of attend_row inside the fused decoder layer.
 # The AVX-512 build first; CPUs without it (AMD Zen 2/3, older Intel) take the AVX2 build,
@@ -49,6 +51,11 @@ def attention(
 ) -> torch.Tensor:
     """q [T, H, D], keys / values [Hkv, S, D], mask [T, S] bool (True = may attend) or None
     (all) -> [T, H, D]."""
+    if q.is_cpu and q.dtype in _WIDENED and keys.dtype == q.dtype and q.shape[-1] % 16 == 0 and kernel_available():
+        # bfloat16 / float16 layers on the CPU: widened exactly and run by the float32 kernel, so
+        # they are batch-invariant too (torch's attention is not), and rounded once at the end.
+        widened = attention(q.float(), keys.float().contiguous(), values.float().contiguous(), mask=mask, scale=scale)
+        return widened.to(q.dtype)
     usable = (
         q.dtype == torch.float32
         and q.is_cpu

@@ -10,10 +10,13 @@ faster than PyTorch's CPU GEMM on AMD CPUs (see benchmarks/bench_linear.py).
 The extension is built lazily on first use with
 ``torch.utils.cpp_extension.load`` (~15 s with ninja, ~30 s without) and
 cached in torch's extensions directory (``TORCH_EXTENSIONS_DIR`` if set).
-Whenever the kernel cannot be used -- tensors not on the CPU, dtype other than
-float32/bfloat16 or mismatched, M above the measured crossover with PyTorch's
-GEMM, non-contiguous weight, autograd needed, CPU without AVX-512, build
-failure -- the call falls back to ``torch.nn.functional.linear``.  A failed
+A row's result does not depend on the other rows of the call (batch invariance): the
+kernel computes every row with the same operations whatever M is, and above the rows where
+it beats PyTorch's GEMM it runs over chunks of rows rather than handing over to that GEMM,
+whose rounding depends on the shape.  Whenever the kernel cannot be used -- tensors not on
+the CPU, dtype other than float32/bfloat16 or mismatched, non-contiguous weight, autograd
+needed, CPU without AVX-512, build failure -- the call falls back to
+``torch.nn.functional.linear`` (not batch-invariant).  A failed
 build or an unsupported CPU is logged once (``logging``, this module's logger).
 
 Set ``QUICKDRAFT_DISABLE_CPU_KERNEL=1`` to always use the fallback.
@@ -42,9 +45,10 @@ _SOURCE = Path(__file__).resolve().parent / "csrc" / "skinny_linear.cpp"
 # would fail to import).  Bump v1 when the C++ interface changes.
 _EXT_NAME = "quickdraft_skinny_linear_v1_torch" + re.sub(r"\W", "_", torch.__version__)
 
-# Largest M (rows of x) for which the kernel is used; above, PyTorch's GEMM
-# (MKL / oneDNN) is about as fast or faster.  Measured on Zen 4 (2 threads) with
-# benchmarks/bench_linear.py --force-kernel for the Gemma 3 270M shapes: fp32
+# Rows of x per kernel call; above, the kernel runs over chunks of this many rows.  PyTorch's
+# GEMM (MKL / oneDNN) would be about as fast or faster there, but not batch-invariant.
+# Measured on Zen 4 (2 threads) with benchmarks/bench_linear.py --force-kernel for the
+# Gemma 3 270M shapes: fp32
 # is 1.5-1.9x ahead of MKL at M=128 and ~1.1x at 256 (MKL wins from ~512);
 # bf16 is 1.1-1.3x ahead of oneDNN at M=64, ~1.1x at 96, about even at 128.
 _MAX_ROWS = {torch.float32: 128, torch.bfloat16: 96}
@@ -148,7 +152,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         K = x.shape[-1]
         M = x.numel() // K if K else 0
-    if M < 1 or M > max_m or K != weight.shape[1] or weight.shape[0] == 0:
+    if M < 1 or K != weight.shape[1] or weight.shape[0] == 0:
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -157,4 +161,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ext = _extension()
     if ext is None:
         return F.linear(x, weight, bias)
-    return ext.skinny_linear(x, weight, bias)
+    if M <= max_m:
+        return ext.skinny_linear(x, weight, bias)
+    # More rows than the kernel's sweet spot: still the kernel, over chunks of rows, because a
+    # row's bits must not depend on how many rows share the call (batch invariance; torch's GEMM
+    # picks its blocking, and so its rounding, by shape).
+    rows = x.reshape(M, K)
+    chunks = [ext.skinny_linear(rows[start : start + max_m], weight, bias) for start in range(0, M, max_m)]
+    return torch.cat(chunks).view(*x.shape[:-1], weight.shape[0])

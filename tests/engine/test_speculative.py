@@ -129,6 +129,23 @@ def test_garbage_drafter_keeps_greedy_exact(tiny_checkpoints, plain_outputs, tre
     assert metrics.acceptance_rate < 0.2
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_greedy_speculation_in_bfloat16_equals_plain(tiny_checkpoints, arch):
+    """bfloat16 weights round coarsely, so ties and near-ties are common: only a forward whose
+    rows do not depend on the batch keeps speculation exact (it did not, before the float path's
+    kernels were batch-invariant in bfloat16)."""
+    path = str(tiny_checkpoints[arch])
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    plain = LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=4).generate(repetitive_prompts(), params)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 5}, {"method": "suffix", "num_speculative_tokens": 8}):
+        llm = LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=4, speculative_config=spec)
+        outs = llm.generate(repetitive_prompts(), params)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain], spec
+    llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True)
+    outs = llm.generate(repetitive_prompts(), params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
 def oracle_llm(path, plain: list[list[int]], *, num_speculative_tokens: int, corrupt: float, **options) -> LLM:
     """An engine whose drafter proposes plain decoding's answers to repetitive_prompts()."""
     continuations = {tuple(p): out for p, out in zip(repetitive_prompts(), plain)}

@@ -38,6 +38,19 @@ def test_close_to_torch_and_rows_invariant(H, Hkv, D, T):
     assert torch.equal(attention(q[perm], keys, values, mask=mask[perm], scale=D**-0.5), out[perm])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_are_widened_to_the_invariant_kernel(dtype):
+    """bfloat16 / float16 layers: the float32 kernel on their exact widening, rounded once, so
+    rows keep their bits whatever the call (torch's attention in those dtypes does not)."""
+    q, keys, values, mask = (t.to(dtype) if t.is_floating_point() else t for t in _inputs(9, 8, 2, 64, 40, seed=5))
+    out = attention(q, keys, values, mask=mask, scale=0.125)
+    assert out.dtype == dtype
+    widened = attention(q.float(), keys.float().contiguous(), values.float().contiguous(), mask=mask, scale=0.125)
+    assert torch.equal(out, widened.to(dtype))
+    alone = torch.cat([attention(q[t : t + 1], keys, values, mask=mask[t : t + 1], scale=0.125) for t in range(9)])
+    assert torch.equal(out, alone)
+
+
 def test_a_row_that_sees_nothing_is_zero():
     q, keys, values, mask = _inputs(16, 4, 1, 64, 9, seed=3)
     mask[5] = False

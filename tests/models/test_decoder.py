@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from quickdraft.engine.runner import ModelRunner, SequenceWork
+from quickdraft.kernels.attention import kernel_available as attention_kernel
+from quickdraft.kernels.cpu_linear import kernel_available as cpu_linear_kernel
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.decoder import LogitsBuffer
 from quickdraft.models.loader import load_decoder
@@ -16,11 +18,20 @@ from tests.conftest import ARCHS
 
 
 def make_runner(
-    path, *, num_slots=2, max_len=128, dtype=torch.float32, block_size=5, quantization=None, gguf_path=None
+    path,
+    *,
+    num_slots=2,
+    max_len=128,
+    dtype=torch.float32,
+    block_size=5,
+    quantization=None,
+    gguf_path=None,
+    device: torch.device | None = None,
 ):
     """A runner over a paged cache whose small odd blocks make every test cross block edges."""
+    device = device or torch.device("cpu")
     model, config = load_decoder(
-        path, dtype=dtype, device=torch.device("cpu"), max_len=max_len, quantization=quantization, gguf_path=gguf_path
+        path, dtype=dtype, device=device, max_len=max_len, quantization=quantization, gguf_path=gguf_path
     )
     cache = KVCache(
         num_layers=config.num_layers,
@@ -31,8 +42,9 @@ def make_runner(
         dtype=dtype,
         block_size=block_size,
         layer_windows=config.layer_windows,  # sliding layers give back blocks behind their window
+        device=device,
     )
-    return ModelRunner(model=model, cache=cache, device=torch.device("cpu")), cache
+    return ModelRunner(model=model, cache=cache, device=device), cache
 
 
 @functools.cache
@@ -168,6 +180,38 @@ def test_bfloat16_close_to_float32(tiny_checkpoints):
             [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=[15])]
         ).logits.float()
     torch.testing.assert_close(logits[torch.bfloat16], logits[torch.float32], rtol=0.1, atol=0.1)
+
+
+@pytest.mark.skipif(not (cpu_linear_kernel() and attention_kernel()), reason="no AVX-512 float kernels on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_float_weights_forward_is_batch_invariant(tiny_checkpoints, arch, dtype):
+    """The float path (HF weights, dtype float32 / bfloat16) on the CPU: a token's logits are the
+    same bits decoded alone, as a node of a tree beside another request's 150-row prefill (more
+    rows than one kernel call takes), and at the end of its path decoded as a chain."""
+    context, other = prompt(30, seed=11), prompt(150, seed=12)
+    nodes = [context[-1], 21, 22, 23, 24, 25]
+    parents = [-1, 0, 0, 1, 3, 2]
+    runner, cache = make_runner(tiny_checkpoints[arch], dtype=dtype, max_len=256)
+    runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=context[:-1])])
+    cache.commit(0, len(context) - 1)
+    cache_len = len(context) - 1
+
+    def decode(tokens: list[int]) -> torch.Tensor:  # -> [V], the last token's logits
+        work = SequenceWork(slot=0, cache_len=cache_len, token_ids=tokens, logits_nodes=[len(tokens) - 1])
+        return runner.forward([work]).logits[0].clone()
+
+    tree = runner.forward(
+        [
+            SequenceWork(slot=1, cache_len=0, token_ids=other, logits_nodes=[149]),
+            SequenceWork(slot=0, cache_len=cache_len, token_ids=nodes, tree=Tree(parents), logits_nodes=list(range(6))),
+        ]
+    )
+    rows = tree.logits[tree.logits_offsets[1] :]
+    assert torch.equal(rows[0], decode(nodes[:1]))
+    for node in (3, 4, 5):  # depth 2, 3 and 2 on two branches
+        path = Tree(parents).path(node)
+        assert torch.equal(rows[node], decode([nodes[i] for i in path])), node
 
 
 def test_sharded_checkpoint_loads_the_same(tiny_checkpoints, tmp_path):

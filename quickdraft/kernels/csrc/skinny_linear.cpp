@@ -9,8 +9,8 @@
 // (the hardware prefetchers alone leave ~40% of the bandwidth on the table when
 // NB rows are streamed at once).
 //
-// bf16 weights use vdpbf16ps (AVX512_BF16) or, for M <= 3 and on CPUs without
-// it, widen bf16 -> fp32 in registers and FMA in fp32.
+// bf16 weights use vdpbf16ps (AVX512_BF16) or, on CPUs without it, widen
+// bf16 -> fp32 in registers and FMA in fp32 (one of the two for every M).
 //
 // The translation unit itself is compiled for the baseline ISA so that the
 // module can be imported on any x86-64 machine; the kernels are compiled for
@@ -442,7 +442,7 @@ void run_parallel(const typename Tiles<KIND>::X* x, int64_t ldx, int64_t M,
   });
 }
 
-// bf16_mode: 0 = auto (vdpbf16ps for M > 3 when the CPU has AVX512_BF16),
+// bf16_mode: 0 = auto (vdpbf16ps when the CPU has AVX512_BF16, whatever M),
 //            1 = vdpbf16ps, 2 = widen to fp32 + FMA.
 // prefetch_bytes < 0: default distance; 0: no software prefetch.
 at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight,
@@ -490,10 +490,11 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight,
   const auto* xp = static_cast<const bf16_t*>(x.const_data_ptr());
   auto* op = static_cast<bf16_t*>(out.mutable_data_ptr());
   int mode = static_cast<int>(bf16_mode);
-  // Auto: widening + fp32 FMA measured ~10% faster for M <= 3 (Zen 4), where the
-  // kernel is purely bandwidth bound; vdpbf16ps (2x the MACs per instruction)
-  // wins as soon as compute starts to matter.
-  if (mode == 0) mode = (cpu_has_avx512_bf16() && M > 3) ? 1 : 2;
+  // Auto: one mode for every M, so a row's bits never depend on the rows beside it (batch
+  // invariance: the two modes round differently). vdpbf16ps (2x the MACs per instruction)
+  // where the CPU has it; widening + fp32 FMA was ~10% faster for M <= 3 on Zen 4, which
+  // invariance gives up.
+  if (mode == 0) mode = cpu_has_avx512_bf16() ? 1 : 2;
   if (mode == 1) {
     TORCH_CHECK(cpu_has_avx512_bf16(), "skinny_linear: this CPU lacks AVX512_BF16");
     run_parallel<Kind::BF16_DP, bf16_t, bf16_t>(xp, K, M, wp, N, K, bp, op, prefetch_bytes);

@@ -1,0 +1,197 @@
+"""The engine on a CUDA device: skipped without one (CI has none), run where a GPU is lent
+(scripts/cuda-check.sh). On CUDA every drafter must stay exact against plain decoding on the
+same device, sampling must keep the target's distribution, a forward must compute what the CPU
+one does, and a row's logits must not depend on the rows beside it (the batch invariance that
+makes greedy speculation exact by construction)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.engine.runner import SequenceWork
+from quickdraft.verify.tree import Tree
+from tests.conftest import build_tiny_checkpoint
+from tests.drafters.test_eagle import random_head
+from tests.drafters.test_layer_skip import random_self_head
+from tests.drafters.test_medusa import random_heads
+from tests.engine.test_speculative import GarbageDrafter, PositionalDrafter, repetitive_prompts
+from tests.models.test_decoder import make_runner, prompt
+from tests.models.test_quantized_loader import tiny_gguf_paths  # noqa: F401  (a fixture used below)
+from tests.stats_checks import assert_speculation_keeps_sampling, count_outputs, same_distribution_p_value
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+ARCHS = ("gemma3", "llama", "qwen3")
+
+
+def cuda_llm(path, **options) -> LLM:
+    return LLM(str(path), **{"device": "cuda", "max_model_len": 256, "max_num_seqs": 4, **options})
+
+
+def greedy_tokens(llm: LLM, *, max_tokens: int = 30) -> list[list[int]]:
+    outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=max_tokens, **GREEDY))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cuda_heads")
+    return {
+        "eagle3": str(random_head(root / "eagle3")),
+        "eagle3_copy": str(random_head(root / "eagle3_copy", copy_dim=16, copy_gate_bias=1.5)),
+        "medusa": str(random_heads(root / "medusa")),
+        "self": str(random_self_head(root / "self")),
+    }
+
+
+@pytest.fixture(scope="module")
+def plain_cuda(tiny_checkpoints) -> dict[tuple[str, str], list[list[int]]]:
+    return {
+        (arch, dtype): greedy_tokens(cuda_llm(tiny_checkpoints[arch], dtype=dtype))
+        for arch in ARCHS
+        for dtype in ("float32", "bfloat16")
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_on_cuda_computes_what_the_cpu_forward_does(tiny_checkpoints, arch):
+    tokens = prompt(40)  # longer than gemma's sliding window of 8
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))]
+    cpu, _ = make_runner(tiny_checkpoints[arch])
+    cuda, _ = make_runner(tiny_checkpoints[arch], device=torch.device("cuda"))
+    on_cuda = cuda.forward(work).logits
+    assert on_cuda.device.type == "cuda"
+    torch.testing.assert_close(on_cuda.cpu(), cpu.forward(work).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it_in_bfloat16(tiny_checkpoints, arch):
+    """A token decoded alone, then verified in a tree beside another request's prefill: the
+    same bits in bfloat16 (measured on an H200 with torch 2.11: cuBLAS and attention kept a
+    row's bits there).  float32 does not: cuBLAS computes one row (M = 1) with other kernels
+    than several, so float32 rows differ by ~1e-8 (benchmarks/cuda_invariance.py); greedy
+    speculation in float32 on CUDA is exact to rounding, not by construction."""
+    dtype = "bfloat16"
+    context, other = prompt(23, seed=8), prompt(37, seed=9)
+    nodes = [context[-1], 5, 9, 11, 6, 7]
+    parents = [-1, 0, 0, 1, 1, 2]
+    runner, cache = make_runner(tiny_checkpoints[arch], dtype=getattr(torch, dtype), device=torch.device("cuda"))
+    runner.forward([SequenceWork(slot=0, cache_len=0, token_ids=context[:-1])])
+    cache.commit(0, len(context) - 1)
+    alone = runner.forward(
+        [SequenceWork(slot=0, cache_len=len(context) - 1, token_ids=[context[-1]], logits_nodes=[0])]
+    )
+    tree = runner.forward(
+        [
+            SequenceWork(slot=1, cache_len=0, token_ids=other, logits_nodes=[len(other) - 1]),
+            SequenceWork(
+                slot=0,
+                cache_len=len(context) - 1,
+                token_ids=nodes,
+                tree=Tree(parents),
+                logits_nodes=list(range(len(nodes))),
+            ),
+        ]
+    )
+    root_row = tree.logits[tree.logits_offsets[1]]
+    assert torch.equal(root_row, alone.logits[0]), (root_row - alone.logits[0]).abs().max().item()
+
+
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5},
+    "ngram-tree": {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "eagle3-chain": {"method": "eagle3", "head": "eagle3", "num_speculative_tokens": 4, "top_k": 1},
+    "eagle3-tree": {
+        "method": "eagle3",
+        "head": "eagle3",
+        "num_speculative_tokens": 4,
+        "top_k": 3,
+        "max_draft_tokens": 10,
+    },
+    "eagle3-copy": {"method": "eagle3", "head": "eagle3_copy", "num_speculative_tokens": 4, "top_k": 2},
+    "medusa": {"method": "medusa", "head": "medusa"},
+    "self": {"method": "self", "head": "self", "num_speculative_tokens": 3, "top_k": 2, "max_draft_tokens": 8},
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_speculation_on_cuda_equals_plain(tiny_checkpoints, heads, plain_cuda, name, arch, dtype):
+    spec = dict(SPECS[name])
+    if "head" in spec:
+        spec["head"] = heads[spec["head"]]
+    llm = cuda_llm(tiny_checkpoints[arch], dtype=dtype, speculative_config=spec)
+    assert greedy_tokens(llm) == plain_cuda[(arch, dtype)]
+    metrics = llm.get_metrics()
+    assert metrics.num_drafts > 0 and metrics.num_draft_tokens > metrics.num_drafts
+    assert llm.engine.cache.num_free_slots == 4
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_garbage_drafter_on_cuda_keeps_greedy_exact(tiny_checkpoints, plain_cuda, tree):
+    llm = cuda_llm(tiny_checkpoints["qwen3"], speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=tree)
+    assert greedy_tokens(llm) == plain_cuda[("qwen3", "float32")]
+    assert llm.get_metrics().num_draft_tokens > 100
+
+
+def test_draft_model_on_cuda_equals_plain(tiny_checkpoints, plain_cuda, tmp_path):
+    other = build_tiny_checkpoint("gemma3", tmp_path / "draft", seed=5)
+    llm = cuda_llm(tiny_checkpoints["gemma3"], dtype="float32", speculative_model=str(other), num_speculative_tokens=4)
+    assert greedy_tokens(llm) == plain_cuda[("gemma3", "float32")]
+    drafter = llm.engine.speculator.drafter
+    assert drafter.cache.num_free_slots == drafter.cache.num_slots
+
+
+def test_a_gguf_model_on_cuda_decodes_exactly_and_q8_0_is_refused_by_name(tiny_checkpoints, tiny_gguf_paths):  # noqa: F811
+    """On CUDA a GGUF file's weights are dequantized once to the model dtype (no GPU kernel for
+    them yet), and a q8_0 request is an error that names the way out."""
+    path = tiny_gguf_paths["gemma3-mixed"]
+    plain = greedy_tokens(cuda_llm(path))
+    spec = cuda_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "num_branches": 2})
+    assert greedy_tokens(spec) == plain
+    with pytest.raises(ValueError, match="quantization 'q8_0' has CPU kernels only: on cuda use quantization 'none'"):
+        cuda_llm(tiny_checkpoints["llama"], quantization="q8_0")
+
+
+def test_sampled_speculation_on_cuda_keeps_the_target_distribution(tiny_checkpoints):
+    """Chi-square: the first tokens under random trees (accepts and rejects both frequent) vs
+    plain sampling, both on CUDA."""
+    path = tiny_checkpoints["llama"]
+    base = prompt(5, seed=80)
+    params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=4, seed=s) for s in range(1500)]
+    plain = count_outputs(cuda_llm(path, max_model_len=64, max_num_seqs=8), base, params)
+    spec_llm = cuda_llm(
+        path, max_model_len=64, max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+    )
+    seen = {i: sorted({key[i] for key in plain}) for i in range(3)}
+    spec_llm.engine.speculator.drafter = PositionalDrafter(choices=seen, seed=1)
+    spec = count_outputs(spec_llm, base, params)
+    metrics = spec_llm.get_metrics()
+    assert metrics.num_accepted_tokens > 200 and metrics.acceptance_rate < 0.9
+    assert same_distribution_p_value(plain, spec) > 1e-3
+
+
+def test_sampled_eagle3_tree_on_cuda_keeps_the_target_distribution(tiny_checkpoints, heads, monkeypatch):
+    spec = {**SPECS["eagle3-tree"], "head": heads["eagle3"]}
+    monkeypatch.setattr(LLM, "__init__", _on_cuda(LLM.__init__))
+    assert_speculation_keeps_sampling(
+        str(tiny_checkpoints["gemma3"]),
+        spec,
+        prompt=repetitive_prompts()[0],
+        draws=600,
+        min_draft_tokens=300,
+        require_accepts=False,
+    )
+
+
+def _on_cuda(init):
+    def init_on_cuda(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "device": "cuda"})
+
+    return init_on_cuda
