@@ -39,6 +39,42 @@ def probe_linear(dtype: torch.dtype, *, n: int, k: int) -> dict:
     }
 
 
+def probe_fixed_rows(dtype: torch.dtype, *, n: int = 2048, k: int = 640, heads: int = 4, head_dim: int = 256) -> dict:
+    """The float path's calls on CUDA (kernels/fixed_rows.py): rows at every count and offset,
+    and attention over extra masked keys (a tree's siblings) as well."""
+    from quickdraft.kernels.fixed_rows import fixed_rows_attention, fixed_rows_linear
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.randn(n, k, device="cuda", generator=generator).to(dtype)
+    x = torch.randn(max(ROWS), k, device="cuda", generator=generator).to(dtype)
+    alone = torch.cat([fixed_rows_linear(x[i : i + 1], weight, None) for i in range(8)])
+    linear_bad = [
+        m for m in ROWS if not torch.equal(fixed_rows_linear(x[:m], weight, None)[: min(m, 8)], alone[: min(m, 8)])
+    ]
+    offset_bad = [
+        s
+        for s in (1, 5, 63, 64, 100)
+        if not torch.equal(fixed_rows_linear(x[s:], weight, None)[:1], fixed_rows_linear(x[s : s + 1], weight, None))
+    ]
+    keys = torch.randn(1, 310, head_dim, device="cuda", generator=generator).to(dtype)
+    values = torch.randn(1, 310, head_dim, device="cuda", generator=generator).to(dtype)
+    q = torch.randn(max(ROWS), heads, head_dim, device="cuda", generator=generator).to(dtype)
+    single = fixed_rows_attention(q[:1], keys[:, :300], values[:, :300], mask=None, scale=head_dim**-0.5)
+    attention_bad = []
+    for m in ROWS:
+        mask = torch.ones(m, 310, dtype=torch.bool, device="cuda")
+        mask[:, 300:] = False  # keys of other tree nodes, not this row's ancestors
+        out = fixed_rows_attention(q[:m], keys, values, mask=mask, scale=head_dim**-0.5)
+        if not torch.equal(out[:1], single):
+            attention_bad.append(m)
+    return {
+        "op": "fixed_rows",
+        "linear_differs_at_rows": linear_bad,
+        "linear_differs_at_offsets": offset_bad,
+        "attention_differs_at_rows": attention_bad,
+    }
+
+
 def probe_attention(dtype: torch.dtype, *, heads: int = 4, kv_heads: int = 1, head_dim: int = 256, keys: int = 300):
     generator = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(max(ROWS), heads, head_dim, device="cuda", generator=generator).to(dtype)
@@ -129,7 +165,7 @@ def synchronize(device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--widths", type=int, nargs="*", default=[1, 4, 16, 64], help="none: no forward timing")
     parser.add_argument("--device", default="cuda", help="cpu: only the forward timing, as a reference")
     args = parser.parse_args()
     if args.device == "cuda":
@@ -142,9 +178,10 @@ def main() -> None:
             probe_linear(dtype, n=262144, k=640),
             probe_attention(dtype),
             probe_rms_norm(dtype),
+            probe_fixed_rows(dtype),
         ):
             print(json.dumps({"dtype": str(dtype).removeprefix("torch."), **probe}), flush=True)
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16") if args.widths else ():
         for row in time_forward(dtype, widths=tuple(args.widths), repeats=args.repeats, device=args.device):
             print(json.dumps(row), flush=True)
 

@@ -60,15 +60,27 @@ def _hybrid(*, target: TargetInfo, **options) -> Drafter:
     return HybridDrafter(target=target, **options)
 
 
+def _head_length(method: str):
+    """The draft length the manifest of the head a `method` config loads recommends."""
+
+    def advise(*, target: TargetInfo, options: dict) -> int | None:
+        from quickdraft.heads import recommended_length
+
+        return recommended_length(method=method, target=target, options=options)
+
+    return advise
+
+
 def default_registry() -> DrafterRegistry:
     """The built-in methods; a caller may register more on the returned registry."""
     registry = DrafterRegistry()
     registry.register("ngram", _ngram)
     registry.register("suffix", _suffix, num_speculative_tokens=SUFFIX_DRAFT_LENGTH)  # suffix.py says why
     registry.register("draft_model", _draft_model)
-    registry.register("eagle3", _eagle)  # the head's config says which target layers it reads
-    registry.register("medusa", _medusa)
-    registry.register("self", _layer_skip)  # also spelled {"model": "[self]"}
+    # A head's manifest may recommend its draft length (and, read by the drafter, its tree shape).
+    registry.register("eagle3", _eagle, length_advisor=_head_length("eagle3"))
+    registry.register("medusa", _medusa, length_advisor=_head_length("medusa"))
+    registry.register("self", _layer_skip, length_advisor=_head_length("self"))  # also spelled {"model": "[self]"}
     registry.register("mtp", _mtp)  # the checkpoint's own nextn layers (or a head in that layout)
     registry.register("grammar", _grammar)  # forced tokens of structured-output requests
     # A hybrid's depth bound; each child keeps its own default length unless its config sets one.

@@ -150,6 +150,8 @@ class Drafter(Protocol):
 
 
 DrafterFactory = Callable[..., Drafter]
+# (target=TargetInfo, options=the config's drafter options) -> a recommended draft length or None
+LengthAdvisor = Callable[..., "int | None"]
 
 
 @dataclass(frozen=True)
@@ -173,19 +175,39 @@ class DrafterRegistry:
 
     factories: dict[str, DrafterFactory] = field(default_factory=dict)
     default_lengths: dict[str, int] = field(default_factory=dict)
+    # Per method, what a config's own files recommend (a head's manifest), before the default.
+    length_advisors: dict[str, LengthAdvisor] = field(default_factory=dict)
 
-    def register(self, method: str, factory: DrafterFactory, *, num_speculative_tokens: int = 5) -> None:
+    def register(
+        self,
+        method: str,
+        factory: DrafterFactory,
+        *,
+        num_speculative_tokens: int = 5,
+        length_advisor: LengthAdvisor | None = None,
+    ) -> None:
         if method in self.factories:
             raise ValueError(f"drafter method {method!r} is already registered")
         self.factories[method] = factory
         self.default_lengths[method] = num_speculative_tokens
+        if length_advisor is not None:
+            self.length_advisors[method] = length_advisor
 
     def _check_known(self, method: str) -> None:
         if method not in self.factories:
             raise ValueError(f"unknown speculative method {method!r}; available: {', '.join(sorted(self.factories))}")
 
-    def default_num_speculative_tokens(self, method: str) -> int:
+    def default_num_speculative_tokens(
+        self, method: str, *, target: TargetInfo | None = None, options: dict | None = None
+    ) -> int:
+        """The draft length of a config that names none: what its head recommends (given the
+        target and the config's options, for methods with an advisor), else the method's."""
         self._check_known(method)
+        advisor = self.length_advisors.get(method)
+        if advisor is not None and target is not None:
+            recommended = advisor(target=target, options=options or {})
+            if recommended is not None:
+                return recommended
         return self.default_lengths[method]
 
     def create(self, method: str, **kwargs) -> Drafter:

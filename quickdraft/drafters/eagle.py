@@ -45,7 +45,7 @@ import torch
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
 from quickdraft.drafters.keyed import KeyedDraw, check_coupling, coupled_order
 from quickdraft.drafters.tree import DynamicTree, StaticTree
-from quickdraft.heads import head_precision, resolve_head_dir
+from quickdraft.heads import drafting_options, head_precision, resolve_head_dir
 from quickdraft.kernels.attention import attention
 from quickdraft.kv.cache import KVCache, zeroed_pool
 from quickdraft.models.eagle3 import Eagle3Head, detect_eagle3_format
@@ -175,14 +175,34 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def with_trained_head(
-        cls, *, target: TargetInfo, head: str | None = None, head_dtype: str | None = None, **options
+        cls,
+        *,
+        target: TargetInfo,
+        head: str | None = None,
+        head_dtype: str | None = None,
+        tree: str | list | None = None,
+        top_k: int | None = None,
+        max_draft_tokens: int | None = None,
+        min_draft_prob: float | None = None,
+        **options,
     ) -> EagleDrafter:
         """`head`: a directory written by `quickdraft train-head`, or a shipped head's name;
         `head_dtype`: how the head computes: "float32", "bfloat16", "float16", or "q8_0", "q5_0",
         "q4_0" (its matrices quantized, float32 elsewhere, on the quantized CPU kernels).
         Default: q4_0 when the target runs quantized weights, else the target's dtype.  Drafting
-        precision never affects the output, only how well and how fast the head guesses."""
+        precision never affects the output, only how well and how fast the head guesses.
+        tree, top_k, max_draft_tokens, min_draft_prob: None takes what the head's manifest
+        recommends (measured best for that head), else "dynamic", 4, 16 and 0."""
         directory = resolve_head_dir(head, method="eagle3", model=target.model)
+        options.update(
+            drafting_options(
+                directory,
+                tree=(tree, "dynamic"),
+                top_k=(top_k, 4),
+                max_draft_tokens=(max_draft_tokens, 16),
+                min_draft_prob=(min_draft_prob, 0.0),
+            )
+        )
         dtype, quantization = head_precision(head_dtype, target=target)
         module: FeatureHead
         if detect_eagle3_format(directory) is not None:  # a head trained elsewhere (speculators, SpecForge)

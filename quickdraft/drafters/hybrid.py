@@ -208,7 +208,7 @@ class HybridDrafter(Drafter):
                 raise ValueError(f"hybrid child {config!r} needs a 'method' other than hybrid")
             # A child's length: its config's, else its method's default within the hybrid's
             # (a head's 5 stays 5 beside a suffix tree's 16).
-            default_length = registry.default_num_speculative_tokens(method)
+            default_length = registry.default_num_speculative_tokens(method, target=target, options=options)
             options.setdefault("num_speculative_tokens", min(num_speculative_tokens, default_length))
             self.children.append(registry.create(method, target=target, **options))
         if max_draft_tokens is not None and (not isinstance(max_draft_tokens, int) or max_draft_tokens < 1):

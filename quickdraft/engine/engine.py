@@ -213,7 +213,7 @@ class Engine:
         )
         registry = default_registry()
         if spec.num_speculative_tokens is None:
-            length = registry.default_num_speculative_tokens(spec.method)
+            length = registry.default_num_speculative_tokens(spec.method, target=target, options=options)
             spec = dataclasses.replace(spec, num_speculative_tokens=length)
         try:
             drafter = registry.create(

@@ -108,6 +108,24 @@ def head_precision(head_dtype: str | None, *, target) -> tuple[torch.dtype, str 
     return dtype, quantization
 
 
+def recommended_length(*, method: str, target, options: dict) -> int | None:
+    """The draft length (num_speculative_tokens) the manifest of the head a drafter config would
+    load recommends, or None: no head folder of our own, no recommendation, or no model to
+    look a shipped head up for (the drafter then reports what is missing)."""
+    if target.model is None:
+        return None
+    head = options.get("head")
+    try:
+        directory = resolve_head_dir(head, method=method, model=target.model)
+    except (FileNotFoundError, ValueError):
+        return None  # creating the drafter raises the same error, with its context
+    manifest = directory / "manifest.json"
+    if not manifest.is_file():
+        return None
+    length = json.loads(manifest.read_text()).get("drafting", {}).get("num_speculative_tokens")
+    return length if isinstance(length, int) and not isinstance(length, bool) and length >= 1 else None
+
+
 def drafting_options(directory: Path, **given) -> dict:
     """A drafter's options: each given value, or where it is None the one the head's manifest
     recommends (``"drafting"``: the settings measured best for that head, see its manifest),

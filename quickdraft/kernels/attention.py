@@ -3,8 +3,9 @@
 ``attention(q, keys, values, mask=..., scale=...)`` gives every (query, head) the same bits
 whatever else is in the call: how many tree nodes, which mask, which threads.  Built for
 AVX-512, else for AVX2 and FMA; bfloat16 and float16 inputs are widened to float32 for it.
-Where neither can run (an older CPU, a head_dim that is not a multiple of 16, other devices)
-it is torch's scaled_dot_product_attention, which is exact to rounding but not batch-invariant.
+On CUDA it is torch's scaled_dot_product_attention over fixed-size chunks of query rows
+(kernels/fixed_rows.py); where neither can run (an older CPU, a head_dim that is not a multiple
+of 16, other devices) plain SDPA, which is exact to rounding but not batch-invariant.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.build import LazyKernel
+from quickdraft.kernels.fixed_rows import fixed_rows_attention
 
 __all__ = ["attention", "kernel_available"]
 
@@ -68,6 +70,8 @@ def attention(
     ext = _extension() if usable else None
     if ext is not None:
         return ext.attention(q, keys, values, mask, scale)
+    if q.is_cuda:  # SDPA picks its kernel by row count: fixed-size calls keep rows' bits
+        return fixed_rows_attention(q, keys, values, mask=mask, scale=scale)
     num_heads, num_kv_heads = q.shape[1], keys.shape[0]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],

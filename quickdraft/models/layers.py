@@ -14,8 +14,9 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 
 
 def default_linear_fn(device: torch.device) -> LinearFn:
-    """The fastest exact linear for the device: the quantized kernels for quantized weights, our
-    skinny kernel for float weights on CPU, torch elsewhere."""
+    """The fastest batch-invariant linear for the device: the quantized kernels for quantized
+    weights, our skinny kernel for float weights on CPU, torch in fixed-size calls on CUDA
+    (kernels/fixed_rows.py), torch elsewhere."""
     from quickdraft.kernels.quant_linear import quant_linear
     from quickdraft.models.quantized import QuantizedWeight
 
@@ -24,6 +25,10 @@ def default_linear_fn(device: torch.device) -> LinearFn:
         from quickdraft.kernels.cpu_linear import skinny_linear
 
         float_linear = skinny_linear
+    elif device.type == "cuda":  # cuBLAS picks its kernel by row count: fixed-size calls keep rows' bits
+        from quickdraft.kernels.fixed_rows import fixed_rows_linear
+
+        float_linear = fixed_rows_linear
 
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):

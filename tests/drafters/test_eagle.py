@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -853,3 +855,38 @@ def test_keyed_children_raise_sampled_acceptance_and_stay_exact(tiny_checkpoints
         metrics = llm.get_metrics()
         rates[coupling] = metrics.num_accepted_tokens / metrics.num_drafts
     assert rates["keyed"] > rates["top_k"]
+
+
+def test_a_heads_manifest_recommends_its_tree_and_draft_length(tiny_checkpoints, tmp_path):
+    """Options and a draft length left unset take the head's recommended values (a shipped head's
+    manifest says what was measured best for it), also as a hybrid's child within the hybrid's
+    length; values given win; without a recommendation, the defaults."""
+    import json
+
+    head = random_head(tmp_path / "head")
+    path = str(tiny_checkpoints["gemma3"])
+
+    def speculator(spec: dict):
+        return LLM(path, max_model_len=64, speculative_config=spec).engine.speculator
+
+    plain = speculator({"method": "eagle3", "head": str(head)})
+    assert plain.config.num_speculative_tokens == 5 and plain.drafter.depth == 5
+    assert (plain.drafter.top_k, plain.drafter.max_draft_tokens, plain.drafter.min_log_prob) == (4, 16, -math.inf)
+    recommendation = {"num_speculative_tokens": 7, "top_k": 1, "min_draft_prob": 0.25, "max_draft_tokens": 9}
+    (head / "manifest.json").write_text(json.dumps({"drafting": recommendation}))
+    recommended = speculator({"method": "eagle3", "head": str(head)})
+    assert recommended.config.num_speculative_tokens == 7 and recommended.drafter.depth == 7
+    assert (recommended.drafter.top_k, recommended.drafter.max_draft_tokens) == (1, 9)
+    assert recommended.drafter.min_log_prob == pytest.approx(math.log(0.25))
+    given = speculator({"method": "eagle3", "head": str(head), "num_speculative_tokens": 3, "top_k": 2})
+    assert (given.config.num_speculative_tokens, given.drafter.depth, given.drafter.top_k) == (3, 3, 2)
+    hybrid = speculator(
+        {"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "head": str(head)}]}
+    )
+    child = hybrid.drafter.children[1]
+    assert (child.depth, child.top_k) == (7, 1)  # within the hybrid's 16
+    outs = LLM(path, max_model_len=256, speculative_config={"method": "eagle3", "head": str(head)}).generate(
+        repetitive_prompts(), SamplingParams(max_tokens=20, **GREEDY)
+    )
+    plain_outs = LLM(path, max_model_len=256).generate(repetitive_prompts(), SamplingParams(max_tokens=20, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain_outs]

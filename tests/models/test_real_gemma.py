@@ -3,6 +3,8 @@ speculative drafters on the default (quantized) path."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -156,6 +158,15 @@ def test_shipped_eagle3_heads_load_by_name_and_draft_usefully(options):
         {"method": "eagle3", "num_speculative_tokens": 4, "head_dtype": "bfloat16", **options}, max_tokens=48
     )
     assert metrics.acceptance_length > 1.3  # an untrained head stays near 1.0
+
+
+def test_eagle3_with_no_options_drafts_as_its_heads_manifest_recommends():
+    """{"method": "eagle3"} alone: the shipped head's recommended chain of 8 cut below path
+    probability 0.2 (measured 1.89x here vs 1.33x for the drafter's own dynamic tree)."""
+    speculator = LLM(max_model_len=256, speculative_config={"method": "eagle3"}).engine.speculator
+    assert speculator.config.num_speculative_tokens == 8
+    drafter = speculator.drafter
+    assert (drafter.depth, drafter.top_k) == (8, 1) and drafter.min_log_prob == pytest.approx(math.log(0.2))
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ SPECS = {
         ],
         "skip_after": 2,
     },
-    "eagle3 tree": {"method": "eagle3"},
+    "eagle3 tree": {"method": "eagle3", "top_k": 4},  # the shipped head's manifest recommends a chain
     "ngram": {"method": "ngram", "num_speculative_tokens": 5},
 }
 

@@ -1,0 +1,82 @@
+"""Batch invariance on CUDA by fixed shapes.
+
+torch's GPU matmul and attention choose their kernels, and with them the order in which a row's
+products are added, by the number of rows: measured on an H200 (torch 2.11, cuBLAS 13), a float32
+linear computes one row with other kernels than 2 rows and 2 rows with others than 5-16, and so
+does float32 SDPA (``benchmarks/cuda_invariance.py``).  Called with the same number of rows every
+time -- the rows split into chunks of ``FIXED_ROWS``, the last one padded with zeros -- every call
+runs the kernel of that one shape, and a row's bits follow from its own inputs (measured there:
+every row count 1..512 and offset, and attention over a tree's extra masked keys).  A decode row
+then costs a 64-row matmul, which on a GPU reads the same weights in about the same time; the
+padding's extra launches are what it costs.  bfloat16 and float16 take torch's calls as they are:
+there they kept every row's bits as measured (and tested: tests/engine/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FIXED_ROWS", "fixed_rows_attention", "fixed_rows_linear"]
+
+FIXED_ROWS = 64
+
+
+def _padded(rows: torch.Tensor) -> torch.Tensor:  # [M, ...] -> [ceil(M / FIXED_ROWS) * FIXED_ROWS, ...]
+    missing = -rows.shape[0] % FIXED_ROWS
+    if not missing:
+        return rows
+    return torch.cat([rows, rows.new_zeros(missing, *rows.shape[1:])])
+
+
+def fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (x [..., K], weight [N, K]); in float32 every matmul over
+    FIXED_ROWS rows."""
+    if x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    padded = _padded(rows)
+    chunks = [F.linear(padded[start : start + FIXED_ROWS], weight, bias) for start in range(0, len(padded), FIXED_ROWS)]
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    return out[:count].view(*x.shape[:-1], weight.shape[0])
+
+
+def fixed_rows_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q [T, H, D], keys / values [Hkv, S, D], mask [T, S] bool or None (all) -> [T, H, D]; in
+    float32 every SDPA call over FIXED_ROWS query rows with a mask (padding rows attend to every
+    key)."""
+    count = q.shape[0]
+    if q.dtype != torch.float32:
+        return _sdpa(q, keys, values, mask=mask, scale=scale)
+    if mask is None:
+        mask = torch.ones(count, keys.shape[1], dtype=torch.bool, device=q.device)
+    padded_q = _padded(q)
+    padded_mask = torch.cat([mask, mask.new_ones(len(padded_q) - count, mask.shape[1])])
+    chunks = [
+        _sdpa(
+            padded_q[start : start + FIXED_ROWS],
+            keys,
+            values,
+            mask=padded_mask[start : start + FIXED_ROWS],
+            scale=scale,
+        )
+        for start in range(0, len(padded_q), FIXED_ROWS)
+    ]
+    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks))[:count]
+
+
+def _sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:  # q [T, H, D], keys / values [Hkv, S, D] -> [T, H, D]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=keys.shape[0] != q.shape[1],
+    )  # [1, H, T, D]
+    return out[0].transpose(0, 1)
