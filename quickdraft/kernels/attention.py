@@ -13,10 +13,9 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from quickdraft.kernels.build import LazyKernel
-from quickdraft.kernels.fixed_rows import fixed_rows_attention
+from quickdraft.kernels.fixed_rows import fixed_rows_attention, sdpa_rows
 
 __all__ = ["attention", "kernel_available"]
 
@@ -72,13 +71,4 @@ def attention(
         return ext.attention(q, keys, values, mask, scale)
     if q.is_cuda:  # SDPA picks its kernel by row count: fixed-size calls keep rows' bits
         return fixed_rows_attention(q, keys, values, mask=mask, scale=scale)
-    num_heads, num_kv_heads = q.shape[1], keys.shape[0]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        keys[None],
-        values[None],
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=num_kv_heads != num_heads,
-    )  # [1, H, T, D]
-    return out[0].transpose(0, 1)
+    return sdpa_rows(q, keys, values, mask=mask, scale=scale)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FIXED_ROWS", "fixed_rows_attention", "fixed_rows_linear"]
+__all__ = ["FIXED_ROWS", "fixed_rows_attention", "fixed_rows_linear", "sdpa_rows"]
 
 FIXED_ROWS = 64
 
@@ -50,13 +50,13 @@ def fixed_rows_attention(
     key)."""
     count = q.shape[0]
     if q.dtype != torch.float32:
-        return _sdpa(q, keys, values, mask=mask, scale=scale)
+        return sdpa_rows(q, keys, values, mask=mask, scale=scale)
     if mask is None:
         mask = torch.ones(count, keys.shape[1], dtype=torch.bool, device=q.device)
     padded_q = _padded(q)
     padded_mask = torch.cat([mask, mask.new_ones(len(padded_q) - count, mask.shape[1])])
     chunks = [
-        _sdpa(
+        sdpa_rows(
             padded_q[start : start + FIXED_ROWS],
             keys,
             values,
@@ -68,9 +68,10 @@ def fixed_rows_attention(
     return (chunks[0] if len(chunks) == 1 else torch.cat(chunks))[:count]
 
 
-def _sdpa(
+def sdpa_rows(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:  # q [T, H, D], keys / values [Hkv, S, D] -> [T, H, D]
+    """torch's scaled_dot_product_attention in this layout (grouped query heads included)."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys[None],

@@ -16,10 +16,10 @@ from tests.conftest import build_tiny_checkpoint
 from tests.drafters.test_eagle import random_head
 from tests.drafters.test_layer_skip import random_self_head
 from tests.drafters.test_medusa import random_heads
-from tests.engine.test_speculative import GarbageDrafter, PositionalDrafter, repetitive_prompts
+from tests.engine.test_speculative import GarbageDrafter, assert_random_trees_keep_sampling, repetitive_prompts
 from tests.models.test_decoder import make_runner, prompt
 from tests.models.test_quantized_loader import tiny_gguf_paths  # noqa: F401  (a fixture used below)
-from tests.stats_checks import assert_speculation_keeps_sampling, count_outputs, same_distribution_p_value
+from tests.stats_checks import assert_speculation_keeps_sampling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -159,21 +159,7 @@ def test_a_gguf_model_on_cuda_decodes_exactly_and_q8_0_is_refused_by_name(tiny_c
 
 
 def test_sampled_speculation_on_cuda_keeps_the_target_distribution(tiny_checkpoints):
-    """Chi-square: the first tokens under random trees (accepts and rejects both frequent) vs
-    plain sampling, both on CUDA."""
-    path = tiny_checkpoints["llama"]
-    base = prompt(5, seed=80)
-    params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=4, seed=s) for s in range(1500)]
-    plain = count_outputs(cuda_llm(path, max_model_len=64, max_num_seqs=8), base, params)
-    spec_llm = cuda_llm(
-        path, max_model_len=64, max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
-    )
-    seen = {i: sorted({key[i] for key in plain}) for i in range(3)}
-    spec_llm.engine.speculator.drafter = PositionalDrafter(choices=seen, seed=1)
-    spec = count_outputs(spec_llm, base, params)
-    metrics = spec_llm.get_metrics()
-    assert metrics.num_accepted_tokens > 200 and metrics.acceptance_rate < 0.9
-    assert same_distribution_p_value(plain, spec) > 1e-3
+    assert_random_trees_keep_sampling(str(tiny_checkpoints["llama"]), device="cuda")
 
 
 def test_sampled_eagle3_tree_on_cuda_keeps_the_target_distribution(tiny_checkpoints, heads, monkeypatch):

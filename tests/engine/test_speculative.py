@@ -235,23 +235,24 @@ def test_bad_speculative_configs(tiny_checkpoints):
         LLM(path, speculative_config={"num_speculative_tokens": 3})
 
 
-def test_sampled_first_tokens_have_the_target_distribution(tiny_checkpoints):
-    """Chi-square: first three tokens under speculation (random tree drafter) vs plain sampling."""
-    path = str(tiny_checkpoints["llama"])
+def assert_random_trees_keep_sampling(path: str, **engine_options) -> None:
+    """Chi-square: first three tokens under speculation (random trees over the tokens seen at
+    each position, so accepts and rejects are both frequent) vs plain sampling."""
     base = prompt(5, seed=80)
     params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=4, seed=s) for s in range(1500)]
-
-    plain = count_outputs(LLM(path, max_model_len=64, max_num_seqs=8), base, params)
-    spec_llm = LLM(
-        path, max_model_len=64, max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
-    )
-    # Random trees over the tokens seen at each position, so accepts and rejects are both frequent.
+    options = {"max_model_len": 64, "max_num_seqs": 8, **engine_options}
+    plain = count_outputs(LLM(path, **options), base, params)
+    spec_llm = LLM(path, **options, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     seen = {i: sorted({key[i] for key in plain}) for i in range(3)}
     spec_llm.engine.speculator.drafter = PositionalDrafter(choices=seen, seed=1)
     spec = count_outputs(spec_llm, base, params)
     metrics = spec_llm.get_metrics()
     assert metrics.num_accepted_tokens > 200 and metrics.acceptance_rate < 0.9
     assert same_distribution_p_value(plain, spec) > 1e-3
+
+
+def test_sampled_first_tokens_have_the_target_distribution(tiny_checkpoints):
+    assert_random_trees_keep_sampling(str(tiny_checkpoints["llama"]))
 
 
 def _forward_widths(llm) -> list[int]:
