@@ -485,12 +485,18 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         )
 
     def drop_borrowed_float_rows(self) -> None:
-        """Drop the float32 LM rows borrowed from the target once their quantized copy exists
-        (40 MiB for the embedded model's 16,384-token draft vocabulary): drafting reads the copy;
-        training, saving and exporting never read these rows, and a head that drops them cannot be
-        quantized again."""
+        """For a head that only drafts from now on: drop the float32 LM rows borrowed from the
+        target (40 MiB for the embedded model's 16,384-token draft vocabulary) and the float
+        matrices of its block (31 MB for the shipped Gemma head) once their quantized copies
+        exist.  Drafting reads the copies; such a head can no longer be trained, saved or
+        quantized again (its float matrices are left with no rows)."""
         if "lm_rows" in self.draft_weights:
             self.lm_rows = None
+        for name in DRAFT_MATRICES:
+            module = getattr(self, name)
+            if module is not None and name in self.draft_weights:
+                weight = module.weight
+                module.weight = torch.nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
 
     def _matrix(self, name: str):  # the weight a draft step reads: [N, K] float or QuantizedWeight
         packed = self.draft_weights.get(name)

@@ -521,6 +521,8 @@ def test_head_drafts_on_q8_0_copies_beside_a_quantized_target(tiny_checkpoints, 
         vocab, hidden = head.d2t.numel(), head.config.hidden_size
         assert head.draft_weights["lm_rows"].shape == (vocab, hidden)
         assert head.lm_rows is None  # the float copy is dropped: drafting reads the quantized one
+        for name in ("fuse", "in_proj", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"):  # so are the block's
+            assert getattr(head, name).weight.numel() == 0, name
         formats = {part.format for weight in head.draft_weights.values() for part in weight.parts}
         assert formats == {(head_dtype or "q4_0").upper()}
     else:
