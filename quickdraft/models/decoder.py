@@ -131,16 +131,17 @@ class DecoderLayer(torch.nn.Module):
         )
         return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
 
-    def _fused_weights_for(self, hidden: torch.Tensor) -> FusedLayerWeights | None:
+    def _fused_weights_for(self, hidden: torch.Tensor, *, kernel_ready: bool = False) -> FusedLayerWeights | None:
         """The one-call C++ layer's arguments where it applies (quantized weights without biases,
-        on the CPU, a compiled build), else None: the layer below, per matmul."""
+        on the CPU, a compiled build), else None: the layer below, per matmul.  `kernel_ready`:
+        the caller checked fused_layer_available() for this forward already."""
         if (
             not self.fused
             or self.reduce_output is not None
             or not hidden.is_cpu
             or hidden.dtype != torch.float32
             or self.head_dim % 16
-            or not fused_layer_available()
+            or not (kernel_ready or fused_layer_available())
         ):
             return None
         return self._fused_weights()
@@ -329,9 +330,11 @@ class Decoder(torch.nn.Module):
     def _stack_for(self, hidden: torch.Tensor) -> FusedStack | None:
         """The one-call stack of every layer where each layer runs the one-call C++ layer (see
         DecoderLayer._fused_weights_for), rebuilt when a layer's arguments were; else None."""
+        if not fused_layer_available():  # once per forward, not per layer: it reads the environment
+            return None
         layers = []
         for layer in self.layers:
-            fused = layer._fused_weights_for(hidden)
+            fused = layer._fused_weights_for(hidden, kernel_ready=True)
             if fused is None:
                 return None
             layers.append(fused)
