@@ -119,19 +119,21 @@ def recommended_length(*, method: str, target, options: dict) -> int | None:
         directory = resolve_head_dir(head, method=method, model=target.model)
     except (FileNotFoundError, ValueError):
         return None  # creating the drafter raises the same error, with its context
-    manifest = directory / "manifest.json"
-    if not manifest.is_file():
-        return None
-    length = json.loads(manifest.read_text()).get("drafting", {}).get("num_speculative_tokens")
+    length = _recommended(directory).get("num_speculative_tokens")
     return length if isinstance(length, int) and not isinstance(length, bool) and length >= 1 else None
+
+
+def _recommended(directory: Path) -> dict:
+    """The drafting settings a head folder's manifest recommends (``"drafting"``), or none."""
+    manifest = Path(directory) / "manifest.json"
+    return json.loads(manifest.read_text()).get("drafting", {}) if manifest.is_file() else {}
 
 
 def drafting_options(directory: Path, **given) -> dict:
     """A drafter's options: each given value, or where it is None the one the head's manifest
     recommends (``"drafting"``: the settings measured best for that head, see its manifest),
     or the drafter's own default.  `given` maps a name to (value, default)."""
-    manifest = Path(directory) / "manifest.json"
-    recommended = json.loads(manifest.read_text()).get("drafting", {}) if manifest.is_file() else {}
+    recommended = _recommended(directory)
     return {
         name: value if value is not None else recommended.get(name, default) for name, (value, default) in given.items()
     }

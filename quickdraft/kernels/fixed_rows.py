@@ -35,11 +35,8 @@ def fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    count = rows.shape[0]
-    padded = _padded(rows)
-    chunks = [F.linear(padded[start : start + FIXED_ROWS], weight, bias) for start in range(0, len(padded), FIXED_ROWS)]
-    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-    return out[:count].view(*x.shape[:-1], weight.shape[0])
+    out = _by_chunks(lambda chunk, _: F.linear(chunk, weight, bias), _padded(rows), None)
+    return out[: rows.shape[0]].view(*x.shape[:-1], weight.shape[0])
 
 
 def fixed_rows_attention(
@@ -55,17 +52,21 @@ def fixed_rows_attention(
         mask = torch.ones(count, keys.shape[1], dtype=torch.bool, device=q.device)
     padded_q = _padded(q)
     padded_mask = torch.cat([mask, mask.new_ones(len(padded_q) - count, mask.shape[1])])
+
+    def attend(chunk: torch.Tensor, chunk_mask: torch.Tensor) -> torch.Tensor:
+        return sdpa_rows(chunk, keys, values, mask=chunk_mask, scale=scale)
+
+    return _by_chunks(attend, padded_q, padded_mask)[:count]
+
+
+def _by_chunks(call, rows: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
+    """call(rows chunk, its masks or None) over each FIXED_ROWS chunk of padded `rows` [M, ...],
+    the results concatenated in order."""
     chunks = [
-        sdpa_rows(
-            padded_q[start : start + FIXED_ROWS],
-            keys,
-            values,
-            mask=padded_mask[start : start + FIXED_ROWS],
-            scale=scale,
-        )
-        for start in range(0, len(padded_q), FIXED_ROWS)
+        call(rows[start : start + FIXED_ROWS], None if masks is None else masks[start : start + FIXED_ROWS])
+        for start in range(0, len(rows), FIXED_ROWS)
     ]
-    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks))[:count]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def sdpa_rows(
