@@ -24,6 +24,7 @@ CONFIGS = {
     "grammar": {"method": "grammar"},
     "suffix": {"method": "suffix"},
     "suffix, 5 nodes (the default before 2026-12-03)": {"method": "suffix", "num_speculative_tokens": 5},
+    "suffix, not periodic (before 2026-12-04)": {"method": "suffix", "periodic": False},
     "grammar+suffix": {"method": "hybrid", "drafters": [{"method": "grammar"}, {"method": "suffix"}]},
     "hybrid (default demo: suffix + eagle3)": {
         "method": "hybrid",

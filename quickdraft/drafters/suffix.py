@@ -17,6 +17,11 @@ matched: ``min(num_speculative_tokens, budget, floor(max_spec_factor * match_len
 max_spec_offset))``.  Of the two tries' trees the one with the higher score (the sum of its
 nodes' probabilities, i.e. the expected number of accepted tokens) is proposed.
 
+In the request's own trie an occurrence that overlaps the context's tail (the text repeats
+with a period shorter than the draft) reads on into the tokens drafted before it, as the
+n-gram drafter's continuation does: a loop of period p is drafted in full, not p tokens a
+step (``periodic: false`` stops at the context's end instead).
+
 Proposals are deterministic (``draft_probs=None``): each draft token is a point mass.
 
 Data structure: a suffix trie of bounded depth (``max_tree_depth + num_speculative_tokens``,
@@ -40,6 +45,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count as counter
 
@@ -55,6 +61,15 @@ DEFAULT_DRAFT_LENGTH = 16
 # of tail tokens matched below a tail node: 0 when the match ends at the node itself).
 Cursor = tuple[int, int]
 MatchState = tuple[int, int, int]
+
+
+@dataclass
+class Lookahead:
+    """The tokens drafted past the end of sequence `sequence_id` (the context being continued),
+    worked out only when an occurrence reaches that end."""
+
+    sequence_id: int
+    drafted: Callable[[], list[int]]  # -> [path length]
 
 
 @dataclass
@@ -219,13 +234,23 @@ class SuffixTrie:
 
     # -- reading ------------------------------------------------------------------------
 
-    def _tail_token(self, node: int, *, depth: int, tail_offset: int) -> int | None:
-        """The token at tail_offset below tail node `node` (at `depth`), if within the trie."""
-        tail = self.sequences[self.tail_sequence_ids[node]]
+    def _tail_token(self, node: int, *, depth: int, tail_offset: int, ahead: Lookahead | None = None) -> int | None:
+        """The token at tail_offset below tail node `node` (at `depth`), if within the trie.
+
+        An occurrence that runs into the end of the sequence `ahead` continues (the context
+        being drafted for) reads on into the drafted tokens: the text is periodic there."""
+        sequence_id = self.tail_sequence_ids[node]
+        tail = self.sequences[sequence_id]
         tail_index = self.tail_starts[node] + tail_offset
-        if depth + tail_offset >= self.max_depth or tail_index >= len(tail):
+        if depth + tail_offset >= self.max_depth:
             return None
-        return tail[tail_index]
+        if tail_index < len(tail):
+            return tail[tail_index]
+        if ahead is not None and ahead.sequence_id == sequence_id:
+            drafted = ahead.drafted()
+            if tail_index - len(tail) < len(drafted):
+                return drafted[tail_index - len(tail)]
+        return None
 
     def match(self, context: list[int], *, length: int) -> MatchState | None:
         """Where the last `length` tokens of context lead from the root, if they occurred."""
@@ -270,16 +295,19 @@ class SuffixTrie:
                 lo, best = mid, state
         return lo, best
 
-    def continuations(self, state: MatchState) -> list[tuple[int, float, MatchState]]:
+    def continuations(
+        self, state: MatchState, *, ahead: Lookahead | None = None
+    ) -> list[tuple[int, float, MatchState]]:
         """(token, conditional probability, state after it) for each continuation of state.
 
         The probability is over the occurrences that continue: an occurrence that ends here
-        (the context itself, or a sequence's last token) predicts nothing.
+        (the context itself, or a sequence's last token) predicts nothing, unless `ahead`
+        carries it on (see _tail_token).
         """
         node, depth, tail_offset = state
         node_children = self.children[node]
         if node_children is None:
-            token = self._tail_token(node, depth=depth, tail_offset=tail_offset)
+            token = self._tail_token(node, depth=depth, tail_offset=tail_offset, ahead=ahead)
             return [] if token is None else [(token, 1.0, (node, depth, tail_offset + 1))]
         if len(node_children) == 1:
             ((token, child),) = node_children.items()
@@ -289,19 +317,37 @@ class SuffixTrie:
         return [(token, counts[child] / total, (child, depth + 1, 0)) for token, child in node_children.items()]
 
     def draft_tree(
-        self, state: MatchState, *, max_draft_nodes: int, min_token_prob: float, match_len: int
+        self,
+        state: MatchState,
+        *,
+        max_draft_nodes: int,
+        min_token_prob: float,
+        match_len: int,
+        continues: int | None = None,
     ) -> DraftTree:
         """Best-first expansion from the matched state: the most probable continuations first,
         stopping at max_draft_nodes or when no candidate reaches min_token_prob.
-        O(max_draft_nodes * (children per node + log heap))."""
+        `continues`: the sequence the context is (its end is the present), so that an
+        occurrence overlapping the context's own tail keeps repeating its period instead of
+        stopping there (a loop of period 1 would otherwise draft one token a step).
+        O(max_draft_nodes * (children per node + log heap)), plus a walk up the draft for
+        each node whose occurrence reaches the context's end."""
         token_ids: list[int] = []
         parents: list[int] = []
         score = 0.0
         tie_breaker = counter()  # equal probabilities: the first pushed first
         heap: list[tuple[float, int, int, int, MatchState]] = []
 
+        def path_to(node: int) -> list[int]:  # draft tokens from the root to proposal node `node`
+            path = []
+            while node > 0:
+                path.append(token_ids[node - 1])
+                node = parents[node - 1]
+            return path[::-1]
+
         def push_continuations(of: MatchState, *, prob: float, parent: int) -> None:
-            for token, token_prob, next_state in self.continuations(of):
+            ahead = None if continues is None else Lookahead(sequence_id=continues, drafted=lambda: path_to(parent))
+            for token, token_prob, next_state in self.continuations(of, ahead=ahead):
                 path_prob = prob * token_prob
                 if path_prob >= min_token_prob:
                     heapq.heappush(heap, (-path_prob, next(tie_breaker), parent, token, next_state))
@@ -325,8 +371,10 @@ class RequestSuffixState:
     token_ids: list[int] = field(default_factory=list)  # the trie's one (growing) sequence
     active: list[Cursor] = field(default_factory=list)  # shallowest first
 
+    SEQUENCE_ID = 0  # the trie's one sequence
+
     def __post_init__(self) -> None:
-        self.trie.add_sequence(0, self.token_ids)
+        self.trie.add_sequence(self.SEQUENCE_ID, self.token_ids)
 
     def extend(self, new_token_ids: list[int]) -> None:
         for token in new_token_ids:
@@ -368,6 +416,7 @@ class SuffixDrafter(Drafter):
         min_token_prob: float = 0.1,
         max_spec_factor: float = 1.0,
         max_spec_offset: float = 0.0,
+        periodic: bool = True,
     ) -> None:
         _check_int("num_speculative_tokens", num_speculative_tokens, minimum=1)
         _check_int("max_tree_depth", max_tree_depth, minimum=1)
@@ -381,6 +430,9 @@ class SuffixDrafter(Drafter):
         self.min_token_prob = min_token_prob
         self.max_spec_factor = max_spec_factor
         self.max_spec_offset = max_spec_offset
+        if not isinstance(periodic, bool):
+            raise ValueError(f"periodic must be true or false, got {periodic!r}")
+        self.periodic = periodic
         # Deep enough that a match of max_tree_depth tokens can still draft a full budget.
         self.trie_depth = max_tree_depth + num_speculative_tokens
         self.global_trie = SuffixTrie(max_depth=self.trie_depth)
@@ -453,7 +505,13 @@ class SuffixDrafter(Drafter):
         return max(0, min(self.num_speculative_tokens, budget, adaptive))
 
     def _draft_from(
-        self, trie: SuffixTrie, *, match_len: int, state: MatchState | None, budget: int
+        self,
+        trie: SuffixTrie,
+        *,
+        match_len: int,
+        state: MatchState | None,
+        budget: int,
+        continues: int | None = None,
     ) -> DraftTree | None:
         if state is None or match_len == 0:
             return None
@@ -461,7 +519,11 @@ class SuffixDrafter(Drafter):
         if max_draft_nodes == 0:
             return None
         tree = trie.draft_tree(
-            state, max_draft_nodes=max_draft_nodes, min_token_prob=self.min_token_prob, match_len=match_len
+            state,
+            max_draft_nodes=max_draft_nodes,
+            min_token_prob=self.min_token_prob,
+            match_len=match_len,
+            continues=continues,
         )
         return tree if tree.token_ids else None
 
@@ -473,7 +535,13 @@ class SuffixDrafter(Drafter):
         if not context:
             return None
         match_len, match = state.longest_match(max_length=self.max_tree_depth)
-        best = self._draft_from(state.trie, match_len=match_len, state=match, budget=request.budget)
+        best = self._draft_from(
+            state.trie,
+            match_len=match_len,
+            state=match,
+            budget=request.budget,
+            continues=RequestSuffixState.SEQUENCE_ID if self.periodic else None,
+        )
         if self.cached_outputs:
             match_len, match = self.global_trie.longest_match(context, max_length=self.max_tree_depth)
             cached = self._draft_from(self.global_trie, match_len=match_len, state=match, budget=request.budget)

@@ -70,6 +70,16 @@ def occurs_in(needle, haystacks) -> bool:
     return any(hay[i : i + len(needle)] == needle for hay in haystacks for i in range(len(hay)))
 
 
+def repeats_a_period(context: list[int], path: tuple[int, ...]) -> bool:
+    """Whether `path` reads the context on from some earlier start, the reading running on
+    into the path itself past the context's end (a periodic continuation)."""
+    text = context + list(path)
+    return any(
+        all(text[len(context) + i] == text[len(context) - period + i] for i in range(len(path)))
+        for period in range(1, len(context))
+    )
+
+
 # ------------------------------------------------------------------------------------
 # constructor
 # ------------------------------------------------------------------------------------
@@ -87,6 +97,7 @@ def occurs_in(needle, haystacks) -> bool:
         dict(max_spec_offset=float("nan")),
         dict(num_speculative_tokens=2.0),
         dict(max_cached_requests=True),
+        dict(periodic=1),
     ],
 )
 def test_invalid_arguments_raise(kwargs):
@@ -160,6 +171,38 @@ def test_draft_size_grows_with_the_match_length(match_len):
     assert short.token_ids[1:] == follow[: min(3, match_len)]
     capped = propose(SuffixDrafter(), request(prompt, budget=2))
     assert capped.token_ids[1:] == follow[: min(2, match_len)]
+
+
+@pytest.mark.parametrize(
+    "context, periodic_draft, stopped_draft",
+    [
+        # period 1: "1 1 1" occurred one token earlier; its continuation is the context's end
+        ([9, 1, 1, 1, 1], [1, 1, 1], [1]),
+        # period 2: "1 2 1 2" occurred two tokens earlier
+        ([7, 1, 2, 1, 2, 1, 2], [1, 2, 1, 2], [1, 2]),
+        # period 3, the match (6 tokens) longer than the budget (5 nodes)
+        ([8, 4, 5, 6, 4, 5, 6, 4, 5, 6], [4, 5, 6, 4, 5], [4, 5, 6]),
+    ],
+)
+def test_a_loop_shorter_than_the_draft_repeats_its_period(context, periodic_draft, stopped_draft):
+    periodic = propose(SuffixDrafter(num_speculative_tokens=5), request(context))
+    assert periodic.token_ids == [context[-1], *periodic_draft]
+    assert periodic.parents == list(range(-1, len(periodic_draft)))
+    stopped = propose(SuffixDrafter(num_speculative_tokens=5, periodic=False), request(context))
+    assert stopped.token_ids == [context[-1], *stopped_draft]
+
+
+def test_a_finished_output_does_not_repeat_past_its_end():
+    # the global trie's outputs are not the present: a match at an output's end stops there
+    drafter = SuffixDrafter(num_speculative_tokens=5)
+    run_request(drafter, prompt=[50], output=[3, 3, 3, 3], request_id="done")
+    proposal = propose(drafter, request([60, 61, 3, 3, 3], request_id="new"))
+    # own trie: "3 3" occurred once, at 2..3, continuing into the present: period 1
+    assert proposal.token_ids == [3, 3, 3]
+    tree = drafter.global_trie.draft_tree(
+        drafter.global_trie.match([3, 3, 3], length=3), max_draft_nodes=5, min_token_prob=0.1, match_len=3
+    )
+    assert tree.token_ids == [3]  # "3 3 3" once more in the cached output, then its end
 
 
 def test_output_tokens_are_indexed_as_they_are_committed():
@@ -309,7 +352,7 @@ def test_random_streams_give_valid_proposals_seen_in_the_text():
             assert_valid_proposal(proposal, req)
             texts = [context, *drafter.cached_outputs.values()]
             for path in paths(proposal):
-                assert occurs_in([context[-1], *path], texts)
+                assert occurs_in([context[-1], *path], texts) or repeats_a_period(context, path)
         commit(drafter, req, [rng.randrange(5) for _ in range(rng.randrange(1, 4))])
         if rng.random() < 0.05:
             live.remove(req)
