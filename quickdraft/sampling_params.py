@@ -22,6 +22,16 @@ from dataclasses import dataclass
 
 from quickdraft.structured.params import StructuredOutputsParams
 
+
+class InvalidParameterError(ValueError):
+    """A sampling parameter the engine cannot take (found when the request is added, e.g. a token
+    id outside the model's vocabulary); ``param`` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 # vLLM's default ``max_logprobs``; the engine returns at most this many top logprobs.
 MAX_LOGPROBS = 20
 
@@ -43,6 +53,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
+    # token id -> value added to its logit (OpenAI's logit_bias, each in [-100, 100]); None = off
+    logit_bias: dict[int, float] | None = None
+    # only these token ids may be generated (vLLM's allowed_token_ids); None = every token
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # JSON schema / JSON object / regex / choice / grammar the output must match (a dict of
@@ -75,6 +89,11 @@ class SamplingParams:
 
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+        if self.logit_bias is not None:
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _normalize_token_ids("allowed_token_ids", self.allowed_token_ids, nonempty=True)
 
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
@@ -146,9 +165,32 @@ def _normalize_stop(stop: object) -> list[str]:
 def _normalize_stop_token_ids(ids: object) -> list[int]:
     if ids is None:
         return []
+    return _normalize_token_ids("stop_token_ids", ids)
+
+
+def _normalize_token_ids(name: str, ids: object, *, nonempty: bool = False) -> list[int]:
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        raise ValueError(f"{name} must be a list of ints, got {ids!r}")
     for t in ids:
         if not _is_int(t) or t < 0:
-            raise ValueError(f"stop_token_ids must contain non-negative ints, got {t!r}")
+            raise ValueError(f"{name} must contain non-negative ints, got {t!r}")
+    if nonempty and not ids:
+        raise ValueError(f"{name} must not be empty (nothing could be generated)")
     return list(ids)
+
+
+# OpenAI's range for a logit bias: -100 bans a token in practice, 100 forces it.
+MAX_LOGIT_BIAS = 100.0
+
+
+def _normalize_logit_bias(bias: object) -> dict[int, float]:
+    """{token id: bias}; token ids given as decimal strings (as JSON object keys are) become ints."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    result = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        result[token] = _check_float(f"logit_bias[{token}]", value, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+    return result

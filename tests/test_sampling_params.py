@@ -105,6 +105,15 @@ _INVALID = [
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),
     ("include_stop_str_in_output", None),
+    ("logit_bias", [1, 2]),
+    ("logit_bias", {"seven": 1.0}, "seven"),
+    ("logit_bias", {-1: 1.0}, -1),
+    ("logit_bias", {5: 100.5}, 100.5),
+    ("logit_bias", {5: float("nan")}, float("nan")),
+    ("logit_bias", {5: "1"}, "1"),
+    ("allowed_token_ids", [], "not be empty"),
+    ("allowed_token_ids", [3, -1], -1),
+    ("allowed_token_ids", 3),
 ]
 
 
@@ -112,7 +121,15 @@ _INVALID = [
 def test_invalid_value_raises_naming_the_field(field, value, shown):
     with pytest.raises(ValueError, match=re.escape(field)) as info:
         SamplingParams(**{field: value})
-    assert repr(shown) in str(info.value)  # the message shows the bad value too
+    # the message shows the bad value too (or says what is wrong with it)
+    assert (shown if isinstance(shown, str) and " " in shown else repr(shown)) in str(info.value)
+
+
+def test_logit_bias_keys_given_as_json_strings_become_token_ids():
+    params = SamplingParams(logit_bias={"17": 2, 3: -100})
+    assert params.logit_bias == {17: 2.0, 3: -100.0}
+    assert isinstance(params.logit_bias[17], float)
+    assert SamplingParams(allowed_token_ids=(4, 2)).allowed_token_ids == [4, 2]
 
 
 def test_n_error_says_only_one_is_supported():

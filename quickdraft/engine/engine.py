@@ -40,7 +40,7 @@ from quickdraft.models.loader import (
 )
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
-from quickdraft.sampling_params import SamplingParams
+from quickdraft.sampling_params import InvalidParameterError, SamplingParams
 from quickdraft.structured.grammar import GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key
 
@@ -236,6 +236,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_tokens(prompt, prompt_token_ids)
+        self._check_vocabulary_ids(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -263,6 +264,21 @@ class Engine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _check_vocabulary_ids(self, params: SamplingParams) -> None:
+        """Token ids in the parameters must exist: found at admission, not when a step samples."""
+        vocab = self.model_config.vocab_size
+        fields = {
+            "stop_token_ids": params.stop_token_ids or [],
+            "logit_bias": list(params.logit_bias or {}),
+            "allowed_token_ids": params.allowed_token_ids or [],
+        }
+        for name, ids in fields.items():
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidParameterError(
+                    name, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+                )
 
     def _prompt_tokens(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):

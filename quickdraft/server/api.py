@@ -221,6 +221,8 @@ class Generation:
         event = await self._events.get()
         if isinstance(event, Rejected):
             self._done = True
+            if event.param is not None:
+                raise bad_request(event.message, param=event.param)
             raise bad_request(f"{self._prompt_param}: {event.message}", param=self._prompt_param)
         if isinstance(event, Failed):
             self._done = True

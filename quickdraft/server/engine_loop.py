@@ -45,6 +45,7 @@ class Rejected:
     """`add_request` refused the request (bad prompt, too long): a 400 for it alone."""
 
     message: str
+    param: str | None = None  # the sampling parameter at fault; None: the prompt
 
 
 @dataclass
@@ -238,7 +239,7 @@ class EngineLoop:
                 prompt_token_ids=submission.prompt_token_ids, params=submission.params, request_id=submission.request_id
             )
         except (ValueError, TypeError) as err:
-            _deliver(submission, Rejected(message=str(err)))
+            _deliver(submission, Rejected(message=str(err), param=getattr(err, "param", None)))
             return
         except Exception as err:  # not the request's fault: say so with a 500
             logger.exception("add_request failed")

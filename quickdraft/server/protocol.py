@@ -78,6 +78,7 @@ class SamplingFields(StrictModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -102,10 +103,6 @@ class SamplingFields(StrictModel):
         """OpenAI fields the engine cannot honour: a 400 naming the field unless left at default."""
         if self.n != 1:
             raise bad_request(f"n: only n=1 is supported, got {self.n}", param="n", code="unsupported_value")
-        if self.logit_bias:
-            raise bad_request(
-                "logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter"
-            )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
@@ -130,6 +127,8 @@ class SamplingFields(StrictModel):
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         kwargs.update({name: value for name, value in optional.items() if value is not None})
         structured = self.structured_outputs_params()
@@ -279,7 +278,7 @@ def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str]) ->
         return SamplingParams(**kwargs)
     except ValueError as err:
         # SamplingParams' messages start with the field name ("top_p must be ...").
-        field_name = str(err).split(" ", 1)[0].rstrip(":")
+        field_name = str(err).split(" ", 1)[0].rstrip(":").split("[", 1)[0]  # "logit_bias[7] must ..."
         param = renamed.get(field_name, field_name if field_name in kwargs else None)
         message = str(err)
         if param is not None and param != field_name:

@@ -9,6 +9,10 @@ which is why penalties take the history per row (``RowContext``), not per reques
 
 Order of processing in ``logits_to_probs`` (all in float32 on a copy of the logits):
 
+0. ``allowed_token_ids``: every other token gets ``-inf`` (a row where that would leave nothing
+   -- a structured output's grammar allowing none of them -- keeps the grammar's tokens: the
+   constraint wins); then ``logit_bias`` adds each listed token's bias (vLLM's order: these
+   before the penalties).
 1. Penalties on the raw logits (rows that use them):
    a. repetition penalty (vLLM / HF): for every distinct token in prompt + output, a
       positive logit is divided by the penalty, a negative one multiplied by it;
@@ -114,11 +118,14 @@ def _penalized_logits(
     *,
     eos_token_ids: Sequence[int],
 ) -> torch.Tensor:  # [R, V] float32
-    """Steps 1 and 2 (penalties, min_tokens), on a copy only for rows that need them."""
+    """Steps 0 to 2 (allowed tokens and biases, penalties, min_tokens), on a copy only for rows
+    that need them."""
     logits = logits.to(torch.float32)
     if any(_modifies_logits(row) for row in rows):
         # .to() returns the caller's tensor when it is already float32; never write into it.
         logits = logits.clone().contiguous()
+        _apply_allowed_tokens(logits, rows)
+        _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows, eos_token_ids=eos_token_ids)
     return logits
@@ -191,7 +198,13 @@ def _blocks_stops(row: RowContext) -> bool:
 
 def _modifies_logits(row: RowContext) -> bool:
     p = row.params
-    return _uses_repetition(p) or _uses_output_penalties(p) or _blocks_stops(row)
+    return (
+        _uses_repetition(p)
+        or _uses_output_penalties(p)
+        or _blocks_stops(row)
+        or bool(p.logit_bias)
+        or p.allowed_token_ids is not None
+    )
 
 
 def modifies_logits(params: SamplingParams, *, num_output_tokens: int) -> bool:
@@ -253,6 +266,37 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
         freq = _per_row_values(rows, lambda p: p.frequency_penalty, device)[row_of_key]
         pres = _per_row_values(rows, lambda p: p.presence_penalty, device)[row_of_key]
         flat[keys] -= freq * counts.to(torch.float32) + pres
+
+
+def _apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+    """In place: -inf outside each row's allowed_token_ids, unless nothing finite would be left."""
+    limited = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not limited:
+        return
+    vocab = logits.shape[1]  # a drafter's vocabulary may be smaller than the target's
+    allowed = [(i, [t for t in rows[i].params.allowed_token_ids or () if t < vocab]) for i in limited]
+    keys = _flat_keys(allowed, vocab, logits.device)
+    index = _index(limited, logits.device)
+    keep = torch.full((len(rows), logits.shape[1]), float("-inf"), device=logits.device)  # [R, V]
+    keep.view(-1)[keys] = 0.0
+    masked = logits[index] + keep[index]  # [L, V]
+    alive = torch.isfinite(masked).any(dim=1, keepdim=True)  # [L, 1]
+    logits[index] = torch.where(alive, masked, logits[index])
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits."""
+    vocab = logits.shape[1]  # a drafter's vocabulary may be smaller than the target's
+    biased = [
+        (i, {t: v for t, v in (row.params.logit_bias or {}).items() if t < vocab})
+        for i, row in enumerate(rows)
+        if row.params.logit_bias
+    ]
+    if not biased:
+        return
+    keys = _flat_keys([(i, list(bias)) for i, bias in biased], vocab, logits.device)
+    values = torch.tensor([v for _, bias in biased for v in bias.values()], dtype=torch.float32)
+    logits.view(-1)[keys] += values.to(logits.device)
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowContext], *, eos_token_ids: Sequence[int]) -> None:

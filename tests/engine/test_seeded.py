@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from quickdraft import LLM, SamplingParams
+from quickdraft.sampling_params import InvalidParameterError
 from quickdraft.verify.sampler import position_key
 from tests.drafters.test_eagle import random_head
 from tests.drafters.test_layer_skip import random_self_head
@@ -20,6 +21,8 @@ SAMPLINGS = [
     dict(temperature=0.9, repetition_penalty=1.3),
     dict(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3),
     dict(temperature=1.1, min_tokens=10, top_p=0.95),
+    dict(temperature=0.8, logit_bias={5: 4.0, 9: -100.0, 17: 2.5}),
+    dict(temperature=0.0, allowed_token_ids=list(range(3, 320, 2)), logit_bias={7: 1.5}),
     dict(temperature=0.0),  # greedy beside sampled requests in the same batch
 ]
 
@@ -113,6 +116,30 @@ def test_garbage_drafts_and_other_requests_change_nothing(tiny_checkpoints, plai
     order = list(reversed(range(len(prompts))))
     shuffled = llm.generate([prompts[i] for i in order], [params[i] for i in order])
     assert [shuffled[order.index(i)].outputs[0].token_ids for i in range(len(prompts))] == plain_seeded
+
+
+def test_logit_bias_and_allowed_tokens_shape_the_output(tiny_checkpoints, plain_seeded):
+    allowed = SAMPLINGS.index(dict(temperature=0.0, allowed_token_ids=list(range(3, 320, 2)), logit_bias={7: 1.5}))
+    assert all(token % 2 == 1 and token >= 3 for token in plain_seeded[allowed])
+    biased = SAMPLINGS.index(dict(temperature=0.8, logit_bias={5: 4.0, 9: -100.0, 17: 2.5}))
+    assert 9 not in plain_seeded[biased]
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128, speculative_config={"method": "suffix"})
+    forced = llm.generate(batch_prompts()[:1], SamplingParams(max_tokens=8, temperature=0.0, logit_bias={42: 100.0}))
+    assert forced[0].outputs[0].token_ids == [42] * 8
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128)
+    vocab = llm.engine.model_config.vocab_size
+    for field, value in [
+        ("logit_bias", {vocab: 1.0}),
+        ("allowed_token_ids", [1, vocab + 5]),
+        ("stop_token_ids", [vocab]),
+    ]:
+        with pytest.raises(InvalidParameterError, match=f"^{field} has token ids outside") as info:
+            llm.engine.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(**{field: value}))
+        assert info.value.param == field
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_unseeded_requests_get_a_seed_that_replays_them(tiny_checkpoints):

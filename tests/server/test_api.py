@@ -260,3 +260,24 @@ def test_unseeded_answers_return_the_seed_that_replays_them(plain_server):
         model=plain_server.model_name, prompt="x", max_tokens=4, temperature=1.0, seed=5, stream=True
     )
     assert [chunk.model_dump().get("seed") for chunk in stream][-1] == 5
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_sampler(suffix_server, offline_llms):
+    """OpenAI's logit_bias (string token ids) and vLLM's allowed_token_ids, through the openai
+    client, give offline generate's tokens under speculation."""
+    prompt, allowed = "a b c a b c", list(range(3, 200, 2))
+
+    def served_token_ids(max_tokens: int, **fields) -> list[int]:
+        response = suffix_server.openai_client().completions.create(
+            model=suffix_server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, **fields
+        )
+        return response.choices[0].model_extra["token_ids"]
+
+    forced = served_token_ids(6, logit_bias={"42": 100, "7": -100}, extra_body={"return_token_ids": True})
+    assert forced == [42] * 6
+    limited = served_token_ids(12, extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    offline = offline_llms["gemma3"].generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, allowed_token_ids=allowed)
+    )
+    assert limited == offline[0].outputs[0].token_ids
+    assert all(token in allowed for token in limited)

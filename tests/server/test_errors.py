@@ -42,7 +42,11 @@ def assert_openai_error(response, *, status, param):
         ({"seed": 2**70}, "seed"),
         ({"logprobs": 50}, "logprobs"),
         ({"stop": [""]}, "stop"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"10000000": 1.0}}, "logit_bias"),  # out of the vocabulary: refused by the engine
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"stop_token_ids": [10_000_000]}, "stop_token_ids"),
         ({"echo": True}, "echo"),
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 3}, "best_of"),

@@ -147,6 +147,54 @@ def test_min_tokens_makes_greedy_skip_eos():
 
 
 # ------------------------------------------------------------------------------------
+# logit_bias and allowed_token_ids (step 0)
+# ------------------------------------------------------------------------------------
+
+
+def test_logit_bias_adds_to_the_listed_tokens_and_moves_the_argmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    probs = logits_to_probs(logits, [row(temperature=0.0, logit_bias={0: 5.0, 3: -100.0})])
+    assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    sampled = logits_to_probs(logits, [row(temperature=1.0, logit_bias={1: 1.0})])
+    torch.testing.assert_close(sampled[0], torch.softmax(torch.tensor([0.0, 2.0, 2.0, 3.0]), dim=0))
+
+
+def test_allowed_token_ids_keep_only_those_tokens():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]])
+    probs = logits_to_probs(logits, [row(temperature=1.0, allowed_token_ids=[1, 3])])
+    assert kept(probs[0]) == {1, 3}
+    torch.testing.assert_close(probs[0, [1, 3]], torch.softmax(torch.tensor([1.0, 3.0]), dim=0))
+    greedy = logits_to_probs(logits, [row(temperature=0.0, allowed_token_ids=[0, 2])])
+    assert greedy.tolist() == [[0.0, 0.0, 1.0, 0.0, 0.0]]
+
+
+def test_allowed_tokens_a_grammar_already_forbids_leave_the_grammar_its_tokens():
+    logits = torch.tensor([[-math.inf, 1.0, -math.inf, 0.0]])  # a grammar allows 1 and 3
+    probs = logits_to_probs(logits, [row(temperature=0.0, allowed_token_ids=[0, 2])])
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]  # nothing allowed by both: the grammar wins
+
+
+def test_logit_bias_comes_before_the_repetition_penalty():
+    # vLLM's order: (1 + 1) / 2 = 1.0, where bias after the penalty would give 1 / 2 + 1 = 1.5
+    out = sampler._penalized_logits(
+        torch.tensor([[1.0, 0.5]]), [row(prompt=[0], repetition_penalty=2.0, logit_bias={0: 1.0})], eos_token_ids=()
+    )
+    assert out.tolist() == [[1.0, 0.5]]
+
+
+def test_ids_beyond_a_smaller_vocabulary_are_left_out():
+    # a drafter's rows may cover fewer tokens than the target's: ids past them do not exist there
+    r = row(temperature=0.0, allowed_token_ids=[1, 7], logit_bias={2: 9.0, 8: 1.0})
+    assert logits_to_probs(torch.tensor([[0.0, 1.0, 2.0]]), [r]).tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_bias_and_allowed_tokens_take_the_slow_path_for_greedy_rows():
+    assert not sampler.samples_by_argmax(SamplingParams(temperature=0.0, logit_bias={1: 1.0}), num_output_tokens=0)
+    assert not sampler.samples_by_argmax(SamplingParams(temperature=0.0, allowed_token_ids=[1]), num_output_tokens=0)
+    assert sampler.samples_by_argmax(SamplingParams(temperature=0.0, logit_bias={}), num_output_tokens=0)
+
+
+# ------------------------------------------------------------------------------------
 # greedy and temperature
 # ------------------------------------------------------------------------------------
 
