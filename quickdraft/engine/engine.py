@@ -41,7 +41,7 @@ from quickdraft.models.loader import (
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import InvalidParameterError, SamplingParams
-from quickdraft.structured.grammar import GrammarCompiler, TreeMasks, apply_masks
+from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key
 
 if TYPE_CHECKING:  # torch.distributed is imported only when tensor parallelism is on
@@ -369,9 +369,13 @@ class Engine:
         for i, masks in enumerate(grammar_masks):
             if masks is not None:
                 proposals[i] = masks.proposal
-        work = [
-            self._work_for(item, proposal, sparse=None if masks is None else masks.sparse_tokens)
+        sparse_tokens = [
+            _sparse_tokens(item.request, proposal, masks)
             for item, proposal, masks in zip(plan, proposals, grammar_masks)
+        ]
+        work = [
+            self._work_for(item, proposal, sparse=sparse)
+            for item, proposal, sparse in zip(plan, proposals, sparse_tokens)
         ]
         feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
         out = self.runner.forward(work, capture_layers=feature_layers, reuse_logits=True)  # used within the step
@@ -387,7 +391,7 @@ class Engine:
                 work=work,
                 proposals=proposals,
                 verifying=verifying,
-                grammar_masks=grammar_masks,
+                sparse_tokens=sparse_tokens,
                 row_starts=row_starts,
             )
             requests = [plan[i].request for i in verifying]
@@ -482,10 +486,10 @@ class Engine:
         item: ScheduledRequest,
         proposal: Proposal | None,
         *,
-        sparse: list[list[int] | None] | None = None,  # per node: its few allowed tokens (grammar), or None
+        sparse: list[list[int] | None] | None = None,  # per node: its few possible tokens, or None
     ) -> SequenceWork:
         """The item's tokens for the forward; the LM head runs on the proposal's nodes except those
-        whose grammar allows only a few tokens (their logits come from `_verification_logits`)."""
+        that can only be a few tokens (their logits come from `_verification_logits`)."""
         req = item.request
         start = req.num_computed_tokens
         if proposal is not None and proposal.num_draft_tokens > 0:
@@ -509,18 +513,19 @@ class Engine:
         work: list[SequenceWork],
         proposals: list[Proposal | None],
         verifying: list[int],  # items with a proposal, in order
-        grammar_masks: list[TreeMasks | None],
+        sparse_tokens: list[list[list[int] | None] | None],  # per item, per node (see _sparse_tokens)
         row_starts: list[int],  # item i's fed tokens are rows row_starts[i]:row_starts[i + 1] of the forward
     ) -> tuple[torch.Tensor, list[int]]:  # logits [sum of the proposals' nodes, V], row offsets per verifying item
         """Every verifying node's logits row.  Rows the LM head computed come from the forward; a
-        node whose grammar allows at most a few tokens gets -inf everywhere but at those tokens,
-        whose logits are computed alone (``Decoder.logits_of_tokens``): same distribution after
-        the mask, a few dot products instead of the whole vocabulary."""
+        node that can only be a few tokens (its grammar's, or the request's allowed_token_ids) gets
+        -inf everywhere but at those tokens, whose logits are computed alone
+        (``Decoder.logits_of_tokens``): same distribution after the mask, a few dot products
+        instead of the whole vocabulary."""
         sparse = [
             (k, i, node, ids)
             for k, i in enumerate(verifying)
-            if (masks := grammar_masks[i]) is not None
-            for node, ids in enumerate(masks.sparse_tokens)
+            if (nodes := sparse_tokens[i]) is not None
+            for node, ids in enumerate(nodes)
             if ids is not None
         ]
         if not sparse:  # the forward computed every row; the verifying items' rows are contiguous
@@ -709,6 +714,21 @@ def _kept_features(
     # torch's stubs type split_with_sizes_copy by its out= form (returning None); it returns the pieces
     pieces = torch.split_with_sizes_copy(features, sizes)  # type: ignore[func-returns-value]
     return list(cast("list[torch.Tensor]", pieces))
+
+
+def _sparse_tokens(
+    request: Request, proposal: Proposal | None, masks: TreeMasks | None
+) -> list[list[int] | None] | None:
+    """Per node of the item's proposal, the few tokens its row can be (None: the whole LM head).
+    A grammar's narrow rows; else, for a request that asks no logprobs (they read the whole
+    row), its allowed_token_ids when they are few: every other token is -inf either way."""
+    if masks is not None:
+        return masks.sparse_tokens
+    allowed = request.params.allowed_token_ids
+    if proposal is None or allowed is None or len(allowed) > SPARSE_ROW_LIMIT or request.params.logprobs is not None:
+        return None
+    tokens = sorted(set(allowed))
+    return [tokens] * proposal.tree.num_nodes
 
 
 def _features(captured: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor | None:

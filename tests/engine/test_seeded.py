@@ -128,6 +128,28 @@ def test_logit_bias_and_allowed_tokens_shape_the_output(tiny_checkpoints, plain_
     assert forced[0].outputs[0].token_ids == [42] * 8
 
 
+def test_a_few_allowed_tokens_are_computed_alone_not_through_the_lm_head(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128, speculative_config={"method": "suffix"})
+    computed: list[list[int]] = []
+    logits_of_tokens = llm.engine.model.logits_of_tokens
+
+    def spy(hidden, token_lists):
+        computed.extend(token_lists)
+        return logits_of_tokens(hidden, token_lists)
+
+    llm.engine.model.logits_of_tokens = spy
+    allowed = [11, 40, 41, 97, 200]
+    params = SamplingParams(max_tokens=24, temperature=0.0, allowed_token_ids=list(reversed(allowed)))
+    alone = llm.generate(batch_prompts()[:1], params)[0].outputs[0].token_ids
+    assert set(alone) <= set(allowed)
+    assert computed and all(tokens == allowed for tokens in computed)
+    assert llm.get_metrics().num_draft_tokens > 0  # verified trees went this way too
+    # with logprobs asked the rows go through the whole LM head (logprobs read every token)
+    computed.clear()
+    llm.generate(batch_prompts()[:1], SamplingParams(max_tokens=4, allowed_token_ids=allowed, logprobs=2))
+    assert computed == []
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(tiny_checkpoints):
     llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128)
     vocab = llm.engine.model_config.vocab_size
