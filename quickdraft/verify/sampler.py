@@ -274,14 +274,15 @@ def _apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[RowContext]) -> N
     if not limited:
         return
     vocab = logits.shape[1]  # a drafter's vocabulary may be smaller than the target's
-    allowed = [(i, [t for t in rows[i].params.allowed_token_ids or () if t < vocab]) for i in limited]
-    keys = _flat_keys(allowed, vocab, logits.device)
+    # keys into the limited rows only ([L, V]), the j-th of them being row limited[j]
+    allowed = [(j, [t for t in rows[i].params.allowed_token_ids or () if t < vocab]) for j, i in enumerate(limited)]
+    keep = torch.full((len(limited), vocab), float("-inf"), device=logits.device)  # [L, V]
+    keep.view(-1)[_flat_keys(allowed, vocab, logits.device)] = 0.0
     index = _index(limited, logits.device)
-    keep = torch.full((len(rows), logits.shape[1]), float("-inf"), device=logits.device)  # [R, V]
-    keep.view(-1)[keys] = 0.0
-    masked = logits[index] + keep[index]  # [L, V]
+    limited_logits = logits[index]  # [L, V]
+    masked = limited_logits + keep
     alive = torch.isfinite(masked).any(dim=1, keepdim=True)  # [L, 1]
-    logits[index] = torch.where(alive, masked, logits[index])
+    logits[index] = torch.where(alive, masked, limited_logits)
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
