@@ -77,6 +77,29 @@ def _add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _lazy_logits_rows(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {value!r}")
+    return rows
+
+
+def _add_lazy_logits_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lazy-logits-rows",
+        type=_lazy_logits_rows,
+        default=None,
+        metavar="N|auto",
+        help="LM-head rows a verification computes before walking its tree; the walk asks for the rest of its "
+        "path (greedy and keyed walks read only it). 0 = every node's row; auto (default) = measured on the CPU",
+    )
+
+
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: 128)")
@@ -130,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template"
     )
     _add_tensor_parallel_option(generate)
+    _add_lazy_logits_option(generate)
     _add_bench_parser(commands)
     _add_train_head_parser(commands)
     _add_serve_parser(commands)
@@ -173,6 +197,7 @@ def _add_serve_parser(commands) -> None:
         help='drafter config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
     )
     _add_tensor_parallel_option(serve)
+    _add_lazy_logits_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     serve.add_argument(
@@ -617,6 +642,7 @@ def run_generate(args) -> int:
         speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        lazy_logits_rows=args.lazy_logits_rows,
     )
     load_seconds = time.perf_counter() - load_start
     prompt = args.prompt
@@ -855,6 +881,7 @@ def run_serve(args) -> int:
         max_queue=args.max_queue,
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
         tensor_parallel_size=args.tensor_parallel_size,
+        lazy_logits_rows=args.lazy_logits_rows,
         shutdown_grace_seconds=args.shutdown_grace,
         log_level=args.log_level,
         **{name: value for name, value in optional.items() if value is not None},

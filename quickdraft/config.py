@@ -37,12 +37,25 @@ class EngineConfig:
     # Processes the target's layers and LM head are split over (quickdraft/distributed): rank 0
     # is this process and runs everything else (scheduler, drafter, verification); 1 = no split.
     tensor_parallel_size: int = 1
+    # LM-head rows a verification computes before walking its tree: greedy and keyed walks read
+    # only the rows on their path (about accepted + 1), so the rest need not be computed.  n > 0:
+    # n nodes of each such proposal's first-child chain, then each row a walk reaches with n - 1
+    # more of its chain, one LM-head call per round for the step; 0: every row in the forward;
+    # None: chosen from the LM head's measured cost on the CPU (the rows that cost what reading
+    # the head once does), 0 elsewhere.  Exact either way: rows are batch-invariant.
+    lazy_logits_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        lazy = self.lazy_logits_rows
+        if lazy is not None and (not isinstance(lazy, int) or isinstance(lazy, bool) or lazy < 0):
+            raise ValueError(f"lazy_logits_rows must be None or an integer >= 0, got {lazy!r}")
+        if lazy and self.tensor_parallel_size > 1:
+            # the split LM head is a collective call: every process would have to join each late row's
+            raise ValueError("lazy_logits_rows > 0 needs tensor_parallel_size 1 (the split LM head runs in the forward)")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         memory = self.kv_cache_memory_bytes

@@ -40,6 +40,7 @@ class LLM:
         speculative_model: str | None = None,
         num_speculative_tokens: int | None = None,
         tensor_parallel_size: int = 1,
+        lazy_logits_rows: int | None = None,
     ):
         speculative_config = _merge_speculative_args(speculative_config, speculative_model, num_speculative_tokens)
         self.config = EngineConfig(
@@ -57,6 +58,7 @@ class LLM:
             seed=seed,
             speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
+            lazy_logits_rows=lazy_logits_rows,
         )
         self.engine = Engine(self.config)
 

@@ -31,7 +31,7 @@ def test_generate_streams_and_summarises(tiny_checkpoints, capsys):
     assert "5 tokens (length)" in captured.err and "TTFT" in captured.err and "tokens/s" in captured.err
 
 
-def test_generate_with_a_float16_kv_cache(tiny_checkpoints, capsys, monkeypatch):
+def test_generate_engine_options_reach_the_engine(tiny_checkpoints, capsys, monkeypatch):
     from quickdraft import llm as llm_module
 
     made = []
@@ -57,6 +57,13 @@ def test_generate_with_a_float16_kv_cache(tiny_checkpoints, capsys, monkeypatch)
     with pytest.raises(SystemExit):
         main([*argv, "--kv-cache-dtype", "bfloat8"])
     assert "--kv-cache-dtype" in capsys.readouterr().err
+    assert main([*argv, "--lazy-logits-rows", "3"]) == 0
+    assert made[-1].config.lazy_logits_rows == 3
+    assert main([*argv, "--lazy-logits-rows", "auto"]) == 0
+    assert made[-1].config.lazy_logits_rows is None
+    with pytest.raises(SystemExit):
+        main([*argv, "--lazy-logits-rows", "-2"])
+    assert "expected 'auto' or an integer >= 0, got '-2'" in capsys.readouterr().err
 
 
 def test_generate_with_tensor_parallel_prints_what_one_process_prints(tiny_checkpoints, capsys):

@@ -10,3 +10,13 @@ def test_kv_cache_dtype_is_validated():
         EngineConfig(kv_cache_dtype="bf8")
     with pytest.raises(ValueError, match="kv_cache_dtype other than 'auto' needs tensor_parallel_size 1"):
         EngineConfig(kv_cache_dtype="float16", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "4"])
+def test_lazy_logits_rows_is_validated(value):
+    assert EngineConfig().lazy_logits_rows is None and EngineConfig(lazy_logits_rows=4).lazy_logits_rows == 4
+    with pytest.raises(ValueError, match="lazy_logits_rows must be None or an integer >= 0"):
+        EngineConfig(lazy_logits_rows=value)
+    with pytest.raises(ValueError, match="lazy_logits_rows > 0 needs tensor_parallel_size 1"):
+        EngineConfig(lazy_logits_rows=2, tensor_parallel_size=2)
+    assert EngineConfig(lazy_logits_rows=0, tensor_parallel_size=2).lazy_logits_rows == 0

@@ -24,11 +24,12 @@ from quickdraft.drafters.base import AcceptedPath, Proposal, TargetInfo
 from quickdraft.drafters.hybrid import path_in_child
 from quickdraft.engine.feature_cache import FeatureBlockCache
 from quickdraft.engine.request import Request, make_token_logprobs
-from quickdraft.engine.runner import ModelRunner, SequenceWork
+from quickdraft.engine.runner import REUSED_LOGITS_BYTES, ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
-from quickdraft.engine.verification import verify_step
+from quickdraft.engine.verification import StepLogits, chain_rows, verify_step, walks_path
 from quickdraft.kv.cache import KVCache
+from quickdraft.models.decoder import Decoder, LogitsArena
 from quickdraft.models.heap import return_free_heap
 from quickdraft.models.loader import (
     load_decoder,
@@ -99,6 +100,9 @@ class Engine:
                 memory_bytes=config.kv_cache_memory_bytes,
             )
         self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
+        # Rows computed when a walk reaches them (see lazy_logits_rows), valid through the step.
+        self._logits_arena = LogitsArena(vocab_size=self.model_config.vocab_size, max_bytes=REUSED_LOGITS_BYTES)
+        self._lazy_rows: int | None = config.lazy_logits_rows  # None until measured
         self.scheduler = Scheduler(
             cache=self.cache,
             max_num_seqs=config.max_num_seqs,
@@ -120,6 +124,8 @@ class Engine:
         self.metrics = EngineMetrics()
         self._speculator: Speculator | None = None
         self.speculator = self._make_speculator(config.speculative_config)
+        if self.speculator is not None:
+            self._resolve_lazy_rows()  # at load, not in the first step's time
         return_free_heap()  # the drafter's load temporaries (a head quantized at load: ~30 MB)
 
     def _start_tensor_parallel(self, cache_len: int, *, gguf_path: Path | None) -> None:
@@ -373,8 +379,15 @@ class Engine:
             _sparse_tokens(item.request, proposal, masks)
             for item, proposal, masks in zip(plan, proposals, grammar_masks)
         ]
+        # LM-head rows left for the walks to ask for: greedy and keyed walks read only their path's.
+        first_rows = self._first_logits_rows(proposals)
         work = [
-            self._work_for(item, proposal, sparse=sparse)
+            self._work_for(
+                item,
+                proposal,
+                sparse=sparse,
+                first_rows=first_rows if proposal is not None and walks_path(item.request, proposal) else 0,
+            )
             for item, proposal, sparse in zip(plan, proposals, sparse_tokens)
         ]
         feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
@@ -392,13 +405,11 @@ class Engine:
                 proposals=proposals,
                 verifying=verifying,
                 sparse_tokens=sparse_tokens,
+                grammar_masks=grammar_masks,
                 row_starts=row_starts,
+                first_rows=first_rows,
             )
             requests = [plan[i].request for i in verifying]
-            for k, i in enumerate(verifying):
-                masks = grammar_masks[i]
-                if masks is not None:  # in place: every use of these rows sees the constrained distribution
-                    apply_masks(logits[row_offsets[k] : row_offsets[k + 1]], masks)
             paths = verify_step(
                 requests=requests,
                 proposals=[proposal for _, proposal in verified],
@@ -436,6 +447,20 @@ class Engine:
             verify_seconds=finished - drafted,
         )
         return [self._delta(item.request) for item in plan]
+
+    def _first_logits_rows(self, proposals: list[Proposal | None]) -> int:
+        """Rows of a walked proposal the forward computes (0: all); measured once (at load when
+        a drafter is configured, else at the first step with a draft) where
+        config.lazy_logits_rows leaves it to the engine."""
+        if not any(p is not None and p.num_draft_tokens > 0 for p in proposals):
+            return 0
+        return self._resolve_lazy_rows()
+
+    def _resolve_lazy_rows(self) -> int:
+        if self._lazy_rows is None:
+            on_cpu = self.device.type == "cpu" and self.tensor_parallel is None
+            self._lazy_rows = _measured_first_rows(self.model) if on_cpu else 0
+        return self._lazy_rows
 
     def _propose(self, plan: list[ScheduledRequest]) -> dict[str, Proposal]:
         if self.speculator is None:
@@ -487,18 +512,21 @@ class Engine:
         proposal: Proposal | None,
         *,
         sparse: list[list[int] | None] | None = None,  # per node: its few possible tokens, or None
+        first_rows: int = 0,  # > 0: the LM head runs on this many nodes of the first-child chain only
     ) -> SequenceWork:
         """The item's tokens for the forward; the LM head runs on the proposal's nodes except those
-        that can only be a few tokens (their logits come from `_verification_logits`)."""
+        that can only be a few tokens and those a walk may never reach (their logits come from
+        `_verification_logits`)."""
         req = item.request
         start = req.num_computed_tokens
         if proposal is not None and proposal.num_draft_tokens > 0:
+            nodes = chain_rows(proposal, 0, first_rows) if first_rows else range(proposal.tree.num_nodes)
             return SequenceWork(
                 slot=req.scheduled_slot,
                 cache_len=start,
                 token_ids=proposal.token_ids,
                 tree=proposal.tree,
-                logits_nodes=[n for n in range(proposal.tree.num_nodes) if sparse is None or sparse[n] is None],
+                logits_nodes=sorted(n for n in nodes if sparse is None or sparse[n] is None),
             )
         tokens = req.all_token_ids[start : start + item.num_new_tokens]
         root_dense = proposal is not None and (sparse is None or sparse[0] is None)
@@ -514,46 +542,89 @@ class Engine:
         proposals: list[Proposal | None],
         verifying: list[int],  # items with a proposal, in order
         sparse_tokens: list[list[list[int] | None] | None],  # per item, per node (see _sparse_tokens)
+        grammar_masks: list[TreeMasks | None],  # per item
         row_starts: list[int],  # item i's fed tokens are rows row_starts[i]:row_starts[i + 1] of the forward
-    ) -> tuple[torch.Tensor, list[int]]:  # logits [sum of the proposals' nodes, V], row offsets per verifying item
-        """Every verifying node's logits row.  Rows the LM head computed come from the forward; a
-        node that can only be a few tokens (its grammar's, or the request's allowed_token_ids) gets
-        -inf everywhere but at those tokens, whose logits are computed alone
-        (``Decoder.logits_of_tokens``): same distribution after the mask, a few dot products
-        instead of the whole vocabulary."""
+        first_rows: int,  # as given to _work_for
+    ) -> tuple[StepLogits, list[int]]:  # rows [sum of the proposals' nodes, V], row offsets per verifying item
+        """Every verifying node's logits row, or the means to compute it when a walk reaches it.
+        Rows the LM head computed come from the forward; a node that can only be a few tokens
+        (its grammar's, or the request's allowed_token_ids) gets -inf everywhere but at those
+        tokens, whose logits are computed alone (``Decoder.logits_of_tokens``): same distribution
+        after the mask, a few dot products instead of the whole vocabulary.  A grammar's masks
+        are applied to every row as it is computed, so every use sees the constrained distribution."""
+        sizes = [proposals[i].tree.num_nodes for i in verifying]  # type: ignore[union-attr]
+        row_offsets = list(itertools.accumulate(sizes, initial=0))
+        masks = [grammar_masks[i] for i in verifying]
+        # the forward row of each verifying node (a prefill chunk's root is its last fed token)
+        hidden_row = [
+            row_starts[i] + len(work[i].token_ids) - sizes[k] + node
+            for k, i in enumerate(verifying)
+            for node in range(sizes[k])
+        ]
+        computed = [  # logits_nodes count the item's fed tokens, of which the proposal's nodes are the last
+            row_offsets[k] + fed - (len(work[i].token_ids) - sizes[k])
+            for k, i in enumerate(verifying)
+            for fed in work[i].logits_nodes
+        ]
+        hidden_states = out.forward.hidden_states  # [N, D]
+
+        @torch.inference_mode()
+        def fill(rows: list[int]) -> torch.Tensor:  # -> [len(rows), V], into the step's arena
+            index = torch.tensor([hidden_row[r] for r in rows], device=self.device)
+            values = self.model.compute_logits(hidden_states[index], buffer=self._logits_arena)
+            self._mask_rows(values, rows=rows, masks=masks, row_offsets=row_offsets)
+            return values
+
+        table = StepLogits(row_offsets[-1], fill=fill, first_rows=max(1, first_rows))
+        self._logits_arena.reset(row_offsets[-1] - len(computed))
+        if computed:  # the verifying items' rows, contiguous in the forward's logits, in order
+            assert out.logits is not None
+            start = out.logits_offsets[verifying[0]]
+            rows = out.logits[start : start + len(computed)]
+            self._mask_rows(rows, rows=computed, masks=masks, row_offsets=row_offsets)
+            table.add(computed, rows)
         sparse = [
-            (k, i, node, ids)
+            (row_offsets[k] + node, ids)
             for k, i in enumerate(verifying)
             if (nodes := sparse_tokens[i]) is not None
             for node, ids in enumerate(nodes)
             if ids is not None
         ]
-        if not sparse:  # the forward computed every row; the verifying items' rows are contiguous
-            assert out.logits is not None
-            return out.logits, [out.logits_offsets[i] for i in verifying] + [out.logits_offsets[verifying[-1] + 1]]
-        sizes = [proposals[i].tree.num_nodes for i in verifying]  # type: ignore[union-attr]
-        row_offsets = list(itertools.accumulate(sizes, initial=0))
-        vocab = self.model_config.vocab_size
-        dtype = out.logits.dtype if out.logits is not None else torch.float32
-        logits = torch.full((row_offsets[-1], vocab), float("-inf"), dtype=dtype, device=self.device)
-        sparse_rows = {(k, node) for k, _, node, _ in sparse}
-        dense = [
-            row_offsets[k] + node
-            for k in range(len(verifying))
-            for node in range(sizes[k])
-            if (k, node) not in sparse_rows
-        ]
-        if dense:
-            assert out.logits is not None and out.logits.shape[0] == len(dense)  # verifying items' dense rows, in order
-            logits[torch.tensor(dense, device=self.device)] = out.logits
-        hidden_rows = [
-            row_starts[i] + len(work[i].token_ids) - sizes[k] + node for k, i, node, _ in sparse
-        ]  # the node's row among the item's fed tokens (a prefill chunk's root is its last)
-        hidden = out.forward.hidden_states[torch.tensor(hidden_rows, device=self.device)]
-        values = self.model.logits_of_tokens(hidden, [ids for _, _, _, ids in sparse])
-        for (k, _, node, ids), row_values in zip(sparse, values):
-            logits[row_offsets[k] + node, torch.tensor(ids, device=self.device)] = row_values.to(dtype)
-        return logits, row_offsets
+        if sparse:
+            dtype = out.logits.dtype if out.logits is not None else torch.float32
+            rows = torch.full(
+                (len(sparse), self.model_config.vocab_size), float("-inf"), dtype=dtype, device=self.device
+            )
+            hidden = hidden_states[torch.tensor([hidden_row[row] for row, _ in sparse], device=self.device)]
+            values = self.model.logits_of_tokens(hidden, [ids for _, ids in sparse])
+            for j, ((_, ids), row_values) in enumerate(zip(sparse, values)):
+                rows[j, torch.tensor(ids, device=self.device)] = row_values.to(dtype)
+            self._mask_rows(rows, rows=[row for row, _ in sparse], masks=masks, row_offsets=row_offsets)
+            table.add([row for row, _ in sparse], rows)
+        return table, row_offsets
+
+    @staticmethod
+    def _mask_rows(
+        logits: torch.Tensor,  # [len(rows), V] the rows' logits, masked in place
+        *,
+        rows: list[int],  # each logits row's node row in the step's table (sorted)
+        masks: list[TreeMasks | None],  # per verifying item
+        row_offsets: list[int],  # item k's nodes are table rows row_offsets[k]:row_offsets[k + 1]
+    ) -> None:
+        """A grammar's masks applied to the given rows of its requests, one kernel call per request."""
+        position = {row: j for j, row in enumerate(rows)}
+        for k, item_masks in enumerate(masks):
+            if item_masks is None:
+                continue
+            nodes = [node for node in range(row_offsets[k + 1] - row_offsets[k]) if row_offsets[k] + node in position]
+            if not nodes:
+                continue
+            at = [position[row_offsets[k] + node] for node in nodes]
+            if at == list(range(at[0], at[0] + len(at))) and nodes == list(range(nodes[0], nodes[0] + len(nodes))):
+                apply_masks(logits[at[0] : at[0] + len(at)], item_masks, nodes=slice(nodes[0], nodes[0] + len(nodes)))
+            else:
+                for j, node in zip(at, nodes):
+                    apply_masks(logits[j : j + 1], item_masks, nodes=slice(node, node + 1))
 
     def _commit(
         self,
@@ -636,7 +707,7 @@ class Engine:
         self,
         requests: list[Request],
         paths: list[AcceptedPath],
-        logits: torch.Tensor,  # [M, V]
+        logits: StepLogits,  # the step's rows; every path's are computed
         row_offsets: list[int],  # request k's node rows start at row_offsets[k]
     ) -> list[list[TokenLogprobs | None]]:
         """Per request, the logprobs of each committed token (None where not asked for), in one call."""
@@ -647,8 +718,10 @@ class Engine:
         rows = [row_offsets[k] + node for k in wanted for node in paths[k].nodes]
         tokens = [token for k in wanted for token in paths[k].committed_token_ids]
         num_top = max(requests[k].params.logprobs or 0 for k in wanted)
-        index = torch.tensor(rows, device=logits.device)
-        token_lp, top_ids, top_lp = compute_logprobs(logits[index], torch.tensor(tokens, device=logits.device), num_top)
+        rows_logits = logits.gather(rows)  # [len(rows), V]
+        token_lp, top_ids, top_lp = compute_logprobs(
+            rows_logits, torch.tensor(tokens, device=rows_logits.device), num_top
+        )
         flat = 0
         for k in wanted:
             top = requests[k].params.logprobs
@@ -729,6 +802,29 @@ def _sparse_tokens(
         return None
     tokens = sorted(set(allowed))
     return [tokens] * proposal.tree.num_nodes
+
+
+def _measured_first_rows(model: Decoder, *, wide: int = 16) -> int:
+    """How many LM-head rows cost about what reading the head once does: a walk's first rows
+    are computed together, as the forward would; rows past them only where a walk reaches them.
+    0 (every row in the forward) where `wide` rows cost less than twice one: the head is bound
+    by reading its weights, and a row computed later would read them again."""
+    hidden = model.embed(torch.zeros(wide, dtype=torch.long))  # [wide, D] (measured on the CPU only)
+
+    model.compute_logits(hidden)  # first call: the kernel's set-up
+
+    def seconds(rows: int) -> float:
+        times = []
+        for _ in range(2):
+            started = time.perf_counter()
+            model.compute_logits(hidden[:rows])
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    one, all_rows = seconds(1), seconds(wide)
+    if all_rows < 2 * one:
+        return 0
+    return max(1, round(one / (all_rows / wide)))
 
 
 def _features(captured: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor | None:

@@ -54,6 +54,30 @@ class LogitsBuffer:
         return self._memory[:count]
 
 
+class LogitsArena(LogitsBuffer):
+    """A LogitsBuffer whose calls get the rows after those of the calls before (until `reset`):
+    the rows of a step computed in several calls stay valid together.  Past its memory a call
+    gets fresh memory (None)."""
+
+    def __init__(self, *, vocab_size: int, max_bytes: int):
+        super().__init__(vocab_size=vocab_size, max_bytes=max_bytes)
+        self._used = 0
+
+    def reset(self, expected_rows: int) -> None:
+        """Forgets the rows handed out; room for `expected_rows` (within the cap) from now on."""
+        self._used = 0
+        rows = min(expected_rows, self.max_rows)
+        if rows > self._memory.shape[0]:
+            self._memory = torch.empty(max(rows, 2 * self._memory.shape[0]), self.vocab_size, dtype=torch.float32)
+
+    def rows(self, count: int) -> torch.Tensor | None:
+        if self._used + count > self._memory.shape[0]:
+            return None
+        out = self._memory[self._used : self._used + count]
+        self._used += count
+        return out
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor | None  # [M, V] for the requested rows, None when not asked

@@ -37,6 +37,7 @@ class ServerConfig:
     seed: int = 0
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # processes the target is split over (quickdraft/distributed)
+    lazy_logits_rows: int | None = None  # EngineConfig's: LM-head rows before each walk (None: measured)
     max_queue: int = 64  # requests waiting + running before new ones get 429
     shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
     max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
@@ -82,6 +83,7 @@ class ServerConfig:
             seed=self.seed,
             speculative_config=self.speculative_config,
             tensor_parallel_size=self.tensor_parallel_size,
+            lazy_logits_rows=self.lazy_logits_rows,
         )
 
     @property

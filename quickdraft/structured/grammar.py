@@ -230,12 +230,14 @@ class RequestGrammar:
 
 @torch.inference_mode()  # the target's logits are inference tensors
 def apply_masks(
-    logits: torch.Tensor,  # [N, V] the rows of one request's kept nodes, masked in place
+    logits: torch.Tensor,  # [N, V] the rows of one request's kept nodes (those of `nodes`), masked in place
     masks: TreeMasks,
+    *,
+    nodes: slice | None = None,  # which kept nodes the rows are; None: all of them
 ) -> None:
     """Forbidden tokens get -inf: every later use of the rows (argmax, keyed draws, rejection
     sampling, logprobs) sees the constrained distribution."""
-    bitmask = masks.bitmask  # [N, ceil(V / 32)] int32
+    bitmask = masks.bitmask  # [num kept, ceil(V / 32)] int32
     if masks.unmasked:
         bitmask[torch.tensor(masks.unmasked)] = -1
-    apply_token_bitmask(logits, bitmask)
+    apply_token_bitmask(logits, bitmask if nodes is None else bitmask[nodes])

@@ -100,6 +100,42 @@ def test_seeded_speculative_equals_seeded_plain(tiny_checkpoints, heads, plain_s
     assert llm.get_metrics().num_draft_tokens > 0
 
 
+def lm_head_rows(llm: LLM) -> list[int]:
+    """Spies on the target's LM head: the rows of each call."""
+    model = llm.engine.model
+    compute_logits = model.compute_logits
+    rows: list[int] = []
+
+    def spy(hidden, **kwargs):
+        rows.append(hidden.shape[0])
+        return compute_logits(hidden, **kwargs)
+
+    model.compute_logits = spy
+    return rows
+
+
+@pytest.mark.parametrize("name", ["ngram-tree", "suffix", "eagle3", "eagle3-copy-keyed", "draft_model-tree", "hybrid"])
+def test_rows_computed_only_where_the_walks_reach_them_change_nothing(tiny_checkpoints, heads, plain_seeded, name):
+    """lazy_logits_rows=1: the forward's LM head runs on the roots alone (the draft model's sampled
+    chains: on every node) and the walks ask for the rest; same tokens, fewer rows."""
+    spec = drafter_configs(tiny_checkpoints, heads)[name]
+    computed = {}
+    for lazy in (0, 1):
+        llm = LLM(
+            str(tiny_checkpoints["gemma3"]),
+            max_model_len=256,
+            max_num_seqs=8,
+            speculative_config=spec,
+            lazy_logits_rows=lazy,
+        )
+        rows = lm_head_rows(llm)
+        outs = llm.generate(batch_prompts(), seeded_params(100))
+        assert [o.outputs[0].token_ids for o in outs] == plain_seeded
+        assert llm.get_metrics().num_draft_tokens > 0
+        computed[lazy] = sum(rows)
+    assert computed[1] < computed[0]
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_garbage_drafts_and_other_requests_change_nothing(tiny_checkpoints, plain_seeded, tree):
     """Random drafts, requests alone or beside others, in another order: same tokens per seed."""

@@ -196,12 +196,13 @@ def test_stop_string_inside_an_accepted_run(tiny_checkpoints, plain_outputs):
     assert llm.engine.cache.num_free_slots == llm.engine.cache.num_slots
 
 
-def test_logprobs_under_speculation_match_plain(tiny_checkpoints):
+@pytest.mark.parametrize("lazy_logits_rows", [0, 1])
+def test_logprobs_under_speculation_match_plain(tiny_checkpoints, lazy_logits_rows):
     path = str(tiny_checkpoints["llama"])
     params = SamplingParams(max_tokens=20, logprobs=2, **GREEDY)
     plain = LLM(path, max_model_len=128).generate([repetitive_prompts()[0]], params)[0].outputs[0]
     spec = (
-        LLM(path, max_model_len=128, speculative_config={"method": "ngram"})
+        LLM(path, max_model_len=128, speculative_config={"method": "ngram"}, lazy_logits_rows=lazy_logits_rows)
         .generate([repetitive_prompts()[0]], params)[0]
         .outputs[0]
     )

@@ -8,7 +8,7 @@ import torch
 
 from quickdraft.drafters.base import Proposal
 from quickdraft.engine.request import Request
-from quickdraft.engine.verification import node_histories, verify_step
+from quickdraft.engine.verification import StepLogits, chain_rows, first_child_chain, node_histories, verify_step
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.verify.sampler import RowContext, logits_to_probs, make_generator, position_key, sample_keyed
@@ -144,3 +144,47 @@ def test_rows_that_do_not_match_the_trees_are_refused(tokenizer):
         )
     with pytest.raises(ValueError, match="proposals"):
         verify_step(requests=requests, proposals=proposals[:2], logits=logits, row_offsets=offsets, eos_token_ids=EOS)
+
+
+def test_rows_filled_when_the_walks_reach_them_give_the_same_paths(tokenizer):
+    """Only the roots computed at first: the walks ask for the rows on their paths (with a bit of
+    their first-child chains), rejection sampling for all of its rows, and commit what the full
+    table commits."""
+    requests, proposals, logits, offsets = mixed_step(tokenizer)
+    full = verify_step(requests=requests, proposals=proposals, logits=logits, row_offsets=offsets, eos_token_ids=EOS)
+    requests, proposals, logits, offsets = mixed_step(tokenizer)  # fresh generators
+    roots = offsets[:-1]
+    filled: list[list[int]] = []
+
+    def fill(rows: list[int]) -> torch.Tensor:
+        filled.append(rows)
+        return logits[rows]
+
+    lazy = StepLogits(logits.shape[0], fill=fill, first_rows=1)
+    lazy.add(roots, logits[roots])
+    paths = verify_step(requests=requests, proposals=proposals, logits=lazy, row_offsets=offsets, eos_token_ids=EOS)
+    assert paths == full
+    draft_probs_rows = list(range(offsets[4], offsets[5]))  # rejection sampling: every row, before any walk
+    assert filled[0] == [row for row in draft_probs_rows if row not in roots]
+    assert torch.equal(lazy.gather(draft_probs_rows[1:]), logits[draft_probs_rows[1:]])  # one fill: a view
+    assert torch.equal(lazy.gather([offsets[2], offsets[4] + 1]), logits[[offsets[2], offsets[4] + 1]])  # a copy
+    walked_rows = {offsets[k] + node for k, path in enumerate(paths) if k != 4 for node in path.nodes}
+    later = {row for rows in filled[1:] for row in rows}
+    assert walked_rows - set(roots) <= later  # every path row was asked for
+    assert any(not lazy.ready(row) for row in range(offsets[-1]))  # and some rows never were
+
+
+def test_a_row_missing_with_nothing_to_fill_it_is_an_error(tokenizer):
+    requests, proposals, logits, offsets = mixed_step(tokenizer)
+    lazy = StepLogits(logits.shape[0])
+    with pytest.raises(ValueError, match="never computed"):
+        verify_step(requests=requests, proposals=proposals, logits=lazy, row_offsets=offsets, eos_token_ids=EOS)
+
+
+def test_chain_rows_follow_first_children():
+    proposal = Proposal(token_ids=[3, 4, 8, 5, 6, 7, 2, 9], parents=[-1, 0, 0, 1, 1, 3, 5, 6])
+    assert first_child_chain(proposal, 0) == [0, 1, 3, 5, 6, 7]
+    assert chain_rows(proposal, 0, 3) == [0, 1, 3]  # 3 would be left: a call of their own if reached
+    assert chain_rows(proposal, 0, 4) == [0, 1, 3, 5, 6, 7]  # 2 left (half of 4): taken now
+    assert chain_rows(proposal, 1, 2) == [1, 3]
+    assert chain_rows(proposal, 2, 4) == [2]

@@ -152,11 +152,12 @@ def test_serve_replica_options_reach_ray_serve(monkeypatch, tmp_path):
     )
     code = main(
         ["serve", str(tmp_path), "--replicas", "3", "--routing", "round_robin", "--cpus-per-replica", "2"]
-        + ["--ray-address", "auto", "--port", "9002", "--tensor-parallel-size", "2"]
+        + ["--ray-address", "auto", "--port", "9002", "--tensor-parallel-size", "2", "--lazy-logits-rows", "0"]
     )
     assert code == 0
     [(config, options, ray_address)] = seen
     assert config.model == str(tmp_path) and config.port == 9002
+    assert config.engine_config().lazy_logits_rows == 0
     assert config.tensor_parallel_size == 2 and config.engine_config().tensor_parallel_size == 2
     assert (options.replicas, options.routing, options.cpus_per_replica) == (3, "round_robin", 2.0)
     assert ray_address == "auto"

@@ -122,6 +122,22 @@ def test_constrained_speculation_equals_constrained_plain(target, heads, plain, 
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in seeded]
 
 
+@pytest.mark.parametrize("name", ["suffix", "grammar+suffix", "eagle3", "garbage"])
+def test_constrained_rows_computed_when_the_walks_reach_them_change_nothing(target, heads, plain, name):
+    """lazy_logits_rows=1: a row computed late is masked like one the forward computed."""
+    greedy, seeded = plain
+    spec = spec_configs(target, heads).get(name, {"method": "ngram", "num_speculative_tokens": 6})
+    llm = LLM(target, max_model_len=256, max_num_seqs=8, speculative_config=spec, lazy_logits_rows=1)
+    if name == "garbage":
+        llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True)
+    outs = llm.generate(prompts(), params(temperature=0.0))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy]
+    check_matches(outs)
+    outs = llm.generate(prompts(), params(temperature=0.8, seed=7))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in seeded]
+    assert llm.get_metrics().num_draft_tokens > 0
+
+
 def test_forced_tokens_save_forwards(target, plain):
     greedy, _ = plain
     llm = LLM(target, max_model_len=256, max_num_seqs=8, speculative_config={"method": "grammar"})

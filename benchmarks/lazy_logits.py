@@ -1,0 +1,121 @@
+"""LM-head rows computed before the walks (``lazy_logits_rows``) against every row in the forward:
+embedded Gemma 3 270M, greedy, Spec-Bench first turns (the first N questions per task), one
+drafter config, in process.  Each round runs plain decoding and the config under every setting
+back to back (a fresh engine each); reports tok/s per round and the medians, the LM-head rows
+computed per output token, and whether every output equals plain decoding's.
+
+    .venv/bin/python benchmarks/lazy_logits.py --config '{"method": "suffix"}' --per-task 3 --rounds 3
+    .venv/bin/python benchmarks/lazy_logits.py --config '{"method": "suffix"}' --batch 32 --per-task 8
+
+``--batch B`` hands the questions to ``generate`` B at a time (B cache slots): continuous
+batching at concurrency B, without the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def first_turns(path: Path, per_task: int) -> list[str]:
+    by_task: dict[str, list[str]] = collections.defaultdict(list)
+    for line in path.read_text().splitlines():
+        question = json.loads(line)
+        if len(by_task[question["category"]]) < per_task:
+            by_task[question["category"]].append(question["turns"][0])
+    return [prompt for prompts in by_task.values() for prompt in prompts]
+
+
+def count_rows(llm) -> list[int]:
+    """Spies on the target's LM head: the rows of each call (the drafters' own heads not counted)."""
+    model = llm.engine.model
+    compute_logits = model.compute_logits
+    rows: list[int] = []
+
+    def spy(hidden, **kwargs):
+        rows.append(hidden.shape[0])
+        return compute_logits(hidden, **kwargs)
+
+    model.compute_logits = spy
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="speculative config (JSON)")
+    parser.add_argument("--settings", default="0,auto", help="lazy_logits_rows values to compare (auto = None)")
+    parser.add_argument("--questions", type=Path, default=Path("../shared/data/specbench/questions.dev.jsonl"))
+    parser.add_argument("--per-task", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    from quickdraft import LLM, SamplingParams
+
+    prompts = first_turns(args.questions, args.per_task)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    spec = json.loads(args.config)
+    settings: dict[str, int | None] = {
+        value: None if value == "auto" else int(value) for value in args.settings.split(",")
+    }
+    common = dict(max_model_len=1024, max_num_seqs=args.batch)
+    configs: dict[str, dict] = {"plain": {}}
+    for name, lazy in settings.items():
+        configs[f"lazy_logits_rows={name}"] = dict(speculative_config=spec, lazy_logits_rows=lazy)
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    rows_per_token: dict[str, list[float]] = {name: [] for name in configs}
+    outputs: dict[str, list[list[int]]] = {}
+    chosen: dict[str, int | None] = {}
+    for _ in range(args.rounds):
+        for name, options in configs.items():
+            # A fresh engine each time: a suffix drafter (and the prefix cache) would remember the
+            # answers of the round before and retrieve them whole.
+            llm = LLM(**common, **options)
+            llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))  # warm-up
+            rows = count_rows(llm)
+            started = time.perf_counter()
+            tokens = []
+            for start in range(0, len(prompts), args.batch):
+                out = llm.generate(prompts[start : start + args.batch], params)
+                tokens += [o.outputs[0].token_ids for o in out]
+            seconds = time.perf_counter() - started
+            num_tokens = sum(map(len, tokens))
+            rates[name].append(num_tokens / seconds)
+            rows_per_token[name].append(sum(rows) / num_tokens)
+            outputs[name] = tokens
+            chosen[name] = llm.engine._lazy_rows
+            llm.close()
+    result = {
+        "config": spec,
+        "prompts": len(prompts),
+        "per_task": args.per_task,
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "lazy_logits_rows_in_use": chosen,
+        "tok_per_s": rates,
+        "median_tok_per_s": {name: statistics.median(values) for name, values in rates.items()},
+        "lm_head_rows_per_token": {name: statistics.median(values) for name, values in rows_per_token.items()},
+        "same_as_plain": {name: outputs[name] == outputs["plain"] for name in configs},
+    }
+    plain = rates["plain"]
+    for name, values in rates.items():
+        ratios = [v / p for v, p in zip(values, plain)]
+        print(
+            f"{name}: {statistics.median(values):.1f} tok/s (rounds {', '.join(f'{v:.1f}' for v in values)}), "
+            f"{statistics.median(ratios):.2f}x plain, {statistics.median(rows_per_token[name]):.2f} LM-head rows "
+            "a token, "
+            f"same as plain: {outputs[name] == outputs['plain']}"
+        )
+    print(f"lazy_logits_rows in use: {chosen}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
