@@ -1,11 +1,11 @@
 """LM-head rows computed before the walks (``lazy_logits_rows``) against every row in the forward:
-embedded Gemma 3 270M, greedy, Spec-Bench first turns (the first N questions per task), one
+embedded Gemma 3 270M, greedy, Spec-Bench first turns (the first N questions of each of its 13 categories), one
 drafter config, in process.  Each round runs plain decoding and the config under every setting
 back to back (a fresh engine each); reports tok/s per round and the medians, the LM-head rows
 computed per output token, and whether every output equals plain decoding's.
 
-    .venv/bin/python benchmarks/lazy_logits.py --config '{"method": "suffix"}' --per-task 3 --rounds 3
-    .venv/bin/python benchmarks/lazy_logits.py --config '{"method": "suffix"}' --batch 32 --per-task 8
+    .venv/bin/python benchmarks/lazy_logits.py --config '{"method": "suffix"}' --per-category 3 --rounds 3
+    .venv/bin/python benchmarks/lazy_logits.py --config '{"method": "suffix"}' --batch 32 --per-category 8
 
 ``--batch B`` hands the questions to ``generate`` B at a time (B cache slots): continuous
 batching at concurrency B, without the server.
@@ -20,28 +20,16 @@ import statistics
 import time
 from pathlib import Path
 
-
-def first_turns(path: Path, per_task: int) -> list[str]:
-    by_task: dict[str, list[str]] = collections.defaultdict(list)
-    for line in path.read_text().splitlines():
-        question = json.loads(line)
-        if len(by_task[question["category"]]) < per_task:
-            by_task[question["category"]].append(question["turns"][0])
-    return [prompt for prompts in by_task.values() for prompt in prompts]
+from quickdraft.bench.specbench import load_questions
 
 
-def count_rows(llm) -> list[int]:
-    """Spies on the target's LM head: the rows of each call (the drafters' own heads not counted)."""
-    model = llm.engine.model
-    compute_logits = model.compute_logits
-    rows: list[int] = []
-
-    def spy(hidden, **kwargs):
-        rows.append(hidden.shape[0])
-        return compute_logits(hidden, **kwargs)
-
-    model.compute_logits = spy
-    return rows
+def first_turns(path: Path, per_category: int) -> list[str]:
+    """The first turns of the first `per_category` questions of each category, category by category."""
+    by_category: dict[str, list[str]] = collections.defaultdict(list)
+    for question in load_questions(path):
+        if len(by_category[question.category]) < per_category:
+            by_category[question.category].append(question.turns[0])
+    return [prompt for prompts in by_category.values() for prompt in prompts]
 
 
 def main() -> None:
@@ -49,7 +37,7 @@ def main() -> None:
     parser.add_argument("--config", required=True, help="speculative config (JSON)")
     parser.add_argument("--settings", default="0,auto", help="lazy_logits_rows values to compare (auto = None)")
     parser.add_argument("--questions", type=Path, default=Path("../shared/data/specbench/questions.dev.jsonl"))
-    parser.add_argument("--per-task", type=int, default=3)
+    parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
@@ -57,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     from quickdraft import LLM, SamplingParams
 
-    prompts = first_turns(args.questions, args.per_task)
+    prompts = first_turns(args.questions, args.per_category)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     spec = json.loads(args.config)
     settings: dict[str, int | None] = {
@@ -77,7 +65,7 @@ def main() -> None:
             # answers of the round before and retrieve them whole.
             llm = LLM(**common, **options)
             llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))  # warm-up
-            rows = count_rows(llm)
+            rows_before = llm.get_metrics().num_logits_rows
             started = time.perf_counter()
             tokens = []
             for start in range(0, len(prompts), args.batch):
@@ -86,14 +74,14 @@ def main() -> None:
             seconds = time.perf_counter() - started
             num_tokens = sum(map(len, tokens))
             rates[name].append(num_tokens / seconds)
-            rows_per_token[name].append(sum(rows) / num_tokens)
+            rows_per_token[name].append((llm.get_metrics().num_logits_rows - rows_before) / num_tokens)
             outputs[name] = tokens
             chosen[name] = llm.engine._lazy_rows
             llm.close()
     result = {
         "config": spec,
         "prompts": len(prompts),
-        "per_task": args.per_task,
+        "per_category": args.per_category,
         "batch": args.batch,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,

@@ -55,7 +55,9 @@ class EngineConfig:
             raise ValueError(f"lazy_logits_rows must be None or an integer >= 0, got {lazy!r}")
         if lazy and self.tensor_parallel_size > 1:
             # the split LM head is a collective call: every process would have to join each late row's
-            raise ValueError("lazy_logits_rows > 0 needs tensor_parallel_size 1 (the split LM head runs in the forward)")
+            raise ValueError(
+                "lazy_logits_rows > 0 needs tensor_parallel_size 1 (the split LM head runs in the forward)"
+            )
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         memory = self.kv_cache_memory_bytes

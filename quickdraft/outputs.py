@@ -154,6 +154,9 @@ class EngineMetrics(AcceptanceFigures):
     draft_length_choices: list[int] = field(default_factory=list)  # adaptive speculation's, summed
     draft_seconds: float = 0.0  # wall time of drafting phases, counted once per step
     verify_seconds: float = 0.0  # wall time of target forwards + rejection, once per step
+    # Rows the target's LM head computed whole for verification (lazy_logits_rows leaves some out;
+    # rows of a few allowed tokens are not counted: they are a few dot products each)
+    num_logits_rows: int = 0
     ttft_sum: float = 0.0
     tpot_sum: float = 0.0
     e2e_sum: float = 0.0

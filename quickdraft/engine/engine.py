@@ -573,9 +573,11 @@ class Engine:
             index = torch.tensor([hidden_row[r] for r in rows], device=self.device)
             values = self.model.compute_logits(hidden_states[index], buffer=self._logits_arena)
             self._mask_rows(values, rows=rows, masks=masks, row_offsets=row_offsets)
+            self.metrics.num_logits_rows += len(rows)
             return values
 
         table = StepLogits(row_offsets[-1], fill=fill, first_rows=max(1, first_rows))
+        self.metrics.num_logits_rows += len(computed)
         self._logits_arena.reset(row_offsets[-1] - len(computed))
         if computed:  # the verifying items' rows, contiguous in the forward's logits, in order
             assert out.logits is not None
