@@ -22,7 +22,7 @@ rows are computed in one call, and the walks run again (they consume no randomne
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -149,17 +149,20 @@ def verify_step(
                 max_new_tokens=request.remaining_output_tokens,
             )
     pending = [i for i, w in enumerate(walked) if w]
+    choices: dict[int, Callable[[int], int]] = {
+        i: _GreedyChoice(argmax, row_offsets[i])
+        if greedy[i]
+        else _KeyedChoice(requests[i], proposals[i], table, row_offsets[i], eos_token_ids, root_draw[i])
+        for i in pending
+    }
     while pending:
         missed: dict[int, int] = {}
         for i in pending:
-            request, proposal, offset = requests[i], proposals[i], row_offsets[i]
-            if greedy[i]:
-                choice: Callable[[int], int] = _GreedyChoice(argmax, offset)
-            else:
-                choice = _KeyedChoice(request, proposal, table, offset, eos_token_ids, root_draw[i])
             try:
                 results[i] = verify_by_target_choice(
-                    proposal=proposal, target_choice=choice, max_new_tokens=request.remaining_output_tokens
+                    proposal=proposals[i],
+                    target_choice=choices[i],
+                    max_new_tokens=requests[i].remaining_output_tokens,
                 )
             except RowMissing as missing:
                 missed[i] = missing.node
@@ -238,7 +241,8 @@ def _root_draws(*, requests: list[Request], logits: torch.Tensor | None, eos_tok
 
 @dataclass
 class _KeyedChoice:
-    """node -> the target's position-keyed draw after it; the root's is drawn beforehand."""
+    """node -> the target's position-keyed draw after it; the root's is drawn beforehand, the
+    others once each (a walk that ran out of rows walks its path again after the fill)."""
 
     request: Request
     proposal: Proposal
@@ -246,17 +250,22 @@ class _KeyedChoice:
     offset: int  # the request's node 0 row
     eos_token_ids: list[int]
     root: int  # the draw after the root, made in one call with the other requests' roots
+    drawn: dict[int, int] = field(default_factory=dict)  # node -> its draw
 
     def __call__(self, node: int) -> int:
         if node == 0:
             return self.root
+        if node in self.drawn:
+            return self.drawn[node]
         row = self.offset + node
         if not self.table.ready(row):
             raise RowMissing(node)
         history = self.request.output_token_ids + self.proposal.tree.path_tokens(self.proposal.token_ids, node)
         key = position_key(self.request.seed, len(history))
         context = _row_context(self.request, history)
-        return int(draw_keyed(self.table.gather([row]), [context], [key], eos_token_ids=self.eos_token_ids)[0])
+        logits = self.table.gather([row])  # [1, V]
+        self.drawn[node] = int(draw_keyed(logits, [context], [key], eos_token_ids=self.eos_token_ids)[0])
+        return self.drawn[node]
 
 
 def _row_context(request: Request, history: list[int]) -> RowContext:
