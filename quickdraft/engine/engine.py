@@ -578,7 +578,6 @@ class Engine:
 
         table = StepLogits(row_offsets[-1], fill=fill, first_rows=max(1, first_rows))
         self.metrics.num_logits_rows += len(computed)
-        self._logits_arena.reset(row_offsets[-1] - len(computed))
         if computed:  # the verifying items' rows, contiguous in the forward's logits, in order
             assert out.logits is not None
             start = out.logits_offsets[verifying[0]]
@@ -603,6 +602,8 @@ class Engine:
                 rows[j, torch.tensor(ids, device=self.device)] = row_values.to(dtype)
             self._mask_rows(rows, rows=[row for row, _ in sparse], masks=masks, row_offsets=row_offsets)
             table.add([row for row, _ in sparse], rows)
+        # room for the rows a walk may still ask for (the sparse ones never go through the LM head)
+        self._logits_arena.reset(row_offsets[-1] - len(computed) - len(sparse))
         return table, row_offsets
 
     @staticmethod
@@ -614,10 +615,11 @@ class Engine:
         row_offsets: list[int],  # item k's nodes are table rows row_offsets[k]:row_offsets[k + 1]
     ) -> None:
         """A grammar's masks applied to the given rows of its requests, one kernel call per request."""
+        constrained = [(k, item_masks) for k, item_masks in enumerate(masks) if item_masks is not None]
+        if not constrained:  # most steps: nothing to map
+            return
         position = {row: j for j, row in enumerate(rows)}
-        for k, item_masks in enumerate(masks):
-            if item_masks is None:
-                continue
+        for k, item_masks in constrained:
             nodes = [node for node in range(row_offsets[k + 1] - row_offsets[k]) if row_offsets[k] + node in position]
             if not nodes:
                 continue
