@@ -105,130 +105,27 @@ struct QRows {
 // AVX2: 16 lanes as two halves, a = weight rows 0..7 of the group, b = rows 8..15
 // ------------------------------------------------------------------------------------------
 
-struct VecI { __m256i a, b; };  // 16 int32
-struct VecF { __m256 a, b; };   // 16 float
-struct VecB { __m256i a, b; };  // 64 bytes: 4 quants of each of the 16 rows (a step)
+struct VecF { __m256 a, b; };  // 16 float: rows 0..7, 8..15
 
-// Rows of x per pass over a group's weights.  Their accumulators do not fit in 16 ymm
-// registers and spill to L1, which costs less than unpacking the weights (nibbles, high bits)
-// more often: 8 rows measured fastest for every format at M = 16 (2 and 4 up to 1.3x slower).
+// Rows of x per pass over a group's weights (quant_tiles_avx2.h: one int16 sum register per
+// row and half through a block, beside the weights).
 constexpr int kRowsBlock32 = 8;  // Q8_0, Q4_0, Q5_0
 constexpr int kRowsSuper = 8;    // K-quants
-// Where group_rows prefetches the weights: L1 (the AVX-512 build's L2 hint is not measured on
+// Where the tiles prefetch the weights: L1 (the AVX-512 build's L2 hint is not measured on
 // an AVX2 machine yet).
 constexpr auto kPrefetchHint = _MM_HINT_T0;
-
-QD_INLINE VecI vi_set1(int32_t v) { const __m256i x = _mm256_set1_epi32(v); return {x, x}; }
-QD_INLINE VecI vi_add(VecI x, VecI y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
-QD_INLINE VecI vi_mullo(VecI x, VecI y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
-QD_INLINE VecF vf_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-QD_INLINE VecF vf_set1(float v) { const __m256 x = _mm256_set1_ps(v); return {x, x}; }
-QD_INLINE VecF vf_add(VecF x, VecF y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
-QD_INLINE VecF vf_sub(VecF x, VecF y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
-QD_INLINE VecF vf_mul(VecF x, VecF y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
-QD_INLINE VecF vf_from_i(VecI x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
 
 QD_INLINE __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 QD_INLINE __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 QD_INLINE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-QD_INLINE VecF half16(const uint8_t* p) { return {_mm256_cvtph_ps(load16(p)), _mm256_cvtph_ps(load16(p + 16))}; }
-
-QD_INLINE VecF u8x16_to_f32(const uint8_t* p) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p + 8)))};
-}
-
-QD_INLINE VecI i8x16_to_i32(const uint8_t* p) {
-  return {_mm256_cvtepi8_epi32(load8(p)), _mm256_cvtepi8_epi32(load8(p + 8))};
-}
-
-QD_INLINE VecB load_step(const uint8_t* p) { return {load32(p), load32(p + 32)}; }
-
-// Step s of a nibble section holds k = 4s..4s+3 (low nibbles, s < 4) or 16 + 4(s-4).. (high).
-QD_INLINE void nibbles(const uint8_t* p, int s, VecB& lo, VecB& hi) {
-  const VecB v = load_step(p + 64 * s);
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  lo = {_mm256_and_si256(v.a, m4), _mm256_and_si256(v.b, m4)};
-  hi = {_mm256_and_si256(_mm256_srli_epi16(v.a, 4), m4), _mm256_and_si256(_mm256_srli_epi16(v.b, 4), m4)};
-}
-
-// Byte i of the result is `bit` where bit i of `bits` is set, else 0.
-QD_INLINE __m256i bits_to_bytes(uint32_t bits, char bit) {
-  // byte i takes mask byte i / 8 (vpshufb works within 128-bit lanes, each holding all 4)
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int32_t>(bits)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-  return _mm256_and_si256(set, _mm256_set1_epi8(bit));
-}
-
-// Adds `bit` to the quants whose bit is set in the 64-bit mask of step s (bit i: byte i).
-QD_INLINE VecB high_bits(VecB w, const uint8_t* masks, int s, char bit) {
-  uint32_t bits[2];
-  std::memcpy(bits, masks + 8 * s, 8);
-  return {_mm256_or_si256(w.a, bits_to_bytes(bits[0], bit)), _mm256_or_si256(w.b, bits_to_bytes(bits[1], bit))};
-}
-
-// Per int32 lane: the 4 products of unsigned bytes u and signed bytes x, exact while every
-// adjacent pair sum of u * x stays within int16 (vpmaddubsw saturates; see the top).
-QD_INLINE __m256i dot4(__m256i u, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-}
-
-// Dot products of small weight quants (0..max_q, max_q <= 63): vpmaddubsw's int16 pair sums
-// are added as int16 for partial_steps(max_q) steps, then widened into the int32 dots (one
-// vpmaddwd per few steps instead of one per step).  Exact: each pair sum is at most
-// 2 * max_q * 127 in magnitude and partial_steps of them stay below 2^15.
-struct Partial {
-  VecI dot;  // int32 sums so far
-  VecB sum;  // int16 pair sums not yet widened
-};
-
+// Steps of int16 pair sums of weight quants 0..max_q (<= 63) times activation quants that stay
+// below 2^15 (vpmaddubsw's pair sums are at most 2 * max_q * 127 in magnitude): how many steps
+// may be added as int16 before vpmaddwd widens them into the int32 block dots.
 constexpr int partial_steps(int max_q) { return 32767 / (2 * 127 * max_q); }
 static_assert(partial_steps(15) == 8 && partial_steps(31) == 4 && partial_steps(63) == 2);
 
-QD_INLINE Partial partial_begin(VecI idot) { return {idot, {_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
-
-// the int16 sums widened (pairs of lanes added into each int32 lane) into the int32 dots
-QD_INLINE VecI partial_end(const Partial& p) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  return {_mm256_add_epi32(p.dot.a, _mm256_madd_epi16(p.sum.a, ones)),
-          _mm256_add_epi32(p.dot.b, _mm256_madd_epi16(p.sum.b, ones))};
-}
-
-QD_INLINE Partial partial_flush(const Partial& p) { return partial_begin(partial_end(p)); }
-
-// += w . the 4 activation bytes at p
-QD_INLINE Partial partial_dot(const Partial& part, VecB w, const int8_t* p) {
-  int32_t x4;
-  std::memcpy(&x4, p, 4);
-  const __m256i x = _mm256_set1_epi32(x4);
-  return {part.dot, {_mm256_add_epi16(part.sum.a, _mm256_maddubs_epi16(w.a, x)),
-                     _mm256_add_epi16(part.sum.b, _mm256_maddubs_epi16(w.b, x))}};
-}
-
-// Q8_0 step: the signed quants (stored + 128) as magnitude and sign, prepared once per step.
-struct Q8Step {
-  VecB mag;   // |w| as unsigned bytes (0..128)
-  VecB sign;  // w, whose sign vpsignb applies to the activations
-};
-constexpr int32_t kQ8Offset = 0;  // the products are of the signed quants
-
-QD_INLINE Q8Step q8_step(const uint8_t* p) {
-  const VecB u = load_step(p);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const VecB w{_mm256_xor_si256(u.a, flip), _mm256_xor_si256(u.b, flip)};  // u - 128 as int8
-  return {{_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)}, w};
-}
-
-QD_INLINE VecI dp_q8(VecI idot, const Q8Step& w, const int8_t* p) {
-  int32_t x4;
-  std::memcpy(&x4, p, 4);
-  const __m256i x = _mm256_set1_epi32(x4);
-  return {_mm256_add_epi32(idot.a, dot4(w.mag.a, _mm256_sign_epi8(x, w.sign.a))),
-          _mm256_add_epi32(idot.b, dot4(w.mag.b, _mm256_sign_epi8(x, w.sign.b)))};
-}
+constexpr int32_t kQ8Offset = 0;  // Q8_0's quants are made signed: the products are of the signed quants
 
 // out[0 : nvalid] = v (nvalid <= 16)
 QD_INLINE void store_lanes(float* out, VecF v, int64_t nvalid) {
@@ -401,6 +298,15 @@ inline void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, 
   });
 }
 
+struct Rows {
+  const int8_t* xq[8];
+  const float* dx[8];
+  const int32_t* bsum[8];
+};
+
+#if defined(QD_ISA_AVX2)
+#include "quant_tiles_avx2.h"
+#else
 // Dot products of weight quants 0..MAX_Q (<= 63) with the rows' activation quants: every
 // step into part, every partial_steps(MAX_Q) steps widened into int32 (see Partial).
 template <int MB, int MAX_Q>
@@ -475,11 +381,6 @@ QD_INLINE void nibble_block(const uint8_t* section, const int8_t* const* xq, int
   dots.end(idot);
 }
 
-struct Rows {
-  const int8_t* xq[8];
-  const float* dx[8];
-  const int32_t* bsum[8];
-};
 
 // One tile (16 weight rows x kTileK values starting at k0) into the accumulators.
 template <int FMT, int MB>
@@ -548,8 +449,15 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
   }
 }
 
-// Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K.
+#endif  // QD_ISA_AVX2
+
+// Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K.  The AVX2 build
+// keeps it a function of its own: inlined into its callers (every row count's in one
+// function) GCC spills the half tiles' sums, up to 1.5x slower at 2-6 rows.
 template <int FMT, int MB>
+#if defined(QD_ISA_AVX2)
+__attribute__((noinline))
+#endif
 void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0, float* out, int64_t ldo,
                 int64_t n0, int64_t nvalid) {
   Rows r;
@@ -558,6 +466,9 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
     r.dx[m] = x.dx + (m0 + m) * (x.K / 32);
     r.bsum[m] = x.bsum + (m0 + m) * (x.K / 16);
   }
+#if defined(QD_ISA_AVX2)
+  half_group_rows<FMT, MB>(group, ntiles, r, out + m0 * ldo, ldo, n0, nvalid);
+#else
   VecF acc[MB];
   QD_UNROLL
   for (int m = 0; m < MB; ++m) acc[m] = vf_zero();
@@ -570,6 +481,7 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
     tile<FMT, MB>(t, i * kTileK[FMT], r, acc);
   }
   for (int m = 0; m < MB; ++m) store_lanes(out + (m0 + m) * ldo + n0, acc[m], nvalid);
+#endif
 }
 
 // The last M - m0 < MB rows, as one pass of that many.

@@ -1,0 +1,216 @@
+// AVX2 tiles, one 8-row half of a 16-row weight group at a time (included by quant_linear.cpp
+// inside its AVX2 section, after `Rows`; uses that section's helpers).
+//
+// Why halves: with both halves at once, a row of x keeps four ymm registers alive through a
+// block (int16 pair sums and int32 dots of rows 0..7 and 8..15), so 8 rows of x need 32 and
+// spill to L1 at every step.  With one half, a row keeps one int16 sum in a register through
+// the steps of a block (its int32 dot and its float accumulator are touched once per flush or
+// per block), so 8 rows of x fit in the 16 registers beside the weights and the step is one
+// broadcast, one vpmaddubsw and one vpaddw per row: vpmaddubsw's port is what bounds it.  The
+// halves read the same activation quants twice, from L1.
+//
+// Numerics: the very bits of tile<>: each block's dot is the same exact integer (the int16 sums
+// are flushed before they can overflow: partial_steps), and the fp32 epilogue is the same
+// operations on the same values in the same order, lane by lane.
+
+// x's 4 quants at p in every int32 lane: vbroadcastss from memory, a load alone (set1 of a
+// scalar read goes through a general register: two more vector operations per row and step)
+QD_INLINE __m256i bcast4(const int8_t* p) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
+
+QD_INLINE __m256i widen16(__m256i sum) { return _mm256_madd_epi16(sum, _mm256_set1_epi16(1)); }
+
+// Half h of step s of a nibble section, with bit 4 / bit 5 added from their masks.
+template <bool FIVE_BITS, bool SIX_BITS>
+QD_INLINE void half_section_step(const uint8_t* section, int s, int h, __m256i& lo, __m256i& hi) {
+  const __m256i v = load32(section + 64 * s + 32 * h);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(v, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  // Byte i of the result gets `bit` where bit i of the half's 32 mask bits is set (vpshufb
+// spreads mask byte i / 8 to byte i within each 128-bit lane).
+  auto add_bits = [&](__m256i w, const uint8_t* masks, int step, char bit) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        bcast4(reinterpret_cast<const int8_t*>(masks + 8 * step + 4 * h)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3,
+                         3));
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(bit)));
+  };
+  if constexpr (FIVE_BITS) {
+    lo = add_bits(lo, section + 256, s, 0x10);
+    hi = add_bits(hi, section + 256, s + 4, 0x10);
+  }
+  if constexpr (SIX_BITS) {
+    lo = add_bits(lo, section + 320, s, 0x20);
+    hi = add_bits(hi, section + 320, s + 4, 0x20);
+  }
+}
+
+// sum[m] += w . x_m's 4 quants at k (int16 pair sums)
+// (an empty asm per sum after each step keeps GCC from hoisting every step's products ahead
+// of their adds, which spills them all to the stack)
+template <int MB>
+QD_INLINE void half_dots(__m256i* sum, __m256i w, const int8_t* const* xq, int64_t k) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(w, bcast4(xq[m] + k)));
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) __asm__("" : "+x"(sum[m]));
+}
+
+// idot[m] += the 32 k of a nibble section (4- or 5-bit quants) from k0: each int16 sum takes
+// as many steps as stay below 2^15 (8 for 4 bits, 4 for 5).
+template <int MB, bool FIVE_BITS>
+QD_INLINE void half_nibble_block(const uint8_t* section, int h, const int8_t* const* xq, int64_t k0, __m256i* idot) {
+  constexpr int kSectionsPerSum = partial_steps(FIVE_BITS ? 31 : 15) / 2;  // each s is two steps
+  static_assert(kSectionsPerSum == (FIVE_BITS ? 2 : 4));
+  QD_UNROLL
+  for (int s0 = 0; s0 < 4; s0 += kSectionsPerSum) {
+    __m256i sum[MB];
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
+    QD_UNROLL
+    for (int s = s0; s < s0 + kSectionsPerSum; ++s) {
+      __m256i lo, hi;
+      half_section_step<FIVE_BITS, false>(section, s, h, lo, hi);
+      half_dots<MB>(sum, lo, xq, k0 + 4 * s);
+      half_dots<MB>(sum, hi, xq, k0 + 16 + 4 * s);
+    }
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) idot[m] = _mm256_add_epi32(idot[m], widen16(sum[m]));
+  }
+}
+
+// 8 fp16 / u8 / i8 values of half h as 8 lanes
+QD_INLINE __m256 half_f16(const uint8_t* p, int h) { return _mm256_cvtph_ps(load16(p + 16 * h)); }
+QD_INLINE __m256 half_u8_f32(const uint8_t* p, int h) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p + 8 * h)));
+}
+QD_INLINE __m256i half_i8_i32(const uint8_t* p, int h) { return _mm256_cvtepi8_epi32(load8(p + 8 * h)); }
+
+// acc = acc + (scale * dx) * float(idot)
+template <int MB>
+QD_INLINE void half_add_scaled(__m256* acc, __m256 scale, const __m256i* idot, const float* const* dx, int64_t b) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m)
+    acc[m] = _mm256_add_ps(acc[m],
+                           _mm256_mul_ps(_mm256_mul_ps(scale, _mm256_set1_ps(dx[m][b])), _mm256_cvtepi32_ps(idot[m])));
+}
+
+template <int MB>
+QD_INLINE void half_init_offset(__m256i* idot, const int32_t* const* bsum, int64_t b, int32_t offset) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) idot[m] = _mm256_set1_epi32(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
+}
+
+// Half h of one tile (8 weight rows x kTileK values from k0) into the accumulators: tile<>
+// for 8 lanes.
+template <int FMT, int MB>
+QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m256* acc) {
+  __m256i idot[MB];
+  const int64_t b = k0 / 32;
+  if constexpr (FMT == Q8_0) {
+    half_init_offset<MB>(idot, r.bsum, b, kQ8Offset);
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i ones = _mm256_set1_epi16(1);
+    QD_UNROLL
+    for (int s = 0; s < 8; ++s) {
+      const __m256i w = _mm256_xor_si256(load32(t + 64 * s + 32 * h), flip);  // u - 128 as int8
+      const __m256i mag = _mm256_abs_epi8(w);
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m256i x = _mm256_sign_epi8(bcast4(r.xq[m] + k0 + 4 * s), w);
+        idot[m] = _mm256_add_epi32(idot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
+      }
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) __asm__("" : "+x"(idot[m]));  // as in half_dots
+    }
+    half_add_scaled<MB>(acc, half_f16(t + 512, h), idot, r.dx, b);
+  } else if constexpr (FMT == Q4_0 || FMT == Q5_0) {
+    half_init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
+    half_nibble_block<MB, FMT == Q5_0>(t, h, r.xq, k0, idot);
+    half_add_scaled<MB>(acc, half_f16(t + (FMT == Q4_0 ? 256 : 320), h), idot, r.dx, b);
+  } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
+    const __m256 d = half_f16(t, h), dmin = half_f16(t + 32, h);
+    constexpr int sub_bytes = FMT == Q4_K ? 256 : 320;
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = t + 320 + sub_bytes * j;
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) idot[m] = _mm256_setzero_si256();
+      half_nibble_block<MB, FMT == Q5_K>(sub, h, r.xq, k0 + 32 * j, idot);
+      const __m256 ds = _mm256_mul_ps(d, half_u8_f32(t + 64 + 16 * j, h));
+      const __m256 dm = _mm256_mul_ps(dmin, half_u8_f32(t + 192 + 16 * j, h));
+      const int64_t bj = b + j;
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m256 dxv = _mm256_set1_ps(r.dx[m][bj]);
+        const __m256 bs = _mm256_set1_ps(static_cast<float>(r.bsum[m][2 * bj] + r.bsum[m][2 * bj + 1]));
+        const __m256 term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(ds, dxv), _mm256_cvtepi32_ps(idot[m])),
+                                          _mm256_mul_ps(_mm256_mul_ps(dm, dxv), bs));
+        acc[m] = _mm256_add_ps(acc[m], term);
+      }
+    }
+  } else {  // Q6_K: 16-wide sub-blocks with int8 scales, quants 0..63 offset by 32
+    static_assert(partial_steps(63) == 2);
+    const __m256 d = half_f16(t, h);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = t + 288 + 384 * j;
+      const int64_t bj = b + j;
+      const int64_t k = k0 + 32 * j;
+      __m256i hi_dot[MB];
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        idot[m] = _mm256_set1_epi32(-32 * r.bsum[m][2 * bj]);
+        hi_dot[m] = _mm256_set1_epi32(-32 * r.bsum[m][2 * bj + 1]);
+      }
+      QD_UNROLL
+      for (int s0 = 0; s0 < 4; s0 += 2) {  // two steps per int16 sum
+        __m256i lo[2], hi[2];
+        half_section_step<true, true>(sub, s0, h, lo[0], hi[0]);
+        half_section_step<true, true>(sub, s0 + 1, h, lo[1], hi[1]);
+        __m256i sum[MB];
+        QD_UNROLL
+        for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
+        half_dots<MB>(sum, lo[0], r.xq, k + 4 * s0);
+        half_dots<MB>(sum, lo[1], r.xq, k + 4 * s0 + 4);
+        QD_UNROLL
+        for (int m = 0; m < MB; ++m) {
+          idot[m] = _mm256_add_epi32(idot[m], widen16(sum[m]));
+          sum[m] = _mm256_setzero_si256();
+        }
+        half_dots<MB>(sum, hi[0], r.xq, k + 16 + 4 * s0);
+        half_dots<MB>(sum, hi[1], r.xq, k + 16 + 4 * s0 + 4);
+        QD_UNROLL
+        for (int m = 0; m < MB; ++m) hi_dot[m] = _mm256_add_epi32(hi_dot[m], widen16(sum[m]));
+      }
+      const __m256i sc_lo = half_i8_i32(t + 32 + 16 * (2 * j), h);
+      const __m256i sc_hi = half_i8_i32(t + 32 + 16 * (2 * j + 1), h);
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m)
+        idot[m] = _mm256_add_epi32(_mm256_mullo_epi32(sc_lo, idot[m]), _mm256_mullo_epi32(sc_hi, hi_dot[m]));
+      half_add_scaled<MB>(acc, d, idot, r.dx, bj);
+    }
+  }
+}
+
+// Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K: per tile, half 0 for
+// every row, then half 1 (the group streams from memory once per pass).
+template <int FMT, int MB>
+QD_INLINE void half_group_rows(const uint8_t* group, int64_t ntiles, const Rows& r, float* out, int64_t ldo, int64_t n0,
+                     int64_t nvalid) {
+  __m256 acc[2][MB];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MB; ++m) acc[h][m] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < ntiles; ++i) {
+    const uint8_t* t = group + i * kTileBytes[FMT];
+    // Every line of the tile 4 KiB ahead: the hardware prefetchers stop at page boundaries and
+    // the small layer matrices are streamed from DRAM in short runs.
+    for (int64_t off = 0; off < kTileBytes[FMT]; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchBytes + off), kPrefetchHint);
+    half_tile<FMT, MB>(t, 0, i * kTileK[FMT], r, acc[0]);
+    half_tile<FMT, MB>(t, 1, i * kTileK[FMT], r, acc[1]);
+  }
+  for (int m = 0; m < MB; ++m) store_lanes(out + m * ldo + n0, VecF{acc[0][m], acc[1][m]}, nvalid);
+}
