@@ -76,7 +76,7 @@ def main() -> None:
             rates[name].append(num_tokens / seconds)
             rows_per_token[name].append((llm.get_metrics().num_logits_rows - rows_before) / num_tokens)
             outputs[name] = tokens
-            chosen[name] = llm.engine._lazy_rows
+            chosen[name] = llm.engine.lazy_logits_rows
             llm.close()
     result = {
         "config": spec,

@@ -456,6 +456,12 @@ class Engine:
             return 0
         return self._resolve_lazy_rows()
 
+    @property
+    def lazy_logits_rows(self) -> int:
+        """The LM-head rows a forward computes of each walked proposal (0: all of them): the
+        config's `lazy_logits_rows`, or what was measured on this CPU where it left it to the engine."""
+        return self._resolve_lazy_rows()
+
     def _resolve_lazy_rows(self) -> int:
         if self._lazy_rows is None:
             on_cpu = self.device.type == "cpu" and self.tensor_parallel is None

@@ -201,11 +201,9 @@ def test_logprobs_under_speculation_match_plain(tiny_checkpoints, lazy_logits_ro
     path = str(tiny_checkpoints["llama"])
     params = SamplingParams(max_tokens=20, logprobs=2, **GREEDY)
     plain = LLM(path, max_model_len=128).generate([repetitive_prompts()[0]], params)[0].outputs[0]
-    spec = (
-        LLM(path, max_model_len=128, speculative_config={"method": "ngram"}, lazy_logits_rows=lazy_logits_rows)
-        .generate([repetitive_prompts()[0]], params)[0]
-        .outputs[0]
-    )
+    llm = LLM(path, max_model_len=128, speculative_config={"method": "ngram"}, lazy_logits_rows=lazy_logits_rows)
+    assert llm.engine.lazy_logits_rows == lazy_logits_rows
+    spec = llm.generate([repetitive_prompts()[0]], params)[0].outputs[0]
     assert [e.token_id for e in spec.logprobs] == plain.token_ids
     for a, b in zip(spec.logprobs, plain.logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
@@ -323,3 +321,12 @@ def test_step_that_finishes_a_request_inside_its_path_is_a_decode_step(tiny_chec
     drafted = [s for s in steps if s["num_drafted_requests"]]
     assert drafted and all(s["decode_only"] for s in drafted)
     assert llm.get_metrics().num_accepted_tokens > len(out.outputs[0].token_ids) // 2
+
+
+def test_lazy_logits_rows_left_to_the_engine_is_measured_on_cpu(tiny_checkpoints):
+    """None: measured at load on the CPU (rows that cost what one pass over the head costs), or
+    0 where many rows cost less than two passes; either way a fixed value the engine reports."""
+    llm = LLM(str(tiny_checkpoints["llama"]), max_model_len=128, speculative_config={"method": "ngram"})
+    rows = llm.engine.lazy_logits_rows
+    assert isinstance(rows, int) and rows >= 0
+    assert llm.engine.lazy_logits_rows == rows
