@@ -195,6 +195,34 @@ QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m
   }
 }
 
+// A Q8_0 tile for a row or two of x, both halves step by step: with so few rows the tile is
+// read from memory at the pace of the steps (the LM head at one row: 7.1 ms against 7.5 ms
+// for half after half), and the registers hold both halves' dots.
+template <int MB>
+QD_INLINE void q8_0_tile_both_halves(const uint8_t* t, int64_t k0, const Rows& r, __m256* acc0, __m256* acc1) {
+  __m256i idot[2][MB];
+  const int64_t b = k0 / 32;
+  half_init_offset<MB>(idot[0], r.bsum, b, kQ8Offset);
+  half_init_offset<MB>(idot[1], r.bsum, b, kQ8Offset);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  QD_UNROLL
+  for (int s = 0; s < 8; ++s) {
+    QD_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_xor_si256(load32(t + 64 * s + 32 * h), flip);  // u - 128 as int8
+      const __m256i mag = _mm256_abs_epi8(w);
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m256i x = _mm256_sign_epi8(bcast4(r.xq[m] + k0 + 4 * s), w);
+        idot[h][m] = _mm256_add_epi32(idot[h][m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
+      }
+    }
+  }
+  half_add_scaled<MB>(acc0, half_f16(t + 512, 0), idot[0], r.dx, b);
+  half_add_scaled<MB>(acc1, half_f16(t + 512, 1), idot[1], r.dx, b);
+}
+
 // Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K: per tile, half 0 for
 // every row, then half 1 (the group streams from memory once per pass).
 template <int FMT, int MB>
@@ -209,8 +237,12 @@ QD_INLINE void half_group_rows(const uint8_t* group, int64_t ntiles, const Rows&
     // the small layer matrices are streamed from DRAM in short runs.
     for (int64_t off = 0; off < kTileBytes[FMT]; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchBytes + off), kPrefetchHint);
-    half_tile<FMT, MB>(t, 0, i * kTileK[FMT], r, acc[0]);
-    half_tile<FMT, MB>(t, 1, i * kTileK[FMT], r, acc[1]);
+    if constexpr (FMT == Q8_0 && MB <= 2) {
+      q8_0_tile_both_halves<MB>(t, i * kTileK[FMT], r, acc[0], acc[1]);
+    } else {
+      half_tile<FMT, MB>(t, 0, i * kTileK[FMT], r, acc[0]);
+      half_tile<FMT, MB>(t, 1, i * kTileK[FMT], r, acc[1]);
+    }
   }
   for (int m = 0; m < MB; ++m) store_lanes(out + m * ldo + n0, VecF{acc[0][m], acc[1][m]}, nvalid);
 }
