@@ -105,6 +105,19 @@ QD_INLINE void half_init_offset(__m256i* idot, const int32_t* const* bsum, int64
   for (int m = 0; m < MB; ++m) idot[m] = _mm256_set1_epi32(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
 }
 
+// idot[m] += step s of half h of a Q8_0 tile (its 4 k from k0 + 4s) . x_m: the signed quants
+// (stored + 128) as |w| times x with w's sign.
+template <int MB>
+QD_INLINE void q8_0_half_step(const uint8_t* t, int s, int h, int64_t k0, const Rows& r, __m256i* idot) {
+  const __m256i w = _mm256_xor_si256(load32(t + 64 * s + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i mag = _mm256_abs_epi8(w);
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    const __m256i x = _mm256_sign_epi8(bcast4(r.xq[m] + k0 + 4 * s), w);
+    idot[m] = _mm256_add_epi32(idot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), _mm256_set1_epi16(1)));
+  }
+}
+
 // Half h of one tile (8 weight rows x kTileK values from k0) into the accumulators: tile<>
 // for 8 lanes.
 template <int FMT, int MB>
@@ -113,17 +126,9 @@ QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m
   const int64_t b = k0 / 32;
   if constexpr (FMT == Q8_0) {
     half_init_offset<MB>(idot, r.bsum, b, kQ8Offset);
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    const __m256i ones = _mm256_set1_epi16(1);
     QD_UNROLL
     for (int s = 0; s < 8; ++s) {
-      const __m256i w = _mm256_xor_si256(load32(t + 64 * s + 32 * h), flip);  // u - 128 as int8
-      const __m256i mag = _mm256_abs_epi8(w);
-      QD_UNROLL
-      for (int m = 0; m < MB; ++m) {
-        const __m256i x = _mm256_sign_epi8(bcast4(r.xq[m] + k0 + 4 * s), w);
-        idot[m] = _mm256_add_epi32(idot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
-      }
+      q8_0_half_step<MB>(t, s, h, k0, r, idot);
       QD_UNROLL
       for (int m = 0; m < MB; ++m) __asm__("" : "+x"(idot[m]));  // as in half_dots
     }
@@ -204,20 +209,10 @@ QD_INLINE void q8_0_tile_both_halves(const uint8_t* t, int64_t k0, const Rows& r
   const int64_t b = k0 / 32;
   half_init_offset<MB>(idot[0], r.bsum, b, kQ8Offset);
   half_init_offset<MB>(idot[1], r.bsum, b, kQ8Offset);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
   QD_UNROLL
   for (int s = 0; s < 8; ++s) {
-    QD_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const __m256i w = _mm256_xor_si256(load32(t + 64 * s + 32 * h), flip);  // u - 128 as int8
-      const __m256i mag = _mm256_abs_epi8(w);
-      QD_UNROLL
-      for (int m = 0; m < MB; ++m) {
-        const __m256i x = _mm256_sign_epi8(bcast4(r.xq[m] + k0 + 4 * s), w);
-        idot[h][m] = _mm256_add_epi32(idot[h][m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
-      }
-    }
+    q8_0_half_step<MB>(t, s, 0, k0, r, idot[0]);
+    q8_0_half_step<MB>(t, s, 1, k0, r, idot[1]);
   }
   half_add_scaled<MB>(acc0, half_f16(t + 512, 0), idot[0], r.dx, b);
   half_add_scaled<MB>(acc1, half_f16(t + 512, 1), idot[1], r.dx, b);
