@@ -125,7 +125,7 @@ class Engine:
         self._speculator: Speculator | None = None
         self.speculator = self._make_speculator(config.speculative_config)
         if self.speculator is not None:
-            self._resolve_lazy_rows()  # at load, not in the first step's time
+            _ = self.lazy_logits_rows  # measured at load, not in the first step's time
         return_free_heap()  # the drafter's load temporaries (a head quantized at load: ~30 MB)
 
     def _start_tensor_parallel(self, cache_len: int, *, gguf_path: Path | None) -> None:
@@ -454,15 +454,12 @@ class Engine:
         config.lazy_logits_rows leaves it to the engine."""
         if not any(p is not None and p.num_draft_tokens > 0 for p in proposals):
             return 0
-        return self._resolve_lazy_rows()
+        return self.lazy_logits_rows
 
     @property
     def lazy_logits_rows(self) -> int:
         """The LM-head rows a forward computes of each walked proposal (0: all of them): the
-        config's `lazy_logits_rows`, or what was measured on this CPU where it left it to the engine."""
-        return self._resolve_lazy_rows()
-
-    def _resolve_lazy_rows(self) -> int:
+        config's `lazy_logits_rows`, or what was measured on this CPU (once) where it left it to the engine."""
         if self._lazy_rows is None:
             on_cpu = self.device.type == "cpu" and self.tensor_parallel is None
             self._lazy_rows = _measured_first_rows(self.model) if on_cpu else 0

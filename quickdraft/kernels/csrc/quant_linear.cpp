@@ -381,7 +381,6 @@ QD_INLINE void nibble_block(const uint8_t* section, const int8_t* const* xq, int
   dots.end(idot);
 }
 
-
 // One tile (16 weight rows x kTileK values starting at k0) into the accumulators.
 template <int FMT, int MB>
 QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {

@@ -29,7 +29,7 @@ QD_INLINE void half_section_step(const uint8_t* section, int s, int h, __m256i& 
   lo = _mm256_and_si256(v, m4);
   hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
   // Byte i of the result gets `bit` where bit i of the half's 32 mask bits is set (vpshufb
-// spreads mask byte i / 8 to byte i within each 128-bit lane).
+  // spreads mask byte i / 8 to byte i within each 128-bit lane).
   auto add_bits = [&](__m256i w, const uint8_t* masks, int step, char bit) {
     const __m256i spread = _mm256_shuffle_epi8(
         bcast4(reinterpret_cast<const int8_t*>(masks + 8 * step + 4 * h)),
@@ -221,8 +221,8 @@ QD_INLINE void q8_0_tile_both_halves(const uint8_t* t, int64_t k0, const Rows& r
 // Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K: per tile, half 0 for
 // every row, then half 1 (the group streams from memory once per pass).
 template <int FMT, int MB>
-QD_INLINE void half_group_rows(const uint8_t* group, int64_t ntiles, const Rows& r, float* out, int64_t ldo, int64_t n0,
-                     int64_t nvalid) {
+QD_INLINE void half_group_rows(const uint8_t* group, int64_t ntiles, const Rows& r, float* out, int64_t ldo,
+                               int64_t n0, int64_t nvalid) {
   __m256 acc[2][MB];
   for (int h = 0; h < 2; ++h)
     for (int m = 0; m < MB; ++m) acc[h][m] = _mm256_setzero_ps();
