@@ -100,6 +100,17 @@ def _add_lazy_logits_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_huge_pages_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights-in-huge-pages",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="quantized weights in this process's own 2 MB pages (faster decoding: fewer TLB misses), or with "
+        "--no-weights-in-huge-pages mapped from the packed-weight file (page cache shared by every process "
+        "serving the model). Default: huge pages where the kernel offers transparent huge pages",
+    )
+
+
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: 128)")
@@ -154,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_tensor_parallel_option(generate)
     _add_lazy_logits_option(generate)
+    _add_huge_pages_option(generate)
     _add_bench_parser(commands)
     _add_train_head_parser(commands)
     _add_serve_parser(commands)
@@ -198,6 +210,7 @@ def _add_serve_parser(commands) -> None:
     )
     _add_tensor_parallel_option(serve)
     _add_lazy_logits_option(serve)
+    _add_huge_pages_option(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     serve.add_argument(
@@ -643,6 +656,7 @@ def run_generate(args) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         lazy_logits_rows=args.lazy_logits_rows,
+        weights_in_huge_pages=args.weights_in_huge_pages,
     )
     load_seconds = time.perf_counter() - load_start
     prompt = args.prompt
@@ -882,6 +896,7 @@ def run_serve(args) -> int:
         speculative_config=_parse_json_option(args.speculative_config, "--speculative-config"),
         tensor_parallel_size=args.tensor_parallel_size,
         lazy_logits_rows=args.lazy_logits_rows,
+        weights_in_huge_pages=args.weights_in_huge_pages,
         shutdown_grace_seconds=args.shutdown_grace,
         log_level=args.log_level,
         **{name: value for name, value in optional.items() if value is not None},

@@ -41,6 +41,7 @@ class LLM:
         num_speculative_tokens: int | None = None,
         tensor_parallel_size: int = 1,
         lazy_logits_rows: int | None = None,
+        weights_in_huge_pages: bool | None = None,
     ):
         speculative_config = _merge_speculative_args(speculative_config, speculative_model, num_speculative_tokens)
         self.config = EngineConfig(
@@ -59,6 +60,7 @@ class LLM:
             speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
             lazy_logits_rows=lazy_logits_rows,
+            weights_in_huge_pages=weights_in_huge_pages,
         )
         self.engine = Engine(self.config)
 

@@ -20,3 +20,11 @@ def test_lazy_logits_rows_is_validated(value):
     with pytest.raises(ValueError, match="lazy_logits_rows > 0 needs tensor_parallel_size 1"):
         EngineConfig(lazy_logits_rows=2, tensor_parallel_size=2)
     assert EngineConfig(lazy_logits_rows=0, tensor_parallel_size=2).lazy_logits_rows == 0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_weights_in_huge_pages_is_validated(value):
+    assert EngineConfig().weights_in_huge_pages is None
+    assert EngineConfig(weights_in_huge_pages=False).weights_in_huge_pages is False
+    with pytest.raises(ValueError, match="weights_in_huge_pages must be true, false or None"):
+        EngineConfig(weights_in_huge_pages=value)

@@ -30,7 +30,7 @@ from quickdraft.engine.speculation import Speculator
 from quickdraft.engine.verification import StepLogits, chain_rows, verify_step, walks_path
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.decoder import Decoder, LogitsArena
-from quickdraft.models.heap import return_free_heap
+from quickdraft.models.heap import return_free_heap, transparent_huge_pages
 from quickdraft.models.loader import (
     load_decoder,
     resolve_device,
@@ -66,6 +66,9 @@ class Engine:
         self.quantization = resolve_quantization(
             config.quantization, dtype=config.dtype, gguf_path=gguf_path, device=self.device
         )
+        huge = config.weights_in_huge_pages
+        # quantized weights in this process's huge pages, or mapped from the packed-weight file
+        self.weights_in_huge_pages = transparent_huge_pages() if huge is None else huge
         probe = _read_max_positions(model_dir)  # reads config.json first: the clearest error
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = config.max_model_len or min(probe, DEFAULT_MAX_MODEL_LEN)
@@ -84,6 +87,7 @@ class Engine:
                 max_len=cache_len,
                 quantization=self.quantization,
                 gguf_path=gguf_path,
+                huge_pages=self.weights_in_huge_pages,
             )
             self.cache = KVCache(
                 num_layers=self.model_config.num_layers,

@@ -15,7 +15,13 @@ from quickdraft.models.decoder import Decoder
 from quickdraft.models.heap import return_free_heap
 from quickdraft.models.layers import RotaryTable, default_linear_fn
 from quickdraft.models.quantized import QuantizedWeight
-from quickdraft.models.quantized_loader import PACKED_CACHE_FILE, load_packed, quantized_state, save_packed
+from quickdraft.models.quantized_loader import (
+    PACKED_CACHE_FILE,
+    load_packed,
+    packed_into_huge_pages,
+    quantized_state,
+    save_packed,
+)
 
 DEFAULT_MODEL_ALIASES = ("default", "gemma-3-270m", "gemma3-270m")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -319,10 +325,13 @@ def load_weights(
     device: torch.device,
     quantization: str | None = None,
     gguf_path: Path | None = None,
+    huge_pages: bool = False,
 ) -> LoadedWeights:
     """The target's weights.  quantization None: float weights (converted to `dtype` when the
     decoder is built); "gguf": the weights `gguf_path` stores quantized, as stored; "q8_0":
-    linear weights quantized to Q8_0 at load.  Quantized models compute in float32 on the CPU."""
+    linear weights quantized to Q8_0 at load.  Quantized models compute in float32 on the CPU.
+    huge_pages: the quantized weights in this process's own huge pages (heap.huge_page_buffer),
+    not mapped from the packed-weight file."""
     config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
     plan = decoder_plan(config)
     if quantization is None:
@@ -333,14 +342,17 @@ def load_weights(
         raise ValueError("quantization 'gguf' needs a .gguf model (or the embedded default)")
     tensors = read_hf_tensors(model_dir) if quantization == "q8_0" else {}
     cache_file = model_dir / PACKED_CACHE_FILE
-    quantized = load_packed(cache_file) if quantization == "gguf" else None
+    quantized = load_packed(cache_file, huge_pages=huge_pages) if quantization == "gguf" else None
     if quantized is not None and set(quantized) <= set(plan):
         rest = {name: theirs for name, theirs in plan.items() if name not in quantized}
     else:
         quantized, rest = quantized_state(config, plan, mode=quantization, float_tensors=tensors, gguf_path=gguf_path)
         if quantization == "gguf" and quantized:
             save_packed(cache_file, quantized)
-            quantized = load_packed(cache_file) or quantized  # mapped from the file, as every later load
+            # read back as every later load reads it
+            quantized = load_packed(cache_file, huge_pages=huge_pages) or quantized
+        elif huge_pages:
+            quantized = packed_into_huge_pages(quantized)
     if quantization == "gguf":
         tensors = read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
     state = convert_hf_tensors(config, rest, tensors)
@@ -357,9 +369,12 @@ def load_decoder(
     max_len: int,
     quantization: str | None = None,
     gguf_path: Path | None = None,
+    huge_pages: bool = False,
 ) -> tuple[Decoder, ModelConfig]:
-    """The target decoder of `model_dir` (see `load_weights` for `quantization`)."""
-    weights = load_weights(model_dir, dtype=dtype, device=device, quantization=quantization, gguf_path=gguf_path)
+    """The target decoder of `model_dir` (see `load_weights` for `quantization` and `huge_pages`)."""
+    weights = load_weights(
+        model_dir, dtype=dtype, device=device, quantization=quantization, gguf_path=gguf_path, huge_pages=huge_pages
+    )
     decoder = build_decoder(
         weights.config, weights.state, dtype=dtype, device=device, max_len=max_len, quantized=weights.quantized
     )

@@ -228,8 +228,9 @@ def save_packed(path: Path, quantized: dict[str, QuantizedWeight]) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def load_packed(path: Path) -> dict[str, QuantizedWeight] | None:
-    """The weights `save_packed` wrote, or None when the file is missing or unreadable."""
+def load_packed(path: Path, *, huge_pages: bool = False) -> dict[str, QuantizedWeight] | None:
+    """The weights `save_packed` wrote, or None when the file is missing or unreadable.  Mapped
+    from the file, or with `huge_pages` read into one region of huge pages (heap.huge_page_buffer)."""
     import json
 
     from safetensors import safe_open
@@ -239,21 +240,80 @@ def load_packed(path: Path) -> dict[str, QuantizedWeight] | None:
     if not path.is_file():
         return None
     try:
-        with safe_open(str(path), "pt") as file:
-            layout = json.loads(file.metadata()["layout"])
-            return {
-                name: QuantizedWeight(
-                    # Left on the file's memory map, as llama.cpp maps a GGUF: the weights are page
-                    # cache, shared by the processes that serve the model (replicas; a tensor-parallel
-                    # rank copies its shard), and a load copies nothing (a copy doubled its peak).
-                    [
-                        PackedPart(format=fmt, packed=file.get_tensor(f"{name}#{index}"), row_start=start, rows=rows)
-                        for index, (fmt, rows, start) in enumerate(entry["parts"])
-                    ],
-                    shape=tuple(entry["shape"]),
-                )
-                for name, entry in layout.items()
-            }
+        read = _read_packed_into_huge_pages(path) if huge_pages else None
+        if read is not None:
+            layout, packed = read
+        else:
+            with safe_open(str(path), "pt") as file:
+                layout = json.loads(file.metadata()["layout"])
+                # Left on the file's memory map, as llama.cpp maps a GGUF: the weights are page
+                # cache, shared by the processes that serve the model (replicas; a tensor-parallel
+                # rank copies its shard), and a load copies nothing (a copy doubled its peak).
+                packed = {key: file.get_tensor(key) for key in file.keys()}
+        return {
+            name: QuantizedWeight(
+                [
+                    PackedPart(format=fmt, packed=packed[f"{name}#{index}"], row_start=start, rows=rows)
+                    for index, (fmt, rows, start) in enumerate(entry["parts"])
+                ],
+                shape=tuple(entry["shape"]),
+            )
+            for name, entry in layout.items()
+        }
     except Exception as err:  # a truncated or foreign file: rebuild it
         logger.warning("ignoring the packed-weight cache %s: %s", path, err)
         return None
+
+
+def _read_packed_into_huge_pages(path: Path) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """(layout, tensor name -> [bytes] uint8) of a save_packed file, its data read (not mapped:
+    the file's pages never count in this process's memory) into one huge-page region; None where
+    the kernel gave the region no huge page (then the weights are better mapped: as fast, and
+    shared between processes)."""
+    import json
+    import struct
+
+    from quickdraft.models.heap import huge_page_buffer, huge_page_bytes_at
+
+    with open(path, "rb") as file:
+        (header_bytes,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(header_bytes))
+        layout = json.loads(header.pop("__metadata__")["layout"])
+        data_bytes = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        buffer = huge_page_buffer(data_bytes)
+        view = memoryview(buffer.numpy())
+        done = 0
+        while done < data_bytes:  # readinto may return less than asked
+            got = file.readinto(view[done:])
+            if not got:
+                raise ValueError(f"{path} ends {data_bytes - done} bytes early")
+            done += got
+    if huge_page_bytes_at(buffer.data_ptr()) == 0:
+        logger.warning("the kernel gave no transparent huge page: quantized weights mapped from %s", path)
+        return None
+    packed = {}
+    for key, entry in header.items():
+        if entry["dtype"] != "U8" or len(entry["shape"]) != 1:
+            raise ValueError(f"{key}: expected [bytes] U8, got {entry['dtype']} {entry['shape']}")
+        begin, end = entry["data_offsets"]
+        packed[key] = buffer[begin:end]
+    return layout, packed
+
+
+def packed_into_huge_pages(quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """The same weights with their packed bytes copied into one huge-page region."""
+    from quickdraft.models.heap import huge_page_buffer
+    from quickdraft.models.quantized import PackedPart
+
+    buffer = huge_page_buffer(sum(part.packed.numel() for weight in quantized.values() for part in weight.parts))
+    moved, at = {}, 0
+    for name, weight in quantized.items():
+        parts = []
+        for part in weight.parts:
+            size = part.packed.numel()
+            packed = buffer[at : at + size]
+            packed.copy_(part.packed.reshape(-1))
+            parts.append(PackedPart(format=part.format, packed=packed, row_start=part.row_start, rows=part.rows))
+            at += size
+        moved[name] = QuantizedWeight(parts, shape=tuple(weight.shape))
+    return moved

@@ -38,6 +38,7 @@ class ServerConfig:
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # processes the target is split over (quickdraft/distributed)
     lazy_logits_rows: int | None = None  # EngineConfig's: LM-head rows before each walk (None: measured)
+    weights_in_huge_pages: bool | None = None  # EngineConfig's (False: replicas share the mapped weights)
     max_queue: int = 64  # requests waiting + running before new ones get 429
     shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
     max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
@@ -84,6 +85,7 @@ class ServerConfig:
             speculative_config=self.speculative_config,
             tensor_parallel_size=self.tensor_parallel_size,
             lazy_logits_rows=self.lazy_logits_rows,
+            weights_in_huge_pages=self.weights_in_huge_pages,
         )
 
     @property

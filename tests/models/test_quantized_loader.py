@@ -427,3 +427,80 @@ def test_packed_weights_are_mapped_from_the_cache_file_not_copied(tiny_gguf_path
             for part in weight.parts:
                 address = part.packed.data_ptr()
                 assert any(start <= address < end for start, end in ranges), name  # page cache, shared
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")
+@pytest.mark.parametrize("writes_cache", [True, False], ids=["first-load", "cached"])
+def test_packed_weights_read_into_huge_pages(tmp_path, writes_cache):
+    from quickdraft.models.heap import HUGE_PAGE_BYTES, huge_page_bytes_at, transparent_huge_pages
+    from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
+
+    path = build_tiny_gguf(tmp_path, "gemma3-mixed").path
+    cache_file = resolve_model_dir(path) / PACKED_CACHE_FILE
+    mapped, config = load(path, "gguf")  # writes the cache, maps it
+    if writes_cache:
+        cache_file.unlink()
+    model_dir = resolve_model_dir(path)
+    huge, _ = load_decoder(
+        model_dir,
+        dtype=torch.float32,
+        device=CPU,
+        max_len=128,
+        quantization="gguf",
+        gguf_path=resolve_gguf_path(path),
+        huge_pages=True,
+    )
+    assert cache_file.is_file()
+    ranges = _mapped_ranges(cache_file.resolve())
+    addresses = []
+    for name, weight in _quantized_weights(huge).items():
+        assert torch.equal(weight.dequantize(), _quantized_weights(mapped)[name].dequantize()), name
+        for part in weight.parts:
+            address = part.packed.data_ptr()
+            assert not any(start <= address < end for start, end in ranges), name  # read, not mapped
+            addresses.append(address)
+    assert min(addresses) % HUGE_PAGE_BYTES == 0  # one region, from a 2 MB boundary
+    if transparent_huge_pages():
+        assert huge_page_bytes_at(min(addresses)) >= HUGE_PAGE_BYTES
+    runners = [_runner(model, config, slots=1) for model in (mapped, huge)]
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=PROMPT, logits_nodes=list(range(len(PROMPT))))]
+    first, second = (runner.forward(work).logits for runner in runners)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")
+def test_weights_stay_mapped_where_the_kernel_gives_no_huge_page(tmp_path, monkeypatch, caplog):
+    from quickdraft.models import heap
+    from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
+
+    path = build_tiny_gguf(tmp_path, "llama-q8_0").path
+    load(path, "gguf")  # writes the cache
+    monkeypatch.setattr(heap, "huge_page_bytes_at", lambda address: 0)
+    model, _ = load_decoder(
+        resolve_model_dir(path),
+        dtype=torch.float32,
+        device=CPU,
+        max_len=128,
+        quantization="gguf",
+        gguf_path=resolve_gguf_path(path),
+        huge_pages=True,
+    )
+    assert "gave no transparent huge page" in caplog.text
+    ranges = _mapped_ranges((resolve_model_dir(path) / PACKED_CACHE_FILE).resolve())
+    for name, weight in _quantized_weights(model).items():
+        for part in weight.parts:
+            assert any(start <= part.packed.data_ptr() < end for start, end in ranges), name
+
+
+def test_q8_0_at_load_into_huge_pages_is_the_same_model(tiny_checkpoints):
+    path = str(tiny_checkpoints["llama"])
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    outputs = []
+    for huge in (False, True):
+        llm = LLM(path, max_model_len=128, max_num_seqs=2, quantization="q8_0", weights_in_huge_pages=huge)
+        assert llm.engine.weights_in_huge_pages is huge
+        weights = _quantized_weights(llm.engine.model)
+        outputs.append(([w.dequantize() for w in weights.values()], llm.generate(repetitive_prompts(), params)))
+    (plain_weights, plain_out), (huge_weights, huge_out) = outputs
+    assert all(torch.equal(a, b) for a, b in zip(plain_weights, huge_weights, strict=True))
+    assert [o.outputs[0].token_ids for o in huge_out] == [o.outputs[0].token_ids for o in plain_out]
