@@ -32,7 +32,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
     return {name: build_tiny_gguf(directory, name).path for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16")}
 
 
-def load(path: Path, quantization: str | None):
+def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
     model_dir = resolve_model_dir(path)
     return load_decoder(
         model_dir,
@@ -41,6 +41,7 @@ def load(path: Path, quantization: str | None):
         max_len=128,
         quantization=quantization,
         gguf_path=resolve_gguf_path(path),
+        huge_pages=huge_pages,
     )
 
 
@@ -440,16 +441,7 @@ def test_packed_weights_read_into_huge_pages(tmp_path, writes_cache):
     mapped, config = load(path, "gguf")  # writes the cache, maps it
     if writes_cache:
         cache_file.unlink()
-    model_dir = resolve_model_dir(path)
-    huge, _ = load_decoder(
-        model_dir,
-        dtype=torch.float32,
-        device=CPU,
-        max_len=128,
-        quantization="gguf",
-        gguf_path=resolve_gguf_path(path),
-        huge_pages=True,
-    )
+    huge, _ = load(path, "gguf", huge_pages=True)
     assert cache_file.is_file()
     ranges = _mapped_ranges(cache_file.resolve())
     addresses = []
@@ -476,15 +468,7 @@ def test_weights_stay_mapped_where_the_kernel_gives_no_huge_page(tmp_path, monke
     path = build_tiny_gguf(tmp_path, "llama-q8_0").path
     load(path, "gguf")  # writes the cache
     monkeypatch.setattr(heap, "huge_page_bytes_at", lambda address: 0)
-    model, _ = load_decoder(
-        resolve_model_dir(path),
-        dtype=torch.float32,
-        device=CPU,
-        max_len=128,
-        quantization="gguf",
-        gguf_path=resolve_gguf_path(path),
-        huge_pages=True,
-    )
+    model, _ = load(path, "gguf", huge_pages=True)
     assert "gave no transparent huge page" in caplog.text
     ranges = _mapped_ranges((resolve_model_dir(path) / PACKED_CACHE_FILE).resolve())
     for name, weight in _quantized_weights(model).items():
