@@ -4,7 +4,8 @@ Builds `csrc/quant_linear.cpp` (and its headers) of `--base` under a module name
 then times, switching `quickdraft.kernels.quant_linear`'s extension between the two builds:
 - per kernel: the embedded model's LM head and layer-0 matrices at several row counts
   (medians over alternated rounds; the layer weights are hot in cache, the LM head is not);
-- the forward curve: one sequence with 300 tokens of context verifying T tokens, logits for all;
+- the forward curve: one sequence with 300 tokens of context (`--context`) verifying T tokens,
+  logits for all;
   prompt prefill of 300 and 1,000 tokens;
 - end to end: Spec-Bench first turns (`--per-category` of each category), greedy, plain and
   speculative configs, one LLM per build and config (a suffix drafter learns from earlier
@@ -89,13 +90,17 @@ def per_kernel(model, builds: dict, rows: list[int], rounds: int) -> dict:
     return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
-def forward_curve(engine, builds: dict, rounds: int) -> dict:
+def forward_curve(engine, builds: dict, rounds: int, contexts: list[int]) -> dict:
     times = collections.defaultdict(list)
     for _ in range(rounds):
         for tag, ext in builds.items():
             use(ext)
-            for width in (1, 2, 4, 8, 16, 32, 64):
-                times[f"T={width} {tag}"].append(time_forward(engine, context=300, width=width, repeats=5))
+            for context in contexts:
+                where = "" if contexts == [300] else f"context {context} "
+                for width in (1, 2, 4, 8, 16, 32, 64):
+                    times[f"{where}T={width} {tag}"].append(
+                        time_forward(engine, context=context, width=width, repeats=5)
+                    )
             for prompt in (300, 1000):
                 times[f"prefill {prompt} {tag}"].append(time_prefill(engine, prompt=prompt, repeats=2))
     return {key: statistics.median(values) * 1e3 for key, values in times.items()}
@@ -139,6 +144,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--context", type=int, nargs="+", default=[300], help="the curve's context lengths")
     parser.add_argument("--skip", nargs="*", default=[], choices=("kernels", "curve", "e2e"))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -149,7 +155,7 @@ def main() -> None:
         if "kernels" not in args.skip:
             result["kernels_ms"] = per_kernel(llm.engine.runner.model, builds, args.rows, args.rounds)
         if "curve" not in args.skip:
-            result["forward_ms"] = forward_curve(llm.engine, builds, args.rounds)
+            result["forward_ms"] = forward_curve(llm.engine, builds, args.rounds, args.context)
         llm.close()
     if "e2e" not in args.skip:
         result["end_to_end"] = end_to_end(builds, args.per_category, args.max_tokens)

@@ -5,16 +5,16 @@
 // compiled for AVX-512 never reaches a CPU without it) and its own bits.
 //
 // Vec provides: F (the register type), kLanes, kAccumulators (value registers a weighted sum
-// keeps live), zero, load, store, set1, sub, mul, fmadd, sum (one fixed horizontal order) and
-// exp (elementwise).
+// keeps live), kKeysAtOnce (keys whose scores share each load of the query), zero, load, store,
+// set1, sub, mul, fmadd, sum (one fixed horizontal order) and exp (elementwise).
 //
 // Order, the same whatever the call holds (number of query rows, other rows' masks, threads):
 // a dot product runs over D in lane-wide steps then sums its lanes one fixed way; the scores,
 // their max, exp and the total run in key order; the weighted values add key after key per lane.
 // Masked keys are skipped, so a query sees the same operations whatever range of keys the call
-// spans.  How many value registers a pass keeps live, or how many heads share a pass, changes
-// which loads are shared, never an operation of a lane: every path gives a (row, head) the same
-// bits.
+// spans.  How many value registers a pass keeps live, how many heads share a pass, or how many
+// keys share a load of the query changes which loads are shared, never an operation of a lane:
+// every path gives a (row, head) the same bits.
 //
 // Key and value row s of a call start at k + rows[s] and v + rows[s] (element offsets): a paged
 // cache's rows lie in blocks, a contiguous one's every D elements; where they lie changes no bit.
@@ -106,6 +106,34 @@ inline void attend_row(const float* q, const KV* k, const KV* v, const int64_t* 
   weighted_columns<Vec::kAccumulators>(v, rows, S, D, visible, scores, inv_total, 0, out);
 }
 
+// The G heads' scores of keys s .. s + P - 1 (scores[g * S + key]): per (head, key) a dot
+// product over D in lane-wide steps from zero, then the lanes' fixed sum, times the scale.
+// The P keys only share the loads of q.
+template <int G, int P, typename KV>
+inline void score_keys(const float* q, const KV* k, const int64_t* rows, int64_t s, int64_t D, float scale,
+                       int64_t S, float* scores) {
+  Vec::F acc[P][G];
+  for (int p = 0; p < P; ++p)
+    for (int g = 0; g < G; ++g) acc[p][g] = Vec::zero();
+  for (int64_t d = 0; d < D; d += Vec::kLanes) {
+    Vec::F kd[P];
+    for (int p = 0; p < P; ++p) kd[p] = load_kv(k + rows[s + p] + d);
+    for (int g = 0; g < G; ++g) {
+      const Vec::F qd = Vec::load(q + g * D + d);
+      for (int p = 0; p < P; ++p) acc[p][g] = Vec::fmadd(qd, kd[p], acc[p][g]);
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int g = 0; g < G; ++g) scores[g * S + s + p] = Vec::sum(acc[p][g]) * scale;
+}
+
+template <int G, typename KV>
+inline void score_key_or_unseen(const float* q, const KV* k, const int64_t* rows, int64_t s, int64_t D, float scale,
+                                int64_t S, float* scores, bool seen) {
+  if (seen) return score_keys<G, 1>(q, k, rows, s, D, scale, S, scores);
+  for (int g = 0; g < G; ++g) scores[g * S + s] = -std::numeric_limits<float>::infinity();
+}
+
 // attend_heads<G> for one query row with its work shared between threads: a decode row at
 // batch 1 is one item, so splitting a forward's rows into items would leave threads idle or
 // (one head per item) read its keys once per head.  The scores of a range of keys per task, then the softmax over all
@@ -121,20 +149,21 @@ inline void attend_heads_shared(const float* q, const KV* k, const KV* v, const 
   constexpr int W = Vec::kAccumulators / G;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   parallel(0, S, 32, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      if (visible != nullptr && !visible[s]) {
-        for (int g = 0; g < G; ++g) scores[g * S + s] = neg_inf;
-        continue;
+    const auto seen = [&](int64_t s) { return visible == nullptr || visible[s]; };
+    int64_t s = s0;
+    // Vec::kKeysAtOnce keys where all are seen: each load of q serves as many products (one key
+    // at a time, the loads of q outnumbered the multiplies and bounded the loop)
+    constexpr int P = Vec::kKeysAtOnce;
+    for (; s + P <= s1; s += P) {
+      bool all_seen = true;
+      for (int p = 0; p < P; ++p) all_seen = all_seen && seen(s + p);
+      if (all_seen) {
+        score_keys<G, P>(q, k, rows, s, D, scale, S, scores);
+      } else {
+        for (int p = 0; p < P; ++p) score_key_or_unseen<G>(q, k, rows, s + p, D, scale, S, scores, seen(s + p));
       }
-      const KV* ks = k + rows[s];
-      Vec::F acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
-      for (int64_t d = 0; d < D; d += L) {
-        const Vec::F kd = load_kv(ks + d);
-        for (int g = 0; g < G; ++g) acc[g] = Vec::fmadd(Vec::load(q + g * D + d), kd, acc[g]);
-      }
-      for (int g = 0; g < G; ++g) scores[g * S + s] = Vec::sum(acc[g]) * scale;
     }
+    for (; s < s1; ++s) score_key_or_unseen<G>(q, k, rows, s, D, scale, S, scores, seen(s));
   });
   float max_score[G], inv_total[G];
   for (int g = 0; g < G; ++g) {
