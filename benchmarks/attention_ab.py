@@ -12,40 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
+from kernel_ab import build_base  # run from benchmarks/: its folder is on the path
 
-ROOT = Path(__file__).resolve().parents[1]
-CSRC = "quickdraft/kernels/csrc"
-SOURCES = ("attention.cpp", "attention_row.h", "attention_row_avx2.h", "attention_row_body.h")
 CASES = ((300, 1), (300, 5), (300, 9), (300, 17), (300, 64), (1000, 9), (1000, 17))
-
-
-def build(revision: str | None, isa: str):
-    """The attention module of `revision` (None: this tree), sources copied to a temporary folder."""
-    folder = Path(tempfile.mkdtemp(prefix="qd-attention-ab-"))
-    for name in SOURCES:
-        if revision is None:
-            data = (ROOT / CSRC / name).read_bytes()
-        else:
-            data = subprocess.run(
-                ["git", "show", f"{revision}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True
-            ).stdout
-        (folder / name).write_bytes(data)
-    flags = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"] + (["-DQD_ISA_AVX2"] if isa == "avx2" else [])
-    return cpp_extension.load(
-        name=f"qd_attention_ab_{isa}_{abs(hash((revision, str(folder)))) % 10**8}",
-        sources=[str(folder / "attention.cpp")],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        verbose=False,
-    )
 
 
 def main() -> None:
@@ -54,7 +26,8 @@ def main() -> None:
     parser.add_argument("--isa", choices=("avx2", "avx512"), default="avx2")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    builds = {"base": build(args.base, args.isa), "tree": build(None, args.isa)}
+    builds = {"base": build_base(args.base, args.isa, source="attention.cpp")}
+    builds["tree"] = build_base(None, args.isa, source="attention.cpp")
     generator = torch.Generator().manual_seed(0)
     inputs = {}
     for keys, rows in CASES:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -42,19 +43,29 @@ QUESTIONS = ROOT.parent / "shared/data/specbench/questions.dev.jsonl"
 CONFIGS = {"plain": None, "suffix": {"method": "suffix"}, "eagle3": {"method": "eagle3"}}
 
 
-def build_base(revision: str, isa: str):
-    """The base revision's kernel module (its sources written to a temporary folder)."""
+def build_base(revision: str | None, isa: str, *, source: str = "quant_linear.cpp"):
+    """The kernel module `source` of a git revision (None: this tree), built from a copy of its
+    csrc folder in a temporary folder under a module name of its own."""
     folder = Path(tempfile.mkdtemp(prefix="qd-kernel-ab-"))
-    names = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{revision}:{CSRC}"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout.split()
-    for name in names:
-        source = subprocess.run(["git", "show", f"{revision}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True)
-        (folder / name).write_bytes(source.stdout)
+    if revision is None:
+        shutil.copytree(ROOT / CSRC, folder, dirs_exist_ok=True)
+    else:
+        names = subprocess.run(
+            ["git", "ls-tree", "--name-only", f"{revision}:{CSRC}"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        for name in names:
+            data = subprocess.run(
+                ["git", "show", f"{revision}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True
+            )
+            (folder / name).write_bytes(data.stdout)
     flags = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"] + (["-DQD_ISA_AVX2"] if isa == "avx2" else [])
     return cpp_extension.load(
-        name=f"qd_kernel_ab_{isa}_{abs(hash(revision)) % 10**8}",
-        sources=[str(folder / "quant_linear.cpp")],
+        name=f"qd_kernel_ab_{Path(source).stem}_{isa}_{abs(hash((revision, str(folder)))) % 10**8}",
+        sources=[str(folder / source)],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
