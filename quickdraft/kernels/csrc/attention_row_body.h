@@ -150,20 +150,23 @@ inline void attend_heads_shared(const float* q, const KV* k, const KV* v, const 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   parallel(0, S, 32, [&](int64_t s0, int64_t s1) {
     const auto seen = [&](int64_t s) { return visible == nullptr || visible[s]; };
-    int64_t s = s0;
     // Vec::kKeysAtOnce keys where all are seen: each load of q serves as many products (one key
     // at a time, the loads of q outnumbered the multiplies and bounded the loop)
     constexpr int P = Vec::kKeysAtOnce;
-    for (; s + P <= s1; s += P) {
-      bool all_seen = true;
-      for (int p = 0; p < P; ++p) all_seen = all_seen && seen(s + p);
-      if (all_seen) {
+    const auto all_seen = [&](int64_t s) {
+      for (int p = 0; p < P; ++p)
+        if (!seen(s + p)) return false;
+      return true;
+    };
+    for (int64_t s = s0; s < s1;) {
+      if (s + P <= s1 && all_seen(s)) {
         score_keys<G, P>(q, k, rows, s, D, scale, S, scores);
+        s += P;
       } else {
-        for (int p = 0; p < P; ++p) score_key_or_unseen<G>(q, k, rows, s + p, D, scale, S, scores, seen(s + p));
+        score_key_or_unseen<G>(q, k, rows, s, D, scale, S, scores, seen(s));
+        ++s;
       }
     }
-    for (; s < s1; ++s) score_key_or_unseen<G>(q, k, rows, s, D, scale, S, scores, seen(s));
   });
   float max_score[G], inv_total[G];
   for (int g = 0; g < G; ++g) {
