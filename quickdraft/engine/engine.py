@@ -39,6 +39,7 @@ from quickdraft.models.loader import (
     resolve_model_dir,
     resolve_quantization,
 )
+from quickdraft.models.quantized_loader import quantized_weights_in_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import InvalidParameterError, SamplingParams
@@ -68,7 +69,7 @@ class Engine:
         )
         huge = config.weights_in_huge_pages
         # quantized weights in this process's huge pages, or mapped from the packed-weight file
-        self.weights_in_huge_pages = transparent_huge_pages() if huge is None else huge
+        want_huge_pages = transparent_huge_pages() if huge is None else huge
         probe = _read_max_positions(model_dir)  # reads config.json first: the clearest error
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = config.max_model_len or min(probe, DEFAULT_MAX_MODEL_LEN)
@@ -87,7 +88,7 @@ class Engine:
                 max_len=cache_len,
                 quantization=self.quantization,
                 gguf_path=gguf_path,
-                huge_pages=self.weights_in_huge_pages,
+                huge_pages=want_huge_pages,
             )
             self.cache = KVCache(
                 num_layers=self.model_config.num_layers,
@@ -103,6 +104,10 @@ class Engine:
                 max_step_tokens=max(config.max_num_batched_tokens, CACHE_HEADROOM),
                 memory_bytes=config.kv_cache_memory_bytes,
             )
+        # Whether they are there: not float or CUDA weights, nor where the kernel gave no huge page.
+        self.weights_in_huge_pages = (
+            want_huge_pages and self.tensor_parallel is None and quantized_weights_in_huge_pages(self.model)
+        )
         self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
         # Rows computed when a walk reaches them (see lazy_logits_rows), valid through the step.
         self._logits_arena = LogitsArena(vocab_size=self.model_config.vocab_size, max_bytes=REUSED_LOGITS_BYTES)

@@ -535,14 +535,14 @@ def _stacked(pieces: list[PackedPart]) -> list[PackedPart]:
     return parts
 
 
+def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
+    """The QuantizedWeight attributes of a model's modules (outside its state dict)."""
+    found = (value for module in model.modules() for value in vars(module).values())
+    return [value for value in found if isinstance(value, QuantizedWeight)]
+
+
 def matrix_weights(model: torch.nn.Module) -> int:
     """Elements of a model's weight matrices, float (in its state dict) or kept quantized (a
     GGUF target loaded as stored holds QuantizedWeight attributes, outside the state dict)."""
     floats = sum(t.numel() for name, t in model.state_dict().items() if t.dim() == 2 and not name.startswith("rotary"))
-    quantized = sum(
-        value.shape.numel()
-        for module in model.modules()
-        for value in vars(module).values()
-        if isinstance(value, QuantizedWeight)
-    )
-    return floats + quantized
+    return floats + sum(weight.shape.numel() for weight in quantized_weights(model))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -273,7 +274,7 @@ def _read_packed_into_huge_pages(path: Path) -> tuple[dict, dict[str, torch.Tens
     import json
     import struct
 
-    from quickdraft.models.heap import huge_page_buffer, huge_page_bytes_at
+    from quickdraft.models.heap import HUGE_PAGE_BYTES, huge_page_buffer, huge_page_bytes_at
 
     with open(path, "rb") as file:
         (header_bytes,) = struct.unpack("<Q", file.read(8))
@@ -282,15 +283,14 @@ def _read_packed_into_huge_pages(path: Path) -> tuple[dict, dict[str, torch.Tens
         data_bytes = max((entry["data_offsets"][1] for entry in header.values()), default=0)
         buffer = huge_page_buffer(data_bytes)
         view = memoryview(buffer.numpy())
-        done = 0
-        while done < data_bytes:  # readinto may return less than asked
-            got = file.readinto(view[done:])
-            if not got:
-                raise ValueError(f"{path} ends {data_bytes - done} bytes early")
-            done += got
-    if huge_page_bytes_at(buffer.data_ptr()) == 0:
-        logger.warning("the kernel gave no transparent huge page: quantized weights mapped from %s", path)
-        return None
+        # The first page is written (and so faulted in) before the rest is read: where the kernel
+        # backs it with 4 KB pages the file is not read in vain.
+        first = min(data_bytes, HUGE_PAGE_BYTES)
+        _read_exactly(file, view[:first], path=path)
+        if huge_page_bytes_at(buffer.data_ptr()) == 0:
+            logger.warning("the kernel gave no transparent huge page: quantized weights mapped from %s", path)
+            return None
+        _read_exactly(file, view[first:], path=path)
     packed = {}
     for key, entry in header.items():
         if entry["dtype"] != "U8" or len(entry["shape"]) != 1:
@@ -298,6 +298,26 @@ def _read_packed_into_huge_pages(path: Path) -> tuple[dict, dict[str, torch.Tens
         begin, end = entry["data_offsets"]
         packed[key] = buffer[begin:end]
     return layout, packed
+
+
+def quantized_weights_in_huge_pages(model: torch.nn.Module) -> bool:
+    """Whether a model's quantized weights lie in transparent huge pages (all are in one region
+    where a load put them there, so the first one tells)."""
+    from quickdraft.models.heap import huge_page_bytes_at
+    from quickdraft.models.quantized import quantized_weights
+
+    weights = quantized_weights(model)
+    return bool(weights) and huge_page_bytes_at(weights[0].parts[0].packed.data_ptr()) > 0
+
+
+def _read_exactly(file: BinaryIO, view: memoryview, *, path: Path) -> None:
+    """Fill `view` from `file` (readinto may return less than asked)."""
+    done = 0
+    while done < len(view):
+        got = file.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{path} ends {len(view) - done} bytes early")
+        done += got
 
 
 def packed_into_huge_pages(quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:

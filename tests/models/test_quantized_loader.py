@@ -462,29 +462,48 @@ def test_packed_weights_read_into_huge_pages(tmp_path, writes_cache):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux /proc/self/maps")
 def test_weights_stay_mapped_where_the_kernel_gives_no_huge_page(tmp_path, monkeypatch, caplog):
-    from quickdraft.models import heap
-    from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
+    from quickdraft.models import heap, quantized_loader
+    from quickdraft.models.quantized_loader import PACKED_CACHE_FILE, quantized_weights_in_huge_pages
 
     path = build_tiny_gguf(tmp_path, "llama-q8_0").path
     load(path, "gguf")  # writes the cache
     monkeypatch.setattr(heap, "huge_page_bytes_at", lambda address: 0)
+    monkeypatch.setattr(heap, "HUGE_PAGE_BYTES", 4096)  # a page smaller than the tiny model's weights
+    reads = []
+    real_read = quantized_loader._read_exactly
+
+    def counted_read(file, view, **kwargs):
+        reads.append(len(view))
+        real_read(file, view, **kwargs)
+
+    monkeypatch.setattr(quantized_loader, "_read_exactly", counted_read)
     model, _ = load(path, "gguf", huge_pages=True)
     assert "gave no transparent huge page" in caplog.text
+    assert reads == [4096]  # the first page told: the rest of the file was not read
     ranges = _mapped_ranges((resolve_model_dir(path) / PACKED_CACHE_FILE).resolve())
     for name, weight in _quantized_weights(model).items():
         for part in weight.parts:
             assert any(start <= part.packed.data_ptr() < end for start, end in ranges), name
+    assert not quantized_weights_in_huge_pages(model)
 
 
 def test_q8_0_at_load_into_huge_pages_is_the_same_model(tiny_checkpoints):
+    from quickdraft.models.heap import transparent_huge_pages
+
     path = str(tiny_checkpoints["llama"])
     params = SamplingParams(max_tokens=16, **GREEDY)
     outputs = []
     for huge in (False, True):
         llm = LLM(path, max_model_len=128, max_num_seqs=2, quantization="q8_0", weights_in_huge_pages=huge)
-        assert llm.engine.weights_in_huge_pages is huge
+        assert llm.engine.weights_in_huge_pages is (huge and transparent_huge_pages())
         weights = _quantized_weights(llm.engine.model)
         outputs.append(([w.dequantize() for w in weights.values()], llm.generate(repetitive_prompts(), params)))
     (plain_weights, plain_out), (huge_weights, huge_out) = outputs
     assert all(torch.equal(a, b) for a, b in zip(plain_weights, huge_weights, strict=True))
     assert [o.outputs[0].token_ids for o in huge_out] == [o.outputs[0].token_ids for o in plain_out]
+
+
+def test_float_weights_are_not_reported_in_huge_pages(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["llama"]), max_model_len=64, max_num_seqs=1, weights_in_huge_pages=True)
+    assert llm.engine.quantization is None
+    assert llm.engine.weights_in_huge_pages is False  # asked for, but only quantized weights move there
