@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
+from quickdraft.engine.parallel_sampling import child_params, child_request_ids, merged_output
 from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
 from quickdraft.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class _Group:
+    """The engine requests of one prompt of a generate call (params.n of them)."""
+
+    parent_id: str
+    seed: int | None  # None: n = 1 and unseeded (the engine draws the request's seed)
+    request_ids: list[str]
 
 
 class LLM:
@@ -89,28 +100,36 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         # Validate every prompt before any is queued: a bad one must not leave the others running.
-        request_ids = []
+        groups: list[_Group] = []
         try:
             for prompt, params in zip(prompt_list, params_list):
-                request_ids.append(self._add(prompt, params))
+                group = self._new_group(params)
+                groups.append(group)  # first: a failure aborts every child (an id not added is ignored)
+                for request_id, child in zip(group.request_ids, child_params(params, seed=group.seed)):
+                    self._add(prompt, child, request_id=request_id)
         except Exception:
-            for request_id in request_ids:
+            for request_id in (request_id for group in groups for request_id in group.request_ids):
                 self.engine.abort_request(request_id)
                 self.engine.release(request_id)
             raise
         outputs: dict[str, RequestOutput] = {}
-        wanted = set(request_ids)
+        wanted = {request_id for group in groups for request_id in group.request_ids}
         while wanted - outputs.keys():
             for delta in self.engine.step():
                 if delta.finished and delta.request_id in wanted:
                     outputs[delta.request_id] = delta.output
-        for request_id in request_ids:
+        for request_id in wanted:
             self.engine.release(request_id)
-        return [outputs[request_id] for request_id in request_ids]
+        return [
+            merged_output(group.parent_id, [outputs[i] for i in group.request_ids], seed=group.seed) for group in groups
+        ]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield the text and tokens each step adds; the last delta carries the full output."""
-        request_id = self._add(_as_prompt_list(prompt)[0], sampling_params or SamplingParams())
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n: stream yields one completion, got n={params.n} (generate returns n of them)")
+        request_id = self._add(_as_prompt_list(prompt)[0], params)
         try:
             while True:
                 for delta in self.engine.step():
@@ -146,19 +165,28 @@ class LLM:
             conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template
         )
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def _new_group(self, params: SamplingParams) -> _Group:
+        """The engine request ids of one prompt's params.n completions, and their seed (drawn for
+        n > 1 when the params have none: engine/parallel_sampling.py)."""
+        parent_id = self.engine.new_request_id()
+        seed = params.seed if params.seed is not None or params.n == 1 else self.engine.draw_seed()
+        return _Group(parent_id=parent_id, seed=seed, request_ids=child_request_ids(parent_id, params.n))
+
+    def _add(self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None) -> str:
         if isinstance(prompt, str):
-            return self.engine.add_request(prompt=prompt, params=params)
+            return self.engine.add_request(prompt=prompt, params=params, request_id=request_id)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                request_id = self.engine.add_request(prompt_token_ids=prompt["prompt_token_ids"], params=params)
+                request_id = self.engine.add_request(
+                    prompt_token_ids=prompt["prompt_token_ids"], params=params, request_id=request_id
+                )
                 self.engine.get_request(request_id).prompt = prompt.get("prompt")
                 return request_id
             if "prompt" in prompt:
-                return self.engine.add_request(prompt=prompt["prompt"], params=params)
+                return self.engine.add_request(prompt=prompt["prompt"], params=params, request_id=request_id)
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list):
-            return self.engine.add_request(prompt_token_ids=prompt, params=params)
+            return self.engine.add_request(prompt_token_ids=prompt, params=params, request_id=request_id)
         raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
 
 

@@ -64,9 +64,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        self.n = _check_int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n: only n=1 is supported for now, got {self.n!r}")
+        self.n = _check_int("n", self.n, low=1)  # completions of the prompt (engine/parallel_sampling.py)
 
         self.temperature = _check_float("temperature", self.temperature, low=0.0)
         self.top_p = _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)

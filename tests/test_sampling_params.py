@@ -60,8 +60,8 @@ def test_valid_edge_values_are_accepted(kwargs):
 
 # (field, bad value[, what the message must show when it is not the value itself])
 _INVALID = [
-    ("n", 2),
     ("n", 0),
+    ("n", -1),
     ("n", 1.0),
     ("temperature", -0.1),
     ("temperature", "0.7"),
@@ -132,9 +132,10 @@ def test_logit_bias_keys_given_as_json_strings_become_token_ids():
     assert SamplingParams(allowed_token_ids=(4, 2)).allowed_token_ids == [4, 2]
 
 
-def test_n_error_says_only_one_is_supported():
-    with pytest.raises(ValueError, match="only n=1 is supported"):
-        SamplingParams(n=4)
+def test_n_asks_for_several_completions():
+    assert SamplingParams(n=4).n == 4  # engine/parallel_sampling.py runs them
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        SamplingParams(n=0)
 
 
 def test_min_tokens_above_max_tokens_names_both():

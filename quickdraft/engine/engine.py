@@ -252,16 +252,15 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_tokens(prompt, prompt_token_ids)
         self._check_vocabulary_ids(params)
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        if params.n != 1:
+            raise ValueError(
+                f"n: the engine takes one completion per request, got n={params.n} "
+                "(LLM.generate and the server fan n out into requests: engine/parallel_sampling.py)"
+            )
+        request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # Unseeded requests get a seed from the engine's generator (seeded by EngineConfig.seed),
-        # returned in their output so that an answer can be replayed.
-        seed = (
-            params.seed
-            if params.seed is not None
-            else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
-        )
+        seed = params.seed if params.seed is not None else self.draw_seed()
         structured = params.structured_outputs
         grammar = self.grammars.matcher_for(structured) if structured is not None else None
         request = Request(
@@ -279,6 +278,15 @@ class Engine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def new_request_id(self) -> str:
+        """An id no request of this engine was given by it before."""
+        return str(next(self._ids))
+
+    def draw_seed(self) -> int:
+        """A seed for an unseeded request, from the engine's generator (seeded by EngineConfig.seed);
+        returned in the request's output so that an answer can be replayed."""
+        return int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
 
     def _check_vocabulary_ids(self, params: SamplingParams) -> None:
         """Token ids in the parameters must exist: found at admission, not when a step samples."""

@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quickdraft.outputs import RequestOutput
+from quickdraft.engine.parallel_sampling import merged_output
+from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
 from quickdraft.server.middleware import ApiKeyCheck, EndCancelledRequests
@@ -197,6 +198,8 @@ class Generation:
         self._submitted = False
         self._done = False
         self._closed = False
+        self.n = params.n  # completions asked for
+        self.output: RequestOutput | None = None  # all of them, once the last has finished
 
     def _deliver(self, event) -> None:  # called on the engine loop thread
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
@@ -231,24 +234,31 @@ class Generation:
             raise APIError(status=500, message=f"unexpected engine event {type(event).__name__}", code="engine_error")
 
     async def progress(self) -> AsyncIterator[Progress]:
-        """The request's progress events until it finishes; a failure raises APIError."""
+        """The progress events of the request's completions until all have finished (then
+        `output` holds them all); a failure raises APIError."""
+        finished: dict[int, RequestOutput] = {}
         while True:
             event = await self._events.get()
             if isinstance(event, Failed):
                 self._done = True
                 raise APIError(status=event.status, message=event.message, code=event.code)
             if event.finished:
-                self._done = True
+                finished[event.index] = event.output
+                if len(finished) == self.n:
+                    self._done = True
+                    outputs = [finished[index] for index in range(self.n)]
+                    self.output = merged_output(self.request_id, outputs, seed=outputs[0].seed)
             yield event
-            if event.finished:
+            if self.output is not None:
                 return
 
-    async def collect(self) -> Progress:
-        """Wait for the end; the last event (with the full output)."""
-        async for event in self.progress():
-            if event.finished:
-                return event
-        raise APIError(status=500, message="the request ended without an output", code="engine_error")
+    async def collect(self) -> RequestOutput:
+        """Wait for the end; the full output (every completion)."""
+        async for _ in self.progress():
+            pass
+        if self.output is None:
+            raise APIError(status=500, message="the request ended without an output", code="engine_error")
+        return self.output
 
     def close(self) -> None:
         if self._closed:
@@ -460,17 +470,17 @@ async def _respond(generation: Generation, *, writer: ResponseWriter, stream: bo
             response = ServerSentEvents(writer.events(), on_close=generation.close)
             handed_over = True  # the response closes the generation when its connection ends
             return response
-        final = await _collect_unless_disconnected(generation, request)
-        if final is None:
+        output = await _collect_unless_disconnected(generation, request)
+        if output is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(writer.full_body(final))
+        return JSONResponse(writer.full_body(output))
     finally:
         if not handed_over:
             generation.close()
 
 
-async def _collect_unless_disconnected(generation: Generation, request: Request) -> Progress | None:
-    """The final event, or None when the client disconnected first (the request is aborted)."""
+async def _collect_unless_disconnected(generation: Generation, request: Request) -> RequestOutput | None:
+    """The full output, or None when the client disconnected first (the request is aborted)."""
     collecting = asyncio.ensure_future(generation.collect())
     disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -561,18 +571,23 @@ class ResponseWriter:
     def _speculation(self, output: RequestOutput) -> dict[str, Any]:
         return speculation_body(output.metrics, method=self.server.method, adaptive=self.server.adaptive)
 
-    def full_body(self, final: Progress) -> dict[str, Any]:
-        output = final.output
+    def full_body(self, output: RequestOutput) -> dict[str, Any]:
         return {
             **self._envelope(self.object_name),
-            "choices": [self._full_choice(output)],
+            "choices": [self._full_choice(completion) for completion in output.outputs],
             "usage": usage_of(output),
             "speculation": self._speculation(output),
             "seed": output.seed,
-        }  # replays a sampled answer (drawn by the engine when not given)
+        }  # replays a sampled answer (drawn by the engine when not given; completion i used seed + i)
 
-    def _full_choice(self, output: RequestOutput) -> dict[str, Any]:
+    def _full_choice(self, completion: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
+
+    def _final_extras(self) -> dict[str, Any]:
+        """What the chunk that ends the last completion carries: the request's acceptance
+        figures and seed (none before every completion has finished)."""
+        output = self.generation.output
+        return {} if output is None else {"speculation": self._speculation(output), "seed": output.seed}
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {**self._envelope(self.chunk_object_name), "choices": choices}
@@ -589,13 +604,14 @@ class ResponseWriter:
                 chunk = self._progress_chunk(event)
                 if chunk is not None:
                     yield chunk
-                if event.finished and self.include_usage:
+                output = self.generation.output
+                if output is not None and self.include_usage:
                     yield sse(
                         {
                             **self._envelope(self.chunk_object_name),
                             "choices": [],
-                            "usage": usage_of(event.output),
-                            "speculation": self._speculation(event.output),
+                            "usage": usage_of(output),
+                            "speculation": self._speculation(output),
                         }
                     )
         except APIError as err:
@@ -615,43 +631,45 @@ class CompletionWriter(ResponseWriter):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self._stream_logprobs = CompletionLogprobs(decode=self._decode_token)
+        # Per completion: the text offsets of its streamed logprobs carry over from chunk to chunk.
+        self._stream_logprobs = [CompletionLogprobs(decode=self._decode_token) for _ in range(self.generation.n)]
 
-    def _full_choice(self, output: RequestOutput) -> dict[str, Any]:
-        completion = output.outputs[0]
+    def _full_choice(self, completion: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if completion.logprobs is not None:
             logprobs = CompletionLogprobs(decode=self._decode_token).body(completion.logprobs)
         return self._with_token_ids(
-            {"index": 0, "text": completion.text, "logprobs": logprobs, "finish_reason": completion.finish_reason},
+            {
+                "index": completion.index,
+                "text": completion.text,
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+            },
             completion.token_ids,
         )
 
     def _progress_chunk(self, event: Progress) -> str | None:
         if not (event.text or event.finished or event.logprobs or self._has_new_tokens_to_send(event)):
             return None
-        logprobs = self._stream_logprobs.body(event.logprobs) if event.logprobs is not None else None
+        logprobs = self._stream_logprobs[event.index].body(event.logprobs) if event.logprobs is not None else None
         choice = self._with_token_ids(
-            {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason},
+            {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason},
             event.token_ids,
         )
-        if event.finished:
-            return self._chunk([choice], speculation=self._speculation(event.output), seed=event.output.seed)
-        return self._chunk([choice])
+        return self._chunk([choice], **self._final_extras())
 
 
 class ChatWriter(ResponseWriter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def _full_choice(self, output: RequestOutput) -> dict[str, Any]:
-        completion = output.outputs[0]
+    def _full_choice(self, completion: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if completion.logprobs is not None:
             logprobs = chat_logprobs_body(completion.logprobs, decode=self._decode_token)
         return self._with_token_ids(
             {
-                "index": 0,
+                "index": completion.index,
                 "message": {"role": "assistant", "content": completion.text},
                 "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
@@ -660,31 +678,37 @@ class ChatWriter(ResponseWriter):
         )
 
     def _opening_chunks(self) -> list[str]:
-        # OpenAI's first chunk announces the role.
+        # OpenAI's first chunk of each choice announces the role.
         return [
             self._chunk(
-                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
             )
+            for index in range(self.generation.n)
         ]
 
     def _progress_chunk(self, event: Progress) -> str | None:
         logprobs = chat_logprobs_body(event.logprobs, decode=self._decode_token) if event.logprobs else None
         if event.text or logprobs or self._has_new_tokens_to_send(event):
-            content_chunk = self._chunk(
-                [
-                    self._with_token_ids(
-                        {"index": 0, "delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None},
-                        event.token_ids,
-                    )
-                ]
-            )
+            content = {
+                "index": event.index,
+                "delta": {"content": event.text},
+                "logprobs": logprobs,
+                "finish_reason": None,
+            }
+            content_chunk = self._chunk([self._with_token_ids(content, event.token_ids)])
         else:
             content_chunk = ""
         if not event.finished:
             return content_chunk or None
         final = self._chunk(
-            [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
-            speculation=self._speculation(event.output),
-            seed=event.output.seed,
+            [{"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
+            **self._final_extras(),
         )
         return content_chunk + final

@@ -26,6 +26,7 @@ from typing import Any
 
 from quickdraft.engine.compute_thread import ComputeThread
 from quickdraft.engine.engine import Engine
+from quickdraft.engine.parallel_sampling import child_params, child_request_ids
 from quickdraft.engine.request import RequestStatus
 from quickdraft.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import SamplingParams
@@ -50,7 +51,8 @@ class Rejected:
 
 @dataclass
 class Progress:
-    """What one step added to the request; the last one has `finished` and the full `output`."""
+    """What one step added to one completion of the request; its last has `finished` and the
+    completion's full `output` (a request of n completions gets each one's, `index` 0..n-1)."""
 
     text: str
     token_ids: list[int]
@@ -58,6 +60,7 @@ class Progress:
     finished: bool
     finish_reason: str | None
     output: RequestOutput | None
+    index: int = 0
 
 
 @dataclass
@@ -128,7 +131,10 @@ class _Stop:
 
 @dataclass
 class _Tracked:
+    """One engine request of a submission (its only one, or completion `index` of its n)."""
+
     submission: Submission
+    index: int = 0
     num_sent_tokens: int = 0  # tokens (and their logprobs) already delivered
 
 
@@ -137,7 +143,9 @@ class EngineLoop:
         self._engine = engine
         self._metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, _Tracked] = {}  # engine request id -> its submission
+        # submission id -> its engine requests (the submission's own id, or n children's)
+        self._children: dict[str, list[str]] = {}
         # The loop runs on `compute`, the thread that loaded the engine (engine/compute_thread.py
         # says why), or on a thread of its own.
         self._owns_compute = compute is None
@@ -229,23 +237,34 @@ class EngineLoop:
         if isinstance(command, _Add):
             self._add(command.submission)
         elif isinstance(command, _Abort):
-            self._abort(command.request_id, notify=None)
+            self._abort_submission(command.request_id, notify=None)
         elif isinstance(command, _Call):
             self._call(command)
 
     def _add(self, submission: Submission) -> None:
+        """The submission's engine requests: one, or params.n children (engine/parallel_sampling.py)."""
+        params = submission.params
+        seed = params.seed if params.seed is not None or params.n == 1 else self._engine.draw_seed()
+        request_ids = child_request_ids(submission.request_id, params.n)
         try:
-            self._engine.add_request(
-                prompt_token_ids=submission.prompt_token_ids, params=submission.params, request_id=submission.request_id
-            )
-        except (ValueError, TypeError) as err:
-            _deliver(submission, Rejected(message=str(err), param=getattr(err, "param", None)))
+            for request_id, child in zip(request_ids, child_params(params, seed=seed)):
+                self._engine.add_request(
+                    prompt_token_ids=submission.prompt_token_ids, params=child, request_id=request_id
+                )
+        except Exception as err:
+            for request_id in request_ids:  # the children added before the failure (unknown ids are ignored)
+                self._engine.abort_request(request_id)
+                self._engine.release(request_id)
+            if isinstance(err, (ValueError, TypeError)):
+                _deliver(submission, Rejected(message=str(err), param=getattr(err, "param", None)))
+            else:  # not the request's fault: say so with a 500
+                logger.exception("add_request failed")
+                message = f"could not queue the request: {err}"
+                _deliver(submission, Failed(status=500, message=message, code="engine_error"))
             return
-        except Exception as err:  # not the request's fault: say so with a 500
-            logger.exception("add_request failed")
-            _deliver(submission, Failed(status=500, message=f"could not queue the request: {err}", code="engine_error"))
-            return
-        self._tracked[submission.request_id] = _Tracked(submission)
+        for index, request_id in enumerate(request_ids):
+            self._tracked[request_id] = _Tracked(submission, index=index)
+        self._children[submission.request_id] = request_ids
         _deliver(submission, Admitted())
 
     def _call(self, command: _Call) -> None:
@@ -276,10 +295,10 @@ class EngineLoop:
             return
         if not (delta.text or delta.token_ids or delta.finished):
             return  # a prefill chunk that produced nothing yet
-        logprobs = self._new_logprobs(tracked, num_new=len(delta.token_ids))
+        logprobs = self._new_logprobs(delta.request_id, tracked, num_new=len(delta.token_ids))
         tracked.num_sent_tokens += len(delta.token_ids)
         if delta.finished:
-            self._forget(tracked, finish_reason=delta.finish_reason or "stop", metrics=delta.output.metrics)
+            self._forget(delta.request_id, finish_reason=delta.finish_reason or "stop", metrics=delta.output.metrics)
         _deliver(
             tracked.submission,
             Progress(
@@ -289,16 +308,26 @@ class EngineLoop:
                 finished=delta.finished,
                 finish_reason=delta.finish_reason,
                 output=delta.output,
+                index=tracked.index,
             ),
         )
 
-    def _new_logprobs(self, tracked: _Tracked, *, num_new: int) -> list[TokenLogprobs] | None:
+    def _new_logprobs(self, request_id: str, tracked: _Tracked, *, num_new: int) -> list[TokenLogprobs] | None:
         if tracked.submission.params.logprobs is None:
             return None
-        request = self._engine.get_request(tracked.submission.request_id)
+        request = self._engine.get_request(request_id)
         return list(request.logprobs[tracked.num_sent_tokens : tracked.num_sent_tokens + num_new])
 
-    def _abort(self, request_id: str, *, notify: Failed | None, finish_reason: str = "abort") -> None:
+    def _abort_submission(self, submission_id: str, *, notify: Failed | None, finish_reason: str = "abort") -> None:
+        """Abort every engine request of a submission still running; tell its handler once."""
+        request_ids = self._children.get(submission_id, [])
+        submission = next((self._tracked[i].submission for i in request_ids if i in self._tracked), None)
+        for request_id in request_ids:
+            self._abort(request_id, finish_reason=finish_reason)
+        if notify is not None and submission is not None:
+            _deliver(submission, notify)
+
+    def _abort(self, request_id: str, *, finish_reason: str) -> None:
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return  # finished (and released) before the abort arrived
@@ -309,15 +338,16 @@ class EngineLoop:
         except Exception:  # after a failed step the request's state may be inconsistent
             logger.exception("aborting request %s failed", request_id)
             metrics = None
-        self._forget(tracked, finish_reason=finish_reason, metrics=metrics)
-        if notify is not None:
-            _deliver(tracked.submission, notify)
+        self._forget(request_id, finish_reason=finish_reason, metrics=metrics)
 
-    def _forget(self, tracked: _Tracked, *, finish_reason: str, metrics) -> None:
-        """The request left the engine: count it, release it, stop tracking it."""
-        request_id = tracked.submission.request_id
-        self._tracked.pop(request_id, None)
+    def _forget(self, request_id: str, *, finish_reason: str, metrics) -> None:
+        """The engine request left the engine: count it, release it, stop tracking it (and its
+        submission once none of its requests is left)."""
+        tracked = self._tracked.pop(request_id)
         self._engine.release(request_id)
+        submission_id = tracked.submission.request_id
+        if not any(i in self._tracked for i in self._children.get(submission_id, [])):
+            self._children.pop(submission_id, None)
         if metrics is not None:
             self._metrics.record_request(
                 FinishedRequest(
@@ -336,9 +366,10 @@ class EngineLoop:
         failure = Failed(
             status=500, message=f"generation failed inside the engine: {type(err).__name__}: {err}", code="engine_error"
         )
-        for request_id in list(self._tracked):
-            if self._was_running(request_id):
-                self._abort(request_id, notify=failure, finish_reason="error")
+        for submission_id, request_ids in list(self._children.items()):
+            # One completion lost fails the whole request (its answer would be incomplete).
+            if any(self._was_running(i) for i in request_ids if i in self._tracked):
+                self._abort_submission(submission_id, notify=failure, finish_reason="error")
 
     def _was_running(self, request_id: str) -> bool:
         try:
@@ -352,8 +383,8 @@ class EngineLoop:
                 _deliver(command.submission, failure)
             elif isinstance(command, _Call):
                 command.future.cancel()
-        for request_id in list(self._tracked):
-            self._abort(request_id, notify=failure)
+        for submission_id in list(self._children):
+            self._abort_submission(submission_id, notify=failure)
         self._publish_stats(alive=False)
 
     def _publish_stats(self, *, alive: bool = True) -> None:
@@ -364,7 +395,7 @@ class EngineLoop:
             free_slots=cache.num_free_slots,
             num_slots=cache.num_slots,
             kv_cache_usage=cache.usage,
-            tracked_requests=len(self._tracked),
+            tracked_requests=len(self._children),
             steps=self._steps,
             failed_steps=self._failed_steps,
             alive=alive,

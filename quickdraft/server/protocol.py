@@ -25,6 +25,7 @@ MAX_TEMPERATURE = 1e4
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_STOP_STRINGS = 16
+MAX_N = 128  # completions per request, as OpenAI's API caps `n`
 # Content parts are joined into one string for the chat template.
 TEXT_PART_TYPES = ("text", "input_text")
 
@@ -101,8 +102,6 @@ class SamplingFields(StrictModel):
 
     def check_unsupported(self) -> None:
         """OpenAI fields the engine cannot honour: a 400 naming the field unless left at default."""
-        if self.n != 1:
-            raise bad_request(f"n: only n=1 is supported, got {self.n}", param="n", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
@@ -111,6 +110,7 @@ class SamplingFields(StrictModel):
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams keyword arguments of the fields set (defaults are SamplingParams')."""
         kwargs: dict[str, Any] = {
+            "n": self.n,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "seed": self.seed,
             "stop": self.stop,
@@ -287,6 +287,9 @@ def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str]) ->
 
 
 def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> None:
+    n = kwargs.get("n", 1)
+    if isinstance(n, int) and n > MAX_N:
+        raise bad_request(f"n must be <= {MAX_N}, got {n}", param="n")
     temperature = kwargs["temperature"]
     if temperature != 0 and not MIN_POSITIVE_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
         raise bad_request(
@@ -322,7 +325,7 @@ def usage_body(*, num_prompt_tokens: int, num_completion_tokens: int, num_cached
 def usage_of(output: RequestOutput) -> dict[str, Any]:
     return usage_body(
         num_prompt_tokens=len(output.prompt_token_ids),
-        num_completion_tokens=len(output.outputs[0].token_ids),
+        num_completion_tokens=sum(len(completion.token_ids) for completion in output.outputs),
         num_cached_tokens=output.metrics.num_cached_tokens,
     )
 

@@ -281,3 +281,67 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampler(suffix_server, offli
     )
     assert limited == offline[0].outputs[0].token_ids
     assert all(token in allowed for token in limited)
+
+
+def test_n_completions_equal_offline_n(plain_server, offline_llms):
+    params = SamplingParams(n=3, temperature=0.9, seed=9, max_tokens=10)
+    reference = offline_llms["gemma3"].generate(["Once upon"], params)[0]
+    response = plain_server.openai_client().completions.create(
+        model=plain_server.model_name, prompt="Once upon", max_tokens=10, temperature=0.9, seed=9, n=3
+    )
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    assert [choice.text for choice in response.choices] == [c.text for c in reference.outputs]
+    assert len({choice.text for choice in response.choices}) > 1
+    assert response.usage.completion_tokens == sum(len(c.token_ids) for c in reference.outputs)
+    assert response.usage.prompt_tokens == len(reference.prompt_token_ids)
+    assert response.model_dump()["seed"] == 9
+    assert response.model_extra["speculation"]["target_forwards"] >= 30  # every completion's forwards
+
+
+def test_streamed_n_completions_arrive_by_index(ngram_server, offline_llms):
+    params = SamplingParams(n=2, temperature=0.8, seed=21, max_tokens=12)
+    reference = offline_llms["qwen3"].generate([PROMPTS[1]], params)[0]
+    chunks = list(
+        ngram_server.openai_client().completions.create(
+            model=ngram_server.model_name,
+            prompt=PROMPTS[1],
+            max_tokens=12,
+            temperature=0.8,
+            seed=21,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts, finishes = ["", ""], [[], []]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index].append(choice.finish_reason)
+    assert texts == [c.text for c in reference.outputs]
+    assert finishes == [[c.finish_reason] for c in reference.outputs]
+    with_extras = [chunk for chunk in chunks if chunk.choices and "speculation" in chunk.model_extra]
+    assert len(with_extras) == 1 and with_extras[0].model_extra["seed"] == 21  # once both have finished
+    assert chunks[-1].usage.completion_tokens == sum(len(c.token_ids) for c in reference.outputs)
+
+
+def test_streamed_chat_n_announces_each_choice(ngram_server, offline_llms):
+    messages = [{"role": "user", "content": "Count: 1 2 3 1 2 3"}]
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10)
+    reference = offline_llms["qwen3"].chat(messages, params)[0]
+    chunks = list(
+        ngram_server.openai_client().chat.completions.create(
+            model=ngram_server.model_name, messages=messages, max_tokens=10, temperature=1.0, seed=5, n=2, stream=True
+        )
+    )
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == [(0, "assistant"), (1, "assistant")]
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.text for c in reference.outputs]
+    whole = ngram_server.openai_client().chat.completions.create(
+        model=ngram_server.model_name, messages=messages, max_tokens=10, temperature=1.0, seed=5, n=2
+    )
+    assert [choice.message.content for choice in whole.choices] == texts

@@ -53,7 +53,7 @@ def test_every_queried_metric_exists(metrics_server, adaptive_server):
     # and adaptive traffic (draft-length choices exist only on an adaptive server).
     send_traffic(metrics_server)
     send_traffic(adaptive_server)
-    assert httpx.post(f"{metrics_server.api_url}/completions", json={"prompt": "x", "n": 2}).status_code == 400
+    assert httpx.post(f"{metrics_server.api_url}/completions", json={"prompt": "x", "n": 0}).status_code == 400
     exposed = set(scrape(metrics_server)) | set(scrape(adaptive_server))
     queried = {
         name for query in dashboard_queries(json.loads(DASHBOARD.read_text())) for name in METRIC_NAME.findall(query)

@@ -120,3 +120,45 @@ def test_a_server_loads_and_steps_its_engine_on_one_thread(tiny_checkpoints):
     finally:
         server.engine_loop.stop(timeout=TIMEOUT)
     assert not server.engine_loop.is_alive
+
+
+def drain_completions(events: queue.Queue, n: int) -> list:
+    """Events until n completions have finished (or a rejection or failure)."""
+    received, finished = [], set()
+    while len(finished) < n:
+        event = events.get(timeout=TIMEOUT)
+        received.append(event)
+        if isinstance(event, (Rejected, Failed)):
+            break
+        if isinstance(event, Progress) and event.finished:
+            finished.add(event.index)
+    return received
+
+
+def test_n_completions_run_as_children_and_stream_by_index(loop):
+    events = submit(loop, "many", max_tokens=5, n=3, seed=4)  # 3 children, 2 slots
+    received = drain_completions(events, 3)
+    assert isinstance(received[0], Admitted)
+    progress = [event for event in received if isinstance(event, Progress)]
+    assert sorted(event.index for event in progress if event.finished) == [0, 1, 2]
+    for index in range(3):
+        tokens = [t for event in progress if event.index == index for t in event.token_ids]
+        final = next(event for event in progress if event.index == index and event.finished)
+        assert tokens == final.output.outputs[0].token_ids and len(tokens) == 5
+        assert final.output.seed == 4 + index
+    assert loop.call(lambda engine: (len(engine._requests), engine.cache.num_free_slots)).result(TIMEOUT) == (0, 2)
+    assert loop.stats.tracked_requests == 0
+
+
+def test_aborting_a_request_aborts_every_completion(loop):
+    loop.call(slow_down).result(TIMEOUT)
+    events = submit(loop, "many", max_tokens=50, ignore_eos=True, n=3, seed=1)
+    assert isinstance(events.get(timeout=TIMEOUT), Admitted)
+    loop.abort("many")
+    assert loop.call(lambda engine: (len(engine._requests), engine.cache.num_free_slots)).result(TIMEOUT) == (0, 2)
+
+
+def test_a_bad_request_of_n_is_rejected_with_no_child_left(loop):
+    bad = submit(loop, "bad", prompt_token_ids=[1, 10**9], n=3)
+    assert isinstance(bad.get(timeout=TIMEOUT), Rejected)
+    assert loop.call(lambda engine: len(engine._requests)).result(TIMEOUT) == 0

@@ -32,7 +32,8 @@ def assert_openai_error(response, *, status, param):
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
         ({"temperature": -1}, "temperature"),
         ({"temperature": 1e-30}, "temperature"),
         ({"top_p": 0}, "top_p"),
@@ -85,7 +86,7 @@ def test_completion_errors_name_the_field(plain_server, change, param):
         ({"structured_outputs": {"pattern": "ab"}}, "structured_outputs"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-        ({"n": 3}, "n"),
+        ({"n": 0}, "n"),
     ],
 )
 def test_chat_errors_name_the_field(ngram_server, change, param):

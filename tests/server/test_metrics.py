@@ -60,7 +60,7 @@ def test_counters_add_up_to_the_responses(metrics_server):
 
 def test_errors_are_counted_by_status_and_scenario(metrics_server):
     before = total(scrape(metrics_server), "quickdraft_request_errors_total", status="400", scenario="code")
-    httpx.post(f"{metrics_server.api_url}/completions", json={"prompt": "x", "n": 2, "metadata": {"scenario": "code"}})
+    httpx.post(f"{metrics_server.api_url}/completions", json={"prompt": "x", "n": 0, "metadata": {"scenario": "code"}})
     after = total(scrape(metrics_server), "quickdraft_request_errors_total", status="400", scenario="code")
     assert after == before + 1
 

@@ -1,0 +1,90 @@
+"""n completions of one prompt (`SamplingParams.n` > 1), as vLLM's parallel sampling does it.
+
+A request asking for n completions runs as n ordinary requests of the same prompt (its
+children), child i seeded `seed + i` from the request's seed (drawn by the engine when it has
+none), so the n answers are independent draws and the request's one seed replays all of them.
+Each child is decoded, drafted for and verified like any request, so speculation keeps every
+answer exact; the prefix cache lets children that start after the first's prompt blocks are
+cached skip that prefill.  Their outputs merge into one RequestOutput with completions indexed
+0..n-1.  The Python API (`LLM`) and the server's engine loop both fan out with these helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from quickdraft.outputs import RequestMetrics, RequestOutput
+from quickdraft.sampling_params import SamplingParams
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """The engine request ids of a request's children: the request's own id when n is 1."""
+    return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
+
+
+def child_params(params: SamplingParams, *, seed: int | None) -> list[SamplingParams]:
+    """Each child's parameters: n = 1, child i seeded seed + i.  `seed` is needed for n > 1 (the
+    request's seed, or one the engine drew) so that the request's output names one seed for all."""
+    if params.n == 1:
+        return [params]
+    if seed is None:
+        raise ValueError("n > 1 needs the request's seed (or one the engine drew) to seed its children")
+    return [dataclasses.replace(params, n=1, seed=seed + index) for index in range(params.n)]
+
+
+def merged_output(request_id: str, outputs: list[RequestOutput], *, seed: int | None) -> RequestOutput:
+    """One RequestOutput of a request's children, completion i from child i (a lone child is
+    returned as it is)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=first.prompt,
+        prompt_token_ids=list(first.prompt_token_ids),
+        outputs=[dataclasses.replace(output.outputs[0], index=index) for index, output in enumerate(outputs)],
+        finished=all(output.finished for output in outputs),
+        metrics=merged_metrics([output.metrics for output in outputs]),
+        seed=seed,
+    )
+
+
+def merged_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
+    """A request's figures from its children's: counts summed (so tokens per target forward is
+    over all of them), times from the earliest start to the last end.  The prompt counts once;
+    its cached tokens are the fewest any child had (the prompt was computed at least that much
+    once: the first child's cache misses are the later ones' hits).  Seconds spent drafting and
+    verifying are those of the child that spent the most (siblings share steps)."""
+    if not parts:
+        raise ValueError("no metrics to merge")
+
+    def earliest(values: list[float | None]) -> float | None:
+        known = [value for value in values if value is not None]
+        return min(known) if known else None
+
+    finished = [part.finished_time for part in parts]
+    merged = RequestMetrics(
+        arrival_time=min(part.arrival_time for part in parts),
+        first_scheduled_time=earliest([part.first_scheduled_time for part in parts]),
+        first_token_time=earliest([part.first_token_time for part in parts]),
+        finished_time=None if None in finished else max(t for t in finished if t is not None),
+        num_prompt_tokens=parts[0].num_prompt_tokens,
+        num_cached_tokens=min(part.num_cached_tokens for part in parts),
+        draft_seconds=max(part.draft_seconds for part in parts),
+        verify_seconds=max(part.verify_seconds for part in parts),
+    )
+    counts = ("num_generation_tokens", "num_preemptions", "num_target_forwards", "num_drafts", "num_draft_tokens")
+    for name in (*counts, "num_accepted_tokens"):
+        setattr(merged, name, sum(getattr(part, name) for part in parts))
+    for name in ("accepted_per_position", "drafted_per_position", "draft_length_choices"):
+        setattr(merged, name, _summed_lists([getattr(part, name) for part in parts]))
+    return merged
+
+
+def _summed_lists(lists: list[list[int]]) -> list[int]:
+    """Element-wise sums of lists of different lengths (missing entries are 0)."""
+    summed = [0] * max((len(values) for values in lists), default=0)
+    for values in lists:
+        for position, value in enumerate(values):
+            summed[position] += value
+    return summed
