@@ -131,6 +131,8 @@ class Scheduler:
                 if self.enable_prefix_caching
                 else None
             )
+            if prefix is not None and self._prefill_computing_blocks_of(req.all_token_ids, cached=prefix.num_tokens):
+                return  # it waits for them to be cached (the rest of the queue with it: first come, first served)
             slot = self.cache.allocate(prefix=prefix)
             computed = prefix.num_tokens if prefix is not None else 0
             first_chunk = computed + min(req.num_tokens - computed, self.max_num_batched_tokens)
@@ -147,6 +149,24 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
+    def _prefill_computing_blocks_of(self, token_ids: list[int], *, cached: int) -> bool:
+        """Whether a running request's prefill is computing full blocks that `token_ids` starts
+        with beyond its `cached` tokens.  Waiting until they are cached beats computing them a
+        second time beside it (the n completions of one prompt; prompts that share a long system
+        prompt), as SGLang's in-batch prefix sharing does: on a CPU, where a prefill is bound by
+        its multiplies, the waiting request's first token comes no later, and the first's sooner."""
+        size = self.cache.block_size
+        reusable = (len(token_ids) - 1) // size * size  # a hit leaves the last token to compute
+        if reusable <= cached:
+            return False
+        for other in self.running:
+            if other.num_tokens - other.num_computed_tokens <= 1:
+                continue  # decoding: what it shares is cached already (or not shareable)
+            shared = _shared_full_blocks(token_ids[:reusable], other.prompt_token_ids, size=size)
+            if shared > max(cached, other.num_computed_tokens // size * size):
+                return True
+        return False
+
     def finish(self, request: Request) -> None:
         """Drop a finished (or aborted) request and free its cache slot at once."""
         if request in self.running:
@@ -156,3 +176,11 @@ class Scheduler:
             request.slot = None
         elif request in self.waiting:
             self.waiting.remove(request)
+
+
+def _shared_full_blocks(first: list[int], second: list[int], *, size: int) -> int:
+    """Tokens in the whole blocks of `size` that both lists start with (compared a block at a time)."""
+    shared, limit = 0, min(len(first), len(second))
+    while shared + size <= limit and first[shared : shared + size] == second[shared : shared + size]:
+        shared += size
+    return shared

@@ -195,3 +195,24 @@ def test_a_hit_can_span_no_more_blocks_than_a_full_attention_pool_holds():
     cache = small_cache(num_layers=3, num_slots=2, max_len=64, block_size=8, layer_windows=[16, None, 16])
     full = [g.num_blocks for g in cache.groups if g.window is None]
     assert cache.max_prefix_blocks == full[0] == 16 and cache.num_blocks > 16
+
+
+@pytest.mark.parametrize("chunk", [256, 16], ids=["whole-prefill", "chunked-prefill"])
+def test_requests_sharing_blocks_a_prefill_is_computing_wait_for_them(tiny_checkpoints, chunk):
+    """The n completions of one prompt, and a prompt sharing its first blocks, admitted together:
+    the first computes the shared blocks, the others wait until they are cached and skip them
+    (the same tokens come out as with no prefix caching at all)."""
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=6, seed=3, ignore_eos=True)
+    sharing = PROMPT[:34] + [7, 7, 7]  # 4 full blocks of 8 in common with PROMPT
+    path = str(tiny_checkpoints["gemma3"])
+    results = {}
+    for caching in (True, False):
+        llm = LLM(path, max_model_len=256, block_size=8, max_num_batched_tokens=chunk, enable_prefix_caching=caching)
+        outputs = llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": sharing}], params)
+        results[caching] = [[c.token_ids for c in output.outputs] for output in outputs]
+        if caching:
+            # PROMPT's 40 tokens: 4 full blocks before its last token (32 tokens), computed once.
+            # (A request's merged metrics hold the fewest cached tokens of its children.)
+            assert [outputs[0].metrics.num_cached_tokens, outputs[1].metrics.num_cached_tokens] == [0, 32]
+            assert llm.get_metrics().num_cached_tokens == 32 * 2 + 32 * 3  # children 1, 2; every `sharing` child
+    assert results[True] == results[False]
