@@ -6,7 +6,8 @@ none), so the n answers are independent draws and the request's one seed replays
 Each child is decoded, drafted for and verified like any request, so speculation keeps every
 answer exact; the prefix cache lets children that start after the first's prompt blocks are
 cached skip that prefill.  Their outputs merge into one RequestOutput with completions indexed
-0..n-1.  The Python API (`LLM`) and the server's engine loop both fan out with these helpers.
+0..n-1 (a server request with a batch of prompts: choice k is completion k % n of prompt k // n).
+The Python API (`LLM`) and the server's engine loop both fan out with these helpers.
 """
 
 from __future__ import annotations
@@ -49,12 +50,35 @@ def merged_output(request_id: str, outputs: list[RequestOutput], *, seed: int | 
     )
 
 
-def merged_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
+def merged_batch_output(request_id: str, outputs: list[RequestOutput], *, n: int, seed: int | None) -> RequestOutput:
+    """One RequestOutput of a batch of prompts' n completions each (`outputs` prompt by prompt):
+    choice k is completion k % n of prompt k // n, as vLLM numbers a batch's choices.  Figures
+    are summed over the prompts (prompt tokens and cached tokens included); `prompt_token_ids`
+    is empty where there are several prompts."""
+    if not outputs or len(outputs) % n:
+        raise ValueError(f"a batch needs n = {n} outputs per prompt, got {len(outputs)}")
+    per_prompt = [merged_output(request_id, outputs[i : i + n], seed=seed) for i in range(0, len(outputs), n)]
+    if len(per_prompt) == 1:
+        return per_prompt[0]
+    completions = [completion for output in per_prompt for completion in output.outputs]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[],
+        outputs=[dataclasses.replace(completion, index=k) for k, completion in enumerate(completions)],
+        finished=all(output.finished for output in per_prompt),
+        metrics=merged_metrics([output.metrics for output in per_prompt], same_prompt=False),
+        seed=seed,
+    )
+
+
+def merged_metrics(parts: list[RequestMetrics], *, same_prompt: bool = True) -> RequestMetrics:
     """A request's figures from its children's: counts summed (so tokens per target forward is
-    over all of them), times from the earliest start to the last end.  The prompt counts once;
-    its cached tokens are the fewest any child had (the prompt was computed at least that much
-    once: the first child's cache misses are the later ones' hits).  Seconds spent drafting and
-    verifying are those of the child that spent the most (siblings share steps)."""
+    over all of them), times from the earliest start to the last end.  Children of one prompt
+    (`same_prompt`) count it once, and its cached tokens are the fewest any child had (the
+    prompt was computed at least that much once: the first child's cache misses are the later
+    ones' hits); different prompts add theirs up.  Seconds spent drafting and verifying are
+    those of the child that spent the most (siblings share steps)."""
     if not parts:
         raise ValueError("no metrics to merge")
 
@@ -68,8 +92,8 @@ def merged_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
         first_scheduled_time=earliest([part.first_scheduled_time for part in parts]),
         first_token_time=earliest([part.first_token_time for part in parts]),
         finished_time=None if None in finished else max(t for t in finished if t is not None),
-        num_prompt_tokens=parts[0].num_prompt_tokens,
-        num_cached_tokens=min(part.num_cached_tokens for part in parts),
+        num_prompt_tokens=parts[0].num_prompt_tokens if same_prompt else sum(p.num_prompt_tokens for p in parts),
+        num_cached_tokens=(min if same_prompt else sum)(part.num_cached_tokens for part in parts),
         draft_seconds=max(part.draft_seconds for part in parts),
         verify_seconds=max(part.verify_seconds for part in parts),
     )

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quickdraft.engine.parallel_sampling import merged_output
+from quickdraft.engine.parallel_sampling import merged_batch_output
 from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
@@ -179,7 +179,7 @@ class Generation:
         self,
         *,
         server: QuickdraftServer,
-        prompt_token_ids: list[int],
+        prompts: list[list[int]],
         params: SamplingParams,
         scenario: str,
         prompt_param: str,
@@ -188,7 +188,7 @@ class Generation:
         self.server = server
         self.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = now_seconds()
-        self._prompt_token_ids = prompt_token_ids
+        self._prompts = prompts
         self._params = params
         self._scenario = scenario
         self._prompt_param = prompt_param  # "prompt" or "messages": the field a rejection names
@@ -198,7 +198,8 @@ class Generation:
         self._submitted = False
         self._done = False
         self._closed = False
-        self.n = params.n  # completions asked for
+        self.n = params.n  # completions asked for per prompt
+        self.num_choices = len(prompts) * params.n  # choice k: completion k % n of prompt k // n
         self.output: RequestOutput | None = None  # all of them, once the last has finished
 
     def _deliver(self, event) -> None:  # called on the engine loop thread
@@ -210,7 +211,7 @@ class Generation:
         self._admitted_place = True
         submission = Submission(
             request_id=self.request_id,
-            prompt_token_ids=self._prompt_token_ids,
+            prompts=self._prompts,
             params=self._params,
             scenario=self._scenario,
             submitted_at=time.perf_counter(),
@@ -244,10 +245,10 @@ class Generation:
                 raise APIError(status=event.status, message=event.message, code=event.code)
             if event.finished:
                 finished[event.index] = event.output
-                if len(finished) == self.n:
+                if len(finished) == self.num_choices:
                     self._done = True
-                    outputs = [finished[index] for index in range(self.n)]
-                    self.output = merged_output(self.request_id, outputs, seed=outputs[0].seed)
+                    outputs = [finished[index] for index in range(self.num_choices)]
+                    self.output = merged_batch_output(self.request_id, outputs, n=self.n, seed=outputs[0].seed)
             yield event
             if self.output is not None:
                 return
@@ -280,13 +281,13 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         prepared = _prepare(server, request=request, body=body)
-        prompt_token_ids = await server.preprocessor.run(_completion_prompt, server, body)
+        prompts = await server.preprocessor.run(_completion_prompts, server, body)
         return await _generate(
             server,
             body=body,
             request=request,
             prepared=prepared,
-            prompt_token_ids=prompt_token_ids,
+            prompts=prompts,
             prompt_param="prompt",
             id_prefix="cmpl",
             writer_class=CompletionWriter,
@@ -304,7 +305,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             body=body,
             request=request,
             prepared=prepared,
-            prompt_token_ids=prompt_token_ids,
+            prompts=[prompt_token_ids],
             prompt_param="messages",
             id_prefix="chatcmpl",
             writer_class=ChatWriter,
@@ -375,12 +376,14 @@ def _body_too_large(max_bytes: int, *, size: str) -> APIError:
     )
 
 
-def _completion_prompt(server: QuickdraftServer, body: CompletionRequest) -> list[int]:
-    """The prompt's token ids, checked against the context (runs on a preprocessing thread)."""
-    prompt = body.single_prompt()
-    token_ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    _check_prompt_length(server, token_ids, param="prompt")
-    return token_ids
+def _completion_prompts(server: QuickdraftServer, body: CompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids, checked against the context (runs on a preprocessing thread)."""
+    prompts = []
+    for prompt in body.prompts():
+        token_ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        _check_prompt_length(server, token_ids, param="prompt")
+        prompts.append(token_ids)
+    return prompts
 
 
 async def _generate(
@@ -389,15 +392,15 @@ async def _generate(
     body,
     request: Request,
     prepared,
-    prompt_token_ids: list[int],
+    prompts: list[list[int]],
     prompt_param: str,
     id_prefix: str,
     writer_class,
 ):
-    """Run the prompt through the engine loop, answer (streamed or whole)."""
+    """Run the prompts through the engine loop, answer (streamed or whole)."""
     generation = Generation(
         server=server,
-        prompt_token_ids=prompt_token_ids,
+        prompts=prompts,
         params=prepared.params,
         scenario=prepared.scenario,
         prompt_param=prompt_param,
@@ -632,7 +635,9 @@ class CompletionWriter(ResponseWriter):
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         # Per completion: the text offsets of its streamed logprobs carry over from chunk to chunk.
-        self._stream_logprobs = [CompletionLogprobs(decode=self._decode_token) for _ in range(self.generation.n)]
+        self._stream_logprobs = [
+            CompletionLogprobs(decode=self._decode_token) for _ in range(self.generation.num_choices)
+        ]
 
     def _full_choice(self, completion: CompletionOutput) -> dict[str, Any]:
         logprobs = None
@@ -690,7 +695,7 @@ class ChatWriter(ResponseWriter):
                     }
                 ]
             )
-            for index in range(self.generation.n)
+            for index in range(self.generation.num_choices)
         ]
 
     def _progress_chunk(self, event: Progress) -> str | None:

@@ -81,7 +81,7 @@ SHUTTING_DOWN = Failed(status=503, message="the server is shutting down", code="
 @dataclass
 class Submission:
     request_id: str
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids: one prompt, or a batch (each gets params.n completions)
     params: SamplingParams
     scenario: str
     submitted_at: float  # time.perf_counter() in the handler
@@ -242,15 +242,15 @@ class EngineLoop:
             self._call(command)
 
     def _add(self, submission: Submission) -> None:
-        """The submission's engine requests: one, or params.n children (engine/parallel_sampling.py)."""
-        params = submission.params
+        """The submission's engine requests: params.n children of each prompt, child k completion
+        k % n of prompt k // n (engine/parallel_sampling.py); one when that is all."""
+        params, prompts = submission.params, submission.prompts
         seed = params.seed if params.seed is not None or params.n == 1 else self._engine.draw_seed()
-        request_ids = child_request_ids(submission.request_id, params.n)
+        request_ids = child_request_ids(submission.request_id, len(prompts) * params.n)
+        children = [(prompt, child) for prompt in prompts for child in child_params(params, seed=seed)]
         try:
-            for request_id, child in zip(request_ids, child_params(params, seed=seed)):
-                self._engine.add_request(
-                    prompt_token_ids=submission.prompt_token_ids, params=child, request_id=request_id
-                )
+            for request_id, (prompt, child) in zip(request_ids, children):
+                self._engine.add_request(prompt_token_ids=prompt, params=child, request_id=request_id)
         except Exception as err:
             for request_id in request_ids:  # the children added before the failure (unknown ids are ignored)
                 self._engine.abort_request(request_id)

@@ -25,7 +25,8 @@ MAX_TEMPERATURE = 1e4
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_STOP_STRINGS = 16
-MAX_N = 128  # completions per request, as OpenAI's API caps `n`
+MAX_N = 128  # completions per prompt, as OpenAI's API caps `n`
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
 # Content parts are joined into one string for the chat template.
 TEXT_PART_TYPES = ("text", "input_text")
 
@@ -192,20 +193,17 @@ class CompletionRequest(SamplingFields):
         kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
         return build_sampling_params(kwargs, renamed={})
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request (a text or token ids); batches are refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (texts or token ids): one, or a batch of up to MAX_PROMPTS."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request(
-                    f"prompt: one prompt per request is supported, got a list of {len(prompt)}",
-                    param="prompt",
-                    code="unsupported_value",
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, list) and not prompt:
-            raise bad_request("prompt: the prompt is empty", param="prompt")
-        return prompt
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) > MAX_PROMPTS:
+            raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(batch)}", param="prompt")
+        for position, one in enumerate(batch):
+            if isinstance(one, list) and not one:  # a text "" still has its BOS token
+                where = f"[{position}]" if len(batch) > 1 else ""
+                raise bad_request(f"prompt{where}: the prompt is empty", param="prompt")
+        return batch
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -324,7 +322,7 @@ def usage_body(*, num_prompt_tokens: int, num_completion_tokens: int, num_cached
 
 def usage_of(output: RequestOutput) -> dict[str, Any]:
     return usage_body(
-        num_prompt_tokens=len(output.prompt_token_ids),
+        num_prompt_tokens=output.metrics.num_prompt_tokens,  # every prompt's, for a batch
         num_completion_tokens=sum(len(completion.token_ids) for completion in output.outputs),
         num_cached_tokens=output.metrics.num_cached_tokens,
     )

@@ -123,8 +123,8 @@ def _content_text(content: Any) -> str:
 def _prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return _prompt_text(prompt[0])  # a batch of one
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return _prompt_text(prompt[0])  # a batch: its first prompt (a batch's prompts often share a start)
     if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
         return "".join(f"{token} " for token in prompt)
     return ""

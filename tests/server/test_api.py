@@ -345,3 +345,39 @@ def test_streamed_chat_n_announces_each_choice(ngram_server, offline_llms):
         model=ngram_server.model_name, messages=messages, max_tokens=10, temperature=1.0, seed=5, n=2
     )
     assert [choice.message.content for choice in whole.choices] == texts
+
+
+def test_a_batch_of_prompts_numbers_choices_prompt_by_prompt(ngram_server, offline_llms):
+    prompts = [PROMPTS[1], "Once upon", "1 2 3"]  # texts, or token-id lists (not both in one batch)
+    params = SamplingParams(n=2, temperature=0.9, seed=13, max_tokens=8)
+    reference = offline_llms["qwen3"].generate(prompts, params)
+    expected = [completion.text for output in reference for completion in output.outputs]
+    body = {
+        "model": ngram_server.model_name,
+        "prompt": prompts,
+        "n": 2,
+        "max_tokens": 8,
+        "temperature": 0.9,
+        "seed": 13,
+    }
+    response = httpx.post(f"{ngram_server.api_url}/completions", json=body, timeout=60).json()
+    assert [choice["index"] for choice in response["choices"]] == list(range(6))
+    assert [choice["text"] for choice in response["choices"]] == expected
+    usage = response["usage"]
+    assert usage["prompt_tokens"] == sum(len(output.prompt_token_ids) for output in reference)
+    assert usage["completion_tokens"] == sum(len(c.token_ids) for output in reference for c in output.outputs)
+    chunks = list(
+        ngram_server.openai_client().completions.create(
+            model=ngram_server.model_name, prompt=prompts, n=2, max_tokens=8, temperature=0.9, seed=13, stream=True
+        )
+    )
+    texts = [""] * 6
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+    by_ids = ngram_server.openai_client().completions.create(
+        model=ngram_server.model_name, prompt=[[5, 6, 7], [9, 10]], max_tokens=4, temperature=0
+    )
+    alone = offline_llms["qwen3"].generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=0, max_tokens=4))
+    assert [choice.text for choice in by_ids.choices] == [output.outputs[0].text for output in alone]

@@ -31,7 +31,7 @@ def submit(loop, request_id, *, prompt_token_ids=(5, 6, 7), **params) -> queue.Q
     loop.submit(
         Submission(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompts=[list(prompt_token_ids)],
             params=SamplingParams(temperature=0, **params),
             scenario="default",
             submitted_at=0.0,

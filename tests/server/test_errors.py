@@ -52,7 +52,10 @@ def assert_openai_error(response, *, status, param):
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one"] * 257}, "prompt"),  # more than MAX_PROMPTS
+        ({"prompt": ["one", [5, 10_000_000]]}, "prompt"),  # a batch with one prompt the engine refuses
+        ({"prompt": ["one", "word " * 200]}, "prompt"),
+        ({"prompt": [[5], []]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [5, 10_000_000]}, "prompt"),  # out of the vocabulary: refused by the engine itself
         ({"prompt": "word " * 200}, "prompt"),  # over max_model_len (128)

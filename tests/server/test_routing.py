@@ -45,6 +45,7 @@ def test_prefix_hashes_reject_bad_chunk_sizes(bad):
     [
         ("/v1/completions", {"prompt": "hello"}, "hello"),
         ("/v1/completions", {"prompt": ["hello"]}, "hello"),
+        ("/v1/completions", {"prompt": ["hello", "there"]}, "hello"),  # a batch: its first prompt
         ("/v1/completions", {"prompt": [1, 22, 3]}, "1 22 3 "),
         ("/v1/completions", {"prompt": 5}, ""),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "user\x1fhi\x1e"),
