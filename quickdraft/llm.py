@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,24 +126,41 @@ class LLM:
         ]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield the text and tokens each step adds; the last delta carries the full output."""
+        """Yield the text and tokens each step adds; the last delta carries the full output.
+        With n > 1 the deltas of the n completions come interleaved, each under its `index` and
+        `finished` at its own end; only the very last carries `output` (all n of them)."""
         params = sampling_params or SamplingParams()
-        if params.n != 1:
-            raise ValueError(f"n: stream yields one completion, got n={params.n} (generate returns n of them)")
-        request_id = self._add(_as_prompt_list(prompt)[0], params)
+        group = self._new_group(params)
         try:
-            while True:
+            for request_id, child in zip(group.request_ids, child_params(params, seed=group.seed)):
+                self._add(_as_prompt_list(prompt)[0], child, request_id=request_id)
+            index_of = {request_id: index for index, request_id in enumerate(group.request_ids)}
+            finished: dict[str, RequestOutput] = {}
+            while len(finished) < len(index_of):
                 for delta in self.engine.step():
-                    if delta.request_id != request_id:
+                    index = index_of.get(delta.request_id)
+                    if index is None:
                         continue
-                    if delta.text or delta.token_ids or delta.finished:
-                        yield delta
                     if delta.finished:
-                        return
+                        finished[delta.request_id] = delta.output
+                    if not (delta.text or delta.token_ids or delta.finished):
+                        continue
+                    if len(index_of) == 1:
+                        yield delta
+                        continue
+                    done = len(finished) == len(index_of)
+                    outputs = [finished[i] for i in group.request_ids] if done else []
+                    yield dataclasses.replace(
+                        delta,
+                        request_id=group.parent_id,
+                        index=index,
+                        output=merged_output(group.parent_id, outputs, seed=group.seed) if done else None,
+                    )
         finally:
-            # A consumer that stops early aborts the request and frees its slot.
-            self.engine.abort_request(request_id)
-            self.engine.release(request_id)
+            # A consumer that stops early aborts the requests and frees their slots.
+            for request_id in group.request_ids:
+                self.engine.abort_request(request_id)
+                self.engine.release(request_id)
 
     def chat(
         self,

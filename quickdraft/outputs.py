@@ -134,6 +134,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the full output, on the last delta
+    index: int = 0  # the completion it belongs to (LLM.stream of n > 1 completions)
 
 
 @dataclass

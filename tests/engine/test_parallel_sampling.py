@@ -139,6 +139,23 @@ def test_n_is_refused_where_one_completion_is_all_there_is(llm):
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="the engine takes one completion per request"):
         llm.engine.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(n=2))
-    with pytest.raises(ValueError, match="stream yields one completion"):
-        next(llm.stream([1, 2, 3], SamplingParams(n=2)))
     assert not llm.engine._requests
+
+
+def test_streamed_completions_come_by_index_and_end_with_all_of_them(llm):
+    prompt = repetitive_prompts()[1]
+    params = SamplingParams(n=3, seed=8, max_tokens=7, **SAMPLED)
+    whole = llm.generate(prompt, params)[0]
+    deltas = list(llm.stream(prompt, params))
+    for index in range(3):
+        streamed = [t for d in deltas if d.index == index for t in d.token_ids]
+        assert streamed == whole.outputs[index].token_ids
+        assert "".join(d.text for d in deltas if d.index == index) == whole.outputs[index].text
+        assert [d.finished for d in deltas if d.index == index][-1]
+    assert [d.output is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    final = deltas[-1].output
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in whole.outputs] and final.seed == 8
+    early = llm.stream(prompt, SamplingParams(n=3, max_tokens=50, **SAMPLED))
+    next(early)
+    early.close()  # a consumer that stops early aborts every completion
+    assert not llm.engine.has_unfinished_requests() and not llm.engine._requests
