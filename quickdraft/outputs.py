@@ -122,6 +122,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     seed: int | None = None  # the sampling seed used (drawn by the engine when the request had none)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass

@@ -53,6 +53,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
+    # per prompt token after the first: its logprob and the top ones (vLLM's); computes the LM head
+    # over every prompt row and takes nothing from the prefix cache for the prompt
+    prompt_logprobs: int | None = None
     # token id -> value added to its logit (OpenAI's logit_bias, each in [-100, 100]); None = off
     logit_bias: dict[int, float] | None = None
     # only these token ids may be generated (vLLM's allowed_token_ids); None = every token
@@ -87,6 +90,8 @@ class SamplingParams:
 
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
 
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)

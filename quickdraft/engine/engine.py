@@ -53,6 +53,8 @@ DEFAULT_MAX_MODEL_LEN = 4096
 # Storage beyond max_model_len, so that a step's new tokens (a prefill chunk's tail or a
 # draft tree) always have room to be written before they are accepted or dropped.
 CACHE_HEADROOM = 64
+# Prompt rows per LM-head call of prompt_logprobs: a row's logits over a 262k vocabulary are 1 MB.
+PROMPT_LOGPROB_ROWS = 32
 
 
 class Engine:
@@ -437,6 +439,7 @@ class Engine:
             path_logprobs = self._path_logprobs(requests, paths, logits, row_offsets)
             for k, i in enumerate(verifying):
                 accepted[i], logprobs[i] = paths[k], path_logprobs[k]
+        self._record_prompt_logprobs(plan, work=work, row_starts=row_starts, hidden_states=out.forward.hidden_states)
         now = time.perf_counter()
         kept_features = _kept_features(
             features, plan=plan, proposals=proposals, accepted=accepted, row_starts=row_starts
@@ -464,6 +467,41 @@ class Engine:
             verify_seconds=finished - drafted,
         )
         return [self._delta(item.request) for item in plan]
+
+    @torch.inference_mode()
+    def _record_prompt_logprobs(
+        self,
+        plan: list[ScheduledRequest],
+        *,
+        work: list[SequenceWork],
+        row_starts: list[int],  # item i's fed tokens are rows row_starts[i]:row_starts[i + 1]
+        hidden_states: torch.Tensor,  # [N, D] the forward's last hidden states
+    ) -> None:
+        """SamplingParams.prompt_logprobs: each fed prompt row's log-softmax read at the prompt
+        token that follows it (raw logits, like `logprobs`), through the LM head a few rows at a
+        time (a row of the 262k vocabulary is 1 MB)."""
+        for i, item in enumerate(plan):
+            req = item.request
+            prompt, start = req.prompt_token_ids, work[i].cache_len
+            if req.prompt_logprobs is None or start >= len(prompt) - 1:
+                continue
+            positions = range(start, min(start + len(work[i].token_ids), len(prompt) - 1))
+            wanted = req.params.prompt_logprobs or 0
+            for first in range(0, len(positions), PROMPT_LOGPROB_ROWS):
+                chunk = positions[first : first + PROMPT_LOGPROB_ROWS]
+                rows = torch.arange(chunk.start - start, chunk.stop - start, device=self.device) + row_starts[i]
+                log_probs = torch.log_softmax(self.model.compute_logits(hidden_states[rows]).float(), dim=-1)
+                following = torch.tensor(prompt[chunk.start + 1 : chunk.stop + 1], device=self.device)
+                chosen = log_probs.gather(1, following[:, None])[:, 0].tolist()
+                top_lp, top_ids = log_probs.topk(wanted, dim=-1) if wanted else (log_probs[:, :0], log_probs[:, :0])
+                for j, position in enumerate(chunk):
+                    req.prompt_logprobs[position + 1] = make_token_logprobs(
+                        token_id=prompt[position + 1],
+                        logprob=chosen[j],
+                        top_ids=top_ids[j].tolist(),
+                        top_logprobs=top_lp[j].tolist(),
+                        tokenizer=self.tokenizer,
+                    )
 
     def _first_logits_rows(self, proposals: list[Proposal | None]) -> int:
         """Rows of a walked proposal the forward computes (0: all); measured once (at load when

@@ -23,14 +23,28 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
 
 
-def child_params(params: SamplingParams, *, seed: int | None) -> list[SamplingParams]:
+def child_params(
+    params: SamplingParams, *, seed: int | None, prompt_logprobs_for_all: bool = False
+) -> list[SamplingParams]:
     """Each child's parameters: n = 1, child i seeded seed + i.  `seed` is needed for n > 1 (the
-    request's seed, or one the engine drew) so that the request's output names one seed for all."""
+    request's seed, or one the engine drew) so that the request's output names one seed for all.
+    Prompt logprobs are computed by the first child only, unless `prompt_logprobs_for_all` (a
+    server streaming each choice after its echoed prompt)."""
     if params.n == 1:
         return [params]
     if seed is None:
         raise ValueError("n > 1 needs the request's seed (or one the engine drew) to seed its children")
-    return [dataclasses.replace(params, n=1, seed=seed + index) for index in range(params.n)]
+    # The prompt's logprobs are the same for every child: the first computes them, the others may
+    # then take the prompt from the prefix cache.
+    return [
+        dataclasses.replace(
+            params,
+            n=1,
+            seed=seed + index,
+            prompt_logprobs=params.prompt_logprobs if index == 0 or prompt_logprobs_for_all else None,
+        )
+        for index in range(params.n)
+    ]
 
 
 def merged_output(request_id: str, outputs: list[RequestOutput], *, seed: int | None) -> RequestOutput:
@@ -47,6 +61,7 @@ def merged_output(request_id: str, outputs: list[RequestOutput], *, seed: int | 
         finished=all(output.finished for output in outputs),
         metrics=merged_metrics([output.metrics for output in outputs]),
         seed=seed,
+        prompt_logprobs=first.prompt_logprobs,
     )
 
 

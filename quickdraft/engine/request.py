@@ -58,6 +58,11 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # [P]: entry p the logprob of prompt token p given those before it (None for the first,
+        # and until its row is computed); None when not asked for
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None
+        )
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(
             arrival_time=arrival_time or time.perf_counter(), num_prompt_tokens=len(prompt_token_ids)
@@ -102,6 +107,12 @@ class Request:
     @property
     def remaining_output_tokens(self) -> int:
         return self._max_output - len(self.output_token_ids)
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Whether its prompt's logprobs are still to compute (so no prompt block may come from
+        the prefix cache: a cached block has no logits)."""
+        return self.prompt_logprobs is not None and any(entry is None for entry in self.prompt_logprobs[1:])
 
     def append_token(self, token_id: int, *, now: float, logprobs: TokenLogprobs | None = None) -> bool:
         """Commit one generated token; returns True when the request is finished by it."""
@@ -197,6 +208,7 @@ class Request:
             finished=self.is_finished,
             metrics=self.metrics,
             seed=self.seed,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
 

@@ -128,7 +128,7 @@ class Scheduler:
             # Cached full blocks of the prompt start the slot's tables: their tokens count as computed.
             prefix = (
                 self.cache.find_prefix(req.all_token_ids, usable=self.prefix_usable)
-                if self.enable_prefix_caching
+                if self.enable_prefix_caching and not req.needs_prompt_rows
                 else None
             )
             if prefix is not None and self._prefill_computing_blocks_of(req.all_token_ids, cached=prefix.num_tokens):

@@ -1,4 +1,5 @@
-"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and
+vLLM's /tokenize and /detokenize.
 
 A handler reads the body (413 past --max-request-bytes, 408 when the client stalls), then
 parses, validates, renders and tokenizes the prompt on a preprocessing thread (never on the
@@ -33,12 +34,14 @@ from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
 from quickdraft.server.middleware import ApiKeyCheck, EndCancelledRequests
-from quickdraft.server.preprocess import parse_request
+from quickdraft.server.preprocess import Model, parse_request
 from quickdraft.server.protocol import (
     ChatCompletionRequest,
     CompletionLogprobs,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
     chat_logprobs_body,
     now_seconds,
     speculation_body,
@@ -201,6 +204,7 @@ class Generation:
         self.n = params.n  # completions asked for per prompt
         self.num_choices = len(prompts) * params.n  # choice k: completion k % n of prompt k // n
         self.output: RequestOutput | None = None  # all of them, once the last has finished
+        self.prompt_logprobs: dict[int, list] = {}  # choice -> its prompt's logprobs, where asked for
 
     def _deliver(self, event) -> None:  # called on the engine loop thread
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
@@ -243,6 +247,8 @@ class Generation:
             if isinstance(event, Failed):
                 self._done = True
                 raise APIError(status=event.status, message=event.message, code=event.code)
+            if event.prompt_logprobs is not None:
+                self.prompt_logprobs[event.index] = event.prompt_logprobs
             if event.finished:
                 finished[event.index] = event.output
                 if len(finished) == self.num_choices:
@@ -282,16 +288,43 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         prepared = _prepare(server, request=request, body=body)
         prompts = await server.preprocessor.run(_completion_prompts, server, body)
+        echo = None
+        if body.echo:  # the prompt as given, or its token ids' text
+            texts = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in body.prompts()]
+            echo = list(zip(texts, prompts))
         return await _generate(
             server,
             body=body,
             request=request,
             prepared=prepared,
             prompts=prompts,
+            echo=echo,
             prompt_param="prompt",
             id_prefix="cmpl",
             writer_class=CompletionWriter,
         )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _read_request(server, request, model=TokenizeRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        _check_model(server, body.model)
+        body.check()
+        return JSONResponse(await server.preprocessor.run(_tokenize, server, body))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _read_request(server, request, model=DetokenizeRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        _check_model(server, body.model)
+        vocab = server.tokenizer.vocab_size
+        bad = [token for token in body.tokens if not 0 <= token < vocab]
+        if bad:
+            raise bad_request(f"tokens: ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        text = await server.preprocessor.run(server.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -312,9 +345,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         )
 
 
-async def _read_request(
-    server: QuickdraftServer, request: Request, *, model: type[SamplingFields]
-) -> SamplingFields | None:
+async def _read_request(server: QuickdraftServer, request: Request, *, model: type[Model]) -> Model | None:
     """The validated body (parsed on a preprocessing thread), or None if the client left."""
     if server.shutting_down:  # before reading a body that would be refused anyway
         raise shutting_down()
@@ -396,6 +427,7 @@ async def _generate(
     prompt_param: str,
     id_prefix: str,
     writer_class,
+    echo: list[tuple[str, list[int]]] | None = None,  # completions' `echo`: per prompt (text, token ids)
 ):
     """Run the prompts through the engine loop, answer (streamed or whole)."""
     generation = Generation(
@@ -406,8 +438,13 @@ async def _generate(
         prompt_param=prompt_param,
         id_prefix=id_prefix,
     )
+    extra = {"echo": echo} if echo is not None else {}
     writer = writer_class(
-        server=server, generation=generation, include_usage=body.include_usage, include_token_ids=body.return_token_ids
+        server=server,
+        generation=generation,
+        include_usage=body.include_usage,
+        include_token_ids=body.return_token_ids,
+        **extra,
     )
     return await _respond(generation, writer=writer, stream=body.stream, request=request)
 
@@ -424,15 +461,42 @@ def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields
     raw_scenario = (body.metadata or {}).get("scenario") or request.headers.get(SCENARIO_HEADER)
     scenario = server.scenarios.resolve(raw_scenario)
     request.state.scenario = scenario
-    if body.model is not None and body.model != server.model_name:
+    _check_model(server, body.model)
+    body.check_unsupported()
+    return _Prepared(params=body.sampling_params(), scenario=scenario)
+
+
+def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]:
+    """vLLM's /tokenize answer (on a preprocessing thread): a prompt longer than the context is
+    counted too, so that a client can see by how much."""
+    tokenizer = server.tokenizer
+    if body.messages is not None:
+        if tokenizer.chat_template is None:
+            raise bad_request(
+                f"messages: the model {server.model_name!r} has no chat template; tokenize a prompt instead",
+                param="messages",
+                code="chat_template_missing",
+            )
+        try:
+            text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
+        except Exception as err:  # the template's own checks raise
+            raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
+        tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
+    strings = [tokenizer.id_to_token(token) for token in tokens] if body.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": strings}
+
+
+def _check_model(server: QuickdraftServer, model: str | None) -> None:
+    if model is not None and model != server.model_name:
         raise APIError(
             status=404,
             param="model",
             code="model_not_found",
-            message=f"model: {body.model!r} does not exist; this server serves {server.model_name!r}",
+            message=f"model: {model!r} does not exist; this server serves {server.model_name!r}",
         )
-    body.check_unsupported()
-    return _Prepared(params=body.sampling_params(), scenario=scenario)
 
 
 def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[int]:
@@ -632,36 +696,60 @@ class CompletionWriter(ResponseWriter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, *, echo: list[tuple[str, list[int]]] | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         # Per completion: the text offsets of its streamed logprobs carry over from chunk to chunk.
         self._stream_logprobs = [
             CompletionLogprobs(decode=self._decode_token) for _ in range(self.generation.num_choices)
         ]
+        self._echo = echo  # per prompt (text, token ids), put before its choices' text (`echo`)
+        self._echoed: set[int] = set()  # streamed choices whose prompt went out
+
+    def _echoed_prompt(self, index: int) -> tuple[str, list[int]] | None:
+        return None if self._echo is None else self._echo[index // self.generation.n]
 
     def _full_choice(self, completion: CompletionOutput) -> dict[str, Any]:
+        text, entries, prompt_ids = completion.text, completion.logprobs, None
+        echoed = self._echoed_prompt(completion.index)
+        if echoed is not None:
+            prompt_text, prompt_ids = echoed
+            text = prompt_text + text
+            prompt_logprobs = self.generation.prompt_logprobs.get(completion.index)
+            if entries is not None and prompt_logprobs is not None:
+                entries = prompt_logprobs[1:] + entries  # entries after the first are all set by now
+            else:
+                prompt_ids = None
         logprobs = None
-        if completion.logprobs is not None:
-            logprobs = CompletionLogprobs(decode=self._decode_token).body(completion.logprobs)
+        if entries is not None:
+            logprobs = CompletionLogprobs(decode=self._decode_token).body(entries, prompt=prompt_ids)
         return self._with_token_ids(
-            {
-                "index": completion.index,
-                "text": completion.text,
-                "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
-            },
+            {"index": completion.index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason},
             completion.token_ids,
         )
 
+    def _echo_chunk(self, event: Progress) -> str:
+        """The choice's prompt (and its tokens' logprobs when asked), before its first tokens."""
+        echoed = self._echoed_prompt(event.index)
+        if echoed is None or event.index in self._echoed:
+            return ""
+        self._echoed.add(event.index)
+        prompt_text, prompt_ids = echoed
+        logprobs = None
+        if event.prompt_logprobs is not None:
+            entries = event.prompt_logprobs[1:]
+            logprobs = self._stream_logprobs[event.index].body(entries, prompt=prompt_ids)
+        return self._chunk([{"index": event.index, "text": prompt_text, "logprobs": logprobs, "finish_reason": None}])
+
     def _progress_chunk(self, event: Progress) -> str | None:
+        echo = self._echo_chunk(event)
         if not (event.text or event.finished or event.logprobs or self._has_new_tokens_to_send(event)):
-            return None
+            return echo or None
         logprobs = self._stream_logprobs[event.index].body(event.logprobs) if event.logprobs is not None else None
         choice = self._with_token_ids(
             {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason},
             event.token_ids,
         )
-        return self._chunk([choice], **self._final_extras())
+        return echo + self._chunk([choice], **self._final_extras())
 
 
 class ChatWriter(ResponseWriter):

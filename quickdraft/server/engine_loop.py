@@ -61,6 +61,9 @@ class Progress:
     finish_reason: str | None
     output: RequestOutput | None
     index: int = 0
+    # On a completion's first event, where the request asked for them: its prompt's logprobs
+    # (RequestOutput.prompt_logprobs), for an echoed prompt streamed before the completion
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -136,6 +139,7 @@ class _Tracked:
     submission: Submission
     index: int = 0
     num_sent_tokens: int = 0  # tokens (and their logprobs) already delivered
+    started: bool = False  # its first event went out
 
 
 class EngineLoop:
@@ -247,7 +251,8 @@ class EngineLoop:
         params, prompts = submission.params, submission.prompts
         seed = params.seed if params.seed is not None or params.n == 1 else self._engine.draw_seed()
         request_ids = child_request_ids(submission.request_id, len(prompts) * params.n)
-        children = [(prompt, child) for prompt in prompts for child in child_params(params, seed=seed)]
+        each = child_params(params, seed=seed, prompt_logprobs_for_all=True)  # each choice streams its echo
+        children = [(prompt, child) for prompt in prompts for child in each]
         try:
             for request_id, (prompt, child) in zip(request_ids, children):
                 self._engine.add_request(prompt_token_ids=prompt, params=child, request_id=request_id)
@@ -297,6 +302,10 @@ class EngineLoop:
             return  # a prefill chunk that produced nothing yet
         logprobs = self._new_logprobs(delta.request_id, tracked, num_new=len(delta.token_ids))
         tracked.num_sent_tokens += len(delta.token_ids)
+        prompt_logprobs = None
+        if not tracked.started:
+            tracked.started = True
+            prompt_logprobs = self._engine.get_request(delta.request_id).prompt_logprobs
         if delta.finished:
             self._forget(delta.request_id, finish_reason=delta.finish_reason or "stop", metrics=delta.output.metrics)
         _deliver(
@@ -309,6 +318,7 @@ class EngineLoop:
                 finish_reason=delta.finish_reason,
                 output=delta.output,
                 index=tracked.index,
+                prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
             ),
         )
 

@@ -180,8 +180,6 @@ class CompletionRequest(SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported by this server", param="echo", code="unsupported_parameter")
         if self.suffix:
             raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
         if self.best_of not in (None, 1):
@@ -191,7 +189,9 @@ class CompletionRequest(SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
-        return build_sampling_params(kwargs, renamed={})
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens carry theirs too
+            kwargs["prompt_logprobs"] = self.logprobs
+        return build_sampling_params(kwargs, renamed={"prompt_logprobs": "logprobs"})
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts (texts or token ids): one, or a batch of up to MAX_PROMPTS."""
@@ -247,6 +247,34 @@ class ChatCompletionRequest(SamplingFields):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": message.role, "content": message.text()} for message in self.messages]
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages only
+    # None: True for a prompt (BOS as /v1/completions adds it), False for messages (the template writes it)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt or messages", param="prompt" if self.prompt else "messages")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages: at least one message is needed", param="messages")
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": message.role, "content": message.text()} for message in self.messages or []]
+
+
+class DetokenizeRequest(StrictModel):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any]:
@@ -358,17 +386,23 @@ class CompletionLogprobs:
         self._decode = decode  # token id -> its text (special tokens included)
         self._offset = 0
 
-    def body(self, token_logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    def body(self, token_logprobs: list[TokenLogprobs], *, prompt: list[int] | None = None) -> dict[str, Any]:
+        """The object for `token_logprobs`; `prompt` (its token ids) puts an echoed prompt first,
+        its first token with null logprobs (nothing precedes it), the others' from `token_logprobs`,
+        which then starts with the prompt's entries (`RequestOutput.prompt_logprobs[1:]`)."""
+        first = [] if prompt is None else [prompt[0]]
+        ids = first + [entry.token_id for entry in token_logprobs]
         tokens, offsets = [], []
-        for entry in token_logprobs:
-            token = self._decode(entry.token_id)
+        for token_id in ids:
+            token = self._decode(token_id)
             tokens.append(token)
             offsets.append(self._offset)
             self._offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [entry.logprob for entry in token_logprobs],
-            "top_logprobs": [{top.decoded or "": top.logprob for top in entry.top} for entry in token_logprobs],
+            "token_logprobs": [None] * len(first) + [entry.logprob for entry in token_logprobs],
+            "top_logprobs": [None] * len(first)
+            + [{top.decoded or "": top.logprob for top in entry.top} for entry in token_logprobs],
             "text_offset": offsets,
         }
 

@@ -381,3 +381,82 @@ def test_a_batch_of_prompts_numbers_choices_prompt_by_prompt(ngram_server, offli
     )
     alone = offline_llms["qwen3"].generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=0, max_tokens=4))
     assert [choice.text for choice in by_ids.choices] == [output.outputs[0].text for output in alone]
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(plain_server, offline_llms):
+    reference = offline_llms["gemma3"].generate(
+        ["abc def"], SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1)
+    )[0]
+    client = plain_server.openai_client()
+    plain = client.completions.create(model=plain_server.model_name, prompt="abc def", max_tokens=3, temperature=0)
+    echoed = client.completions.create(
+        model=plain_server.model_name, prompt="abc def", max_tokens=3, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == "abc def" + plain.choices[0].text
+    scored = client.completions.create(
+        model=plain_server.model_name, prompt="abc def", max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
+    logprobs = scored.choices[0].logprobs
+    num_prompt = len(reference.prompt_token_ids)
+    assert len(logprobs.tokens) == num_prompt + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing precedes it
+    expected = [e.logprob for e in reference.prompt_logprobs[1:]] + [e.logprob for e in reference.outputs[0].logprobs]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected)
+    assert "".join(logprobs.tokens[1:]) == scored.choices[0].text  # the first token is BOS
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    chunks = list(
+        client.completions.create(
+            model=plain_server.model_name, prompt="abc def", max_tokens=3, temperature=0, echo=True, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text == "abc def"
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == echoed.choices[0].text
+    streamed = list(
+        client.completions.create(
+            model=plain_server.model_name,
+            prompt=["abc def", "x y"],
+            max_tokens=3,
+            temperature=0,
+            echo=True,
+            logprobs=1,
+            n=2,
+            stream=True,
+        )
+    )
+    per_choice: dict[int, list] = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                per_choice.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+    assert sorted(per_choice) == [0, 1, 2, 3]
+    assert per_choice[0][1:] == pytest.approx(expected) and per_choice[1] == per_choice[0]
+
+
+def test_tokenize_and_detokenize(ngram_server, offline_llms):
+    tokenizer = offline_llms["qwen3"].tokenizer
+    url = ngram_server.base_url
+    body = httpx.post(f"{url}/tokenize", json={"prompt": "a b c", "return_token_strs": True}).json()
+    assert body["tokens"] == tokenizer.encode("a b c") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 128 and body["token_strs"] == [tokenizer.id_to_token(t) for t in body["tokens"]]
+    bare = httpx.post(f"{url}/tokenize", json={"prompt": "a b c", "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode("a b c", add_special_tokens=False) and bare["token_strs"] is None
+    messages = [{"role": "user", "content": "Count: 1 2 3"}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    served = ngram_server.openai_client().chat.completions.create(
+        model=ngram_server.model_name, messages=messages, max_tokens=1, temperature=0
+    )
+    assert chat["count"] == served.usage.prompt_tokens  # what the chat endpoint feeds the model
+    long = httpx.post(f"{url}/tokenize", json={"prompt": "word " * 300}).json()
+    assert long["count"] > long["max_model_len"]  # counted, not refused: the client sees by how much
+    back = httpx.post(f"{url}/detokenize", json={"tokens": bare["tokens"]}).json()
+    assert back == {"prompt": "a b c"}
+    for path, wrong, param in [
+        ("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+        ("/tokenize", {}, "messages"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "x"}, "tokens"),
+    ]:
+        response = httpx.post(f"{url}{path}", json=wrong)
+        assert response.status_code in (400, 404), (path, wrong, response.text)
+        assert response.json()["error"]["param"] == param, (path, wrong, response.text)

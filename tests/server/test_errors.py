@@ -48,7 +48,6 @@ def assert_openai_error(response, *, status, param):
         ({"logit_bias": {"10000000": 1.0}}, "logit_bias"),  # out of the vocabulary: refused by the engine
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"stop_token_ids": [10_000_000]}, "stop_token_ids"),
-        ({"echo": True}, "echo"),
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
