@@ -56,6 +56,8 @@ class SamplingParams:
     # per prompt token after the first: its logprob and the top ones (vLLM's); computes the LM head
     # over every prompt row and takes nothing from the prefix cache for the prompt
     prompt_logprobs: int | None = None
+    # keep only the prompt's last k tokens (vLLM's; left truncation: a BOS at its start goes too)
+    truncate_prompt_tokens: int | None = None
     # token id -> value added to its logit (OpenAI's logit_bias, each in [-100, 100]); None = off
     logit_bias: dict[int, float] | None = None
     # only these token ids may be generated (vLLM's allowed_token_ids); None = every token
@@ -90,6 +92,8 @@ class SamplingParams:
 
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
 

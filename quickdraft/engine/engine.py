@@ -252,7 +252,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self._prompt_tokens(prompt, prompt_token_ids)
+        token_ids = self._prompt_tokens(prompt, prompt_token_ids, keep_last=params.truncate_prompt_tokens)
         self._check_vocabulary_ids(params)
         if params.n != 1:
             raise ValueError(
@@ -305,7 +305,9 @@ class Engine:
                     name, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
                 )
 
-    def _prompt_tokens(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+    def _prompt_tokens(
+        self, prompt: str | None, prompt_token_ids: list[int] | None, *, keep_last: int | None = None
+    ) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
         if prompt is not None:
@@ -321,6 +323,8 @@ class Engine:
                 raise ValueError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if keep_last is not None:
+            token_ids = token_ids[-keep_last:]
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "

@@ -412,6 +412,7 @@ def _completion_prompts(server: QuickdraftServer, body: CompletionRequest) -> li
     prompts = []
     for prompt in body.prompts():
         token_ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = _truncated(token_ids, body.truncate_prompt_tokens)
         _check_prompt_length(server, token_ids, param="prompt")
         prompts.append(token_ids)
     return prompts
@@ -514,9 +515,14 @@ def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[
     except Exception as err:  # the template's own checks (roles must alternate, ...) raise
         raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
     # The template writes BOS itself (as LLM.chat does).
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    token_ids = _truncated(tokenizer.encode(text, add_special_tokens=False), body.truncate_prompt_tokens)
     _check_prompt_length(server, token_ids, param="messages")
     return token_ids
+
+
+def _truncated(token_ids: list[int], keep_last: int | None) -> list[int]:
+    """truncate_prompt_tokens (checked in SamplingParams before the prompt is tokenized)."""
+    return token_ids if keep_last is None else token_ids[-keep_last:]
 
 
 def _check_prompt_length(server: QuickdraftServer, prompt_token_ids: list[int], *, param: str) -> None:

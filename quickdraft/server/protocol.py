@@ -81,6 +81,7 @@ class SamplingFields(StrictModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -130,6 +131,7 @@ class SamplingFields(StrictModel):
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
             "allowed_token_ids": self.allowed_token_ids,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         kwargs.update({name: value for name, value in optional.items() if value is not None})
         structured = self.structured_outputs_params()

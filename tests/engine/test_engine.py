@@ -253,3 +253,15 @@ def test_bfloat16_engine_runs(tiny_checkpoints):
     llm = LLM(str(tiny_checkpoints["gemma3"]), dtype="bfloat16", max_model_len=64)
     out = llm.generate(["hello"], SamplingParams(max_tokens=6, **GREEDY))[0].outputs[0]
     assert len(out.token_ids) == 6
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(gemma_llm):
+    long = prompt(300, seed=3)  # past max_model_len (256): refused unless truncated
+    params = SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=60)
+    kept = gemma_llm.generate([long], params)[0]
+    alone = gemma_llm.generate([long[-60:]], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert kept.prompt_token_ids == long[-60:] and kept.outputs[0].token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="max_model_len"):
+        gemma_llm.generate([long], SamplingParams(max_tokens=5, truncate_prompt_tokens=260))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)

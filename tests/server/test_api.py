@@ -460,3 +460,20 @@ def test_tokenize_and_detokenize(ngram_server, offline_llms):
         response = httpx.post(f"{url}{path}", json=wrong)
         assert response.status_code in (400, 404), (path, wrong, response.text)
         assert response.json()["error"]["param"] == param, (path, wrong, response.text)
+
+
+def test_truncate_prompt_tokens_fits_a_long_prompt(plain_server):
+    client = plain_server.openai_client()
+    long = "word " * 300  # past the server's 128-token context
+    kept = client.completions.create(
+        model=plain_server.model_name,
+        prompt=long,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 50},
+    )
+    assert kept.usage.prompt_tokens == 50
+    response = httpx.post(
+        f"{plain_server.api_url}/completions", json={"prompt": long, "max_tokens": 3, "truncate_prompt_tokens": 0}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
