@@ -45,6 +45,7 @@ from quickdraft.server.protocol import (
     chat_logprobs_body,
     now_seconds,
     speculation_body,
+    usage_body,
     usage_of,
 )
 from quickdraft.server.validation import validation_error_to_api_error
@@ -203,6 +204,7 @@ class Generation:
         self._closed = False
         self.n = params.n  # completions asked for per prompt
         self.num_choices = len(prompts) * params.n  # choice k: completion k % n of prompt k // n
+        self.num_prompt_tokens = sum(len(prompt) for prompt in prompts)
         self.output: RequestOutput | None = None  # all of them, once the last has finished
         self.prompt_logprobs: dict[int, list] = {}  # choice -> its prompt's logprobs, where asked for
 
@@ -445,6 +447,7 @@ async def _generate(
         generation=generation,
         include_usage=body.include_usage,
         include_token_ids=body.return_token_ids,
+        continuous_usage=body.continuous_usage,
         **extra,
     )
     return await _respond(generation, writer=writer, stream=body.stream, request=request)
@@ -616,12 +619,21 @@ class ResponseWriter:
     chunk_object_name: str
 
     def __init__(
-        self, *, server: QuickdraftServer, generation: Generation, include_usage: bool, include_token_ids: bool = False
+        self,
+        *,
+        server: QuickdraftServer,
+        generation: Generation,
+        include_usage: bool,
+        include_token_ids: bool = False,
+        continuous_usage: bool = False,
     ):
         self.server = server
         self.generation = generation
         self.include_usage = include_usage
         self.include_token_ids = include_token_ids  # vLLM's return_token_ids extension
+        # vLLM's continuous_usage_stats: every chunk's usage is the tokens so far (with include_usage)
+        self.continuous_usage = continuous_usage and include_usage
+        self._num_streamed_tokens = 0  # every choice's, for continuous usage
 
     def _with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
         return {**choice, "token_ids": list(token_ids)} if self.include_token_ids else choice
@@ -664,7 +676,11 @@ class ResponseWriter:
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {**self._envelope(self.chunk_object_name), "choices": choices}
-        if self.include_usage:
+        if self.continuous_usage:
+            body["usage"] = usage_body(
+                num_prompt_tokens=self.generation.num_prompt_tokens, num_completion_tokens=self._num_streamed_tokens
+            )
+        elif self.include_usage:
             body["usage"] = None  # OpenAI: every chunk has usage null but the last one
         return sse({**body, **extra})
 
@@ -674,6 +690,7 @@ class ResponseWriter:
             for chunk in self._opening_chunks():
                 yield chunk
             async for event in self.generation.progress():
+                self._num_streamed_tokens += len(event.token_ids)
                 chunk = self._progress_chunk(event)
                 if chunk is not None:
                     yield chunk

@@ -37,6 +37,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class TextPart(StrictModel):
@@ -101,6 +102,10 @@ class SamplingFields(StrictModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def check_unsupported(self) -> None:
         """OpenAI fields the engine cannot honour: a 400 naming the field unless left at default."""

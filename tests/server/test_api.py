@@ -477,3 +477,21 @@ def test_truncate_prompt_tokens_fits_a_long_prompt(plain_server):
         f"{plain_server.api_url}/completions", json={"prompt": long, "max_tokens": 3, "truncate_prompt_tokens": 0}
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_continuous_usage_stats_count_the_tokens_so_far(ngram_server):
+    chunks = list(
+        ngram_server.openai_client().completions.create(
+            model=ngram_server.model_name,
+            prompt=PROMPTS[1],
+            max_tokens=12,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    final = chunks[-1].usage
+    counts = [chunk.usage.completion_tokens for chunk in chunks[:-1]]
+    assert all(chunk.usage.prompt_tokens == final.prompt_tokens for chunk in chunks[:-1])
+    assert counts == sorted(counts) and counts[-1] == final.completion_tokens == 24
