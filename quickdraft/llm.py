@@ -93,10 +93,13 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        use_tqdm: a progress bar of the prompts done (vLLM's argument; off by default here).
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
@@ -114,12 +117,17 @@ class LLM:
                 self.engine.release(request_id)
             raise
         outputs: dict[str, RequestOutput] = {}
-        wanted = {request_id for group in groups for request_id in group.request_ids}
-        while wanted - outputs.keys():
+        group_of = {request_id: group for group in groups for request_id in group.request_ids}
+        progress = _progress_bar(len(groups), enabled=use_tqdm)
+        while len(outputs) < len(group_of):
             for delta in self.engine.step():
-                if delta.finished and delta.request_id in wanted:
+                group = group_of.get(delta.request_id)
+                if delta.finished and group is not None:
                     outputs[delta.request_id] = delta.output
-        for request_id in wanted:
+                    if all(request_id in outputs for request_id in group.request_ids):
+                        progress.update(1)
+        progress.close()
+        for request_id in group_of:
             self.engine.release(request_id)
         return [
             merged_output(group.parent_id, [outputs[i] for i in group.request_ids], seed=group.seed) for group in groups
@@ -169,6 +177,7 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -176,7 +185,7 @@ class LLM:
         for conversation in conversations:
             text = self._render_chat(conversation, chat_template, add_generation_prompt)
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _render_chat(self, conversation, chat_template, add_generation_prompt) -> str:
         return self.tokenizer.apply_chat_template(
@@ -206,6 +215,13 @@ class LLM:
         if isinstance(prompt, list):
             return self.engine.add_request(prompt_token_ids=prompt, params=params, request_id=request_id)
         raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def _progress_bar(total: int, *, enabled: bool):
+    """A tqdm bar of prompts done, or a stand-in that shows nothing."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", disable=not enabled)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

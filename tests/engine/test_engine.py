@@ -265,3 +265,13 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(gemma_llm):
         gemma_llm.generate([long], SamplingParams(max_tokens=5, truncate_prompt_tokens=260))
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_use_tqdm_shows_the_prompts_done(gemma_llm, capsys):
+    params = SamplingParams(temperature=0, max_tokens=3, n=2)
+    quiet = gemma_llm.generate(["a", "b"], params)
+    assert "Processed prompts" not in capsys.readouterr().err
+    shown = gemma_llm.generate(["a", "b"], params, use_tqdm=True)
+    bar = capsys.readouterr().err
+    assert "Processed prompts" in bar and "2/2" in bar  # prompts, not their 4 completions
+    assert [[c.token_ids for c in o.outputs] for o in shown] == [[c.token_ids for c in o.outputs] for o in quiet]
