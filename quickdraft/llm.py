@@ -9,7 +9,7 @@ from typing import Any
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
-from quickdraft.engine.parallel_sampling import child_params, child_request_ids, merged_output
+from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed, merged_output
 from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
 from quickdraft.sampling_params import SamplingParams
 
@@ -140,8 +140,9 @@ class LLM:
         params = sampling_params or SamplingParams()
         group = self._new_group(params)
         try:
+            one_prompt = _as_prompt_list(prompt)[0]
             for request_id, child in zip(group.request_ids, child_params(params, seed=group.seed)):
-                self._add(_as_prompt_list(prompt)[0], child, request_id=request_id)
+                self._add(one_prompt, child, request_id=request_id)
             index_of = {request_id: index for index, request_id in enumerate(group.request_ids)}
             finished: dict[str, RequestOutput] = {}
             while len(finished) < len(index_of):
@@ -196,7 +197,7 @@ class LLM:
         """The engine request ids of one prompt's params.n completions, and their seed (drawn for
         n > 1 when the params have none: engine/parallel_sampling.py)."""
         parent_id = self.engine.new_request_id()
-        seed = params.seed if params.seed is not None or params.n == 1 else self.engine.draw_seed()
+        seed = children_seed(params, draw_seed=self.engine.draw_seed)
         return _Group(parent_id=parent_id, seed=seed, request_ids=child_request_ids(parent_id, params.n))
 
     def _add(self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None) -> str:

@@ -481,9 +481,9 @@ class Engine:
         row_starts: list[int],  # item i's fed tokens are rows row_starts[i]:row_starts[i + 1]
         hidden_states: torch.Tensor,  # [N, D] the forward's last hidden states
     ) -> None:
-        """SamplingParams.prompt_logprobs: each fed prompt row's log-softmax read at the prompt
-        token that follows it (raw logits, like `logprobs`), through the LM head a few rows at a
-        time (a row of the 262k vocabulary is 1 MB)."""
+        """SamplingParams.prompt_logprobs: each fed prompt row's logprobs (compute_logprobs, raw
+        like `logprobs`) read at the prompt token that follows it, through the LM head a few rows
+        at a time (a row of the 262k vocabulary is 1 MB)."""
         for i, item in enumerate(plan):
             req = item.request
             prompt, start = req.prompt_token_ids, work[i].cache_len
@@ -494,14 +494,14 @@ class Engine:
             for first in range(0, len(positions), PROMPT_LOGPROB_ROWS):
                 chunk = positions[first : first + PROMPT_LOGPROB_ROWS]
                 rows = torch.arange(chunk.start - start, chunk.stop - start, device=self.device) + row_starts[i]
-                log_probs = torch.log_softmax(self.model.compute_logits(hidden_states[rows]).float(), dim=-1)
                 following = torch.tensor(prompt[chunk.start + 1 : chunk.stop + 1], device=self.device)
-                chosen = log_probs.gather(1, following[:, None])[:, 0].tolist()
-                top_lp, top_ids = log_probs.topk(wanted, dim=-1) if wanted else (log_probs[:, :0], log_probs[:, :0])
+                chosen, top_ids, top_lp = compute_logprobs(
+                    self.model.compute_logits(hidden_states[rows]), following, wanted
+                )
                 for j, position in enumerate(chunk):
                     req.prompt_logprobs[position + 1] = make_token_logprobs(
                         token_id=prompt[position + 1],
-                        logprob=chosen[j],
+                        logprob=float(chosen[j]),
                         top_ids=top_ids[j].tolist(),
                         top_logprobs=top_lp[j].tolist(),
                         tokenizer=self.tokenizer,

@@ -13,6 +13,7 @@ The Python API (`LLM`) and the server's engine loop both fan out with these help
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from quickdraft.outputs import RequestMetrics, RequestOutput
 from quickdraft.sampling_params import SamplingParams
@@ -21,6 +22,12 @@ from quickdraft.sampling_params import SamplingParams
 def child_request_ids(request_id: str, n: int) -> list[str]:
     """The engine request ids of a request's children: the request's own id when n is 1."""
     return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
+
+
+def children_seed(params: SamplingParams, *, draw_seed: Callable[[], int]) -> int | None:
+    """The seed a request's children are seeded from: its own, or for n > 1 one drawn (the
+    request's output returns it); None for a lone unseeded request (the engine draws its seed)."""
+    return params.seed if params.seed is not None or params.n == 1 else draw_seed()
 
 
 def child_params(

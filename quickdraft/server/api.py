@@ -475,16 +475,7 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
     counted too, so that a client can see by how much."""
     tokenizer = server.tokenizer
     if body.messages is not None:
-        if tokenizer.chat_template is None:
-            raise bad_request(
-                f"messages: the model {server.model_name!r} has no chat template; tokenize a prompt instead",
-                param="messages",
-                code="chat_template_missing",
-            )
-        try:
-            text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
-        except Exception as err:  # the template's own checks raise
-            raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
+        text = _chat_text(server, body, instead="tokenize a prompt")
         tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -505,22 +496,28 @@ def _check_model(server: QuickdraftServer, model: str | None) -> None:
 
 def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[int]:
     """The conversation rendered and tokenized, checked against the context (on a preprocessing thread)."""
+    text = _chat_text(server, body, instead="use /v1/completions with a prompt")
+    # The template writes BOS itself (as LLM.chat does).
+    token_ids = _truncated(server.tokenizer.encode(text, add_special_tokens=False), body.truncate_prompt_tokens)
+    _check_prompt_length(server, token_ids, param="messages")
+    return token_ids
+
+
+def _chat_text(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeRequest, *, instead: str) -> str:
+    """The conversation through the chat template; a 400 naming `messages` where the model has
+    none (`instead`: what to send then) or the template refuses them."""
     tokenizer = server.tokenizer
     if tokenizer.chat_template is None:
         raise bad_request(
             f"messages: the model {server.model_name!r} has no chat template, so it cannot take "
-            "chat messages; use /v1/completions with a prompt",
+            f"chat messages; {instead}",
             param="messages",
             code="chat_template_missing",
         )
     try:
-        text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
+        return tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
     except Exception as err:  # the template's own checks (roles must alternate, ...) raise
         raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
-    # The template writes BOS itself (as LLM.chat does).
-    token_ids = _truncated(tokenizer.encode(text, add_special_tokens=False), body.truncate_prompt_tokens)
-    _check_prompt_length(server, token_ids, param="messages")
-    return token_ids
 
 
 def _truncated(token_ids: list[int], keep_last: int | None) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from quickdraft.engine.compute_thread import ComputeThread
 from quickdraft.engine.engine import Engine
-from quickdraft.engine.parallel_sampling import child_params, child_request_ids
+from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed
 from quickdraft.engine.request import RequestStatus
 from quickdraft.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import SamplingParams
@@ -249,7 +249,7 @@ class EngineLoop:
         """The submission's engine requests: params.n children of each prompt, child k completion
         k % n of prompt k // n (engine/parallel_sampling.py); one when that is all."""
         params, prompts = submission.params, submission.prompts
-        seed = params.seed if params.seed is not None or params.n == 1 else self._engine.draw_seed()
+        seed = children_seed(params, draw_seed=self._engine.draw_seed)
         request_ids = child_request_ids(submission.request_id, len(prompts) * params.n)
         each = child_params(params, seed=seed, prompt_logprobs_for_all=True)  # each choice streams its echo
         children = [(prompt, child) for prompt in prompts for child in each]

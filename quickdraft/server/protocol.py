@@ -59,6 +59,11 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (content parts joined)."""
+    return [{"role": message.role, "content": message.text()} for message in messages]
+
+
 class SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -253,7 +258,7 @@ class ChatCompletionRequest(SamplingFields):
         return build_sampling_params(kwargs, renamed=renamed)
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": message.role, "content": message.text()} for message in self.messages]
+        return conversation_of(self.messages)
 
 
 class TokenizeRequest(StrictModel):
@@ -274,7 +279,7 @@ class TokenizeRequest(StrictModel):
             raise bad_request("messages: at least one message is needed", param="messages")
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": message.role, "content": message.text()} for message in self.messages or []]
+        return conversation_of(self.messages or [])
 
 
 class DetokenizeRequest(StrictModel):
