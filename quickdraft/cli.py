@@ -10,6 +10,7 @@ import sys
 import time
 
 from quickdraft.config import KV_CACHE_DTYPES
+from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
 DESCRIPTION = """\
 quickdraft: an LLM inference engine built around lossless speculative decoding.
@@ -270,6 +271,26 @@ def _add_serve_parser(commands) -> None:
         help="require 'Authorization: Bearer KEY' on every /v1 route (HTTP 401 otherwise; /health "
         "and /metrics stay open); default: the QUICKDRAFT_API_KEY environment variable, which "
         "keeps the key out of the process list",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help='read tool calls out of free replies, for tool_choice "auto" (the default when a chat request '
+        'has tools); hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>. tool_choice "required" '
+        "and named functions constrain the reply instead and need no parser (default: none)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_JINJA",
+        help="the chat template for /v1/chat/completions: a jinja file or its text (default: the model's own; "
+        "the embedded base model has none)",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's flag, accepted for its command lines: --tool-call-parser alone enables tool_choice auto",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     replicas = serve.add_argument_group(
@@ -880,6 +901,8 @@ def run_serve(args) -> int:
         "request_read_timeout_seconds": args.request_read_timeout,
         "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
     }
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)})")
     config = ServerConfig(
         model=args.model_path or args.model,
         served_model_name=args.served_model_name,
@@ -899,6 +922,8 @@ def run_serve(args) -> int:
         weights_in_huge_pages=args.weights_in_huge_pages,
         shutdown_grace_seconds=args.shutdown_grace,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        chat_template=args.chat_template,
         **{name: value for name, value in optional.items() if value is not None},
     )
     if args.replicas is None:

@@ -444,6 +444,16 @@ class Tokenizer:
         )
 
 
+def check_chat_template(template: str) -> None:
+    """A ValueError naming the problem where the jinja text does not compile."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:
+        _compile_chat_template(template)
+    except TemplateSyntaxError as err:
+        raise ValueError(f"chat_template: not a valid jinja template (line {err.lineno}): {err.message}") from err
+
+
 @functools.lru_cache(maxsize=16)
 def _compile_chat_template(template: str):
     """Compile a chat template the way transformers does (sandboxed, trimmed blocks, helpers)."""

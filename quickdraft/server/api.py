@@ -49,6 +49,15 @@ from quickdraft.server.protocol import (
     usage_of,
 )
 from quickdraft.server.validation import validation_error_to_api_error
+from quickdraft.structured.tools import (
+    TOOL_CALL_PARSERS,
+    PlainTextStream,
+    ReplyDelta,
+    ToolCalling,
+    ToolCallStream,
+    chat_template_inputs,
+    merged_calls,
+)
 
 if TYPE_CHECKING:
     from quickdraft.sampling_params import SamplingParams
@@ -300,10 +309,10 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             request=request,
             prepared=prepared,
             prompts=prompts,
-            echo=echo,
             prompt_param="prompt",
             id_prefix="cmpl",
             writer_class=CompletionWriter,
+            writer_options={"echo": echo},
         )
 
     @app.post("/tokenize")
@@ -334,6 +343,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         prepared = _prepare(server, request=request, body=body)
+        _check_tool_parser(server, body.tool_calling)
         prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
         return await _generate(
             server,
@@ -344,6 +354,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             prompt_param="messages",
             id_prefix="chatcmpl",
             writer_class=ChatWriter,
+            writer_options={"tool_calling": body.tool_calling},
         )
 
 
@@ -430,7 +441,7 @@ async def _generate(
     prompt_param: str,
     id_prefix: str,
     writer_class,
-    echo: list[tuple[str, list[int]]] | None = None,  # completions' `echo`: per prompt (text, token ids)
+    writer_options: dict[str, Any] | None = None,  # the writer class's own keyword arguments
 ):
     """Run the prompts through the engine loop, answer (streamed or whole)."""
     generation = Generation(
@@ -441,14 +452,13 @@ async def _generate(
         prompt_param=prompt_param,
         id_prefix=id_prefix,
     )
-    extra = {"echo": echo} if echo is not None else {}
     writer = writer_class(
         server=server,
         generation=generation,
         include_usage=body.include_usage,
         include_token_ids=body.return_token_ids,
         continuous_usage=body.continuous_usage,
-        **extra,
+        **(writer_options or {}),
     )
     return await _respond(generation, writer=writer, stream=body.stream, request=request)
 
@@ -484,6 +494,17 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
     return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": strings}
 
 
+def _check_tool_parser(server: QuickdraftServer, calling: ToolCalling | None) -> None:
+    """`auto` tool choice reads calls out of free text: that needs the server's parser."""
+    if calling is not None and calling.mode == "auto" and server.config.tool_call_parser is None:
+        raise bad_request(
+            'tool_choice "auto" (the default when tools are given) reads calls out of the reply, which needs '
+            f"a server started with --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)}); "
+            'tool_choice "required" or a named function need none',
+            param="tool_choice",
+        )
+
+
 def _check_model(server: QuickdraftServer, model: str | None) -> None:
     if model is not None and model != server.model_name:
         raise APIError(
@@ -514,8 +535,11 @@ def _chat_text(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeR
             param="messages",
             code="chat_template_missing",
         )
+    messages, variables = chat_template_inputs(
+        body.conversation(), template=tokenizer.chat_template, calling=body.tool_calling
+    )
     try:
-        return tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **variables)
     except Exception as err:  # the template's own checks (roles must alternate, ...) raise
         raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
 
@@ -773,19 +797,39 @@ class CompletionWriter(ResponseWriter):
 
 
 class ChatWriter(ResponseWriter):
+    """Chat bodies; with tool calling, each completion's text is read by its ToolCallStream into
+    content and `tool_calls` (the streamed pieces join into what the whole reply carries)."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *, tool_calling: ToolCalling | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._tool_calling = tool_calling
+        self._streams: dict[int, ToolCallStream] = {}  # per streamed completion
+
+    def _new_stream(self) -> ToolCallStream:
+        return PlainTextStream() if self._tool_calling is None else self._tool_calling.new_stream()
+
+    def _finish_reason(self, reason: str | None, stream: ToolCallStream) -> str | None:
+        return reason if self._tool_calling is None else self._tool_calling.finish_reason(reason, stream)
 
     def _full_choice(self, completion: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if completion.logprobs is not None:
             logprobs = chat_logprobs_body(completion.logprobs, decode=self._decode_token)
+        stream = self._new_stream()
+        reply = stream.whole(completion.text)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if self._tool_calling is not None:
+            message["content"] = reply.content or None  # OpenAI: null beside calls
+            message["tool_calls"] = merged_calls(reply.calls)
         return self._with_token_ids(
             {
                 "index": completion.index,
-                "message": {"role": "assistant", "content": completion.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
+                "finish_reason": self._finish_reason(completion.finish_reason, stream),
             },
             completion.token_ids,
         )
@@ -807,11 +851,15 @@ class ChatWriter(ResponseWriter):
         ]
 
     def _progress_chunk(self, event: Progress) -> str | None:
+        stream = self._streams.setdefault(event.index, self._new_stream())
+        reply = stream.feed(event.text)
+        if event.finished:
+            reply += stream.finish()
         logprobs = chat_logprobs_body(event.logprobs, decode=self._decode_token) if event.logprobs else None
-        if event.text or logprobs or self._has_new_tokens_to_send(event):
+        if reply or logprobs or self._has_new_tokens_to_send(event):
             content = {
                 "index": event.index,
-                "delta": {"content": event.text},
+                "delta": _delta_body(reply),
                 "logprobs": logprobs,
                 "finish_reason": None,
             }
@@ -820,8 +868,18 @@ class ChatWriter(ResponseWriter):
             content_chunk = ""
         if not event.finished:
             return content_chunk or None
+        reason = self._finish_reason(event.finish_reason, stream)
         final = self._chunk(
-            [{"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
+            [{"index": event.index, "delta": {}, "logprobs": None, "finish_reason": reason}],
             **self._final_extras(),
         )
         return content_chunk + final
+
+
+def _delta_body(reply: ReplyDelta) -> dict[str, Any]:
+    """A chunk's `delta`: the content, and the pieces of calls when there are some."""
+    delta: dict[str, Any] = {"content": reply.content}
+    if reply.calls:
+        delta["tool_calls"] = [piece.body() for piece in reply.calls]
+        delta["content"] = reply.content or None
+    return delta

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import EngineConfig
+from quickdraft.models.tokenizer import check_chat_template
+from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
 # The name the embedded Gemma 3 270M is served under when no --served-model-name is given.
 DEFAULT_SERVED_MODEL_NAME = "gemma-3-270m"
@@ -43,6 +45,12 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
     max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
     log_level: str = "info"
+    # Reads tool calls out of free text for tool_choice "auto" (quickdraft/structured/tools.py);
+    # None: "auto" with tools is a 400, "required" and named functions work without it.
+    tool_call_parser: str | None = None
+    # The chat template for /v1/chat/completions, as a file or the jinja text itself (vLLM's
+    # --chat-template); None: the model's own (the embedded base model has none).
+    chat_template: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
     request_read_timeout_seconds: float = DEFAULT_REQUEST_READ_TIMEOUT_SECONDS  # body stall -> 408, dropped
     # When set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise). Not in
@@ -67,8 +75,26 @@ class ServerConfig:
             not isinstance(self.served_model_name, str) or not self.served_model_name.strip()
         ):
             raise ValueError(f"served_model_name must be a non-empty string, got {self.served_model_name!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template_text())
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r}")
+
+    def chat_template_text(self) -> str | None:
+        """The template's jinja text (read from its file where `chat_template` names one)."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template)
+        looks_like_a_file = "{" not in self.chat_template and "\n" not in self.chat_template
+        if looks_like_a_file:
+            if not path.is_file():
+                raise ValueError(f"chat_template: no such file {self.chat_template!r} (give a file or the jinja text)")
+            return path.read_text()
+        return self.chat_template
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -7,6 +7,7 @@ the engine does not support are accepted only at their default value.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Annotated, Any, Literal
 
@@ -16,6 +17,7 @@ from quickdraft.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
 from quickdraft.server.errors import bad_request
 from quickdraft.structured import StructuredOutputsParams
+from quickdraft.structured.tools import ToolCalling, resolve_tool_calling
 
 # Bounds beyond SamplingParams' own: they keep float32 logits finite inside the engine (a
 # temperature of 1e-40 divides logits into inf, and one request's NaN would fail its whole
@@ -45,11 +47,25 @@ class TextPart(StrictModel):
     text: str
 
 
+class CalledFunction(StrictModel):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCallMessage(StrictModel):
+    """An earlier assistant turn's call, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+    tool_calls: list[ToolCallMessage] | None = None  # an "assistant" message: the calls it made
 
     def text(self) -> str:
         if self.content is None:
@@ -59,9 +75,19 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (content parts joined)."""
-    return [{"role": message.role, "content": message.text()} for message in messages]
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (content parts joined; name, tool_call_id and
+    tool_calls where given)."""
+    conversation = []
+    for message in messages:
+        entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+        for key in ("name", "tool_call_id"):
+            if getattr(message, key) is not None:
+                entry[key] = getattr(message, key)
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        conversation.append(entry)
+    return conversation
 
 
 class SamplingFields(StrictModel):
@@ -164,6 +190,7 @@ class SamplingFields(StrictModel):
             "guided_grammar": ("grammar", self.guided_grammar),
         }
         given |= {name: {kind: value} for name, (kind, value) in guided.items() if value is not None}
+        given |= self.tool_constraint()
         if not given:
             return None
         if len(given) > 1:
@@ -174,6 +201,10 @@ class SamplingFields(StrictModel):
             return StructuredOutputsParams.from_value(fields)
         except (ValueError, TypeError) as err:
             raise bad_request(f"{param}: {err}", param=param) from err
+
+    def tool_constraint(self) -> dict[str, StructuredOutputsParams]:
+        """{request field: the constraint its tool calling puts on the reply}, if any."""
+        return {}
 
 
 # Token ids are tried before strings, first match wins: pydantic's default ("smart") union
@@ -218,28 +249,36 @@ class CompletionRequest(SamplingFields):
         return batch
 
 
-class ChatCompletionRequest(SamplingFields):
+class ToolFields(StrictModel):
+    """OpenAI's function calling fields (quickdraft/structured/tools.py)."""
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @functools.cached_property
+    def tool_calling(self) -> ToolCalling | None:
+        """From tools / tool_choice / parallel_tool_calls; a 400 naming the field at fault."""
+        try:
+            return resolve_tool_calling(
+                tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls
+            )
+        except ValueError as err:
+            param = "tool_choice" if str(err).startswith("tool_choice") else "tools"
+            raise bad_request(str(err), param=param) from err
+
+
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: until EOS or the end of the context
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     store: bool | None = None
     add_generation_prompt: bool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise bad_request(
-                "tools (function calling) is not supported by this server", param="tools", code="unsupported_parameter"
-            )
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request(
-                "tool_choice is not supported by this server", param="tool_choice", code="unsupported_parameter"
-            )
         if self.store:
             raise bad_request("store is not supported by this server", param="store", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
@@ -257,11 +296,16 @@ class ChatCompletionRequest(SamplingFields):
             renamed["max_tokens"] = "max_completion_tokens"
         return build_sampling_params(kwargs, renamed=renamed)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages)
 
+    def tool_constraint(self) -> dict[str, StructuredOutputsParams]:
+        calling = self.tool_calling
+        constraint = None if calling is None else calling.constraint()
+        return {} if constraint is None else {"tool_choice": constraint}
 
-class TokenizeRequest(StrictModel):
+
+class TokenizeRequest(ToolFields):
     """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
 
     model: str | None = None
@@ -278,7 +322,7 @@ class TokenizeRequest(StrictModel):
         if self.messages is not None and not self.messages:
             raise bad_request("messages: at least one message is needed", param="messages")
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages or [])
 
 

@@ -80,6 +80,8 @@ class QuickdraftServer:
         if engine is None and compute is None:
             compute = self._own_compute = ComputeThread(name="quickdraft-engine")
         self.engine = engine if engine is not None else compute.run(Engine, config.engine_config())
+        if config.chat_template is not None:
+            self.engine.tokenizer.chat_template = config.chat_template_text()
         self.model_name = config.model_name
         speculator = self.engine.speculator
         self.method = speculator.config.method if speculator is not None else "none"

@@ -193,6 +193,27 @@ def test_server_config_validates():
     with pytest.raises(ValueError, match="api_key"):
         ServerConfig(api_key="k\u00e9y")
     assert ServerConfig(model="/models/foo.gguf").model_name == "foo"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServerConfig(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="chat_template: no such file 'missing.jinja'"):
+        ServerConfig(chat_template="missing.jinja")
+    with pytest.raises(ValueError, match=r"chat_template: not a valid jinja template \(line 1\)"):
+        ServerConfig(chat_template="{% for m in messages %}")
+
+
+def test_serve_tool_and_template_options_reach_the_config(monkeypatch, tmp_path, capsys):
+    seen = []
+    monkeypatch.setattr(quickdraft.server, "run_server", seen.append)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    options = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--chat-template", str(template)]
+    assert main(["serve", str(tmp_path), *options]) == 0
+    assert seen[0].tool_call_parser == "hermes" and seen[0].chat_template_text() == template.read_text()
+    inline = "{{ messages[0].content }}"
+    assert main(["serve", str(tmp_path), "--chat-template", inline]) == 0
+    assert seen[1].chat_template_text() == inline and seen[1].tool_call_parser is None
+    assert main(["serve", str(tmp_path), "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 
 
 # ---- the real process: `python -m quickdraft serve`, stopped by a signal ----------------------

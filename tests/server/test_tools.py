@@ -1,0 +1,162 @@
+"""Function calling through the server, with the official openai client: named and required
+tool choice (constrained replies that become calls), auto tool choice read by the hermes
+parser, streamed calls that join into the whole reply, and tool turns sent back."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server, tiny_server_config
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "clock", "parameters": {"type": "object", "additionalProperties": False}},
+}
+TOOLS = [WEATHER, CLOCK]
+NAMED = {"type": "function", "function": {"name": "weather"}}
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+# A hermes call the tiny random model is made to write (auto mode reads it out of free text).
+HERMES_REGEX = r'Sure\.<tool_call>\{"name": "weather", "arguments": \{"city": "[a-z]{1,6}"\}\}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_checkpoints):
+    """qwen3 (a chat template that does not read tools: they go in as a system preamble), suffix
+    speculation, the hermes parser for tool_choice auto."""
+    config = tiny_server_config(
+        tiny_checkpoints["qwen3"],
+        served_model_name="tiny-tools",
+        speculative_config={"method": "suffix"},
+        tool_call_parser="hermes",
+        max_model_len=512,
+    )
+    running = start_server(config)
+    yield running
+    running.stop()
+
+
+def create(server, **kwargs):
+    client = server.openai_client()
+    options = dict(model=server.model_name, messages=ASK, tools=TOOLS, temperature=0, max_tokens=150)
+    return client.chat.completions.create(**(options | kwargs))
+
+
+def streamed_message(server, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
+    """Content, calls (name, arguments) and finish reason, joined from the chunks as a client does."""
+    content, calls, finish_reason = "", {}, None
+    for chunk in create(server, stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for piece in choice.delta.tool_calls or []:
+            if piece.id is not None:
+                assert piece.id.startswith("call_") and piece.type == "function"
+                calls[piece.index] = [piece.function.name, piece.function.arguments or ""]
+            else:
+                calls[piece.index][1] += piece.function.arguments or ""
+        finish_reason = choice.finish_reason or finish_reason
+    return content or None, [tuple(calls[index]) for index in sorted(calls)], finish_reason
+
+
+def whole_message(server, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
+    choice = create(server, **kwargs).choices[0]
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls or []]
+    assert all(call.id.startswith("call_") and call.type == "function" for call in choice.message.tool_calls or [])
+    return choice.message.content, calls, choice.finish_reason
+
+
+def test_named_tool_choice_is_one_call_of_that_function(tool_server):
+    content, calls, finish_reason = whole_message(tool_server, tool_choice=NAMED)
+    assert content is None and finish_reason == "stop" and len(calls) == 1  # OpenAI: "stop" for a named call
+    name, arguments = calls[0]
+    assert name == "weather" and set(json.loads(arguments)) == {"city"}
+    assert streamed_message(tool_server, tool_choice=NAMED) == (content, calls, finish_reason)
+
+
+def test_required_tool_choice_makes_calls_of_the_tools(tool_server):
+    content, calls, finish_reason = whole_message(tool_server, tool_choice="required", parallel_tool_calls=False)
+    assert content is None and finish_reason == "tool_calls" and len(calls) == 1
+    name, arguments = calls[0]
+    assert (name, set(json.loads(arguments))) in (("weather", {"city"}), ("clock", set()))
+    streamed = streamed_message(tool_server, tool_choice="required", parallel_tool_calls=False)
+    assert streamed == (content, calls, finish_reason)
+
+
+def test_auto_tool_choice_reads_hermes_calls_out_of_the_reply(tool_server):
+    # One tool: the preamble of two (in bytes: tokens of the tiny tokenizer) nearly fills the context.
+    extra = {"tools": [WEATHER], "extra_body": {"structured_outputs": {"regex": HERMES_REGEX}}}
+    content, calls, finish_reason = whole_message(tool_server, **extra)
+    assert content == "Sure." and finish_reason == "tool_calls"
+    assert [name for name, _ in calls] == ["weather"] and set(json.loads(calls[0][1])) == {"city"}
+    assert streamed_message(tool_server, **extra) == (content, calls, finish_reason)
+
+
+def test_auto_without_a_call_and_none_are_plain_replies(tool_server):
+    extra = {"tools": [WEATHER], "extra_body": {"structured_outputs": {"regex": "No call needed"}}}
+    assert whole_message(tool_server, **extra) == ("No call needed", [], "stop")
+    assert whole_message(tool_server, tool_choice="none", **extra) == ("No call needed", [], "stop")
+
+
+def test_tool_turns_sent_back_are_rendered(tool_server):
+    conversation = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    reply = create(tool_server, messages=conversation, tool_choice="none", max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    tokenized = httpx.post(
+        f"{tool_server.base_url}/tokenize", json={"messages": conversation, "tools": TOOLS}, timeout=30
+    ).json()
+    text = httpx.post(f"{tool_server.base_url}/detokenize", json={"tokens": tokenized["tokens"]}, timeout=30).json()
+    rendered = text["prompt"]
+    assert rendered.startswith("<|system|>You can call these functions") and '"name": "clock"' in rendered
+    assert '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>' in rendered
+    assert "<|tool|>sunny" in rendered
+
+
+def test_auto_tool_choice_needs_a_parser(ngram_server):
+    response = httpx.post(
+        f"{ngram_server.api_url}/chat/completions",
+        json={"model": ngram_server.model_name, "messages": ASK, "tools": TOOLS, "max_tokens": 4},
+        timeout=30,
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    assert "--tool-call-parser" in response.json()["error"]["message"]
+
+
+def test_a_chat_template_given_to_the_server_serves_chat_on_a_model_without_one(tiny_checkpoints):
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    config = tiny_server_config(
+        tiny_checkpoints["gemma3"], served_model_name="templated", chat_template=template, max_model_len=512
+    )
+    running = start_server(config)
+    try:
+        reply = create(running, tools=[WEATHER], tool_choice=NAMED, max_tokens=80)
+        assert reply.choices[0].message.tool_calls[0].function.name == "weather"
+        text = httpx.post(f"{running.base_url}/tokenize", json={"messages": ASK}, timeout=30).json()
+        assert text["count"] > len("[user] Weather in Oslo?")
+    finally:
+        running.stop()
