@@ -281,6 +281,14 @@ def _add_serve_parser(commands) -> None:
         "and named functions constrain the reply instead and need no parser (default: none)",
     )
     serve.add_argument(
+        "--auto-tool-call-grammar",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='tool_choice "auto": hold the <tool_call> blocks a reply writes to the tools\' schemas (forced keys, '
+        "valid calls; the free text around them stays free). --no-auto-tool-call-grammar leaves replies "
+        "unconstrained, as vLLM (default: on)",
+    )
+    serve.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_JINJA",
@@ -923,6 +931,7 @@ def run_serve(args) -> int:
         shutdown_grace_seconds=args.shutdown_grace,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        auto_tool_call_grammar=args.auto_tool_call_grammar,
         chat_template=args.chat_template,
         **{name: value for name, value in optional.items() if value is not None},
     )

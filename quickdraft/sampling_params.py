@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from quickdraft.structured.params import StructuredOutputsParams
 
@@ -62,6 +63,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # only these token ids may be generated (vLLM's allowed_token_ids); None = every token
     allowed_token_ids: list[int] | None = None
+    # words never generated (vLLM's bad_words): each word's tokens, as written and after a space;
+    # a word's last token is banned where the tokens before it were the last ones generated
+    bad_words: list[str] | None = None
+    # bad_words as token ids, filled by the engine from its tokenizer when the request is added
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # JSON schema / JSON object / regex / choice / grammar the output must match (a dict of
@@ -101,6 +107,9 @@ class SamplingParams:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _normalize_token_ids("allowed_token_ids", self.allowed_token_ids, nonempty=True)
+
+        if self.bad_words is not None:
+            self.bad_words = _normalize_bad_words(self.bad_words)
 
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
@@ -201,3 +210,26 @@ def _normalize_logit_bias(bias: object) -> dict[int, float]:
             raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
         result[token] = _check_float(f"logit_bias[{token}]", value, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
     return result
+
+
+def _normalize_bad_words(words: object) -> list[str]:
+    if isinstance(words, str) or not isinstance(words, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+    bad = [word for word in words if not isinstance(word, str) or not word.strip()]
+    if bad:
+        raise ValueError(f"bad_words must be non-empty strings, got {bad[0]!r}")
+    return list(words)
+
+
+def bad_words_token_ids(words: list[str], *, encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each word's token ids as written, and after a space where that starts with another token
+    of the same count (vLLM's rule: " word" is how a word usually follows another)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        as_written = encode(word.lstrip())
+        after_space = encode(" " + word.lstrip())
+        candidates = [as_written]
+        if as_written and after_space and after_space[0] != as_written[0] and len(after_space) == len(as_written):
+            candidates.append(after_space)
+        sequences += [ids for ids in candidates if ids and ids not in sequences]
+    return sequences

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
+from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams, bad_words_token_ids
 
 
 def test_defaults_are_valid_and_normalized():
@@ -164,3 +164,16 @@ def test_dataclasses_replace_revalidates():
     assert dataclasses.replace(p, top_k=3).top_k == 3
     with pytest.raises(ValueError, match="top_k"):
         dataclasses.replace(p, top_k=-5)
+
+
+@pytest.mark.parametrize("words", ["bad", [""], ["ok", 3], ["  "]])
+def test_bad_words_must_be_non_empty_strings(words):
+    with pytest.raises(ValueError, match=r"^bad_words must be"):
+        SamplingParams(bad_words=words)
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space_where_that_differs():
+    vocab = {"x": [7], " x": [8], "ab": [1, 2], " ab": [1, 9], "cd": [3, 4], " cd": [5, 6, 6]}
+    ids = bad_words_token_ids(["x", " ab", "cd"], encode=vocab.__getitem__)
+    # " ab" starts with the same token as "ab", " cd" has another length: only as written
+    assert ids == [[7], [8], [1, 2], [3, 4]]

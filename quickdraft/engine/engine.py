@@ -10,6 +10,7 @@ finished ones free their slot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 import weakref
@@ -42,7 +43,7 @@ from quickdraft.models.loader import (
 from quickdraft.models.quantized_loader import quantized_weights_in_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
-from quickdraft.sampling_params import InvalidParameterError, SamplingParams
+from quickdraft.sampling_params import InvalidParameterError, SamplingParams, bad_words_token_ids
 from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key
 
@@ -263,6 +264,8 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self.draw_seed()
+        if params.bad_words:
+            params = self._with_bad_words_token_ids(params)
         structured = params.structured_outputs
         grammar = self.grammars.matcher_for(structured) if structured is not None else None
         request = Request(
@@ -289,6 +292,14 @@ class Engine:
         """A seed for an unseeded request, from the engine's generator (seeded by EngineConfig.seed);
         returned in the request's output so that an answer can be replayed."""
         return int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
+
+    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """A copy whose bad words are token ids of this engine's tokenizer (the caller's params may
+        serve engines with other tokenizers)."""
+        resolved = params.clone()
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        resolved.bad_words_token_ids = bad_words_token_ids(params.bad_words or [], encode=encode)
+        return resolved
 
     def _check_vocabulary_ids(self, params: SamplingParams) -> None:
         """Token ids in the parameters must exist: found at admission, not when a step samples."""

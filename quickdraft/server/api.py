@@ -342,6 +342,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         body = await _read_request(server, request, model=ChatCompletionRequest)
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body.use_server_tool_settings(constrain_auto_calls=server.config.auto_tool_call_grammar)
         prepared = _prepare(server, request=request, body=body)
         _check_tool_parser(server, body.tool_calling)
         prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)

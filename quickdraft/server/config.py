@@ -48,6 +48,9 @@ class ServerConfig:
     # Reads tool calls out of free text for tool_choice "auto" (quickdraft/structured/tools.py);
     # None: "auto" with tools is a 400, "required" and named functions work without it.
     tool_call_parser: str | None = None
+    # tool_choice "auto": the <tool_call> blocks a reply writes are held to the tools' schemas by a
+    # grammar (free text stays free; a request's own response_format replaces it)
+    auto_tool_call_grammar: bool = True
     # The chat template for /v1/chat/completions, as a file or the jinja text itself (vLLM's
     # --chat-template); None: the model's own (the embedded base model has none).
     chat_template: str | None = None

@@ -11,7 +11,7 @@ import functools
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from quickdraft.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -113,6 +113,7 @@ class SamplingFields(StrictModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -167,6 +168,7 @@ class SamplingFields(StrictModel):
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
             "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         kwargs.update({name: value for name, value in optional.items() if value is not None})
@@ -190,7 +192,7 @@ class SamplingFields(StrictModel):
             "guided_grammar": ("grammar", self.guided_grammar),
         }
         given |= {name: {kind: value} for name, (kind, value) in guided.items() if value is not None}
-        given |= self.tool_constraint()
+        given |= self.tool_constraint(beside=bool(given))
         if not given:
             return None
         if len(given) > 1:
@@ -202,8 +204,9 @@ class SamplingFields(StrictModel):
         except (ValueError, TypeError) as err:
             raise bad_request(f"{param}: {err}", param=param) from err
 
-    def tool_constraint(self) -> dict[str, StructuredOutputsParams]:
-        """{request field: the constraint its tool calling puts on the reply}, if any."""
+    def tool_constraint(self, *, beside: bool) -> dict[str, StructuredOutputsParams]:
+        """{request field: the constraint its tool calling puts on the reply}, if any; `beside`:
+        the request gives a constraint of its own."""
         return {}
 
 
@@ -255,13 +258,21 @@ class ToolFields(StrictModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # The server's setting (ServerConfig.auto_tool_call_grammar), given before tool_calling is read.
+    _constrain_auto_calls: bool = PrivateAttr(default=False)
+
+    def use_server_tool_settings(self, *, constrain_auto_calls: bool) -> None:
+        self._constrain_auto_calls = constrain_auto_calls
 
     @functools.cached_property
     def tool_calling(self) -> ToolCalling | None:
         """From tools / tool_choice / parallel_tool_calls; a 400 naming the field at fault."""
         try:
             return resolve_tool_calling(
-                tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls
+                tools=self.tools,
+                tool_choice=self.tool_choice,
+                parallel_tool_calls=self.parallel_tool_calls,
+                constrain_auto=self._constrain_auto_calls,
             )
         except ValueError as err:
             param = "tool_choice" if str(err).startswith("tool_choice") else "tools"
@@ -299,9 +310,11 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages)
 
-    def tool_constraint(self) -> dict[str, StructuredOutputsParams]:
+    def tool_constraint(self, *, beside: bool) -> dict[str, StructuredOutputsParams]:
         calling = self.tool_calling
-        constraint = None if calling is None else calling.constraint()
+        if calling is None or (calling.mode == "auto" and beside):  # the request's own constraint wins
+            return {}
+        constraint = calling.constraint()
         return {} if constraint is None else {"tool_choice": constraint}
 
 

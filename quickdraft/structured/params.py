@@ -16,6 +16,12 @@ from typing import Any
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+def json_layout(*, flexible: bool) -> dict[str, Any]:
+    """llguidance's JSON options: json.dumps' separators, and any other whitespace only if flexible
+    (also an inline schema's "x-guidance" inside a Lark grammar)."""
+    return {"whitespace_flexible": flexible, "item_separator": ", ", "key_separator": ": "}
+
+
 @dataclass(kw_only=True)
 class StructuredOutputsParams:
     json: str | dict[str, Any] | None = None  # a JSON schema
@@ -72,7 +78,7 @@ def _compile(kind: str, value: Any, *, flexible: bool) -> str:
     from llguidance.gbnf_to_lark import any_to_lark
 
     name = f"structured_outputs.{kind}"
-    json_options = {"whitespace_flexible": flexible, "item_separator": ", ", "key_separator": ": "}
+    json_options = json_layout(flexible=flexible)
     if kind == "json_object":
         if value is not True:
             raise ValueError(f"{name} must be true or false, got {value!r}")

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from quickdraft.structured.params import StructuredOutputsParams
+from quickdraft.structured.params import StructuredOutputsParams, json_layout
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -102,11 +102,15 @@ class ToolCalling:
     tools: list[FunctionTool]
     named: str | None = None  # the function of the "named" mode
     parallel: bool = True
+    # "auto": hold the calls the reply writes to the tools' schemas (free text stays free)
+    constrain_auto: bool = False
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The structured output the reply must match (None: free text)."""
         if self.mode == "named":
             return StructuredOutputsParams(json=self._tool(self.named).parameters)
+        if self.mode == "auto" and self.constrain_auto:
+            return StructuredOutputsParams(grammar=self._auto_grammar())
         if self.mode != "required":
             return None
         call_schemas = [
@@ -122,6 +126,32 @@ class ToolCalling:
         if not self.parallel:
             calls["maxItems"] = 1
         return StructuredOutputsParams(json=calls)
+
+    def _auto_grammar(self) -> str:
+        """Free text in which each <tool_call> block holds a call of one of the tools: text up to
+        the opening tag (a lazy match ending at it), the call as JSON of its schema, the closing
+        tag, then the same again (once only without parallel calls); text without the tag ends
+        the reply. Inside a block the keys and punctuation are forced tokens."""
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for tool in self.tools
+        ]
+        call_schema = {"anyOf": calls, "x-guidance": json_layout(flexible=False)}
+        after_call = "start" if self.parallel else "TEXT"
+        tag = re.escape(HERMES_OPEN)
+        return "\n".join(
+            [
+                f"start: TEXT | before call {after_call}",
+                f"before[suffix={json.dumps(HERMES_OPEN)}]: /(.|\\n)*/",
+                f"call: %json {json.dumps(call_schema)} {json.dumps(HERMES_CLOSE)}",
+                f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/",
+            ]
+        )
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """What the chat template gets as `tools` (None: the model is not shown them)."""
@@ -165,9 +195,12 @@ class ToolCalling:
         return next(tool for tool in self.tools if tool.name == name)
 
 
-def resolve_tool_calling(*, tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolCalling | None:
+def resolve_tool_calling(
+    *, tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, constrain_auto: bool = False
+) -> ToolCalling | None:
     """The request's tool calling, or None when it has no tools and asks for none. ValueErrors
-    start with the field at fault (``tools...`` or ``tool_choice...``)."""
+    start with the field at fault (``tools...`` or ``tool_choice...``). `constrain_auto`: the
+    calls of an "auto" reply are held to the tools' schemas (ToolCalling.constraint)."""
     if not tools:
         if tool_choice in (None, "none", "auto"):
             return None
@@ -176,7 +209,7 @@ def resolve_tool_calling(*, tools: Any, tool_choice: Any, parallel_tool_calls: b
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
     choice = "auto" if tool_choice is None else tool_choice  # OpenAI's default when tools are given
     if choice in ("none", "auto", "required"):
-        return ToolCalling(mode=choice, tools=parsed, parallel=parallel)
+        return ToolCalling(mode=choice, tools=parsed, parallel=parallel, constrain_auto=constrain_auto)
     name = _named_function(choice)
     if name not in {tool.name for tool in parsed}:
         raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")

@@ -11,8 +11,9 @@ Order of processing in ``logits_to_probs`` (all in float32 on a copy of the logi
 
 0. ``allowed_token_ids``: every other token gets ``-inf`` (a row where that would leave nothing
    -- a structured output's grammar allowing none of them -- keeps the grammar's tokens: the
-   constraint wins); then ``logit_bias`` adds each listed token's bias (vLLM's order: these
-   before the penalties).
+   constraint wins); ``bad_words``: the last token of a word whose other tokens end the row's
+   history gets ``-inf`` (the same exception); then ``logit_bias`` adds each listed token's
+   bias (vLLM's order: these before the penalties).
 1. Penalties on the raw logits (rows that use them):
    a. repetition penalty (vLLM / HF): for every distinct token in prompt + output, a
       positive logit is divided by the penalty, a negative one multiplied by it;
@@ -125,6 +126,7 @@ def _penalized_logits(
         # .to() returns the caller's tensor when it is already float32; never write into it.
         logits = logits.clone().contiguous()
         _apply_allowed_tokens(logits, rows)
+        _apply_bad_words(logits, rows)
         _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows, eos_token_ids=eos_token_ids)
@@ -204,6 +206,7 @@ def _modifies_logits(row: RowContext) -> bool:
         or _blocks_stops(row)
         or bool(p.logit_bias)
         or p.allowed_token_ids is not None
+        or bool(p.bad_words_token_ids)
     )
 
 
@@ -283,6 +286,30 @@ def _apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[RowContext]) -> N
     masked = limited_logits + keep
     alive = torch.isfinite(masked).any(dim=1, keepdim=True)  # [L, 1]
     logits[index] = torch.where(alive, masked, limited_logits)
+
+
+def _apply_bad_words(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+    """In place: -inf at the last token of each bad word whose other tokens end the row's
+    history (a one-token word: always), unless nothing finite would be left."""
+    vocab = logits.shape[1]  # a drafter's vocabulary may be smaller than the target's
+    for i, row in enumerate(rows):
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        history = row.output_token_ids
+        banned = [
+            word[-1]
+            for word in words
+            if word[-1] < vocab
+            and len(word) - 1 <= len(history)
+            and list(history[len(history) - len(word) + 1 :]) == word[:-1]
+        ]
+        if not banned:
+            continue
+        masked = logits[i].clone()  # [V]
+        masked[torch.tensor(banned, device=logits.device)] = float("-inf")
+        if torch.isfinite(masked).any():
+            logits[i] = masked
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:

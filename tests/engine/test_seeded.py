@@ -23,6 +23,7 @@ SAMPLINGS = [
     dict(temperature=1.1, min_tokens=10, top_p=0.95),
     dict(temperature=0.8, logit_bias={5: 4.0, 9: -100.0, 17: 2.5}),
     dict(temperature=0.0, allowed_token_ids=list(range(3, 320, 2)), logit_bias={7: 1.5}),
+    dict(temperature=0.9, bad_words=["e", "at", "o r"]),
     dict(temperature=0.0),  # greedy beside sampled requests in the same batch
 ]
 

@@ -195,7 +195,7 @@ def test_server_config_validates():
     assert ServerConfig(model="/models/foo.gguf").model_name == "foo"
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         ServerConfig(tool_call_parser="mistral")
-    with pytest.raises(ValueError, match="chat_template: no such file 'missing.jinja'"):
+    with pytest.raises(ValueError, match=r"chat_template: no such file 'missing\.jinja'"):
         ServerConfig(chat_template="missing.jinja")
     with pytest.raises(ValueError, match=r"chat_template: not a valid jinja template \(line 1\)"):
         ServerConfig(chat_template="{% for m in messages %}")
@@ -209,9 +209,12 @@ def test_serve_tool_and_template_options_reach_the_config(monkeypatch, tmp_path,
     options = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--chat-template", str(template)]
     assert main(["serve", str(tmp_path), *options]) == 0
     assert seen[0].tool_call_parser == "hermes" and seen[0].chat_template_text() == template.read_text()
+    assert seen[0].auto_tool_call_grammar
     inline = "{{ messages[0].content }}"
     assert main(["serve", str(tmp_path), "--chat-template", inline]) == 0
     assert seen[1].chat_template_text() == inline and seen[1].tool_call_parser is None
+    assert main(["serve", str(tmp_path), "--tool-call-parser", "hermes", "--no-auto-tool-call-grammar"]) == 0
+    assert not seen[2].auto_tool_call_grammar
     assert main(["serve", str(tmp_path), "--enable-auto-tool-choice"]) == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 

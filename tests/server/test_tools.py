@@ -107,6 +107,14 @@ def test_auto_tool_choice_reads_hermes_calls_out_of_the_reply(tool_server):
     assert streamed_message(tool_server, **extra) == (content, calls, finish_reason)
 
 
+def test_auto_with_the_server_s_call_grammar_answers(tool_server):
+    """No constraint of the request's own: the server's grammar holds any call to the tools (the
+    tiny random model writes none) and leaves the text free; streamed as whole."""
+    content, calls, finish_reason = whole_message(tool_server, tools=[WEATHER], max_tokens=24)
+    assert content and calls == [] and finish_reason in ("stop", "length")
+    assert streamed_message(tool_server, tools=[WEATHER], max_tokens=24) == (content, calls, finish_reason)
+
+
 def test_auto_without_a_call_and_none_are_plain_replies(tool_server):
     extra = {"tools": [WEATHER], "extra_body": {"structured_outputs": {"regex": "No call needed"}}}
     assert whole_message(tool_server, **extra) == ("No call needed", [], "stop")

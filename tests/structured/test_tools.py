@@ -308,3 +308,72 @@ def test_llm_chat_shows_the_tools_to_the_template(target):
     assert output.prompt.startswith("<system>You can call these functions") and "<tool_call>" in output.prompt
     with pytest.raises(ValueError, match="tools"):
         llm.chat(HISTORY[:1], params, chat_template=plain, tools=[{"type": "function"}])
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    from quickdraft.models.tokenizer import Tokenizer
+    from quickdraft.structured.grammar import GrammarCompiler
+    from tests.conftest import write_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tool_tok")
+    write_tiny_tokenizer(folder, bos="<bos>", eos="<eos>", chat=False)
+    tokenizer = Tokenizer.from_dir(folder)
+    compiler = GrammarCompiler(tokenizer=tokenizer.backend, vocab_size=320, eos_token_ids=[1])
+    compiler.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+    compiler.decode = tokenizer.decode
+    return compiler
+
+
+def auto_matcher(compiler, *, parallel: bool = True):
+    calling = resolve_tool_calling(tools=TOOLS, tool_choice="auto", parallel_tool_calls=parallel, constrain_auto=True)
+    return compiler.matcher_for(calling.constraint()).matcher
+
+
+def consumed(matcher, compiler, text: str) -> bool:
+    return all(matcher.consume_token(token) for token in compiler.encode(text))
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("text", "valid"),
+    [
+        ("Free text, no call at all.", True),
+        (f"Let me look.{CALL} Done.", True),
+        (f'{CALL}\n<tool_call>{{"name": "get_time", "arguments": {{}}}}</tool_call>', True),
+        ('x <tool_call>{"name": "launch", "arguments": {}}</tool_call>', False),  # not a tool
+        ('x <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', False),  # no days
+        ('<tool_call>{"name":"get_time","arguments":{}}</tool_call>', False),  # json.dumps' separators only
+    ],
+)
+def test_auto_grammar_holds_calls_to_the_tools_and_leaves_text_free(compiler, text, valid):
+    matcher = auto_matcher(compiler)
+    assert (consumed(matcher, compiler, text) and matcher.is_accepting()) == valid
+
+
+def test_auto_grammar_forces_the_call_s_keys_and_needs_it_closed(compiler):
+    matcher = auto_matcher(compiler)
+    assert consumed(matcher, compiler, "ok <tool_call>")
+    assert not matcher.is_accepting()  # an open block cannot end the reply
+    assert compiler.decode(matcher.compute_ff_tokens()) == '{"name": "get_'
+    assert consumed(matcher, compiler, '{"name": "get_time", "arguments": {}}')
+    assert compiler.decode(matcher.compute_ff_tokens()) == "</tool_call>"
+
+
+def test_auto_grammar_without_parallel_calls_allows_one(compiler):
+    matcher = auto_matcher(compiler, parallel=False)
+    assert consumed(matcher, compiler, f"{CALL} and then ") and matcher.is_accepting()
+    assert not consumed(matcher, compiler, "<tool_call>")
+
+
+def test_auto_grammar_is_exact_under_speculation(target):
+    calling = resolve_tool_calling(tools=TOOLS, tool_choice="auto", parallel_tool_calls=None, constrain_auto=True)
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=calling.constraint())
+    prompts = [prompt(10, seed=92), prompt(5, seed=93) * 3]
+    plain = [o.outputs[0].token_ids for o in LLM(model=target, max_model_len=256).generate(prompts, params)]
+    for method in ("ngram", "suffix"):
+        config = {"method": method, "num_speculative_tokens": 6}
+        spec = LLM(model=target, max_model_len=256, speculative_config=config).generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in spec] == plain, method

@@ -188,6 +188,36 @@ def test_ids_beyond_a_smaller_vocabulary_are_left_out():
     assert logits_to_probs(torch.tensor([[0.0, 1.0, 2.0]]), [r]).tolist() == [[0.0, 1.0, 0.0]]
 
 
+def bad_words_row(output, words, **params) -> RowContext:
+    context = row(output=output, **params)
+    context.params.bad_words_token_ids = words
+    return context
+
+
+@pytest.mark.parametrize(
+    ("output", "banned"),
+    [
+        ([], {1}),  # a one-token word always; longer ones need their first tokens generated
+        ([4], {1, 2}),
+        ([0, 4], {1, 2}),
+        ([4, 0], {1}),
+        ([3, 4], {1, 2, 0}),  # [4] ends it for [4, 2] and [3, 4] for [3, 4, 0]
+        ([3, 3], {1}),
+    ],
+)
+def test_bad_words_ban_a_word_s_last_token_after_its_first_ones(output, banned):
+    logits = torch.zeros(1, 6)
+    words = [[1], [4, 2], [3, 4, 0]]
+    probs = logits_to_probs(logits, [bad_words_row(output, words, temperature=1.0)])
+    assert kept(probs[0]) == set(range(6)) - banned
+
+
+def test_bad_words_leave_a_row_they_would_empty_as_it_is():
+    logits = torch.tensor([[-math.inf, 1.0, -math.inf]])  # a grammar allows only token 1
+    probs = logits_to_probs(logits, [bad_words_row([], [[1]], temperature=0.0)])
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+
 def test_bias_and_allowed_tokens_take_the_slow_path_for_greedy_rows():
     assert not sampler.samples_by_argmax(SamplingParams(temperature=0.0, logit_bias={1: 1.0}), num_output_tokens=0)
     assert not sampler.samples_by_argmax(SamplingParams(temperature=0.0, allowed_token_ids=[1]), num_output_tokens=0)
