@@ -123,8 +123,13 @@ class Scheduler:
         self.preempted.append(req)
 
     def _admit_waiting(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
-            req = self.waiting[0]
+        """Admit waiting requests in order while slots and blocks allow. One waiting for blocks a
+        running prefill computes is passed over (it stays first in line): the others behind it
+        need not wait for that prefill; one that lacks blocks stops the line (first come, first
+        served for the cache)."""
+        position = 0
+        while position < len(self.waiting) and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
+            req = self.waiting[position]
             # Cached full blocks of the prompt start the slot's tables: their tokens count as computed.
             prefix = (
                 self.cache.find_prefix(req.all_token_ids, usable=self.prefix_usable)
@@ -132,14 +137,15 @@ class Scheduler:
                 else None
             )
             if prefix is not None and self._prefill_computing_blocks_of(req.all_token_ids, cached=prefix.num_tokens):
-                return  # it waits for them to be cached (the rest of the queue with it: first come, first served)
+                position += 1  # it waits for them to be cached
+                continue
             slot = self.cache.allocate(prefix=prefix)
             computed = prefix.num_tokens if prefix is not None else 0
             first_chunk = computed + min(req.num_tokens - computed, self.max_num_batched_tokens)
             if self.running and not self.cache.can_reserve(slot, first_chunk):
                 self.cache.free(slot)  # no blocks for it yet: it waits for running requests to finish
                 return
-            self.waiting.popleft()
+            del self.waiting[position]
             req.slot = slot
             req.num_computed_tokens = computed
             req.num_skipped_tokens = computed

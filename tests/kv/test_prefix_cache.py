@@ -216,3 +216,30 @@ def test_requests_sharing_blocks_a_prefill_is_computing_wait_for_them(tiny_check
             assert [outputs[0].metrics.num_cached_tokens, outputs[1].metrics.num_cached_tokens] == [0, 32]
             assert llm.get_metrics().num_cached_tokens == 32 * 2 + 32 * 3  # children 1, 2; every `sharing` child
     assert results[True] == results[False]
+
+
+def test_a_request_waiting_for_a_computing_prefill_does_not_hold_back_the_others(tiny_checkpoints):
+    """A's prefill computes blocks B shares, so B waits for them; C, behind B, shares nothing and
+    starts at once. B keeps its place: it is admitted once A's blocks are cached."""
+    path = str(tiny_checkpoints["gemma3"])
+    llm = LLM(path, max_model_len=256, block_size=8, max_num_batched_tokens=16, max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    unrelated = prompt(20, seed=77)
+    ids = [
+        engine.add_request(prompt_token_ids=tokens, params=params)
+        for tokens in (PROMPT, PROMPT[:34] + [7, 7, 7], unrelated)
+    ]
+    engine.step()
+    running = [request.request_id for request in engine.scheduler.running]
+    waiting = [request.request_id for request in engine.scheduler.waiting]
+    assert running == [ids[0], ids[2]] and waiting == [ids[1]]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = delta.output
+    assert outputs[ids[1]].metrics.num_cached_tokens == 32  # it waited for A's 4 blocks and took them
+    alone = LLM(path, max_model_len=256, block_size=8, enable_prefix_caching=False)
+    expected = alone.generate([{"prompt_token_ids": p} for p in (PROMPT, PROMPT[:34] + [7, 7, 7], unrelated)], params)
+    assert [outputs[i].outputs[0].token_ids for i in ids] == [o.outputs[0].token_ids for o in expected]
