@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import quickdraft
 from quickdraft.engine.parallel_sampling import merged_batch_output
 from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
@@ -154,6 +155,10 @@ def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
                 message=f"model: {model_id!r} does not exist; this server serves {server.model_name!r}",
             )
         return model_card()
+
+    @app.get("/version")  # vLLM's
+    async def version():
+        return {"version": quickdraft.__version__}
 
     # HEAD too: load balancers and uptime checkers probe with it (uvicorn sends no body).
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -540,9 +545,29 @@ def _chat_text(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeR
         body.conversation(), template=tokenizer.chat_template, calling=body.tool_calling
     )
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **variables)
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            **((body.chat_template_kwargs or {}) | variables),
+        )
     except Exception as err:  # the template's own checks (roles must alternate, ...) raise
         raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
+    if body.continue_final_message:
+        text = _open_final_message(text, final=messages[-1]["content"])
+    return text
+
+
+def _open_final_message(text: str, *, final: str) -> str:
+    """The rendered conversation cut after the last message's text, so the reply continues it
+    (what the template writes after a message, an end-of-turn token, goes)."""
+    end = text.rfind(final.strip())
+    if end < 0:
+        raise bad_request(
+            "continue_final_message: the chat template does not write the last message's text as given, "
+            "so the conversation cannot be left open after it",
+            param="continue_final_message",
+        )
+    return text[: end + len(final.strip())]
 
 
 def _truncated(token_ids: list[int], keep_last: int | None) -> list[int]:

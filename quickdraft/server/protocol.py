@@ -279,17 +279,46 @@ class ToolFields(StrictModel):
             raise bad_request(str(err), param=param) from err
 
 
-class ChatCompletionRequest(SamplingFields, ToolFields):
+# Template variables the server sets itself: chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools")
+
+
+class ChatTemplateFields(ToolFields):
+    """How the conversation is rendered (vLLM's fields), for chat requests and /tokenize."""
+
+    add_generation_prompt: bool = True
+    # vLLM's: the last message stays open for the model to continue (a prefilled reply)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM's)
+
+    def check_chat_template_fields(self, messages: list[ChatMessage]) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message needs add_generation_prompt: false (the reply continues the last "
+                "message instead of starting a new one)",
+                param="continue_final_message",
+            )
+        if self.continue_final_message and (not messages or not messages[-1].text().strip()):
+            raise bad_request("continue_final_message needs a last message with text", param="continue_final_message")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_VARIABLES))
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {reserved}: give them as request fields",
+                param="chat_template_kwargs",
+            )
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: until EOS or the end of the context
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     store: bool | None = None
-    add_generation_prompt: bool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        self.check_chat_template_fields(self.messages)
         if self.store:
             raise bad_request("store is not supported by this server", param="store", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
@@ -318,13 +347,12 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         return {} if constraint is None else {"tool_choice": constraint}
 
 
-class TokenizeRequest(ToolFields):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True  # messages only
     # None: True for a prompt (BOS as /v1/completions adds it), False for messages (the template writes it)
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
@@ -334,6 +362,7 @@ class TokenizeRequest(ToolFields):
             raise bad_request("give exactly one of prompt or messages", param="prompt" if self.prompt else "messages")
         if self.messages is not None and not self.messages:
             raise bad_request("messages: at least one message is needed", param="messages")
+        self.check_chat_template_fields(self.messages or [])
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages or [])

@@ -1,0 +1,83 @@
+"""vLLM's chat rendering fields: continue_final_message (a prefilled reply the model continues),
+chat_template_kwargs (template variables), and /version."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import quickdraft
+from tests.server.conftest import start_server, tiny_server_config
+
+TEMPLATE = (
+    "{{ bos_token }}{{ greeting | default('') }}{% for m in messages %}[{{ m.role }}] {{ m.content }}<end>\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+PREFILLED = [{"role": "user", "content": "Tell a story."}, {"role": "assistant", "content": "Once upon a time "}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+    config = tiny_server_config(tiny_checkpoints["gemma3"], served_model_name="rendering", chat_template=TEMPLATE)
+    running = start_server(config)
+    yield running
+    running.stop()
+
+
+def rendered(server, **body) -> str:
+    tokens = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30).json()["tokens"]
+    return httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+
+
+def test_continue_final_message_leaves_the_last_message_open(server):
+    text = rendered(server, messages=PREFILLED, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("[assistant] Once upon a time") and text.count("<end>") == 1
+    closed = rendered(server, messages=PREFILLED, add_generation_prompt=False)
+    assert closed.endswith("Once upon a time <end>\n")
+
+
+def test_a_continued_reply_is_the_completion_of_the_open_conversation(server):
+    body = dict(messages=PREFILLED, add_generation_prompt=False, continue_final_message=True)
+    tokens = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30).json()["tokens"]
+    common = {"model": server.model_name, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    chat = httpx.post(f"{server.api_url}/chat/completions", json=common | body, timeout=30).json()
+    completion = httpx.post(f"{server.api_url}/completions", json=common | {"prompt": tokens}, timeout=30).json()
+    assert chat["choices"][0]["token_ids"] == completion["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"continue_final_message": True}, "needs add_generation_prompt: false"),
+        (
+            {
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+                "messages": [{"role": "user", "content": " "}],
+            },
+            "needs a last message with text",
+        ),
+        ({"chat_template_kwargs": {"messages": []}}, "may not set ['messages']"),
+    ],
+)
+def test_bad_rendering_fields_are_400s_naming_them(server, change, message):
+    body = {"model": server.model_name, "messages": PREFILLED[:1], "max_tokens": 2} | change
+    response = httpx.post(f"{server.api_url}/chat/completions", json=body, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and message in error["message"]
+    assert error["param"] in ("continue_final_message", "chat_template_kwargs")
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    assert rendered(server, messages=PREFILLED[:1], chat_template_kwargs={"greeting": "Hello! "}).startswith(
+        "Hello! [user]"  # /detokenize leaves out the special BOS
+    )
+    body = {"model": server.model_name, "messages": PREFILLED[:1], "max_tokens": 2}
+    reply = httpx.post(
+        f"{server.api_url}/chat/completions", json=body | {"chat_template_kwargs": {"greeting": "Hi"}}, timeout=30
+    )
+    assert reply.status_code == 200
+
+
+def test_version(server):
+    assert httpx.get(f"{server.base_url}/version", timeout=10).json() == {"version": quickdraft.__version__}
