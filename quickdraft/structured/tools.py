@@ -113,16 +113,7 @@ class ToolCalling:
             return StructuredOutputsParams(grammar=self._auto_grammar())
         if self.mode != "required":
             return None
-        call_schemas = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for tool in self.tools
-        ]
-        calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call_schemas}, "minItems": 1}
+        calls: dict[str, Any] = {"type": "array", "items": {"anyOf": self._call_schemas("parameters")}, "minItems": 1}
         if not self.parallel:
             calls["maxItems"] = 1
         return StructuredOutputsParams(json=calls)
@@ -132,16 +123,7 @@ class ToolCalling:
         the opening tag (a lazy match ending at it), the call as JSON of its schema, the closing
         tag, then the same again (once only without parallel calls); text without the tag ends
         the reply. Inside a block the keys and punctuation are forced tokens."""
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for tool in self.tools
-        ]
-        call_schema = {"anyOf": calls, "x-guidance": json_layout(flexible=False)}
+        call_schema = {"anyOf": self._call_schemas("arguments"), "x-guidance": json_layout(flexible=False)}
         after_call = "start" if self.parallel else "TEXT"
         tag = re.escape(HERMES_OPEN)
         return "\n".join(
@@ -152,6 +134,18 @@ class ToolCalling:
                 f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/",
             ]
         )
+
+    def _call_schemas(self, arguments_key: str) -> list[dict[str, Any]]:
+        """One schema per tool: {"name": its name, arguments_key: its parameters}."""
+        return [
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+                "required": ["name", arguments_key],
+                "additionalProperties": False,
+            }
+            for tool in self.tools
+        ]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """What the chat template gets as `tools` (None: the model is not shown them)."""
