@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +32,7 @@ def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), w
     try:
         from torch.utils import cpp_extension
 
-        # The torch version is part of the name: an in-place torch upgrade would not rebuild.
-        full_name = f"quickdraft_{name}_torch" + re.sub(r"\W", "_", torch.__version__)
+        full_name = build_name(name)
         build_dir = Path(cpp_extension._get_build_directory(full_name, verbose=False))
         with _build_lock(build_dir):
             # torch rebuilds when a source or a flag changes, but not for a header: their hash is a flag.
@@ -51,6 +51,18 @@ def load_kernel(name: str, *, source: str, extra_cflags: tuple[str, ...] = (), w
         logger.warning("%s: this CPU lacks the instructions of the C++ kernel, using %s", name, what)
         return None
     return module
+
+
+def build_name(name: str) -> str:
+    """The extension's name, which names its build directory. The torch version is part of it
+    (an in-place torch upgrade would not rebuild), and so is the ninja that builds: ninja 1.11 (a
+    system's) and 1.13 (the venv's, first on PATH when the venv is activated) read each other's
+    build logs as stale, so processes started both ways rebuilt every kernel in turn (~35 s each,
+    minutes on a 2-core machine, seen as a server's first request timing out)."""
+    ninja = shutil.which("ninja") or "none"
+    ninja_tag = hashlib.sha256(os.path.realpath(ninja).encode()).hexdigest()[:8]
+    torch_tag = re.sub(r"\W", "_", torch.__version__)
+    return f"quickdraft_{name}_torch{torch_tag}_ninja{ninja_tag}"
 
 
 @contextlib.contextmanager

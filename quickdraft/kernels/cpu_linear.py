@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -35,15 +34,15 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from quickdraft.kernels.build import build_name
+
 __all__ = ["kernel_available", "max_rows", "skinny_linear"]
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "skinny_linear.cpp"
-# torch rebuilds on any source or flag change, but not when torch itself is
-# upgraded in place, so the torch version is part of the name (a stale build
-# would fail to import).  Bump v1 when the C++ interface changes.
-_EXT_NAME = "quickdraft_skinny_linear_v1_torch" + re.sub(r"\W", "_", torch.__version__)
+# Bump v1 when the C++ interface changes (build_name adds the torch and ninja that build it).
+_EXT_NAME = "skinny_linear_v1"
 
 # Rows of x per kernel call; above, the kernel runs over chunks of this many rows.  PyTorch's
 # GEMM (MKL / oneDNN) would be about as fast or faster there, but not batch-invariant.
@@ -93,7 +92,7 @@ def _load_extension() -> ModuleType | None:
         # their own `#pragma GCC target("avx512...")` and check CPUID at run
         # time, so the module imports (and fails cleanly) on any x86-64 CPU.
         module = load(
-            name=_EXT_NAME,
+            name=build_name(_EXT_NAME),
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
             extra_ldflags=["-fopenmp"],

@@ -220,6 +220,12 @@ FUZZ_KEYS = [
     "include_stop_str_in_output",
     "skip_special_tokens",
     "response_format",
+    "tool_choice",
+    "parallel_tool_calls",
+    "bad_words",
+    "continue_final_message",
+    "add_generation_prompt",
+    "chat_template_kwargs",
     "zzz",
 ]
 # Generation lengths stay small so hundreds of requests take seconds.
