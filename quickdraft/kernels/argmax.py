@@ -16,6 +16,11 @@ __all__ = ["argmax_rows"]
 _KERNEL = LazyKernel("argmax_v2", source="argmax.cpp", what="torch.argmax")
 
 
+def kernel_available() -> bool:
+    """Whether the C++ kernel runs here (building it on first use)."""
+    return _KERNEL.get() is not None
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # logits [M, V] -> [M] int64
     if logits.dim() != 2:
         raise ValueError(f"argmax_rows needs [M, V] logits, got shape {tuple(logits.shape)}")

@@ -19,6 +19,11 @@ _KERNEL = LazyKernel(
 )
 
 
+def kernel_available() -> bool:
+    """Whether the C++ kernel runs here (building it on first use)."""
+    return _KERNEL.get() is not None
+
+
 def keyed_draw_rows(
     logits: torch.Tensor,  # [N, V]
     *,

@@ -16,6 +16,11 @@ __all__ = ["apply_token_bitmask"]
 _KERNEL = LazyKernel("token_mask_v1", source="token_mask.cpp", what="torch bit unpacking")
 
 
+def kernel_available() -> bool:
+    """Whether the C++ kernel runs here (building it on first use)."""
+    return _KERNEL.get() is not None
+
+
 def apply_token_bitmask(
     logits: torch.Tensor,  # [N, V] any float dtype, modified in place
     bitmask: torch.Tensor,  # [N, ceil(V / 32)] int32 on the CPU: bit t of row r = token t allowed

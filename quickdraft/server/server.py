@@ -18,6 +18,7 @@ from uvicorn.server import HANDLED_SIGNALS
 
 from quickdraft.engine.compute_thread import ComputeThread
 from quickdraft.engine.engine import Engine
+from quickdraft.kernels import build_cpu_kernels
 from quickdraft.models.heap import freeze_loaded_objects
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.engine_loop import EngineLoop, Failed
@@ -107,9 +108,12 @@ class QuickdraftServer:
         if not self._started:
             self._started = True
             self.engine_loop.start()
-            # The grammar engine's vocabulary index takes seconds on a large vocabulary: built
-            # now, beside the loop, so that the first structured request does not stall it.
+            # The grammar engine's vocabulary index takes seconds on a large vocabulary, and a
+            # kernel's first build ~35 s on a small machine: both now, beside the loop, so that
+            # the first requests do not wait for them.
             self.engine.grammars.prepare_in_background()
+            if self.engine.device.type == "cpu":
+                threading.Thread(target=build_cpu_kernels, name="kernel-builds", daemon=True).start()
 
     def begin_shutdown(self) -> None:
         """Stop accepting requests (new ones get 503); in-flight ones go on."""

@@ -27,3 +27,14 @@ def test_each_ninja_builds_in_a_directory_of_its_own(tmp_path, monkeypatch):
         names.append(build_name("argmax_v2"))
     assert names[0] != names[1] and all(name.startswith("quickdraft_argmax_v2_torch") for name in names)
     assert build_name("argmax_v2") == names[1]  # the same ninja, the same directory
+
+
+def test_every_cpu_kernel_is_built_up_front():
+    """What servers run at start, so that no request waits for a first build."""
+    from quickdraft.kernels import argmax, build_cpu_kernels, keyed_draw, token_mask
+
+    known = {"quant_linear", "attention", "argmax", "keyed_draw", "token_mask", "draft_mixture", "skinny_linear"}
+    missing = build_cpu_kernels()
+    assert set(missing) <= known
+    assert all(kernel._KERNEL._loaded for kernel in (argmax, keyed_draw, token_mask))  # built or found unusable
+    assert ("argmax" in missing) == (not argmax.kernel_available())
