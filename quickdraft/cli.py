@@ -277,16 +277,17 @@ def _add_serve_parser(commands) -> None:
         default=None,
         choices=list(TOOL_CALL_PARSERS),
         help='read tool calls out of free replies, for tool_choice "auto" (the default when a chat request '
-        'has tools); hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>. tool_choice "required" '
+        'has tools), in the model\'s format: hermes <tool_call>{"name": ..., "arguments": {...}}</tool_call>, '
+        'llama3_json {"name": ..., "parameters": {...}}, pythonic [f(a=1)]. tool_choice "required" '
         "and named functions constrain the reply instead and need no parser (default: none)",
     )
     serve.add_argument(
         "--auto-tool-call-grammar",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help='tool_choice "auto": hold the <tool_call> blocks a reply writes to the tools\' schemas (forced keys, '
-        "valid calls; the free text around them stays free). --no-auto-tool-call-grammar leaves replies "
-        "unconstrained, as vLLM (default: on)",
+        help='tool_choice "auto" with the hermes parser: hold the <tool_call> blocks a reply writes to the '
+        "tools' schemas (forced keys, valid calls; the free text around them stays free). "
+        "--no-auto-tool-call-grammar leaves replies unconstrained, as vLLM (default: on)",
     )
     serve.add_argument(
         "--chat-template",

@@ -327,6 +327,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         _check_model(server, body.model)
         body.check()
+        _use_server_tool_settings(server, body)
         return JSONResponse(await server.preprocessor.run(_tokenize, server, body))
 
     @app.post("/detokenize")
@@ -347,7 +348,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         body = await _read_request(server, request, model=ChatCompletionRequest)
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        body.use_server_tool_settings(constrain_auto_calls=server.config.auto_tool_call_grammar)
+        _use_server_tool_settings(server, body)
         prepared = _prepare(server, request=request, body=body)
         _check_tool_parser(server, body.tool_calling)
         prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
@@ -498,6 +499,11 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
         tokens = tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
     strings = [tokenizer.id_to_token(token) for token in tokens] if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": strings}
+
+
+def _use_server_tool_settings(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeRequest) -> None:
+    config = server.config
+    body.use_server_tool_settings(constrain_auto_calls=config.auto_tool_call_grammar, parser=config.tool_call_parser)
 
 
 def _check_tool_parser(server: QuickdraftServer, calling: ToolCalling | None) -> None:

@@ -258,11 +258,14 @@ class ToolFields(StrictModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # The server's setting (ServerConfig.auto_tool_call_grammar), given before tool_calling is read.
+    # The server's settings (ServerConfig.auto_tool_call_grammar, .tool_call_parser), given before
+    # tool_calling is read.
     _constrain_auto_calls: bool = PrivateAttr(default=False)
+    _tool_call_parser: str = PrivateAttr(default="hermes")
 
-    def use_server_tool_settings(self, *, constrain_auto_calls: bool) -> None:
+    def use_server_tool_settings(self, *, constrain_auto_calls: bool, parser: str | None) -> None:
         self._constrain_auto_calls = constrain_auto_calls
+        self._tool_call_parser = parser or "hermes"
 
     @functools.cached_property
     def tool_calling(self) -> ToolCalling | None:
@@ -273,6 +276,7 @@ class ToolFields(StrictModel):
                 tool_choice=self.tool_choice,
                 parallel_tool_calls=self.parallel_tool_calls,
                 constrain_auto=self._constrain_auto_calls,
+                parser=self._tool_call_parser,
             )
         except ValueError as err:
             param = "tool_choice" if str(err).startswith("tool_choice") else "tools"

@@ -21,6 +21,7 @@ format read with ``json``), and the streamed and whole replies come from the sam
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -31,7 +32,10 @@ from quickdraft.structured.params import StructuredOutputsParams, json_layout
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-TOOL_CALL_PARSERS = ("hermes",)
+# hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks in text (Qwen, Hermes);
+# llama3_json: a reply that is {"name": ..., "parameters": {...}} objects, "; " between them
+# (Llama 3.1-3.3); pythonic: a reply that is [f(a=1), g()] (Llama 3.2 / 4, Gemma 3 prompts).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
 
@@ -102,14 +106,16 @@ class ToolCalling:
     tools: list[FunctionTool]
     named: str | None = None  # the function of the "named" mode
     parallel: bool = True
-    # "auto": hold the calls the reply writes to the tools' schemas (free text stays free)
+    # "auto": hold the calls the reply writes to the tools' schemas (free text stays free; the
+    # hermes format only: the others have no tag that tells a call from text)
     constrain_auto: bool = False
+    parser: str = "hermes"  # how an "auto" reply's calls are written (TOOL_CALL_PARSERS)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The structured output the reply must match (None: free text)."""
         if self.mode == "named":
             return StructuredOutputsParams(json=self._tool(self.named).parameters)
-        if self.mode == "auto" and self.constrain_auto:
+        if self.mode == "auto" and self.constrain_auto and self.parser == "hermes":
             return StructuredOutputsParams(grammar=self._auto_grammar())
         if self.mode != "required":
             return None
@@ -162,6 +168,16 @@ class ToolCalling:
             how = f"Reply with the arguments of {self.named} as one JSON object."
         elif self.mode == "required":
             how = 'Reply with a JSON array of calls, each {"name": <function name>, "parameters": <arguments>}.'
+        elif self.parser == "llama3_json":
+            how = (
+                'To call a function, reply with only {"name": <function name>, "parameters": <arguments object>}; '
+                "otherwise reply normally."
+            )
+        elif self.parser == "pythonic":
+            how = (
+                "To call functions, reply with only a Python list of calls with keyword arguments, "
+                '[function_name(argument="value"), ...]; otherwise reply normally.'
+            )
         else:
             how = (
                 f'To call a function, reply with {HERMES_OPEN}{{"name": <function name>, "arguments": '
@@ -175,8 +191,13 @@ class ToolCalling:
             return NamedCallStream(name=self.named or "")
         if self.mode == "required":
             return RequiredCallsStream()
+        names = frozenset(tool.name for tool in self.tools)
+        if self.mode == "auto" and self.parser == "llama3_json":
+            return WholeReplyCallsStream(opening="{", read=_llama3_json_calls, names=names, parallel=self.parallel)
+        if self.mode == "auto" and self.parser == "pythonic":
+            return WholeReplyCallsStream(opening="[", read=_pythonic_calls, names=names, parallel=self.parallel)
         if self.mode == "auto":
-            return HermesCallStream(names=frozenset(tool.name for tool in self.tools), parallel=self.parallel)
+            return HermesCallStream(names=names, parallel=self.parallel)
         return PlainTextStream()
 
     def finish_reason(self, reason: str | None, stream: ToolCallStream) -> str | None:
@@ -190,7 +211,12 @@ class ToolCalling:
 
 
 def resolve_tool_calling(
-    *, tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, constrain_auto: bool = False
+    *,
+    tools: Any,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None,
+    constrain_auto: bool = False,
+    parser: str = "hermes",
 ) -> ToolCalling | None:
     """The request's tool calling, or None when it has no tools and asks for none. ValueErrors
     start with the field at fault (``tools...`` or ``tool_choice...``). `constrain_auto`: the
@@ -203,7 +229,7 @@ def resolve_tool_calling(
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
     choice = "auto" if tool_choice is None else tool_choice  # OpenAI's default when tools are given
     if choice in ("none", "auto", "required"):
-        return ToolCalling(mode=choice, tools=parsed, parallel=parallel, constrain_auto=constrain_auto)
+        return ToolCalling(mode=choice, tools=parsed, parallel=parallel, constrain_auto=constrain_auto, parser=parser)
     name = _named_function(choice)
     if name not in {tool.name for tool in parsed}:
         raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
@@ -432,6 +458,93 @@ class HermesCallStream(ToolCallStream):
         if not self.num_calls:  # a reply without calls keeps its text as written
             out += ReplyDelta(content=self._space)
         return out
+
+
+class WholeReplyCallsStream(ToolCallStream):
+    """A reply that is calls and nothing else, in a format that `read` parses (llama3_json,
+    pythonic): a reply that starts with `opening` is held to its end and becomes calls if it
+    reads as calls of the tools (one when parallel calls are off), else it is content, as written;
+    any other reply streams as content."""
+
+    def __init__(self, *, opening: str, read, names: frozenset[str], parallel: bool):
+        self.opening = opening
+        self.read = read  # text -> [(name, arguments dict)], or None when it is not calls
+        self.names = names
+        self.parallel = parallel
+        self._held = ""
+        self._holding: bool | None = None  # None until the first text that is not whitespace
+
+    def feed(self, text: str) -> ReplyDelta:
+        if self._holding is False:
+            return ReplyDelta(content=text)
+        self._held += text
+        if self._holding is None and self._held.strip():
+            self._holding = self._held.lstrip().startswith(self.opening)
+            if not self._holding:
+                text, self._held = self._held, ""
+                return ReplyDelta(content=text)
+        return ReplyDelta()
+
+    def finish(self) -> ReplyDelta:
+        held, self._held = self._held, ""
+        calls = self.read(held) if self._holding else None
+        valid = calls and all(name in self.names for name, _ in calls) and (self.parallel or len(calls) == 1)
+        if not valid:
+            return ReplyDelta(content=held if held.strip() else "")
+        self.num_calls = len(calls)
+        return ReplyDelta(
+            calls=[
+                CallDelta(
+                    index=index, arguments=json.dumps(arguments, ensure_ascii=False), call_id=new_call_id(), name=name
+                )
+                for index, (name, arguments) in enumerate(calls)
+            ]
+        )
+
+
+def _llama3_json_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """{"name": ..., "parameters": {...}} objects (or "arguments"), separated by ";"."""
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    text = text.strip()
+    while position < len(text):
+        try:
+            call, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return None
+        arguments = call.get("parameters", call.get("arguments", {})) if isinstance(call, dict) else None
+        if not isinstance(arguments, dict) or not isinstance(call.get("name"), str):
+            return None
+        calls.append((call["name"], arguments))
+        while position < len(text) and text[position] in " \t\r\n;":
+            position += 1
+    return calls or None
+
+
+def _pythonic_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """[f(a=1, b="x"), g()]: a list of calls by name with literal keyword arguments (read by
+    Python's parser, never evaluated)."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List):
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+        except ValueError:
+            return None
+        if None in arguments:  # **kwargs
+            return None
+        try:
+            json.dumps(arguments)
+        except (TypeError, ValueError):  # a set, bytes, a complex number: not JSON
+            return None
+        calls.append((node.func.id, arguments))
+    return calls or None
 
 
 def _tag_prefix_length(text: str, tag: str) -> int:

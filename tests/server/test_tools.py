@@ -168,3 +168,25 @@ def test_a_chat_template_given_to_the_server_serves_chat_on_a_model_without_one(
         assert text["count"] > len("[user] Weather in Oslo?")
     finally:
         running.stop()
+
+
+def test_a_pythonic_parser_server_reads_its_calls(tiny_checkpoints):
+    config = tiny_server_config(
+        tiny_checkpoints["qwen3"], served_model_name="pythonic", tool_call_parser="pythonic", max_model_len=512
+    )
+    running = start_server(config)
+    try:
+        extra = {
+            "tools": [WEATHER],
+            "extra_body": {"structured_outputs": {"regex": r'\[weather\(city="[a-z]{1,6}"\)\]'}},
+        }
+        content, calls, finish_reason = whole_message(running, **extra)
+        assert content is None and finish_reason == "tool_calls" and [name for name, _ in calls] == ["weather"]
+        assert streamed_message(running, **extra) == (content, calls, finish_reason)
+        prompt = httpx.post(
+            f"{running.base_url}/tokenize", json={"messages": ASK, "tools": [WEATHER]}, timeout=30
+        ).json()["tokens"]
+        text = httpx.post(f"{running.base_url}/detokenize", json={"tokens": prompt}, timeout=30).json()["prompt"]
+        assert "[function_name(" in text  # the preamble asks for the server's format
+    finally:
+        running.stop()

@@ -377,3 +377,65 @@ def test_auto_grammar_is_exact_under_speculation(target):
         config = {"method": method, "num_speculative_tokens": 6}
         spec = LLM(model=target, max_model_len=256, speculative_config=config).generate(prompts, params)
         assert [o.outputs[0].token_ids for o in spec] == plain, method
+
+
+def other_stream(parser: str, *, parallel: bool = True):
+    calling = resolve_tool_calling(tools=TOOLS, tool_choice="auto", parallel_tool_calls=parallel, parser=parser)
+    return calling.new_stream()
+
+
+OTHER_PARSER_CASES = [
+    # (parser, reply, content, calls)
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
+        "",
+        [("get_weather", {"city": "Oslo", "days": 2})],
+    ),
+    (
+        "llama3_json",
+        ' {"name": "get_time", "arguments": {}}; {"name": "get_weather", "parameters": {"city": "Rome", "days": 1}}',
+        "",
+        [("get_time", {}), ("get_weather", {"city": "Rome", "days": 1})],
+    ),
+    ("llama3_json", "It is sunny in Oslo.", "It is sunny in Oslo.", []),
+    ("llama3_json", '{"name": "launch", "parameters": {}}', '{"name": "launch", "parameters": {}}', []),  # not a tool
+    ("llama3_json", '{"name": "get_time", "param', '{"name": "get_time", "param', []),  # cut short
+    (
+        "pythonic",
+        '[get_weather(city="Oslo", days=2), get_time()]',
+        "",
+        [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})],
+    ),
+    ("pythonic", "[get_weather(city='Rome', days=1)]\n", "", [("get_weather", {"city": "Rome", "days": 1})]),
+    ("pythonic", "Sure: [get_time()]", "Sure: [get_time()]", []),  # calls only when the reply is nothing else
+    ("pythonic", "[get_weather('Oslo', 2)]", "[get_weather('Oslo', 2)]", []),  # positional: no names to map
+    ("pythonic", "[__import__('os').system('x')]", "[__import__('os').system('x')]", []),  # never evaluated
+    ("pythonic", "[get_time(at={1, 2})]", "[get_time(at={1, 2})]", []),  # a set is not JSON
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), OTHER_PARSER_CASES)
+def test_llama3_json_and_pythonic_parsers(parser, text, content, calls):
+    for cuts in splits(text):
+        whole, streamed = whole_and_streamed(lambda: other_stream(parser), text, cuts)
+        assert as_message(streamed) == as_message(whole) == (content, calls), cuts
+
+
+def test_other_parsers_stream_plain_replies_at_once_and_keep_one_call_without_parallel_calls():
+    stream = other_stream("pythonic")
+    assert stream.feed("  ").content == "" and stream.feed("Hello").content == "  Hello"
+    two = '[get_time(), get_weather(city="x", days=1)]'
+    reply = other_stream("pythonic", parallel=False).whole(two)
+    assert as_message(reply) == (two, [])  # not one call: left as written
+
+
+def test_each_parser_s_preamble_says_how_to_call():
+    for parser, marker in (("hermes", "<tool_call>"), ("llama3_json", '"parameters"'), ("pythonic", "[function_name(")):
+        calling = resolve_tool_calling(tools=TOOLS, tool_choice="auto", parallel_tool_calls=None, parser=parser)
+        assert marker in calling.preamble()
+    pythonic = resolve_tool_calling(
+        tools=TOOLS, tool_choice="auto", parallel_tool_calls=None, parser="pythonic", constrain_auto=True
+    )
+    assert pythonic.constraint() is None  # the call grammar is the hermes format's only
