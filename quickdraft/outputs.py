@@ -19,6 +19,8 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[Logprob] = field(default_factory=list)
+    # the token's rank in its row (1: the most likely), for prompt logprobs (vLLM's field)
+    rank: int | None = None
 
 
 class AcceptanceFigures:

@@ -45,7 +45,7 @@ from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import InvalidParameterError, SamplingParams, bad_words_token_ids
 from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, TreeMasks, apply_masks
-from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key
+from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key, token_ranks
 
 if TYPE_CHECKING:  # torch.distributed is imported only when tensor parallelism is on
     from quickdraft.distributed.launch import TensorParallelWorkers
@@ -506,9 +506,9 @@ class Engine:
                 chunk = positions[first : first + PROMPT_LOGPROB_ROWS]
                 rows = torch.arange(chunk.start - start, chunk.stop - start, device=self.device) + row_starts[i]
                 following = torch.tensor(prompt[chunk.start + 1 : chunk.stop + 1], device=self.device)
-                chosen, top_ids, top_lp = compute_logprobs(
-                    self.model.compute_logits(hidden_states[rows]), following, wanted
-                )
+                logits = self.model.compute_logits(hidden_states[rows])  # [rows, V]
+                chosen, top_ids, top_lp = compute_logprobs(logits, following, wanted)
+                ranks = token_ranks(logits, following).tolist()
                 for j, position in enumerate(chunk):
                     req.prompt_logprobs[position + 1] = make_token_logprobs(
                         token_id=prompt[position + 1],
@@ -516,6 +516,7 @@ class Engine:
                         top_ids=top_ids[j].tolist(),
                         top_logprobs=top_lp[j].tolist(),
                         tokenizer=self.tokenizer,
+                        rank=ranks[j],
                     )
 
     def _first_logits_rows(self, proposals: list[Proposal | None]) -> int:

@@ -213,10 +213,16 @@ class Request:
 
 
 def make_token_logprobs(
-    *, token_id: int, logprob: float, top_ids: list[int], top_logprobs: list[float], tokenizer: Tokenizer
+    *,
+    token_id: int,
+    logprob: float,
+    top_ids: list[int],
+    top_logprobs: list[float],
+    tokenizer: Tokenizer,
+    rank: int | None = None,
 ) -> TokenLogprobs:
     top = [
         Logprob(token_id=i, logprob=lp, decoded=tokenizer.decode([i], skip_special_tokens=False))
         for i, lp in zip(top_ids, top_logprobs)
     ]
-    return TokenLogprobs(token_id=token_id, logprob=logprob, top=top)
+    return TokenLogprobs(token_id=token_id, logprob=logprob, top=top, rank=rank)

@@ -45,6 +45,7 @@ from quickdraft.server.protocol import (
     TokenizeRequest,
     chat_logprobs_body,
     now_seconds,
+    prompt_logprobs_body,
     speculation_body,
     usage_body,
     usage_of,
@@ -465,6 +466,7 @@ async def _generate(
         include_usage=body.include_usage,
         include_token_ids=body.return_token_ids,
         continuous_usage=body.continuous_usage,
+        include_prompt_logprobs=body.prompt_logprobs is not None,
         **(writer_options or {}),
     )
     return await _respond(generation, writer=writer, stream=body.stream, request=request)
@@ -679,11 +681,13 @@ class ResponseWriter:
         include_usage: bool,
         include_token_ids: bool = False,
         continuous_usage: bool = False,
+        include_prompt_logprobs: bool = False,
     ):
         self.server = server
         self.generation = generation
         self.include_usage = include_usage
         self.include_token_ids = include_token_ids  # vLLM's return_token_ids extension
+        self.include_prompt_logprobs = include_prompt_logprobs  # vLLM's prompt_logprobs extension
         # vLLM's continuous_usage_stats: every chunk's usage is the tokens so far (with include_usage)
         self.continuous_usage = continuous_usage and include_usage
         self._num_streamed_tokens = 0  # every choice's, for continuous usage
@@ -697,6 +701,13 @@ class ResponseWriter:
 
     def _decode_token(self, token_id: int) -> str:
         return self.server.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_logprobs(self, index: int) -> list[dict[str, Any] | None] | None:
+        """Choice `index`'s prompt logprobs in vLLM's form, where the request asked for them."""
+        entries = self.generation.prompt_logprobs.get(index)
+        if not self.include_prompt_logprobs or entries is None:
+            return None
+        return prompt_logprobs_body(entries, decode=self._decode_token)
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {
@@ -798,10 +809,15 @@ class CompletionWriter(ResponseWriter):
         logprobs = None
         if entries is not None:
             logprobs = CompletionLogprobs(decode=self._decode_token).body(entries, prompt=prompt_ids)
-        return self._with_token_ids(
-            {"index": completion.index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason},
-            completion.token_ids,
-        )
+        choice = {
+            "index": completion.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+        }
+        if self.include_prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs(completion.index)
+        return self._with_token_ids(choice, completion.token_ids)
 
     def _echo_chunk(self, event: Progress) -> str:
         """The choice's prompt (and its tokens' logprobs when asked), before its first tokens."""
@@ -839,6 +855,12 @@ class ChatWriter(ResponseWriter):
         super().__init__(**kwargs)
         self._tool_calling = tool_calling
         self._streams: dict[int, ToolCallStream] = {}  # per streamed completion
+
+    def full_body(self, output: RequestOutput) -> dict[str, Any]:
+        body = super().full_body(output)
+        if self.include_prompt_logprobs:  # vLLM's place for them in chat: beside the choices
+            body["prompt_logprobs"] = self._prompt_logprobs(0)
+        return body
 
     def _new_stream(self) -> ToolCallStream:
         return PlainTextStream() if self._tool_calling is None else self._tool_calling.new_stream()

@@ -115,6 +115,8 @@ class SamplingFields(StrictModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
+    # vLLM's: each prompt token's logprob, rank and the top k, in whole responses
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -145,6 +147,12 @@ class SamplingFields(StrictModel):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", param="stop")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request(
+                "prompt_logprobs are returned in whole responses only: ask with stream: false",
+                param="prompt_logprobs",
+                code="unsupported_value",
+            )
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams keyword arguments of the fields set (defaults are SamplingParams')."""
@@ -170,6 +178,7 @@ class SamplingFields(StrictModel):
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "prompt_logprobs": self.prompt_logprobs,
         }
         kwargs.update({name: value for name, value in optional.items() if value is not None})
         structured = self.structured_outputs_params()
@@ -236,6 +245,12 @@ class CompletionRequest(SamplingFields):
     def sampling_params(self) -> SamplingParams:
         kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
         if self.echo and self.logprobs is not None:  # the echoed prompt's tokens carry theirs too
+            if self.prompt_logprobs not in (None, self.logprobs):
+                raise bad_request(
+                    "prompt_logprobs: with echo and logprobs the prompt's logprobs are computed with logprobs' "
+                    f"top {self.logprobs}; give the same number or leave prompt_logprobs out",
+                    param="prompt_logprobs",
+                )
             kwargs["prompt_logprobs"] = self.logprobs
         return build_sampling_params(kwargs, renamed={"prompt_logprobs": "logprobs"})
 
@@ -507,6 +522,25 @@ class CompletionLogprobs:
             + [{top.decoded or "": top.logprob for top in entry.top} for entry in token_logprobs],
             "text_offset": offsets,
         }
+
+
+def prompt_logprobs_body(entries: list[TokenLogprobs | None], *, decode) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first: nothing precedes it), its
+    own {"logprob", "rank", "decoded_token"} under its id, then the top ones' (rank 1..k)."""
+    body: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            body.append(None)
+            continue
+        ranked = {
+            str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": decode(entry.token_id)}
+        }
+        for rank, top in enumerate(entry.top, start=1):
+            ranked.setdefault(
+                str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": top.decoded or ""}
+            )
+        body.append(ranked)
+    return body
 
 
 def chat_logprobs_body(token_logprobs: list[TokenLogprobs], *, decode) -> dict[str, Any]:

@@ -727,3 +727,13 @@ def compute_logprobs(
     num_top = min(num_top, logprobs.shape[1])
     top_logprobs, top_ids = torch.topk(logprobs, num_top, dim=-1)  # [R, k] each
     return token_logprob, top_ids, top_logprobs
+
+
+def token_ranks(
+    logits: torch.Tensor,  # [R, V] raw logits
+    token_ids: torch.Tensor,  # [R] int64
+) -> torch.Tensor:  # [R] int64: 1 + the tokens of the row more likely than token_ids[r]
+    """Each token's rank in its row (1: the most likely), as vLLM reports it with logprobs; ties
+    share the better rank. The order of logits is the order of their log-softmax."""
+    chosen = logits.gather(1, token_ids.to(torch.long).unsqueeze(1))  # [R, 1]
+    return (logits > chosen).sum(dim=1) + 1

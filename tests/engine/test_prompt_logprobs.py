@@ -34,6 +34,7 @@ def test_prompt_logprobs_are_the_models_log_softmax_at_every_row(tiny_checkpoint
         top_values, top_ids = reference[position - 1].topk(3)
         assert [top.token_id for top in entry.top] == top_ids.tolist()
         assert [top.logprob for top in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+        assert entry.rank == 1 + int((reference[position - 1] > reference[position - 1, PROMPT[position]]).sum())
     plain = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=2))[0]
     assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == output.outputs[0].token_ids
 

@@ -81,3 +81,38 @@ def test_chat_template_kwargs_reach_the_template(server):
 
 def test_version(server):
     assert httpx.get(f"{server.base_url}/version", timeout=10).json() == {"version": quickdraft.__version__}
+
+
+def test_prompt_logprobs_in_vllm_s_form(server):
+    body = {"model": server.model_name, "messages": PREFILLED[:1], "max_tokens": 2, "temperature": 0}
+    chat = httpx.post(f"{server.api_url}/chat/completions", json=body | {"prompt_logprobs": 2}, timeout=30).json()
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": PREFILLED[:1]}, timeout=30).json()["tokens"]
+    entries = chat["prompt_logprobs"]
+    assert len(entries) == len(tokens) and entries[0] is None
+    for token, entry in zip(tokens[1:], entries[1:]):
+        own = entry[str(token)]  # the prompt token first, then the top 2 (ranks 1 and 2)
+        assert next(iter(entry)) == str(token) and own["rank"] >= 1 and own["logprob"] <= 0
+        others = [value["rank"] for key, value in entry.items() if key != str(token)]
+        assert sorted([own["rank"], *others]) == ([1, 2] if own["rank"] <= 2 else [1, 2, own["rank"]])
+    plain = httpx.post(f"{server.api_url}/chat/completions", json=body, timeout=30).json()
+    assert "prompt_logprobs" not in plain
+    completion = httpx.post(
+        f"{server.api_url}/completions",
+        json={"model": server.model_name, "prompt": tokens, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2},
+        timeout=30,
+    ).json()
+    assert completion["choices"][0]["prompt_logprobs"] == entries  # the same prompt, the same figures
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"stream": True}, "whole responses only"),
+        ({"echo": True, "logprobs": 1, "prompt_logprobs": 3}, "give the same number"),
+    ],
+)
+def test_prompt_logprobs_that_cannot_be_given_are_400s(server, change, message):
+    body = {"model": server.model_name, "prompt": "x", "max_tokens": 2, "prompt_logprobs": 2} | change
+    response = httpx.post(f"{server.api_url}/completions", json=body, timeout=30)
+    assert response.status_code == 400 and message in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "prompt_logprobs"

@@ -754,3 +754,10 @@ def test_compute_logprobs_matches_log_softmax(dtype):
 def test_compute_logprobs_zero_top():
     token_lp, top_ids, top_lp = compute_logprobs(torch.randn(2, 10), torch.tensor([1, 2]), 0)
     assert token_lp.shape == (2,) and top_ids.shape == (2, 0) and top_lp.shape == (2, 0)
+
+
+def test_token_ranks_count_the_more_likely_tokens():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 1.0]])
+    ranks = sampler.token_ranks(logits, torch.tensor([3, 1]))
+    assert ranks.tolist() == [4, 2]  # ties share the better rank
+    assert sampler.token_ranks(logits, torch.tensor([1, 0])).tolist() == [1, 1]
