@@ -550,7 +550,7 @@ def _chat_text(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeR
             code="chat_template_missing",
         )
     messages, variables = chat_template_inputs(
-        body.conversation(), template=tokenizer.chat_template, calling=body.tool_calling
+        body.conversation(), template=tokenizer.chat_template, calling=body.tool_calling, parser=body.tool_call_parser
     )
     try:
         text = tokenizer.apply_chat_template(

@@ -282,6 +282,10 @@ class ToolFields(StrictModel):
         self._constrain_auto_calls = constrain_auto_calls
         self._tool_call_parser = parser or "hermes"
 
+    @property
+    def tool_call_parser(self) -> str:
+        return self._tool_call_parser
+
     @functools.cached_property
     def tool_calling(self) -> ToolCalling | None:
         """From tools / tool_choice / parallel_tool_calls; a 400 naming the field at fault."""

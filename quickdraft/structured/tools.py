@@ -556,10 +556,10 @@ def _tag_prefix_length(text: str, tag: str) -> int:
 
 
 # ---- the conversation as the chat template reads it -----------------------------------------
-def template_messages(messages: list[dict[str, Any]], *, template: str) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], *, template: str, parser: str = "hermes") -> list[dict[str, Any]]:
     """Messages with assistant `tool_calls` as templates read them: arguments as objects (as
     transformers' templates expect); a template that shows no tool calls gets them written into
-    the content, in the format the `auto` mode reads, so the history keeps them."""
+    the content, in the format `parser` reads, so the history keeps them."""
     shows_calls = "tool_calls" in template
     rendered = []
     for message in messages:
@@ -571,16 +571,28 @@ def template_messages(messages: list[dict[str, Any]], *, template: str) -> list[
         if shows_calls:
             rendered.append({**message, "tool_calls": calls})
             continue
-        written = "".join(
-            f"{HERMES_OPEN}{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
-            f"{HERMES_CLOSE}"
-            for c in calls
-        )
+        written = written_calls([(c["function"]["name"], c["function"]["arguments"]) for c in calls], parser=parser)
         rendered.append(
             {key: value for key, value in message.items() if key != "tool_calls"}
             | {"content": (message.get("content") or "") + written}
         )
     return rendered
+
+
+def written_calls(calls: list[tuple[str, Any]], *, parser: str) -> str:
+    """Calls (name, arguments) as a model writes them in `parser`'s format (what it reads back)."""
+    if parser == "llama3_json":
+        return "; ".join(json.dumps({"name": name, "parameters": arguments}) for name, arguments in calls)
+    if parser == "pythonic":
+
+        def call(name: str, arguments: Any) -> str:
+            pairs = arguments.items() if isinstance(arguments, dict) else []
+            return f"{name}({', '.join(f'{key}={value!r}' for key, value in pairs)})"
+
+        return "[" + ", ".join(call(name, arguments) for name, arguments in calls) + "]"
+    return "".join(
+        f"{HERMES_OPEN}{json.dumps({'name': name, 'arguments': arguments})}{HERMES_CLOSE}" for name, arguments in calls
+    )
 
 
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
@@ -601,11 +613,12 @@ def with_preamble(messages: list[dict[str, Any]], preamble: str) -> list[dict[st
 
 
 def chat_template_inputs(
-    messages: list[dict[str, Any]], *, template: str, calling: ToolCalling | None
+    messages: list[dict[str, Any]], *, template: str, calling: ToolCalling | None, parser: str = "hermes"
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and extra variables to render a conversation with: `tools` for a template
-    that reads them, else the preamble as the system message."""
-    messages = template_messages(messages, template=template)
+    that reads them, else the preamble as the system message; earlier calls in `parser`'s format
+    where the template does not show them."""
+    messages = template_messages(messages, template=template, parser=parser)
     tools = None if calling is None else calling.template_tools()
     if tools is None:
         return messages, {}

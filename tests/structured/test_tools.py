@@ -439,3 +439,15 @@ def test_each_parser_s_preamble_says_how_to_call():
         tools=TOOLS, tool_choice="auto", parallel_tool_calls=None, parser="pythonic", constrain_auto=True
     )
     assert pythonic.constraint() is None  # the call grammar is the hermes format's only
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "pythonic"])
+def test_calls_written_into_history_read_back_with_the_server_s_parser(parser):
+    from quickdraft.structured.tools import written_calls
+
+    calls = [("get_weather", {"city": 'O\'slo "x"', "days": 2}), ("get_time", {})]
+    text = written_calls(calls, parser=parser)
+    assert as_message(other_stream(parser).whole(text)) == ("", calls)
+    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    messages, _ = chat_template_inputs(HISTORY, template=template, calling=None, parser=parser)
+    assert messages[1]["content"] == written_calls([("get_weather", {"city": "Oslo", "days": 1})], parser=parser)
