@@ -308,6 +308,11 @@ class ToolCallStream:
     def whole(self, text: str) -> ReplyDelta:
         return self.feed(text) + self.finish()
 
+    def _new_call(self, name: str, arguments: str) -> CallDelta:
+        """The first piece of the reply's next call (`arguments`: JSON text)."""
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        return CallDelta(index=index, arguments=arguments, call_id=new_call_id(), name=name)
+
 
 class PlainTextStream(ToolCallStream):
     def feed(self, text: str) -> ReplyDelta:
@@ -323,8 +328,7 @@ class NamedCallStream(ToolCallStream):
     def feed(self, text: str) -> ReplyDelta:
         if self.num_calls:
             return ReplyDelta(calls=[CallDelta(index=0, arguments=text)] if text else [])
-        self.num_calls = 1
-        return ReplyDelta(calls=[CallDelta(index=0, arguments=text, call_id=new_call_id(), name=self.name)])
+        return ReplyDelta(calls=[self._new_call(self.name, text)])
 
     def finish(self) -> ReplyDelta:
         return self.feed("") if not self.num_calls else ReplyDelta()
@@ -350,7 +354,7 @@ class RequiredCallsStream(ToolCallStream):
                 item, end = self._decoder.raw_decode(self._text, start)
             except json.JSONDecodeError:
                 break  # the object is not complete yet
-            calls.append(self._call(item))
+            calls.append(self._new_call(item.get("name"), json.dumps(item.get("parameters", {}), ensure_ascii=False)))
             self._position = end
         return ReplyDelta(calls=calls)
 
@@ -359,11 +363,6 @@ class RequiredCallsStream(ToolCallStream):
         while position < len(self._text) and self._text[position] in " \t\r\n[,":
             position += 1
         return position if position < len(self._text) and self._text[position] == "{" else None
-
-    def _call(self, item: dict[str, Any]) -> CallDelta:
-        index, self.num_calls = self.num_calls, self.num_calls + 1
-        arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
-        return CallDelta(index=index, arguments=arguments, call_id=new_call_id(), name=item.get("name"))
 
     def finish(self) -> ReplyDelta:
         rest = self._text[self._position :].lstrip(" \t\r\n[,").rstrip()
@@ -422,13 +421,14 @@ class HermesCallStream(ToolCallStream):
         return ReplyDelta(content=lead + body)
 
     def _block(self, block: str) -> ReplyDelta:
-        call = self._read_call(block[len(HERMES_OPEN) : len(block) - len(HERMES_CLOSE)])
+        return self._take(self._read_call(block[len(HERMES_OPEN) : len(block) - len(HERMES_CLOSE)]), written=block)
+
+    def _take(self, call: tuple[str, str] | None, *, written: str) -> ReplyDelta:
+        """A block read as `call` (None: not a call): the call, or its text as content."""
         if call is None or (self.num_calls and not self.parallel):
-            return self._content(block)
+            return self._content(written)
         self._space, self._after_call = "", True  # whitespace before a call is dropped
-        name, arguments = call
-        index, self.num_calls = self.num_calls, self.num_calls + 1
-        return ReplyDelta(calls=[CallDelta(index=index, arguments=arguments, call_id=new_call_id(), name=name)])
+        return ReplyDelta(calls=[self._new_call(*call)])
 
     def _read_call(self, inside: str) -> tuple[str, str] | None:
         try:
@@ -452,8 +452,8 @@ class HermesCallStream(ToolCallStream):
         if self._in_call:  # an unclosed block (the reply ended inside it): a call if it reads as one
             self._in_call = False
             call = self._read_call(rest[len(HERMES_OPEN) :])
-            if call is not None and (self.parallel or not self.num_calls):
-                return self._block(rest + HERMES_CLOSE)
+            if call is not None:
+                return self._take(call, written=rest)
         out = self._content(rest)
         if not self.num_calls:  # a reply without calls keeps its text as written
             out += ReplyDelta(content=self._space)
@@ -491,14 +491,8 @@ class WholeReplyCallsStream(ToolCallStream):
         valid = calls and all(name in self.names for name, _ in calls) and (self.parallel or len(calls) == 1)
         if not valid:
             return ReplyDelta(content=held if held.strip() else "")
-        self.num_calls = len(calls)
         return ReplyDelta(
-            calls=[
-                CallDelta(
-                    index=index, arguments=json.dumps(arguments, ensure_ascii=False), call_id=new_call_id(), name=name
-                )
-                for index, (name, arguments) in enumerate(calls)
-            ]
+            calls=[self._new_call(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls]
         )
 
 
