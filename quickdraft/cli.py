@@ -297,6 +297,12 @@ def _add_serve_parser(commands) -> None:
         "the embedded base model has none)",
     )
     serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat_template (jinja the server renders, sandboxed; only for "
+        "clients you trust, as vLLM's flag)",
+    )
+    serve.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="vLLM's flag, accepted for its command lines: --tool-call-parser alone enables tool_choice auto",
@@ -934,6 +940,7 @@ def run_serve(args) -> int:
         tool_call_parser=args.tool_call_parser,
         auto_tool_call_grammar=args.auto_tool_call_grammar,
         chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
         **{name: value for name, value in optional.items() if value is not None},
     )
     if args.replicas is None:

@@ -10,9 +10,10 @@ from typing import Any
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed, merged_output
+from quickdraft.models.chat import ChatRendering, render_chat
 from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
 from quickdraft.sampling_params import SamplingParams
-from quickdraft.structured.tools import chat_template_inputs, resolve_tool_calling
+from quickdraft.structured.tools import resolve_tool_calling
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -174,11 +175,12 @@ class LLM:
 
     def chat(
         self,
-        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         use_tqdm: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -189,33 +191,29 @@ class LLM:
         does not read them, into a system message that lists them and asks for calls written as
         <tool_call>{"name": ..., "arguments": {...}}</tool_call> (as vLLM, the reply is not parsed
         here; constrain it with `SamplingParams(structured_outputs=...)` to force a call).
-        `chat_template_kwargs` become further template variables.
+        `continue_final_message` (with add_generation_prompt=False) leaves the last message open
+        for the reply to continue; `chat_template_kwargs` become further template variables.
         """
-        calling = None if not tools else resolve_tool_calling(tools=tools, tool_choice="auto", parallel_tool_calls=None)
+        rendering = ChatRendering(
+            template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            variables=dict(chat_template_kwargs or {}),
+            calling=None
+            if not tools
+            else resolve_tool_calling(tools=tools, tool_choice="auto", parallel_tool_calls=None),
+        )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            text = self._render_chat(
-                conversation,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                calling=calling,
-                variables=chat_template_kwargs or {},
+            text = render_chat(
+                self.tokenizer,
+                list(conversation),  # type: ignore[arg-type]
+                rendering,
+                missing_template="pass chat_template=..., or use generate() with a prompt",
             )
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _render_chat(self, conversation, *, chat_template, add_generation_prompt, calling, variables) -> str:
-        template = chat_template if chat_template is not None else self.tokenizer.chat_template
-        if template is None:
-            raise ValueError("this model has no chat template: pass chat_template=..., or use generate() with a prompt")
-        conversation, tool_variables = chat_template_inputs(list(conversation), template=template, calling=calling)
-        return self.tokenizer.apply_chat_template(
-            conversation,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=template,
-            **(variables | tool_variables),
-        )
 
     def _new_group(self, params: SamplingParams) -> _Group:
         """The engine request ids of one prompt's params.n completions, and their seed (drawn for

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import quickdraft
 from quickdraft.engine.parallel_sampling import merged_batch_output
+from quickdraft.models.chat import ChatRenderError, render_chat
 from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
@@ -57,7 +58,6 @@ from quickdraft.structured.tools import (
     ReplyDelta,
     ToolCalling,
     ToolCallStream,
-    chat_template_inputs,
     merged_calls,
 )
 
@@ -327,8 +327,8 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         _check_model(server, body.model)
+        _use_server_chat_settings(server, body)
         body.check()
-        _use_server_tool_settings(server, body)
         return JSONResponse(await server.preprocessor.run(_tokenize, server, body))
 
     @app.post("/detokenize")
@@ -349,7 +349,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         body = await _read_request(server, request, model=ChatCompletionRequest)
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        _use_server_tool_settings(server, body)
+        _use_server_chat_settings(server, body)
         prepared = _prepare(server, request=request, body=body)
         _check_tool_parser(server, body.tool_calling)
         prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
@@ -503,9 +503,17 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
     return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": strings}
 
 
-def _use_server_tool_settings(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeRequest) -> None:
+def _use_server_chat_settings(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeRequest) -> None:
+    """The server's settings for reading tools and chat templates, given to a chat body before it is checked."""
     config = server.config
     body.use_server_tool_settings(constrain_auto_calls=config.auto_tool_call_grammar, parser=config.tool_call_parser)
+    if body.chat_template is not None and not config.trust_request_chat_template:
+        raise bad_request(
+            "chat_template: this server does not take chat templates in requests (a template is code it "
+            "would run); start it with --trust-request-chat-template to allow them",
+            param="chat_template",
+            code="unsupported_parameter",
+        )
 
 
 def _check_tool_parser(server: QuickdraftServer, calling: ToolCalling | None) -> None:
@@ -539,43 +547,15 @@ def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[
 
 
 def _chat_text(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeRequest, *, instead: str) -> str:
-    """The conversation through the chat template; a 400 naming `messages` where the model has
-    none (`instead`: what to send then) or the template refuses them."""
-    tokenizer = server.tokenizer
-    if tokenizer.chat_template is None:
-        raise bad_request(
-            f"messages: the model {server.model_name!r} has no chat template, so it cannot take "
-            f"chat messages; {instead}",
-            param="messages",
-            code="chat_template_missing",
-        )
-    messages, variables = chat_template_inputs(
-        body.conversation(), template=tokenizer.chat_template, calling=body.tool_calling, parser=body.tool_call_parser
-    )
+    """The conversation through the chat template; a 400 naming the field at fault (`instead`:
+    what to send where there is no template)."""
+    hint = instead if not server.config.trust_request_chat_template else f"{instead}, or send a chat_template"
     try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            **((body.chat_template_kwargs or {}) | variables),
-        )
-    except Exception as err:  # the template's own checks (roles must alternate, ...) raise
-        raise bad_request(f"messages: the chat template refused them: {err}", param="messages") from err
-    if body.continue_final_message:
-        text = _open_final_message(text, final=messages[-1]["content"])
-    return text
-
-
-def _open_final_message(text: str, *, final: str) -> str:
-    """The rendered conversation cut after the last message's text, so the reply continues it
-    (what the template writes after a message, an end-of-turn token, goes)."""
-    end = text.rfind(final.strip())
-    if end < 0:
+        return render_chat(server.tokenizer, body.conversation(), body.rendering(), missing_template=hint)
+    except ChatRenderError as err:
         raise bad_request(
-            "continue_final_message: the chat template does not write the last message's text as given, "
-            "so the conversation cannot be left open after it",
-            param="continue_final_message",
-        )
-    return text[: end + len(final.strip())]
+            str(err).replace("this model", f"the model {server.model_name!r}", 1), param=err.param, code=err.code
+        ) from err
 
 
 def _truncated(token_ids: list[int], keep_last: int | None) -> list[int]:

@@ -54,6 +54,9 @@ class ServerConfig:
     # The chat template for /v1/chat/completions, as a file or the jinja text itself (vLLM's
     # --chat-template); None: the model's own (the embedded base model has none).
     chat_template: str | None = None
+    # Requests may send their own chat_template (vLLM's --trust-request-chat-template): jinja the
+    # server renders (sandboxed, yet able to spend its time), so only for clients it trusts.
+    trust_request_chat_template: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
     request_read_timeout_seconds: float = DEFAULT_REQUEST_READ_TIMEOUT_SECONDS  # body stall -> 408, dropped
     # When set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise). Not in

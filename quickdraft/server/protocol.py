@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from quickdraft.models.chat import ChatRenderError, ChatRendering
 from quickdraft.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
 from quickdraft.server.errors import bad_request
@@ -302,33 +303,31 @@ class ToolFields(StrictModel):
             raise bad_request(str(err), param=param) from err
 
 
-# Template variables the server sets itself: chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools")
-
-
 class ChatTemplateFields(ToolFields):
     """How the conversation is rendered (vLLM's fields), for chat requests and /tokenize."""
 
     add_generation_prompt: bool = True
     # vLLM's: the last message stays open for the model to continue (a prefilled reply)
     continue_final_message: bool = False
+    # vLLM's: jinja text for this request instead of the model's template (taken only by a server
+    # started with --trust-request-chat-template: a template is code the server runs)
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM's)
 
-    def check_chat_template_fields(self, messages: list[ChatMessage]) -> None:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request(
-                "continue_final_message needs add_generation_prompt: false (the reply continues the last "
-                "message instead of starting a new one)",
-                param="continue_final_message",
+    def rendering(self) -> ChatRendering:
+        """The fields as a ChatRendering (tools as the server's settings read them); a 400 naming
+        the field at fault."""
+        try:
+            return ChatRendering(
+                template=self.chat_template,
+                add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+                variables=dict(self.chat_template_kwargs or {}),
+                calling=self.tool_calling,
+                tool_call_parser=self.tool_call_parser,
             )
-        if self.continue_final_message and (not messages or not messages[-1].text().strip()):
-            raise bad_request("continue_final_message needs a last message with text", param="continue_final_message")
-        reserved = sorted(set(self.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_VARIABLES))
-        if reserved:
-            raise bad_request(
-                f"chat_template_kwargs may not set {reserved}: give them as request fields",
-                param="chat_template_kwargs",
-            )
+        except ChatRenderError as err:
+            raise bad_request(str(err), param=err.param, code=err.code) from err
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -341,7 +340,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        self.check_chat_template_fields(self.messages)
+        self.rendering()
         if self.store:
             raise bad_request("store is not supported by this server", param="store", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
@@ -385,7 +384,7 @@ class TokenizeRequest(ChatTemplateFields):
             raise bad_request("give exactly one of prompt or messages", param="prompt" if self.prompt else "messages")
         if self.messages is not None and not self.messages:
             raise bad_request("messages: at least one message is needed", param="messages")
-        self.check_chat_template_fields(self.messages or [])
+        self.rendering()
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages or [])

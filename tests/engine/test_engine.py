@@ -192,6 +192,18 @@ def test_chat_uses_the_template_and_errors_without_one(tiny_checkpoints, gemma_l
     assert custom[0].prompt == "hi!"
 
 
+def test_chat_continues_an_open_final_message(gemma_llm):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}<end>{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon "}]
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    opened = gemma_llm.chat(
+        messages, params, chat_template=template, add_generation_prompt=False, continue_final_message=True
+    )[0]
+    assert opened.prompt == "[user] hi<end>[assistant] Once upon"
+    with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt"):
+        gemma_llm.chat(messages, params, chat_template=template, continue_final_message=True)
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
 """vLLM's chat rendering fields: continue_final_message (a prefilled reply the model continues),
-chat_template_kwargs (template variables), and /version."""
+chat_template_kwargs (template variables), a request's own chat_template, and /version."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ PREFILLED = [{"role": "user", "content": "Tell a story."}, {"role": "assistant",
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
-    config = tiny_server_config(tiny_checkpoints["gemma3"], served_model_name="rendering", chat_template=TEMPLATE)
+    config = tiny_server_config(
+        tiny_checkpoints["gemma3"],
+        served_model_name="rendering",
+        chat_template=TEMPLATE,
+        trust_request_chat_template=True,
+    )
     running = start_server(config)
     yield running
     running.stop()
@@ -58,6 +63,8 @@ def test_a_continued_reply_is_the_completion_of_the_open_conversation(server):
             "needs a last message with text",
         ),
         ({"chat_template_kwargs": {"messages": []}}, "may not set ['messages']"),
+        ({"chat_template": "{% for m in messages %}"}, "not a valid jinja template"),
+        ({"chat_template": "{{ raise_exception('no system messages') }}"}, "refused them: no system messages"),
     ],
 )
 def test_bad_rendering_fields_are_400s_naming_them(server, change, message):
@@ -65,7 +72,24 @@ def test_bad_rendering_fields_are_400s_naming_them(server, change, message):
     response = httpx.post(f"{server.api_url}/chat/completions", json=body, timeout=30)
     error = response.json()["error"]
     assert response.status_code == 400 and message in error["message"]
-    assert error["param"] in ("continue_final_message", "chat_template_kwargs")
+    assert error["param"] in ("continue_final_message", "chat_template_kwargs", "chat_template", "messages")
+
+
+def test_a_request_s_chat_template_replaces_the_server_s(server):
+    template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    assert rendered(server, messages=PREFILLED[:1], chat_template=template) == "<user>Tell a story.<assistant>"
+    assert rendered(server, messages=PREFILLED[:1]).startswith("[user] Tell a story.")  # the next request: the server's
+    common = {"model": server.model_name, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    chat = httpx.post(
+        f"{server.api_url}/chat/completions",
+        json=common | {"messages": PREFILLED[:1], "chat_template": template},
+        timeout=30,
+    ).json()
+    tokens = httpx.post(
+        f"{server.base_url}/tokenize", json={"messages": PREFILLED[:1], "chat_template": template}, timeout=30
+    ).json()["tokens"]
+    completion = httpx.post(f"{server.api_url}/completions", json=common | {"prompt": tokens}, timeout=30).json()
+    assert chat["choices"][0]["token_ids"] == completion["choices"][0]["token_ids"]
 
 
 def test_chat_template_kwargs_reach_the_template(server):

@@ -133,6 +133,19 @@ def test_chat_without_template_is_a_clear_400(plain_server):
     assert "chat template" in caught.value.body["message"]
 
 
+def test_a_request_s_chat_template_needs_a_server_that_trusts_it(plain_server):
+    body = {"model": plain_server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenize = {"messages": body["messages"]}
+    for url, sent in (
+        (f"{plain_server.api_url}/chat/completions", body),
+        (f"{plain_server.base_url}/tokenize", tokenize),
+    ):
+        response = httpx.post(url, json=sent | {"chat_template": template}, timeout=30)
+        error = assert_openai_error(response, status=400, param="chat_template")
+        assert "--trust-request-chat-template" in error["message"]
+
+
 def test_malformed_and_non_object_bodies(plain_server):
     url = f"{plain_server.api_url}/completions"
     malformed = httpx.post(url, content=b'{"prompt": "x",', headers={"Content-Type": "application/json"})
