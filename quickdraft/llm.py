@@ -20,11 +20,17 @@ PromptType = str | list[int] | dict[str, Any]
 
 @dataclass
 class _Group:
-    """The engine requests of one prompt of a generate call (params.n of them)."""
+    """The engine requests of one prompt of a generate call (params.num_samples of them)."""
 
     parent_id: str
-    seed: int | None  # None: n = 1 and unseeded (the engine draws the request's seed)
+    seed: int | None  # None: one unseeded completion (the engine draws the request's seed)
     request_ids: list[str]
+    n: int  # completions returned: the n best of the children where best_of > n
+    keep_logprobs: bool  # the request asked for logprobs (else a best_of ranking's are dropped)
+
+    def merged(self, outputs: dict[str, RequestOutput]) -> RequestOutput:
+        children = [outputs[request_id] for request_id in self.request_ids]
+        return merged_output(self.parent_id, children, seed=self.seed, n=self.n, keep_logprobs=self.keep_logprobs)
 
 
 class LLM:
@@ -131,15 +137,15 @@ class LLM:
         progress.close()
         for request_id in group_of:
             self.engine.release(request_id)
-        return [
-            merged_output(group.parent_id, [outputs[i] for i in group.request_ids], seed=group.seed) for group in groups
-        ]
+        return [group.merged(outputs) for group in groups]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield the text and tokens each step adds; the last delta carries the full output.
         With n > 1 the deltas of the n completions come interleaved, each under its `index` and
         `finished` at its own end; only the very last carries `output` (all n of them)."""
         params = sampling_params or SamplingParams()
+        if params.num_samples > params.n:
+            raise ValueError("best_of > n cannot be streamed: which completions are best is known only at the end")
         group = self._new_group(params)
         try:
             one_prompt = _as_prompt_list(prompt)[0]
@@ -160,12 +166,8 @@ class LLM:
                         yield delta
                         continue
                     done = len(finished) == len(index_of)
-                    outputs = [finished[i] for i in group.request_ids] if done else []
                     yield dataclasses.replace(
-                        delta,
-                        request_id=group.parent_id,
-                        index=index,
-                        output=merged_output(group.parent_id, outputs, seed=group.seed) if done else None,
+                        delta, request_id=group.parent_id, index=index, output=group.merged(finished) if done else None
                     )
         finally:
             # A consumer that stops early aborts the requests and frees their slots.
@@ -216,11 +218,17 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _new_group(self, params: SamplingParams) -> _Group:
-        """The engine request ids of one prompt's params.n completions, and their seed (drawn for
-        n > 1 when the params have none: engine/parallel_sampling.py)."""
+        """The engine request ids of one prompt's completions (best_of, else n), and their seed
+        (drawn for several when the params have none: engine/parallel_sampling.py)."""
         parent_id = self.engine.new_request_id()
         seed = children_seed(params, draw_seed=self.engine.draw_seed)
-        return _Group(parent_id=parent_id, seed=seed, request_ids=child_request_ids(parent_id, params.n))
+        return _Group(
+            parent_id=parent_id,
+            seed=seed,
+            request_ids=child_request_ids(parent_id, params.num_samples),
+            n=params.n,
+            keep_logprobs=params.logprobs is not None,
+        )
 
     def _add(self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None) -> str:
         if isinstance(prompt, str):

@@ -40,6 +40,9 @@ MAX_LOGPROBS = 20
 @dataclass(kw_only=True)
 class SamplingParams:
     n: int = 1
+    # completions sampled, of which the n with the highest mean logprob per token are returned
+    # (OpenAI's and vLLM's best_of); None = n. Needs sampling (temperature > 0) when above n.
+    best_of: int | None = None
     temperature: float = 1.0  # 0 means greedy (argmax)
     top_p: float = 1.0  # in (0, 1]; 1 = off
     top_k: int = 0  # 0 or -1 = off
@@ -86,6 +89,17 @@ class SamplingParams:
         self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
+        if self.best_of is not None:
+            self.best_of = _check_int("best_of", self.best_of, low=1)
+            if self.best_of < self.n:
+                raise ValueError(
+                    f"best_of must be >= n ({self.n}): the n best of best_of are returned, got {self.best_of}"
+                )
+            if self.best_of > self.n and self.temperature == 0.0:
+                raise ValueError(
+                    f"best_of ({self.best_of}) > n ({self.n}) needs sampling: with temperature 0 every "
+                    "completion is the same"
+                )
 
         if self.max_tokens is not None:
             self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
@@ -117,6 +131,11 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def num_samples(self) -> int:
+        """Completions sampled for the prompt: best_of, else n."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def is_greedy(self) -> bool:

@@ -219,9 +219,15 @@ class Generation:
         self._closed = False
         self.n = params.n  # completions asked for per prompt
         self.num_choices = len(prompts) * params.n  # choice k: completion k % n of prompt k // n
+        # engine requests, child k sample k % num_samples of prompt k // num_samples (the choices
+        # themselves unless best_of > n: then the n best of each prompt's become its choices)
+        self.num_samples = params.num_samples
+        self.num_children = len(prompts) * params.num_samples
+        self._keep_logprobs = params.logprobs is not None
         self.num_prompt_tokens = sum(len(prompt) for prompt in prompts)
         self.output: RequestOutput | None = None  # all of them, once the last has finished
-        self.prompt_logprobs: dict[int, list] = {}  # choice -> its prompt's logprobs, where asked for
+        # choice -> its prompt's logprobs, where asked for (by child index until the output is known)
+        self.prompt_logprobs: dict[int, list] = {}
 
     def _deliver(self, event) -> None:  # called on the engine loop thread
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
@@ -268,10 +274,24 @@ class Generation:
                 self.prompt_logprobs[event.index] = event.prompt_logprobs
             if event.finished:
                 finished[event.index] = event.output
-                if len(finished) == self.num_choices:
+                if len(finished) == self.num_children:
                     self._done = True
-                    outputs = [finished[index] for index in range(self.num_choices)]
-                    self.output = merged_batch_output(self.request_id, outputs, n=self.n, seed=outputs[0].seed)
+                    outputs = [finished[index] for index in range(self.num_children)]
+                    self.output = merged_batch_output(
+                        self.request_id,
+                        outputs,
+                        n=self.n,
+                        seed=outputs[0].seed,
+                        samples=self.num_samples,
+                        keep_logprobs=self._keep_logprobs,
+                    )
+                    if self.num_samples > self.n:  # every child of a prompt has its prompt's logprobs
+                        by_child = self.prompt_logprobs
+                        self.prompt_logprobs = {
+                            choice: by_child[(choice // self.n) * self.num_samples]
+                            for choice in range(self.num_choices)
+                            if (choice // self.n) * self.num_samples in by_child
+                        }
             yield event
             if self.output is not None:
                 return

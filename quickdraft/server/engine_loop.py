@@ -246,11 +246,12 @@ class EngineLoop:
             self._call(command)
 
     def _add(self, submission: Submission) -> None:
-        """The submission's engine requests: params.n children of each prompt, child k completion
-        k % n of prompt k // n (engine/parallel_sampling.py); one when that is all."""
+        """The submission's engine requests: params.num_samples children of each prompt (n, or
+        best_of), child k sample k % num_samples of prompt k // num_samples
+        (engine/parallel_sampling.py); one when that is all."""
         params, prompts = submission.params, submission.prompts
         seed = children_seed(params, draw_seed=self._engine.draw_seed)
-        request_ids = child_request_ids(submission.request_id, len(prompts) * params.n)
+        request_ids = child_request_ids(submission.request_id, len(prompts) * params.num_samples)
         each = child_params(params, seed=seed, prompt_logprobs_for_all=True)  # each choice streams its echo
         children = [(prompt, child) for prompt in prompts for child in each]
         try:

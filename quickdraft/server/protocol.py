@@ -238,13 +238,20 @@ class CompletionRequest(SamplingFields):
         super().check_unsupported()
         if self.suffix:
             raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
-        if self.best_of not in (None, 1):
+        if self.stream and isinstance(self.best_of, int) and self.best_of > self.n:
             raise bad_request(
-                f"best_of: only 1 is supported, got {self.best_of}", param="best_of", code="unsupported_value"
+                "best_of: completions chosen from best_of cannot be streamed (which are best is known only at "
+                "the end); ask with stream: false",
+                param="best_of",
+                code="unsupported_value",
             )
 
     def sampling_params(self) -> SamplingParams:
-        kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
+        kwargs = self.sampling_kwargs() | {
+            "max_tokens": self.max_tokens,
+            "logprobs": self.logprobs,
+            "best_of": self.best_of,
+        }
         if self.echo and self.logprobs is not None:  # the echoed prompt's tokens carry theirs too
             if self.prompt_logprobs not in (None, self.logprobs):
                 raise bad_request(
@@ -433,9 +440,10 @@ def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str]) ->
 
 
 def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> None:
-    n = kwargs.get("n", 1)
-    if isinstance(n, int) and n > MAX_N:
-        raise bad_request(f"n must be <= {MAX_N}, got {n}", param="n")
+    for name in ("n", "best_of"):
+        count = kwargs.get(name)
+        if isinstance(count, int) and count > MAX_N:
+            raise bad_request(f"{name} must be <= {MAX_N}, got {count}", param=name)
     temperature = kwargs["temperature"]
     if temperature != 0 and not MIN_POSITIVE_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
         raise bad_request(

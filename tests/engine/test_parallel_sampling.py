@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.engine.parallel_sampling import child_params, child_request_ids, merged_metrics, merged_output
-from quickdraft.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from quickdraft.engine.parallel_sampling import (
+    best_outputs,
+    child_params,
+    child_request_ids,
+    merged_batch_output,
+    merged_metrics,
+    merged_output,
+)
+from quickdraft.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from tests.engine.test_speculative import GREEDY, repetitive_prompts
 from tests.stats_checks import same_distribution_p_value
 
@@ -27,7 +34,7 @@ def test_children_get_one_completion_each_seeded_from_the_request():
         (1, 12, 0.5, 4),
     ]
     assert child_params(SamplingParams(seed=None), seed=None) == [SamplingParams(seed=None)]  # n = 1 unchanged
-    with pytest.raises(ValueError, match="n > 1 needs the request's seed"):
+    with pytest.raises(ValueError, match="several completions need the request's seed"):
         child_params(params, seed=None)
     assert child_request_ids("7", 1) == ["7"]
     assert child_request_ids("7", 3) == ["7-0", "7-1", "7-2"]
@@ -70,6 +77,75 @@ def test_merged_output_indexes_the_completions():
     assert merged.request_id == "5" and merged.seed == 3 and merged.prompt_token_ids == [1, 2]
     assert [(c.index, c.token_ids) for c in merged.outputs] == [(0, [7]), (1, [8, 9])]
     assert merged.metrics.num_generation_tokens == 3
+
+
+def ranked(request_id: str, tokens: list[int], cumulative: float | None) -> RequestOutput:
+    mean = None if cumulative is None else cumulative / max(1, len(tokens))
+    logprobs = None if mean is None else [TokenLogprobs(token_id=token, logprob=mean) for token in tokens]
+    completion = CompletionOutput(0, "t", tokens, "length", logprobs=logprobs, cumulative_logprob=cumulative)
+    metrics = RequestMetrics(arrival_time=0.0, num_generation_tokens=len(tokens))
+    return RequestOutput(request_id, "p", [1], [completion], finished=True, metrics=metrics, seed=3)
+
+
+def test_best_of_keeps_the_highest_mean_logprob_per_token():
+    # mean logprobs: -1.0, -0.5 (the shortest sum is not the best mean), -0.5 (a tie: the earlier child
+    # first), an empty completion counts its sum (0.0: nothing generated costs nothing)
+    children = [ranked("0", [1, 2], -2.0), ranked("1", [3, 4, 5, 6], -2.0), ranked("2", [7, 8], -1.0)]
+    assert [o.request_id for o in best_outputs(children, n=2, keep_logprobs=True)] == ["1", "2"]
+    assert [o.request_id for o in best_outputs(children, n=3, keep_logprobs=True)] == ["0", "1", "2"]  # all: as sampled
+    dropped = best_outputs(children, n=1, keep_logprobs=False)[0].outputs[0]
+    assert dropped.logprobs is None and dropped.cumulative_logprob == -2.0
+    assert children[1].outputs[0].logprobs is not None  # the child's own output is untouched
+    empty = ranked("3", [], 0.0)
+    assert best_outputs([*children, empty], n=1, keep_logprobs=True)[0] is empty
+    with pytest.raises(ValueError, match="ranks completions by their logprobs"):
+        best_outputs([ranked("4", [1], None), ranked("5", [2], -1.0)], n=1, keep_logprobs=True)
+    merged = merged_batch_output(
+        "9", [*children, ranked("a", [9], -3.0), ranked("b", [9], -0.1), ranked("c", [9], -9.0)], n=1, seed=3, samples=3
+    )
+    assert [(c.index, c.token_ids) for c in merged.outputs] == [(0, [3, 4, 5, 6]), (1, [9])]
+    assert merged.outputs[1].cumulative_logprob == -0.1
+
+
+def test_best_of_children_compute_the_logprobs_that_rank_them():
+    params = SamplingParams(n=1, best_of=3, seed=5, temperature=0.8)
+    assert [(c.n, c.best_of, c.seed, c.logprobs) for c in child_params(params, seed=5)] == [
+        (1, None, 5, 0),
+        (1, None, 6, 0),
+        (1, None, 7, 0),
+    ]
+    asked = SamplingParams(n=2, best_of=2, seed=5, temperature=0.8)  # best_of = n: nothing to rank
+    assert [c.logprobs for c in child_params(asked, seed=5)] == [None, None]
+    assert [c.logprobs for c in child_params(SamplingParams(best_of=2, logprobs=3), seed=1)] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n": 3, "best_of": 2}, r"best_of must be >= n \(3\)"),
+        ({"best_of": 0}, "best_of must be >= 1"),
+        ({"best_of": 2, "temperature": 0.0}, "needs sampling"),
+        ({"best_of": 1.5}, "best_of must be an int"),
+    ],
+)
+def test_bad_best_of_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def test_best_of_returns_the_best_of_the_completions_it_sampled(llm):
+    prompt = repetitive_prompts()[1]
+    sampled = llm.generate(prompt, SamplingParams(n=4, seed=70, logprobs=0, max_tokens=8, **SAMPLED))[0]
+    means = [c.cumulative_logprob / len(c.token_ids) for c in sampled.outputs]
+    order = sorted(range(4), key=lambda i: means[i], reverse=True)
+    best = llm.generate(prompt, SamplingParams(n=2, best_of=4, seed=70, max_tokens=8, **SAMPLED))[0]
+    assert [c.token_ids for c in best.outputs] == [sampled.outputs[i].token_ids for i in order[:2]]
+    assert [c.index for c in best.outputs] == [0, 1] and best.seed == 70
+    assert all(c.logprobs is None and c.cumulative_logprob is not None for c in best.outputs)
+    assert best.metrics.num_generation_tokens == 32  # all four were decoded
+    with pytest.raises(ValueError, match="cannot be streamed"):
+        next(llm.stream(prompt, SamplingParams(best_of=2, seed=1, **SAMPLED)))
+    assert not llm.engine.has_unfinished_requests() and not llm.engine._requests
 
 
 def test_completion_i_is_the_request_seeded_seed_plus_i(llm):

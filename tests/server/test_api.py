@@ -283,6 +283,38 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampler(suffix_server, offli
     assert all(token in allowed for token in limited)
 
 
+def test_best_of_returns_offline_best_of(plain_server, offline_llms):
+    params = SamplingParams(n=2, best_of=4, temperature=0.9, seed=31, max_tokens=10)
+    reference = offline_llms["gemma3"].generate(["Once upon"], params)[0]
+    body = {"prompt": ["Once upon", "Once upon"], "max_tokens": 10, "temperature": 0.9, "seed": 31, "n": 2}
+    response = plain_server.openai_client().completions.create(
+        model=plain_server.model_name, best_of=4, extra_body={"prompt_logprobs": 1}, **body
+    )
+    texts = [c.text for c in reference.outputs]
+    assert [choice.text for choice in response.choices] == texts + texts  # prompt by prompt, the same seed
+    assert [choice.index for choice in response.choices] == [0, 1, 2, 3]
+    assert all(choice.logprobs is None for choice in response.choices)  # ranked on logprobs not asked for
+    assert response.usage.completion_tokens == 2 * sum(len(c.token_ids) for c in reference.outputs)
+    prompt_logprobs = [choice.model_extra["prompt_logprobs"] for choice in response.choices]
+    assert prompt_logprobs[0] is not None and prompt_logprobs == [prompt_logprobs[0]] * 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"best_of": 3, "stream": True}, "cannot be streamed"),
+        ({"best_of": 2, "n": 3}, "best_of must be >= n"),
+        ({"best_of": 2, "temperature": 0}, "needs sampling"),
+        ({"best_of": 10_000}, "best_of must be <="),
+    ],
+)
+def test_bad_best_of_is_a_400_naming_it(plain_server, fields, message):
+    body = {"model": plain_server.model_name, "prompt": "Once", "max_tokens": 2, "temperature": 1.0} | fields
+    response = httpx.post(f"{plain_server.api_url}/completions", json=body, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "best_of" and message in error["message"], error
+
+
 def test_n_completions_equal_offline_n(plain_server, offline_llms):
     params = SamplingParams(n=3, temperature=0.9, seed=9, max_tokens=10)
     reference = offline_llms["gemma3"].generate(["Once upon"], params)[0]
