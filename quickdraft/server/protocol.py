@@ -285,10 +285,14 @@ class ToolFields(StrictModel):
     # tool_calling is read.
     _constrain_auto_calls: bool = PrivateAttr(default=False)
     _tool_call_parser: str = PrivateAttr(default="hermes")
+    _server_settings_given: bool = PrivateAttr(default=False)
 
     def use_server_tool_settings(self, *, constrain_auto_calls: bool, parser: str | None) -> None:
+        if "tool_calling" in self.__dict__:
+            raise RuntimeError("the server's tool settings came after tool_calling was read")
         self._constrain_auto_calls = constrain_auto_calls
         self._tool_call_parser = parser or "hermes"
+        self._server_settings_given = True
 
     @property
     def tool_call_parser(self) -> str:
@@ -297,6 +301,8 @@ class ToolFields(StrictModel):
     @functools.cached_property
     def tool_calling(self) -> ToolCalling | None:
         """From tools / tool_choice / parallel_tool_calls; a 400 naming the field at fault."""
+        if not self._server_settings_given:  # read before them, it would be built with the defaults
+            raise RuntimeError("tool_calling read before use_server_tool_settings")
         try:
             return resolve_tool_calling(
                 tools=self.tools,

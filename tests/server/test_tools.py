@@ -190,3 +190,16 @@ def test_a_pythonic_parser_server_reads_its_calls(tiny_checkpoints):
         assert "[function_name(" in text  # the preamble asks for the server's format
     finally:
         running.stop()
+
+
+def test_tool_settings_must_come_before_the_calls_are_read():
+    from quickdraft.server.protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="auto")
+    with pytest.raises(RuntimeError, match="before use_server_tool_settings"):
+        _ = body.tool_calling  # built with defaults, it would ignore the server's parser and grammar setting
+    body.use_server_tool_settings(constrain_auto_calls=False, parser="pythonic")
+    assert body.tool_calling is not None and body.tool_calling.parser == "pythonic"
+    with pytest.raises(RuntimeError, match="came after tool_calling was read"):
+        body.use_server_tool_settings(constrain_auto_calls=True, parser="hermes")
