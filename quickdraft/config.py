@@ -110,6 +110,10 @@ class SpeculativeConfig:
     adaptive: bool = False
     adaptive_prior: float = 0.5  # acceptance assumed before any draft was verified
     adaptive_probe_every: int = 8  # a request decoding plainly this many steps drafts a short probe
+    # vLLM's: steps draft nothing while at least this many requests run (None: always draft).
+    # A fixed rule for busy batches, where a drafted row costs about what a committed one does;
+    # `adaptive` decides from measured acceptance and step costs instead.
+    disable_by_batch_size: int | None = None
     drafter_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -127,6 +131,12 @@ class SpeculativeConfig:
         probe = self.adaptive_probe_every
         if isinstance(probe, bool) or not isinstance(probe, int) or probe < 1:
             raise ValueError(f"adaptive_probe_every must be a positive integer, got {probe!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
+            raise ValueError(
+                f"disable_by_batch_size must be an integer >= 2 (requests running), got {limit!r}; "
+                "leave it out to always draft"
+            )
         prior = self.adaptive_prior
         if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0.0 < prior < 1.0:
             raise ValueError(f"adaptive_prior must be a number in (0, 1), got {prior!r}")
@@ -150,6 +160,7 @@ class SpeculativeConfig:
             "adaptive",
             "adaptive_prior",
             "adaptive_probe_every",
+            "disable_by_batch_size",
         }
         options = {k: v for k, v in config.items() if k not in known}
         return cls(**{k: v for k, v in config.items() if k in known}, drafter_options=options)

@@ -376,7 +376,8 @@ class Engine:
         """Schedule, draft, one target forward, verify every request at once, commit each."""
         started = time.perf_counter()
         if self.speculator is not None:  # adaptive speculation's follows what it drafts
-            self.scheduler.draft_reserve = self.speculator.draft_reserve
+            drafting = self.speculator.drafts_with(num_running=len(self.scheduler.running))
+            self.scheduler.draft_reserve = self.speculator.draft_reserve if drafting else 0
         plan = self.scheduler.schedule()
         if self.speculator is not None:
             for request in self.scheduler.preempted:  # it will recompute: its drafter state starts again
@@ -540,7 +541,7 @@ class Engine:
         if self.speculator is None:
             return {}
         decoding = [item.request for item in plan if item.num_new_tokens == 1 and item.completes_prompt]
-        if not decoding:
+        if not decoding or not self.speculator.drafts_with(num_running=len(self.scheduler.running)):
             return {}
         # Room the scheduler reserved in the cache: drafts never take blocks of their own.
         room = {r.request_id: self.cache.room(r.scheduled_slot) - r.num_computed_tokens for r in decoding}

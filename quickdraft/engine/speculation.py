@@ -117,6 +117,11 @@ class Speculator:
             return bound
         return min(bound, max(0, math.ceil(self._drafted_per_decode - 0.1)))  # a probe now and then: none
 
+    def drafts_with(self, *, num_running: int) -> bool:
+        """Whether a step with this many running requests drafts at all (vLLM's disable_by_batch_size)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running < limit
+
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """Target layers whose outputs the drafter reads (empty for most drafters)."""

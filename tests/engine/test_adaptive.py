@@ -124,6 +124,26 @@ def test_adaptive_config_is_validated():
         SpeculativeConfig.from_dict({"method": "ngram", "adaptive": True, "adaptive_prior": 1.5})
     with pytest.raises(ValueError, match="adaptive_probe_every"):
         SpeculativeConfig.from_dict({"method": "ngram", "adaptive": True, "adaptive_probe_every": 0})
+    for limit in (1, 2.5, True):
+        with pytest.raises(ValueError, match="disable_by_batch_size must be an integer >= 2"):
+            SpeculativeConfig.from_dict({"method": "ngram", "disable_by_batch_size": limit})
+
+
+def test_steps_draft_only_while_fewer_than_disable_by_batch_size_run(tiny_checkpoints, plain):
+    llm = LLM(
+        str(tiny_checkpoints["gemma3"]),
+        max_model_len=256,
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2},
+    )
+    prompts = repetitive_prompts()[:2]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=60, **GREEDY)])
+    assert [o.outputs[0].token_ids for o in outs] == [plain[0][:12], plain[1]]
+    assert outs[0].metrics.num_drafts == 0  # it ran beside the other all along
+    assert outs[1].metrics.num_drafts > 0  # alone once the first finished
+    assert llm.engine.scheduler.draft_reserve > 0  # one running: drafts get their room again
+    alone = llm.generate(prompts[0], SamplingParams(max_tokens=60, **GREEDY))[0]
+    assert alone.outputs[0].token_ids == plain[0] and alone.metrics.num_drafts > 0
 
 
 def _adaptive_llm(tiny_checkpoints, drafter) -> LLM:
