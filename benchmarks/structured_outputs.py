@@ -221,6 +221,7 @@ def main() -> None:
                     "prompt": prompt_id,
                     "tokens": len(completion.token_ids),
                     "seconds": seconds,
+                    "decode_seconds": out.metrics.finished_time - out.metrics.first_token_time,
                     "forwards": out.metrics.num_target_forwards,
                     "grammar_seconds": clock.seconds - before,
                     "finish_reason": completion.finish_reason,
@@ -234,7 +235,17 @@ def main() -> None:
                 f"{out.metrics.num_target_forwards:4d} fwd valid={valid} {completion.finish_reason}",
                 flush=True,
             )
-    report = summarise(rows)
+    # After the first token: the prompt's prefill is the same work in every configuration.
+    decode_rows = {
+        name: [r | {"seconds": r["decode_seconds"], "tokens": r["tokens"] - 1} for r in runs if r["tokens"] > 1]
+        for name, runs in rows.items()
+    }
+    report = (
+        "Whole requests (prefill included):\n\n"
+        + summarise(rows)
+        + "\nDecoding after the first token (answers of more than one token):\n\n"
+        + summarise(decode_rows)
+    )
     print(report)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -297,6 +297,20 @@ def _add_serve_parser(commands) -> None:
         "the embedded base model has none)",
     )
     serve.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="defaults for the sampling fields a request leaves out: 'auto' reads the HF model directory's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
+        "'vllm' ignores it, or a directory holding one (default: auto, as vLLM)",
+    )
+    serve.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="generation config keys to replace, e.g. '{\"temperature\": 0.5}'",
+    )
+    serve.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let requests send their own chat_template (jinja the server renders, sandboxed; only for "
@@ -941,6 +955,8 @@ def run_serve(args) -> int:
         auto_tool_call_grammar=args.auto_tool_call_grammar,
         chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        generation_config=args.generation_config,
+        override_generation_config=_parse_json_option(args.override_generation_config, "--override-generation-config"),
         **{name: value for name, value in optional.items() if value is not None},
     )
     if args.replicas is None:

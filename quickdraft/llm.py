@@ -11,6 +11,7 @@ from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed, merged_output
 from quickdraft.models.chat import ChatRendering, render_chat
+from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.structured.tools import resolve_tool_calling
@@ -62,8 +63,17 @@ class LLM:
         tensor_parallel_size: int = 1,
         lazy_logits_rows: int | None = None,
         weights_in_huge_pages: bool | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ):
+        """`generation_config` (vLLM's): "auto" takes the sampling an HF model directory's
+        generation_config.json recommends as the defaults of `get_default_sampling_params()`
+        (what `generate` uses without sampling params); "vllm" ignores it; or a directory
+        holding one.  `override_generation_config` replaces some of its keys."""
         speculative_config = _merge_speculative_args(speculative_config, speculative_model, num_speculative_tokens)
+        self._default_sampling = default_sampling_fields(
+            model, source=generation_config, overrides=override_generation_config
+        )
         self.config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -93,6 +103,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling a prompt gets without SamplingParams: the model's generation config
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) over
+        SamplingParams' own defaults, as vLLM's LLM does."""
+        return SamplingParams(**self._default_sampling)
+
     def get_metrics(self) -> EngineMetrics:
         """Aggregate metrics over every request this engine finished."""
         return self.engine.metrics
@@ -110,6 +126,8 @@ class LLM:
         use_tqdm: a progress bar of the prompts done (vLLM's argument; off by default here).
         """
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         # Validate every prompt before any is queued: a bad one must not leave the others running.
         groups: list[_Group] = []
@@ -143,7 +161,7 @@ class LLM:
         """Yield the text and tokens each step adds; the last delta carries the full output.
         With n > 1 the deltas of the n completions come interleaved, each under its `index` and
         `finished` at its own end; only the very last carries `output` (all n of them)."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if params.num_samples > params.n:
             raise ValueError("best_of > n cannot be streamed: which completions are best is known only at the end")
         group = self._new_group(params)

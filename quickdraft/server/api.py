@@ -506,7 +506,7 @@ def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields
     request.state.scenario = scenario
     _check_model(server, body.model)
     body.check_unsupported()
-    return _Prepared(params=body.sampling_params(), scenario=scenario)
+    return _Prepared(params=body.sampling_params(server.default_sampling), scenario=scenario)
 
 
 def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]:

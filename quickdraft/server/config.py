@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import EngineConfig
+from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.models.tokenizer import check_chat_template
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
@@ -57,6 +58,11 @@ class ServerConfig:
     # Requests may send their own chat_template (vLLM's --trust-request-chat-template): jinja the
     # server renders (sandboxed, yet able to spend its time), so only for clients it trusts.
     trust_request_chat_template: bool = False
+    # vLLM's --generation-config: "auto" (the HF model directory's generation_config.json gives the
+    # sampling fields a request leaves out), "vllm" (ignore it) or a directory holding one; and
+    # --override-generation-config, keys of that file to replace.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
     request_read_timeout_seconds: float = DEFAULT_REQUEST_READ_TIMEOUT_SECONDS  # body stall -> 408, dropped
     # When set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise). Not in
@@ -87,8 +93,15 @@ class ServerConfig:
             )
         if self.chat_template is not None:
             check_chat_template(self.chat_template_text())
+        self.default_sampling_fields()  # a bad setting fails at start, naming itself
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r}")
+
+    def default_sampling_fields(self) -> dict:
+        """SamplingParams fields for what a request leaves out (models/generation_config.py)."""
+        return default_sampling_fields(
+            self.model, source=self.generation_config, overrides=self.override_generation_config
+        )
 
     def chat_template_text(self) -> str | None:
         """The template's jinja text (read from its file where `chat_template` names one)."""

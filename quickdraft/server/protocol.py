@@ -155,11 +155,13 @@ class SamplingFields(StrictModel):
                 code="unsupported_value",
             )
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams keyword arguments of the fields set (defaults are SamplingParams')."""
+    def sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams keyword arguments of the fields set; a field left out takes `defaults`
+        (the model's generation config: models/generation_config.py), else SamplingParams'."""
+        temperature = self.temperature if self.temperature is not None else defaults.get("temperature", 1.0)
         kwargs: dict[str, Any] = {
             "n": self.n,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "temperature": temperature,
             "seed": self.seed,
             "stop": self.stop,
             "min_tokens": self.min_tokens,
@@ -169,10 +171,12 @@ class SamplingFields(StrictModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         optional = {
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
+            "top_p": self.top_p if self.top_p is not None else defaults.get("top_p"),
+            "top_k": self.top_k if self.top_k is not None else defaults.get("top_k"),
+            "min_p": self.min_p if self.min_p is not None else defaults.get("min_p"),
+            "repetition_penalty": (
+                self.repetition_penalty if self.repetition_penalty is not None else defaults.get("repetition_penalty")
+            ),
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
@@ -246,9 +250,11 @@ class CompletionRequest(SamplingFields):
                 code="unsupported_value",
             )
 
-    def sampling_params(self) -> SamplingParams:
-        kwargs = self.sampling_kwargs() | {
-            "max_tokens": self.max_tokens,
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        """The request's SamplingParams; `defaults` for the fields it leaves out (and for
+        max_tokens sent as null: OpenAI's 16 stays the default of a field left out)."""
+        kwargs = self.sampling_kwargs(defaults) | {
+            "max_tokens": self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens"),
             "logprobs": self.logprobs,
             "best_of": self.best_of,
         }
@@ -361,11 +367,15 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_completion_tokens")
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        """The request's SamplingParams; `defaults` for the fields it leaves out (max_tokens
+        too: else until EOS or the end of the context)."""
         use_new_name = self.max_completion_tokens is not None
         max_tokens = self.max_completion_tokens if use_new_name else self.max_tokens
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        kwargs = self.sampling_kwargs() | {"max_tokens": max_tokens, "logprobs": logprobs}
+        kwargs = self.sampling_kwargs(defaults) | {"max_tokens": max_tokens, "logprobs": logprobs}
         renamed = {"logprobs": "top_logprobs"}
         if use_new_name:
             renamed["max_tokens"] = "max_completion_tokens"

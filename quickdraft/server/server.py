@@ -84,6 +84,10 @@ class QuickdraftServer:
         if config.chat_template is not None:
             self.engine.tokenizer.chat_template = config.chat_template_text()
         self.model_name = config.model_name
+        # What a request leaves out, from the model's generation config (vLLM's default)
+        self.default_sampling = config.default_sampling_fields()
+        if self.default_sampling:
+            logger.info("default sampling from the model's generation config: %s", self.default_sampling)
         speculator = self.engine.speculator
         self.method = speculator.config.method if speculator is not None else "none"
         self.adaptive = speculator is not None and speculator.config.adaptive

@@ -287,3 +287,17 @@ def test_use_tqdm_shows_the_prompts_done(gemma_llm, capsys):
     bar = capsys.readouterr().err
     assert "Processed prompts" in bar and "2/2" in bar  # prompts, not their 4 completions
     assert [[c.token_ids for c in o.outputs] for o in shown] == [[c.token_ids for c in o.outputs] for o in quiet]
+
+
+def test_generate_without_params_samples_as_the_generation_config_says(tiny_checkpoints, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 6}))
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128, generation_config=str(tmp_path))
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=6)
+    prompts = ["Once upon", "The cat"]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts)] == [o.outputs[0].token_ids for o in greedy]
+    assert list(llm.stream("Once upon"))[-1].output.outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    ignored = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128, generation_config="vllm")
+    assert ignored.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="override_generation_config: unknown keys"):
+        LLM(str(tiny_checkpoints["gemma3"]), override_generation_config={"temp": 0})
