@@ -297,6 +297,13 @@ def _add_serve_parser(commands) -> None:
         "the embedded base model has none)",
     )
     serve.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs: first come, first served; priority: requests' `priority` field orders them (lower first, "
+        "then arrival), and preemption takes the last in that order (default: fcfs, as vLLM)",
+    )
+    serve.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|vllm|DIR",
@@ -956,6 +963,7 @@ def run_serve(args) -> int:
         chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         generation_config=args.generation_config,
+        scheduling_policy=args.scheduling_policy,
         override_generation_config=_parse_json_option(args.override_generation_config, "--override-generation-config"),
         **{name: value for name, value in optional.items() if value is not None},
     )

@@ -49,12 +49,17 @@ class EngineConfig:
     # mapped from the packed-weight file (page cache shared by every process serving the model,
     # as llama.cpp maps a GGUF); None: True where the kernel offers transparent huge pages.
     weights_in_huge_pages: bool | None = None
+    # vLLM's: "fcfs" (first come, first served) or "priority" (requests' `priority`, lower first;
+    # quickdraft/engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         lazy = self.lazy_logits_rows
         if lazy is not None and (not isinstance(lazy, int) or isinstance(lazy, bool) or lazy < 0):
             raise ValueError(f"lazy_logits_rows must be None or an integer >= 0, got {lazy!r}")

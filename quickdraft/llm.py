@@ -65,6 +65,7 @@ class LLM:
         weights_in_huge_pages: bool | None = None,
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        scheduling_policy: str = "fcfs",
     ):
         """`generation_config` (vLLM's): "auto" takes the sampling an HF model directory's
         generation_config.json recommends as the defaults of `get_default_sampling_params()`
@@ -91,6 +92,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             lazy_logits_rows=lazy_logits_rows,
             weights_in_huge_pages=weights_in_huge_pages,
+            scheduling_policy=scheduling_policy,
         )
         self.engine = Engine(self.config)
 
@@ -119,24 +121,29 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
         use_tqdm: a progress bar of the prompts done (vLLM's argument; off by default here).
+        priority: one per prompt, lower first (vLLM's; needs scheduling_policy="priority").
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority: {len(priorities)} values for {len(prompt_list)} prompts")
         # Validate every prompt before any is queued: a bad one must not leave the others running.
         groups: list[_Group] = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, rank in zip(prompt_list, params_list, priorities):
                 group = self._new_group(params)
                 groups.append(group)  # first: a failure aborts every child (an id not added is ignored)
                 for request_id, child in zip(group.request_ids, child_params(params, seed=group.seed)):
-                    self._add(prompt, child, request_id=request_id)
+                    self._add(prompt, child, request_id=request_id, priority=rank)
         except Exception:
             for request_id in (request_id for group in groups for request_id in group.request_ids):
                 self.engine.abort_request(request_id)
@@ -248,21 +255,22 @@ class LLM:
             keep_logprobs=params.logprobs is not None,
         )
 
-    def _add(self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None) -> str:
+    def _add(
+        self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None, priority: int = 0
+    ) -> str:
+        queue = {"params": params, "request_id": request_id, "priority": priority}
         if isinstance(prompt, str):
-            return self.engine.add_request(prompt=prompt, params=params, request_id=request_id)
+            return self.engine.add_request(prompt=prompt, **queue)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                request_id = self.engine.add_request(
-                    prompt_token_ids=prompt["prompt_token_ids"], params=params, request_id=request_id
-                )
+                request_id = self.engine.add_request(prompt_token_ids=prompt["prompt_token_ids"], **queue)
                 self.engine.get_request(request_id).prompt = prompt.get("prompt")
                 return request_id
             if "prompt" in prompt:
-                return self.engine.add_request(prompt=prompt["prompt"], params=params, request_id=request_id)
+                return self.engine.add_request(prompt=prompt["prompt"], **queue)
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list):
-            return self.engine.add_request(prompt_token_ids=prompt, params=params, request_id=request_id)
+            return self.engine.add_request(prompt_token_ids=prompt, **queue)
         raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
 
 

@@ -120,6 +120,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy,
         )
         self.eos_token_ids = list(
             dict.fromkeys(list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids))
@@ -249,15 +250,18 @@ class Engine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
+        """Queue a request; `priority` (lower first) needs scheduling_policy "priority"."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_priority(priority)
         token_ids = self._prompt_tokens(prompt, prompt_token_ids, keep_last=params.truncate_prompt_tokens)
         self._check_vocabulary_ids(params)
-        if params.n != 1:
+        if params.num_samples != 1:
             raise ValueError(
-                f"n: the engine takes one completion per request, got n={params.n} "
+                f"n: the engine takes one completion per request, got n={params.n}, best_of={params.best_of} "
                 "(LLM.generate and the server fan n out into requests: engine/parallel_sampling.py)"
             )
         request_id = request_id if request_id is not None else self.new_request_id()
@@ -279,6 +283,7 @@ class Engine:
             seed=seed,
             generator=make_generator(position_key(seed, -1), self.device),
             grammar=grammar,
+            priority=priority,
         )
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -370,6 +375,16 @@ class Engine:
         request = self._requests.get(request_id)
         if request is not None and request.is_finished:
             del self._requests[request_id]
+
+    def _check_priority(self, priority: object) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidParameterError("priority", f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise InvalidParameterError(
+                "priority",
+                f"priority: got {priority}, but requests are served first come, first served; "
+                "set scheduling_policy='priority' (--scheduling-policy priority) to order them",
+            )
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:

@@ -40,8 +40,11 @@ class Request:
         generator: torch.Generator | None,
         arrival_time: float | None = None,
         grammar: RequestGrammar | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
+        self.priority = priority  # lower first, under the "priority" scheduling policy
+        self.queue_key: tuple[int, int] = (0, 0)  # (priority, arrival), set by the scheduler
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

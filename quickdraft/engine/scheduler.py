@@ -11,10 +11,17 @@ preempts the newest running requests (they give their blocks back and wait first
 recompute, cheaply where the prefix cache still holds their blocks), so a full cache makes
 requests wait and never fails a step.  With the default pool (every slot's worst case) none of
 this happens.
+
+Policies (vLLM's `scheduling_policy`): "fcfs" serves in order of arrival; "priority" orders the
+waiting line by (priority, arrival), lower values first, lets running requests take blocks in
+that order and preempts the running request that comes last in it.  A waiting request never
+evicts a running one: it takes the next free place.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +42,23 @@ class ScheduledRequest:
         return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(
-        self, *, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool = False
+        self,
+        *,
+        cache: KVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = False,
+        policy: str = "fcfs",
     ):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self._arrivals = itertools.count()  # ties of priority go to the earlier arrival
         self.cache = cache
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
@@ -53,7 +73,30 @@ class Scheduler:
         self.preempted: list[Request] = []  # by the last schedule(): their drafter state is stale
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.queue_key = (request.priority if self.policy == "priority" else 0, next(self._arrivals))
+        if self.policy == "priority":
+            self._insert_waiting(request)
+        else:
+            self.waiting.append(request)
+
+    def _insert_waiting(self, request: Request) -> None:
+        """Into the waiting line at its (priority, arrival) place."""
+        keys = [waiting.queue_key for waiting in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, request.queue_key), request)
+
+    def _by_precedence(self) -> list[Request]:
+        """Running requests in the order they take blocks and budget: admission (fcfs) or
+        (priority, arrival)."""
+        if self.policy == "priority":
+            return sorted(self.running, key=lambda request: request.queue_key)
+        return list(self.running)
+
+    def _victim(self) -> Request:
+        """The running request preempted when blocks lack: the newest (fcfs), or the one last in
+        (priority, arrival) order."""
+        if self.policy == "priority":
+            return max(self.running, key=lambda request: request.queue_key)
+        return self.running[-1]
 
     @property
     def has_unfinished(self) -> bool:
@@ -64,7 +107,7 @@ class Scheduler:
         self._admit_waiting()
         budget = self.max_num_batched_tokens
         decodes, prefills = [], []
-        for req in list(self.running):  # oldest first: a decode that lacks blocks preempts newer requests
+        for req in self._by_precedence():  # oldest first: a decode that lacks blocks preempts newer requests
             if req.num_tokens - req.num_computed_tokens == 1 and self._reserve(req, req.num_computed_tokens + 1):
                 decodes.append(ScheduledRequest(req, 1))
         for item in decodes:  # then room for draft nodes where the pool allows: drafts never preempt
@@ -75,7 +118,7 @@ class Scheduler:
         # Held back for the decodes' draft nodes, but never more than half of what prefill would
         # get: a waiting prompt is delayed, not starved.
         budget -= min(len(decodes) * self.draft_reserve, max(0, budget) // 2)
-        for req in list(self.running):
+        for req in self._by_precedence():
             pending = req.num_tokens - req.num_computed_tokens
             if pending > 1 and budget > 0 and req in self.running:
                 chunk = self._fit(req, min(pending, budget))
@@ -104,7 +147,7 @@ class Scheduler:
         """Reserve storage for req, preempting the newest running requests while blocks lack;
         False when req itself had to be preempted."""
         while not self.cache.try_reserve(req.scheduled_slot, num_tokens):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is req:
                 return False
@@ -119,7 +162,10 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.policy == "priority":
+            self._insert_waiting(req)  # its arrival keeps it ahead of later ones of its priority
+        else:
+            self.waiting.appendleft(req)
         self.preempted.append(req)
 
     def _admit_waiting(self) -> None:

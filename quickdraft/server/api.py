@@ -203,9 +203,11 @@ class Generation:
         scenario: str,
         prompt_param: str,
         id_prefix: str,
+        priority: int = 0,
     ):
         self.server = server
         self.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self._priority = priority
         self.created = now_seconds()
         self._prompts = prompts
         self._params = params
@@ -243,6 +245,7 @@ class Generation:
             scenario=self._scenario,
             submitted_at=time.perf_counter(),
             deliver=self._deliver,
+            priority=self._priority,
         )
         try:
             self.server.engine_loop.submit(submission)
@@ -479,6 +482,7 @@ async def _generate(
         scenario=prepared.scenario,
         prompt_param=prompt_param,
         id_prefix=id_prefix,
+        priority=body.priority,
     )
     writer = writer_class(
         server=server,

@@ -42,6 +42,7 @@ class ServerConfig:
     tensor_parallel_size: int = 1  # processes the target is split over (quickdraft/distributed)
     lazy_logits_rows: int | None = None  # EngineConfig's: LM-head rows before each walk (None: measured)
     weights_in_huge_pages: bool | None = None  # EngineConfig's (False: replicas share the mapped weights)
+    scheduling_policy: str = "fcfs"  # EngineConfig's: "priority" orders requests by their `priority`
     max_queue: int = 64  # requests waiting + running before new ones get 429
     shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
     max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
@@ -131,6 +132,7 @@ class ServerConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             lazy_logits_rows=self.lazy_logits_rows,
             weights_in_huge_pages=self.weights_in_huge_pages,
+            scheduling_policy=self.scheduling_policy,
         )
 
     @property

@@ -89,6 +89,7 @@ class Submission:
     scenario: str
     submitted_at: float  # time.perf_counter() in the handler
     deliver: Callable[[LoopEvent], None]  # thread-safe: called from the loop thread
+    priority: int = 0  # vLLM's: lower first, under the "priority" scheduling policy
 
 
 @dataclass
@@ -256,7 +257,9 @@ class EngineLoop:
         children = [(prompt, child) for prompt in prompts for child in each]
         try:
             for request_id, (prompt, child) in zip(request_ids, children):
-                self._engine.add_request(prompt_token_ids=prompt, params=child, request_id=request_id)
+                self._engine.add_request(
+                    prompt_token_ids=prompt, params=child, request_id=request_id, priority=submission.priority
+                )
         except Exception as err:
             for request_id in request_ids:  # the children added before the failure (unknown ids are ignored)
                 self._engine.abort_request(request_id)

@@ -107,6 +107,8 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # vLLM's: lower is served first by a server started with --scheduling-policy priority
+    priority: int = 0
     # Extensions (vLLM's names), all handled by SamplingParams.
     top_k: int | None = None
     min_p: float | None = None

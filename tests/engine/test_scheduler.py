@@ -101,3 +101,54 @@ def test_a_cache_smaller_than_one_request_is_refused(tiny_checkpoints):
         LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128, kv_cache_memory_bytes=1000)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes must be a positive integer"):
         LLM(str(tiny_checkpoints["gemma3"]), kv_cache_memory_bytes=-1)
+
+
+def _finish_order(llm: LLM, priorities: list[int]) -> list[str]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids = [
+        llm.engine.add_request(prompt_token_ids=PROMPTS[i], params=params, priority=rank)
+        for i, rank in enumerate(priorities)
+    ]
+    order = []
+    while llm.engine.has_unfinished_requests():
+        order += [delta.request_id for delta in llm.engine.step() if delta.finished]
+    return [f"r{ids.index(request_id)}" for request_id in order]
+
+
+def test_the_priority_policy_serves_lower_values_first_then_arrival(tiny_checkpoints):
+    path = str(tiny_checkpoints["gemma3"])
+    ordered = LLM(path, max_model_len=128, max_num_seqs=1, scheduling_policy="priority")
+    assert _finish_order(ordered, [5, 0, 5, -1]) == ["r3", "r1", "r0", "r2"]  # ties: the earlier arrival
+    fcfs = LLM(path, max_model_len=128, max_num_seqs=1)
+    assert _finish_order(fcfs, [0, 0, 0, 0]) == ["r0", "r1", "r2", "r3"]
+
+
+def test_the_priority_policy_preempts_the_last_in_its_order(tiny_checkpoints):
+    path = str(tiny_checkpoints["gemma3"])
+    settings = dict(max_model_len=128, max_num_seqs=2, block_size=4)
+    roomy = LLM(path, **settings).engine.cache.memory_bytes
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    expected = _generate(LLM(path, **settings), params)[:2]
+    preemptions = {}
+    for policy in ("fcfs", "priority"):
+        llm = LLM(path, **settings, kv_cache_memory_bytes=int(roomy * 0.5), scheduling_policy=policy)
+        ranks = [1, 0] if policy == "priority" else None  # the newer request matters more
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, priority=ranks)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        preemptions[policy] = [o.metrics.num_preemptions for o in outputs]
+    assert preemptions["fcfs"][0] == 0 and preemptions["fcfs"][1] > 0  # the newest gives its blocks back
+    assert preemptions["priority"][0] > 0 and preemptions["priority"][1] == 0  # the less important one does
+
+
+def test_priority_needs_the_priority_policy(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=128)
+    with pytest.raises(ValueError, match="set scheduling_policy='priority'") as caught:
+        llm.engine.add_request(prompt_token_ids=PROMPTS[0], priority=1)
+    assert caught.value.param == "priority"
+    with pytest.raises(ValueError, match="priority must be an int"):
+        llm.engine.add_request(prompt_token_ids=PROMPTS[0], priority=1.5)
+    with pytest.raises(ValueError, match="2 values for 1 prompts"):
+        llm.generate([PROMPTS[0]], priority=[0, 0])
+    with pytest.raises(ValueError, match="scheduling_policy must be"):
+        LLM(str(tiny_checkpoints["gemma3"]), scheduling_policy="lifo")
+    assert not llm.engine._requests

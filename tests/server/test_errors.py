@@ -133,6 +133,12 @@ def test_chat_without_template_is_a_clear_400(plain_server):
     assert "chat template" in caught.value.body["message"]
 
 
+def test_priority_on_a_first_come_first_served_server_is_a_400(plain_server):
+    body = {"model": plain_server.model_name, "prompt": "x", "max_tokens": 2, "priority": 2}
+    error = assert_openai_error(post(plain_server, "/completions", body), status=400, param="priority")
+    assert "--scheduling-policy priority" in error["message"]
+
+
 def test_a_request_s_chat_template_needs_a_server_that_trusts_it(plain_server):
     body = {"model": plain_server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
