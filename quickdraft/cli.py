@@ -297,6 +297,13 @@ def _add_serve_parser(commands) -> None:
         "the embedded base model has none)",
     )
     serve.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        default=None,
+        help="return a chat reply's <think> block as message.reasoning and the rest as content (vLLM's; "
+        "deepseek_r1: replies start inside the block, qwen3: only a reply that opens one thinks)",
+    )
+    serve.add_argument(
         "--scheduling-policy",
         choices=("fcfs", "priority"),
         default="fcfs",
@@ -964,6 +971,7 @@ def run_serve(args) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         generation_config=args.generation_config,
         scheduling_policy=args.scheduling_policy,
+        reasoning_parser=args.reasoning_parser,
         override_generation_config=_parse_json_option(args.override_generation_config, "--override-generation-config"),
         **{name: value for name, value in optional.items() if value is not None},
     )

@@ -52,6 +52,7 @@ from quickdraft.server.protocol import (
     usage_of,
 )
 from quickdraft.server.validation import validation_error_to_api_error
+from quickdraft.structured.reasoning import REASONING_PARSERS, ReasoningParser
 from quickdraft.structured.tools import (
     TOOL_CALL_PARSERS,
     PlainTextStream,
@@ -385,7 +386,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             prompt_param="messages",
             id_prefix="chatcmpl",
             writer_class=ChatWriter,
-            writer_options={"tool_calling": body.tool_calling},
+            writer_options={"tool_calling": body.tool_calling, "reasoning": _reasoning_parser(server, prepared.params)},
         )
 
 
@@ -525,6 +526,15 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
         tokens = tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
     strings = [tokenizer.id_to_token(token) for token in tokens] if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": strings}
+
+
+def _reasoning_parser(server: QuickdraftServer, params: SamplingParams) -> ReasoningParser | None:
+    """The server's reasoning parser for a chat reply; none for a constrained one (its grammar
+    holds from the first token, so it does not think: structured/reasoning.py)."""
+    name = server.config.reasoning_parser
+    if name is None or params.structured_outputs is not None:
+        return None
+    return REASONING_PARSERS[name]
 
 
 def _use_server_chat_settings(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeRequest) -> None:
@@ -855,9 +865,12 @@ class ChatWriter(ResponseWriter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *, tool_calling: ToolCalling | None = None, **kwargs: Any):
+    def __init__(
+        self, *, tool_calling: ToolCalling | None = None, reasoning: ReasoningParser | None = None, **kwargs: Any
+    ):
         super().__init__(**kwargs)
         self._tool_calling = tool_calling
+        self._reasoning = reasoning  # splits the thinking out before the calls are read
         self._streams: dict[int, ToolCallStream] = {}  # per streamed completion
 
     def full_body(self, output: RequestOutput) -> dict[str, Any]:
@@ -867,7 +880,8 @@ class ChatWriter(ResponseWriter):
         return body
 
     def _new_stream(self) -> ToolCallStream:
-        return PlainTextStream() if self._tool_calling is None else self._tool_calling.new_stream()
+        stream = PlainTextStream() if self._tool_calling is None else self._tool_calling.new_stream()
+        return stream if self._reasoning is None else self._reasoning.new_stream(stream)
 
     def _finish_reason(self, reason: str | None, stream: ToolCallStream) -> str | None:
         return reason if self._tool_calling is None else self._tool_calling.finish_reason(reason, stream)
@@ -882,6 +896,10 @@ class ChatWriter(ResponseWriter):
         if self._tool_calling is not None:
             message["content"] = reply.content or None  # OpenAI: null beside calls
             message["tool_calls"] = merged_calls(reply.calls)
+        if self._reasoning is not None:
+            message["reasoning"] = reply.reasoning or None
+            if not reply.content:
+                message["content"] = None  # all thinking: the reply has no answer yet
         return self._with_token_ids(
             {
                 "index": completion.index,
@@ -935,9 +953,14 @@ class ChatWriter(ResponseWriter):
 
 
 def _delta_body(reply: ReplyDelta) -> dict[str, Any]:
-    """A chunk's `delta`: the content, and the pieces of calls when there are some."""
+    """A chunk's `delta`: the content, the pieces of calls when there are some, and thinking
+    (`reasoning`, vLLM's field) where a reasoning parser found some."""
     delta: dict[str, Any] = {"content": reply.content}
     if reply.calls:
         delta["tool_calls"] = [piece.body() for piece in reply.calls]
         delta["content"] = reply.content or None
+    if reply.reasoning:
+        delta["reasoning"] = reply.reasoning
+        if not reply.content:
+            del delta["content"]  # vLLM's thinking deltas carry no content
     return delta

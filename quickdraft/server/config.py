@@ -8,6 +8,7 @@ from pathlib import Path
 from quickdraft.config import EngineConfig
 from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.models.tokenizer import check_chat_template
+from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
 # The name the embedded Gemma 3 270M is served under when no --served-model-name is given.
@@ -50,6 +51,9 @@ class ServerConfig:
     # Reads tool calls out of free text for tool_choice "auto" (quickdraft/structured/tools.py);
     # None: "auto" with tools is a 400, "required" and named functions work without it.
     tool_call_parser: str | None = None
+    # vLLM's --reasoning-parser (deepseek_r1, qwen3): a chat reply's <think> block is returned as
+    # `reasoning`, the rest as content (structured/reasoning.py); None: all content
+    reasoning_parser: str | None = None
     # tool_choice "auto": the <tool_call> blocks a reply writes are held to the tools' schemas by a
     # grammar (free text stays free; a request's own response_format replaces it)
     auto_tool_call_grammar: bool = True
@@ -91,6 +95,10 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {list(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
             )
         if self.chat_template is not None:
             check_chat_template(self.chat_template_text())

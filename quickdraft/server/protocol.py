@@ -67,6 +67,9 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_call_id: str | None = None  # a "tool" message: the call it answers
     tool_calls: list[ToolCallMessage] | None = None  # an "assistant" message: the calls it made
+    # an "assistant" message's thinking, sent back (vLLM's field; DeepSeek's older name)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -77,8 +80,8 @@ class ChatMessage(StrictModel):
 
 
 def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them (content parts joined; name, tool_call_id and
-    tool_calls where given)."""
+    """Messages as the chat template takes them (content parts joined; name, tool_call_id,
+    tool_calls and an assistant's thinking as `reasoning_content` where given)."""
     conversation = []
     for message in messages:
         entry: dict[str, Any] = {"role": message.role, "content": message.text()}
@@ -87,6 +90,9 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 entry[key] = getattr(message, key)
         if message.tool_calls:
             entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        thinking = message.reasoning if message.reasoning is not None else message.reasoning_content
+        if thinking is not None:  # the name reasoning templates read (Qwen3's, DeepSeek's)
+            entry["reasoning_content"] = thinking
         conversation.append(entry)
     return conversation
 

@@ -267,16 +267,22 @@ class CallDelta:
 
 @dataclass
 class ReplyDelta:
-    """What new text adds to a reply: content, and pieces of calls."""
+    """What new text adds to a reply: content, pieces of calls, and thinking (a reasoning
+    parser's: structured/reasoning.py)."""
 
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
+    reasoning: str = ""
 
     def __add__(self, other: ReplyDelta) -> ReplyDelta:
-        return ReplyDelta(content=self.content + other.content, calls=self.calls + other.calls)
+        return ReplyDelta(
+            content=self.content + other.content,
+            calls=self.calls + other.calls,
+            reasoning=self.reasoning + other.reasoning,
+        )
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.calls)
+        return bool(self.content or self.calls or self.reasoning)
 
 
 def merged_calls(calls: list[CallDelta]) -> list[dict[str, Any]]:
