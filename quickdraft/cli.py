@@ -296,6 +296,16 @@ def _add_serve_parser(commands) -> None:
         help="the chat template for /v1/chat/completions: a jinja file or its text (default: the model's own; "
         "the embedded base model has none)",
     )
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        serve.add_argument(
+            f"--allowed-{flag}",
+            default=None,
+            metavar="JSON",
+            help=f'CORS: the {what} browser pages may use, a JSON list (default: ["*"], as vLLM)',
+        )
+    serve.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: let pages send credentials (needs named origins)"
+    )
     serve.add_argument(
         "--reasoning-parser",
         choices=("deepseek_r1", "qwen3"),
@@ -972,6 +982,8 @@ def run_serve(args) -> int:
         generation_config=args.generation_config,
         scheduling_policy=args.scheduling_policy,
         reasoning_parser=args.reasoning_parser,
+        allow_credentials=args.allow_credentials,
+        **_cors_lists(args),
         override_generation_config=_parse_json_option(args.override_generation_config, "--override-generation-config"),
         **{name: value for name, value in optional.items() if value is not None},
     )
@@ -1020,6 +1032,22 @@ def _compare_plain(llm, prompt, params, speculative_output) -> None:
         f"{'identical' if same else 'DIFFER'} ({'greedy' if params.is_greedy else 'sampled: may differ'})",
         file=sys.stderr,
     )
+
+
+def _cors_lists(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The --allowed-* flags given, as ServerConfig fields (JSON lists, as vLLM takes them)."""
+    lists = {}
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{flag} must be a JSON list such as '[\"https://example.com\"]': {err}") from err
+        lists[name] = parsed
+    return lists
 
 
 def _parse_json_option(value: str | None, flag: str):

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import quickdraft
 from quickdraft.engine.parallel_sampling import merged_batch_output
@@ -86,6 +87,15 @@ def create_app(server: QuickdraftServer) -> FastAPI:
             api_key=server.config.api_key,
             on_reject=lambda scope, err: _record_rejection(server, Request(scope), err),
         )
+    # Outermost: a browser's preflight (OPTIONS, without the key) is answered before the key check.
+    config = server.config
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=config.allowed_origins,
+        allow_methods=config.allowed_methods,
+        allow_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
+    )
     return app
 
 

@@ -73,6 +73,12 @@ class ServerConfig:
     # When set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise). Not in
     # the repr: configs end up in logs.
     api_key: str | None = field(default=None, repr=False)
+    # CORS for browser clients (vLLM's --allowed-origins / -methods / -headers, --allow-credentials;
+    # the same defaults): what a page of another origin may call.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_scenarios", "max_request_bytes", "tensor_parallel_size"):
@@ -96,6 +102,12 @@ class ServerConfig:
             raise ValueError(
                 f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
             )
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+                raise ValueError(f"{name} must be a list of non-empty strings, got {value!r}")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("allow_credentials needs the allowed origins named: browsers refuse credentials with '*'")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser must be one of {list(REASONING_PARSERS)}, got {self.reasoning_parser!r}"

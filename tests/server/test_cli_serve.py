@@ -219,6 +219,40 @@ def test_serve_tool_and_template_options_reach_the_config(monkeypatch, tmp_path,
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 
 
+def test_serve_vllm_style_options_reach_the_config(monkeypatch, tmp_path, capsys):
+    seen = []
+    monkeypatch.setattr(quickdraft.server, "run_server", seen.append)
+    options = [
+        "--allowed-origins",
+        '["https://ui.example"]',
+        "--allow-credentials",
+        "--reasoning-parser",
+        "qwen3",
+        "--scheduling-policy",
+        "priority",
+        "--generation-config",
+        "vllm",
+        "--override-generation-config",
+        '{"temperature": 0.5}',
+        "--trust-request-chat-template",
+    ]
+    assert main(["serve", str(tmp_path), *options]) == 0
+    config = seen[0]
+    assert (config.allowed_origins, config.allowed_methods, config.allow_credentials) == (
+        ["https://ui.example"],
+        ["*"],
+        True,
+    )
+    assert (config.reasoning_parser, config.scheduling_policy, config.trust_request_chat_template) == (
+        "qwen3",
+        "priority",
+        True,
+    )
+    assert config.default_sampling_fields() == {"temperature": 0.5}
+    assert main(["serve", str(tmp_path), "--allowed-origins", "*"]) == 2
+    assert "--allowed-origins must be a JSON list" in capsys.readouterr().err
+
+
 # ---- the real process: `python -m quickdraft serve`, stopped by a signal ----------------------
 class ServeProcess:
     """`python -m quickdraft serve ...` on a free port; its log collected as it comes."""

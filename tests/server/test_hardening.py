@@ -405,6 +405,32 @@ def test_api_key_is_required_on_v1_routes(guarded_server):
     assert httpx.get(f"{guarded_server.base_url}/metrics", timeout=10).status_code == 200
 
 
+def test_a_browser_s_preflight_is_answered_without_the_key(guarded_server):
+    headers = {
+        "Origin": "https://ui.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    preflight = httpx.options(f"{guarded_server.api_url}/chat/completions", headers=headers, timeout=10)
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    # The request itself still needs the key, and its answer carries the CORS header.
+    refused = httpx.get(f"{guarded_server.api_url}/models", headers={"Origin": "https://ui.example"}, timeout=10)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    served = httpx.get(
+        f"{guarded_server.api_url}/models", headers={"Origin": "https://ui.example"} | auth(), timeout=10
+    )
+    assert served.status_code == 200 and served.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_settings_are_checked(tiny_checkpoints):
+    with pytest.raises(ValueError, match="needs the allowed origins named"):
+        tiny_server_config(tiny_checkpoints["qwen3"], allow_credentials=True)
+    with pytest.raises(ValueError, match="allowed_origins must be a list"):
+        tiny_server_config(tiny_checkpoints["qwen3"], allowed_origins="*")
+
+
 def test_api_key_is_checked_before_the_body(guarded_server):
     url = f"{guarded_server.api_url}/completions"
     malformed = httpx.post(url, content=b"{nope", headers={"Content-Type": "application/json"}, timeout=10)
