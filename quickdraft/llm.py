@@ -125,7 +125,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
-        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]},
+        optionally with "cache_salt" (prefix-cache blocks are shared only with prompts of that salt).
         use_tqdm: a progress bar of the prompts done (vLLM's argument; off by default here).
         priority: one per prompt, lower first (vLLM's; needs scheduling_policy="priority").
         """
@@ -262,6 +263,7 @@ class LLM:
         if isinstance(prompt, str):
             return self.engine.add_request(prompt=prompt, **queue)
         if isinstance(prompt, dict):
+            queue["cache_salt"] = prompt.get("cache_salt")  # vLLM's: cache blocks shared only under one salt
             if "prompt_token_ids" in prompt:
                 request_id = self.engine.add_request(prompt_token_ids=prompt["prompt_token_ids"], **queue)
                 self.engine.get_request(request_id).prompt = prompt.get("prompt")

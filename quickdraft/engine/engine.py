@@ -251,12 +251,16 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; `priority` (lower first) needs scheduling_policy "priority"."""
+        """Queue a request; `priority` (lower first) needs scheduling_policy "priority";
+        `cache_salt` (vLLM's): prefix-cache blocks are shared only with requests of the same salt."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_priority(priority)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", f"cache_salt must be a non-empty string, got {cache_salt!r}")
         token_ids = self._prompt_tokens(prompt, prompt_token_ids, keep_last=params.truncate_prompt_tokens)
         self._check_vocabulary_ids(params)
         if params.num_samples != 1:
@@ -284,6 +288,7 @@ class Engine:
             generator=make_generator(position_key(seed, -1), self.device),
             grammar=grammar,
             priority=priority,
+            cache_salt=cache_salt,
         )
         self._requests[request_id] = request
         self.scheduler.add(request)

@@ -41,9 +41,11 @@ class Request:
         arrival_time: float | None = None,
         grammar: RequestGrammar | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ):
         self.request_id = request_id
         self.priority = priority  # lower first, under the "priority" scheduling policy
+        self.cache_salt = cache_salt  # prefix-cache blocks are shared only under the same salt
         self.queue_key: tuple[int, int] = (0, 0)  # (priority, arrival), set by the scheduler
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)

@@ -178,14 +178,14 @@ class Scheduler:
             req = self.waiting[position]
             # Cached full blocks of the prompt start the slot's tables: their tokens count as computed.
             prefix = (
-                self.cache.find_prefix(req.all_token_ids, usable=self.prefix_usable)
+                self.cache.find_prefix(req.all_token_ids, usable=self.prefix_usable, salt=req.cache_salt)
                 if self.enable_prefix_caching and not req.needs_prompt_rows
                 else None
             )
-            if prefix is not None and self._prefill_computing_blocks_of(req.all_token_ids, cached=prefix.num_tokens):
+            if prefix is not None and self._prefill_computing_blocks_of(req, cached=prefix.num_tokens):
                 position += 1  # it waits for them to be cached
                 continue
-            slot = self.cache.allocate(prefix=prefix)
+            slot = self.cache.allocate(prefix=prefix, salt=req.cache_salt)
             computed = prefix.num_tokens if prefix is not None else 0
             first_chunk = computed + min(req.num_tokens - computed, self.max_num_batched_tokens)
             if self.running and not self.cache.can_reserve(slot, first_chunk):
@@ -201,19 +201,19 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
-    def _prefill_computing_blocks_of(self, token_ids: list[int], *, cached: int) -> bool:
-        """Whether a running request's prefill is computing full blocks that `token_ids` starts
-        with beyond its `cached` tokens.  Waiting until they are cached beats computing them a
+    def _prefill_computing_blocks_of(self, req: Request, *, cached: int) -> bool:
+        """Whether a running request's prefill (of the same cache_salt) is computing full blocks
+        that req's tokens start with beyond its `cached` tokens.  Waiting until they are cached beats computing them a
         second time beside it (the n completions of one prompt; prompts that share a long system
         prompt), as SGLang's in-batch prefix sharing does: on a CPU, where a prefill is bound by
         its multiplies, the waiting request's first token comes no later, and the first's sooner."""
-        size = self.cache.block_size
+        token_ids, size = req.all_token_ids, self.cache.block_size
         reusable = (len(token_ids) - 1) // size * size  # a hit leaves the last token to compute
         if reusable <= cached:
             return False
         for other in self.running:
-            if other.num_tokens - other.num_computed_tokens <= 1:
-                continue  # decoding: what it shares is cached already (or not shareable)
+            if other.num_tokens - other.num_computed_tokens <= 1 or other.cache_salt != req.cache_salt:
+                continue  # decoding (what it shares is cached already), or blocks it may not share
             shared = _shared_full_blocks(token_ids[:reusable], other.prompt_token_ids, size=size)
             if shared > max(cached, other.num_computed_tokens // size * size):
                 return True

@@ -217,6 +217,7 @@ class KVCache:
         self.lengths = [0] * num_slots  # committed tokens whose KV is stored, per slot
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._slot_keys: list[list[bytes]] = [[] for _ in range(num_slots)]  # keys of a slot's full blocks
+        self._slot_roots: list[bytes] = [b""] * num_slots  # what a slot's first key chains from (its salt)
 
     def _blocks_per_slot(self, window: int | None, step: int) -> int:
         """The most blocks of a group one slot holds at once: everything for full attention; for a
@@ -268,12 +269,15 @@ class KVCache:
         """Per group, how many blocks the slot holds now."""
         return [len(g.tables[slot]) - g.released[slot] for g in self.groups]
 
-    def allocate(self, prefix: CachedPrefix | None = None) -> int:
-        """A free slot; `prefix`: cached blocks (from `find_prefix`) its tables start with."""
+    def allocate(self, prefix: CachedPrefix | None = None, *, salt: str | None = None) -> int:
+        """A free slot; `prefix`: cached blocks (from `find_prefix`, with the same `salt`) its
+        tables start with; `salt`: the request's cache_salt (its blocks are shared only with
+        requests of the same salt)."""
         if not self._free_slots:
             raise CacheFullError("all KV cache slots are in use")
         slot = self._free_slots.pop()
         self.lengths[slot] = 0
+        self._slot_roots[slot] = salt_root(salt)
         if prefix is not None:
             for group, blocks in zip(self.groups, prefix.blocks, strict=True):
                 for block in blocks:
@@ -288,6 +292,7 @@ class KVCache:
         for group in self.groups:
             group.free_slot(slot)
         self._slot_keys[slot] = []
+        self._slot_roots[slot] = b""
         self._free_slots.append(slot)
 
     def room(self, slot: int) -> int:
@@ -321,14 +326,17 @@ class KVCache:
             raise CacheFullError(f"slot {slot}: no free KV cache blocks to grow to {num_tokens} tokens")
 
     # ---- prefix caching ------------------------------------------------------------------
-    def find_prefix(self, token_ids: list[int], *, usable: Callable[[bytes], bool] | None = None) -> CachedPrefix:
+    def find_prefix(
+        self, token_ids: list[int], *, usable: Callable[[bytes], bool] | None = None, salt: str | None = None
+    ) -> CachedPrefix:
         """The cached blocks holding the longest run of full blocks `token_ids` starts with,
         leaving at least its last token to compute (its logits are needed); `usable`: whether a
-        block's key may be part of the run (the drafter holds what it needs of the block)."""
+        block's key may be part of the run (the drafter holds what it needs of the block);
+        `salt`: the request's cache_salt (only blocks cached under the same salt match)."""
         keys: list[bytes] = []
-        size = self.block_size
+        size, root = self.block_size, salt_root(salt)
         for start in range(0, len(token_ids) - size, size):  # full blocks before the last token
-            key = _block_key(keys[-1] if keys else b"", token_ids[start : start + size])
+            key = _block_key(keys[-1] if keys else root, token_ids[start : start + size])
             if not all(group.window is not None or key in group.block_by_key for group in self.groups):
                 break
             if usable is not None and not usable(key):
@@ -364,7 +372,7 @@ class KVCache:
         tokens, at least the committed ones), so that later prompts can share them."""
         keys, size = self._slot_keys[slot], self.block_size
         for index in range(len(keys), self.lengths[slot] // size):
-            key = _block_key(keys[-1] if keys else b"", token_ids[index * size : (index + 1) * size])
+            key = _block_key(keys[-1] if keys else self._slot_roots[slot], token_ids[index * size : (index + 1) * size])
             keys.append(key)
             for group in self.groups:
                 group.register(group.tables[slot][index], key)
@@ -480,6 +488,13 @@ def _pool_sizes(*, per_slot: list[int], block_bytes: list[int], num_slots: int, 
             f"(needs {minimum} bytes); raise the memory or lower max_model_len"
         )
     return sizes
+
+
+def salt_root(salt: str | None) -> bytes:
+    """What the first block's key chains from: nothing, or a hash of the request's cache_salt
+    (vLLM's: tenants with different salts never share blocks, so a cache hit's speed tells
+    nobody what another tenant's prompt was)."""
+    return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8")).digest()
 
 
 def _block_key(previous: bytes, token_ids: list[int]) -> bytes:

@@ -215,10 +215,12 @@ class Generation:
         prompt_param: str,
         id_prefix: str,
         priority: int = 0,
+        cache_salt: str | None = None,
     ):
         self.server = server
         self.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         self._priority = priority
+        self._cache_salt = cache_salt
         self.created = now_seconds()
         self._prompts = prompts
         self._params = params
@@ -257,6 +259,7 @@ class Generation:
             submitted_at=time.perf_counter(),
             deliver=self._deliver,
             priority=self._priority,
+            cache_salt=self._cache_salt,
         )
         try:
             self.server.engine_loop.submit(submission)
@@ -494,6 +497,7 @@ async def _generate(
         prompt_param=prompt_param,
         id_prefix=id_prefix,
         priority=body.priority,
+        cache_salt=body.cache_salt,
     )
     writer = writer_class(
         server=server,

@@ -90,6 +90,7 @@ class Submission:
     submitted_at: float  # time.perf_counter() in the handler
     deliver: Callable[[LoopEvent], None]  # thread-safe: called from the loop thread
     priority: int = 0  # vLLM's: lower first, under the "priority" scheduling policy
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only under the same salt
 
 
 @dataclass
@@ -258,7 +259,11 @@ class EngineLoop:
         try:
             for request_id, (prompt, child) in zip(request_ids, children):
                 self._engine.add_request(
-                    prompt_token_ids=prompt, params=child, request_id=request_id, priority=submission.priority
+                    prompt_token_ids=prompt,
+                    params=child,
+                    request_id=request_id,
+                    priority=submission.priority,
+                    cache_salt=submission.cache_salt,
                 )
         except Exception as err:
             for request_id in request_ids:  # the children added before the failure (unknown ids are ignored)

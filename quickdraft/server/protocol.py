@@ -115,6 +115,9 @@ class SamplingFields(StrictModel):
     metadata: dict[str, str] | None = None
     # vLLM's: lower is served first by a server started with --scheduling-policy priority
     priority: int = 0
+    # vLLM's: the request's prefix-cache blocks are shared only with requests of the same salt
+    # (tenants cannot learn from a cache hit's speed what others sent)
+    cache_salt: str | None = None
     # Extensions (vLLM's names), all handled by SamplingParams.
     top_k: int | None = None
     min_p: float | None = None

@@ -92,17 +92,22 @@ def routing_text(path: str, body: Any) -> str:
 
     Completions: the prompt (a string; token ids as their decimal text). Chat: each message's
     role and text content, separated by control characters that no rendering template uses
-    as content, so a conversation's next turn starts with its previous turn's text.
+    as content, so a conversation's next turn starts with its previous turn's text. Both after
+    the request's cache_salt, where it has one.
     """
     if not isinstance(body, dict):
         return ""
+    # A cache_salt starts the text: requests of one salt meet where its blocks are, apart from
+    # the same prompt under another salt (which could not use them).
+    salt = body.get("cache_salt")
+    start = f"\x1dsalt\x1e{salt}\x1d" if isinstance(salt, str) else ""
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):
             return ""
-        return "".join(_message_text(message) for message in messages)
+        return start + "".join(_message_text(message) for message in messages)
     if path.endswith("/completions"):
-        return _prompt_text(body.get("prompt"))
+        return start + _prompt_text(body.get("prompt"))
     return ""
 
 

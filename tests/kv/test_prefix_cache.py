@@ -243,3 +243,37 @@ def test_a_request_waiting_for_a_computing_prefill_does_not_hold_back_the_others
     alone = LLM(path, max_model_len=256, block_size=8, enable_prefix_caching=False)
     expected = alone.generate([{"prompt_token_ids": p} for p in (PROMPT, PROMPT[:34] + [7, 7, 7], unrelated)], params)
     assert [outputs[i].outputs[0].token_ids for i in ids] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_cache_salt_shares_blocks_only_under_the_same_salt():
+    cache = small_cache()
+    tokens = list(range(100, 110))
+    slot = cache.allocate(salt="tenant-a")
+    cache.reserve(slot, len(tokens))
+    cache.commit(slot, len(tokens))
+    cache.cache_full_blocks(slot, tokens)
+    salted = cache.block_table(slot)[:2]
+    assert list(cache.find_prefix(tokens + [7], salt="tenant-a").blocks[0]) == salted
+    assert hit(cache, tokens + [7]) == []  # unsalted
+    assert list(cache.find_prefix(tokens + [7], salt="tenant-b").blocks[0]) == []
+    plain = committed_slot(cache, tokens)  # the same tokens without a salt: blocks of their own
+    assert hit(cache, tokens + [7]) == cache.block_table(plain)[:2] != salted
+    cache.free(slot)
+    assert cache.allocate() == slot and not cache.block_keys(slot)  # a freed slot forgets its salt
+
+
+def test_requests_of_other_salts_neither_hit_nor_wait_for_each_other(tiny_checkpoints):
+    path = str(tiny_checkpoints["gemma3"])
+    llm = LLM(path, max_model_len=256, block_size=8, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [
+        {"prompt_token_ids": PROMPT, "cache_salt": "a"},
+        {"prompt_token_ids": PROMPT, "cache_salt": "b"},  # would wait for a's blocks if it could share them
+    ]
+    first = llm.generate(prompts, params)
+    assert [o.metrics.num_cached_tokens for o in first] == [0, 0]
+    again = llm.generate(prompts + [{"prompt_token_ids": PROMPT}], params)
+    assert [o.metrics.num_cached_tokens for o in again] == [32, 32, 0]  # each salt its own blocks; none unsalted
+    assert len({tuple(o.outputs[0].token_ids) for o in first + again}) == 1
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate([{"prompt_token_ids": PROMPT, "cache_salt": ""}], params)

@@ -527,3 +527,19 @@ def test_continuous_usage_stats_count_the_tokens_so_far(ngram_server):
     counts = [chunk.usage.completion_tokens for chunk in chunks[:-1]]
     assert all(chunk.usage.prompt_tokens == final.prompt_tokens for chunk in chunks[:-1])
     assert counts == sorted(counts) and counts[-1] == final.completion_tokens == 24
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_the_salt(plain_server):
+    def cached(salt: str) -> int:
+        body = {
+            "model": plain_server.model_name,
+            "prompt": "A long prompt that fills several blocks of the prefix cache, twice over.",
+            "max_tokens": 2,
+            "cache_salt": salt,
+        }
+        usage = httpx.post(f"{plain_server.api_url}/completions", json=body, timeout=30).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-1") == 0
+    assert cached("tenant-1") > 0
+    assert cached("tenant-2") == 0

@@ -57,6 +57,12 @@ def test_prefix_hashes_reject_bad_chunk_sizes(bad):
         ("/v1/chat/completions", {"messages": "not a list"}, ""),
         ("/v1/models", {"prompt": "x"}, ""),
         ("/v1/completions", ["not", "a", "dict"], ""),
+        ("/v1/completions", {"prompt": "hello", "cache_salt": "t1"}, "\x1dsalt\x1et1\x1dhello"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "cache_salt": "t1"},
+            "\x1dsalt\x1et1\x1duser\x1fhi\x1e",
+        ),
     ],
 )
 def test_routing_text(path, body, text):
