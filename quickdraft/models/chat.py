@@ -10,7 +10,7 @@ from quickdraft.models.tokenizer import Tokenizer, check_chat_template
 from quickdraft.structured.tools import ToolCalling, chat_template_inputs
 
 # Template variables the renderer sets itself: `variables` may not replace them.
-RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools")
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
 
 
 class ChatRenderError(ValueError):
@@ -31,6 +31,7 @@ class ChatRendering:
     # The last message stays open for the model to continue (a prefilled reply).
     continue_final_message: bool = False
     variables: dict[str, Any] = field(default_factory=dict)  # more template variables
+    documents: list[dict[str, str]] | None = None  # for RAG templates (the variable `documents`)
     calling: ToolCalling | None = None  # tools shown to the model
     tool_call_parser: str = "hermes"  # the format earlier calls are written back in
 
@@ -76,13 +77,17 @@ def render_chat(
             messages,
             add_generation_prompt=rendering.add_generation_prompt,
             chat_template=template,
-            **(rendering.variables | tool_variables),
+            **(rendering.variables | tool_variables | _documents(rendering.documents)),
         )
     except Exception as err:  # the template's own checks (roles must alternate, ...) raise
         raise ChatRenderError(f"messages: the chat template refused them: {err}", param="messages") from err
     if rendering.continue_final_message:
         text = _open_final_message(text, final=_text_of(messages[-1]))
     return text
+
+
+def _documents(documents: list[dict[str, str]] | None) -> dict[str, Any]:
+    return {} if documents is None else {"documents": documents}
 
 
 def _text_of(message: dict[str, Any]) -> str:

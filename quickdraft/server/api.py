@@ -216,9 +216,12 @@ class Generation:
         id_prefix: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        client_request_id: str | None = None,
     ):
         self.server = server
-        self.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.request_id = f"{id_prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever clients send
+        # the response's `id`: the client's request_id where it sent one (vLLM's)
+        self.response_id = self.request_id if client_request_id is None else f"{id_prefix}-{client_request_id}"
         self._priority = priority
         self._cache_salt = cache_salt
         self.created = now_seconds()
@@ -469,7 +472,10 @@ def _completion_prompts(server: QuickdraftServer, body: CompletionRequest) -> li
     """Each prompt's token ids, checked against the context (runs on a preprocessing thread)."""
     prompts = []
     for prompt in body.prompts():
-        token_ids = server.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            token_ids = server.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            token_ids = list(prompt)
         token_ids = _truncated(token_ids, body.truncate_prompt_tokens)
         _check_prompt_length(server, token_ids, param="prompt")
         prompts.append(token_ids)
@@ -498,6 +504,7 @@ async def _generate(
         id_prefix=id_prefix,
         priority=body.priority,
         cache_salt=body.cache_salt,
+        client_request_id=body.request_id,
     )
     writer = writer_class(
         server=server,
@@ -506,6 +513,7 @@ async def _generate(
         include_token_ids=body.return_token_ids,
         continuous_usage=body.continuous_usage,
         include_prompt_logprobs=body.prompt_logprobs is not None,
+        tokens_as_ids=body.return_tokens_as_token_ids,
         **(writer_options or {}),
     )
     return await _respond(generation, writer=writer, stream=body.stream, request=request)
@@ -588,8 +596,9 @@ def _check_model(server: QuickdraftServer, model: str | None) -> None:
 def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[int]:
     """The conversation rendered and tokenized, checked against the context (on a preprocessing thread)."""
     text = _chat_text(server, body, instead="use /v1/completions with a prompt")
-    # The template writes BOS itself (as LLM.chat does).
-    token_ids = _truncated(server.tokenizer.encode(text, add_special_tokens=False), body.truncate_prompt_tokens)
+    # The template writes BOS itself (as LLM.chat does), unless the request asks for the tokenizer's too.
+    token_ids = server.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    token_ids = _truncated(token_ids, body.truncate_prompt_tokens)
     _check_prompt_length(server, token_ids, param="messages")
     return token_ids
 
@@ -710,8 +719,10 @@ class ResponseWriter:
         include_token_ids: bool = False,
         continuous_usage: bool = False,
         include_prompt_logprobs: bool = False,
+        tokens_as_ids: bool = False,
     ):
         self.server = server
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
         self.generation = generation
         self.include_usage = include_usage
         self.include_token_ids = include_token_ids  # vLLM's return_token_ids extension
@@ -728,6 +739,8 @@ class ResponseWriter:
         return self.include_token_ids and bool(event.token_ids)
 
     def _decode_token(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         return self.server.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _prompt_logprobs(self, index: int) -> list[dict[str, Any] | None] | None:
@@ -739,7 +752,7 @@ class ResponseWriter:
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {
-            "id": self.generation.request_id,
+            "id": self.generation.response_id,
             "object": object_name,
             "created": self.generation.created,
             "model": self.server.model_name,

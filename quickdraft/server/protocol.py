@@ -118,6 +118,10 @@ class SamplingFields(StrictModel):
     # vLLM's: the request's prefix-cache blocks are shared only with requests of the same salt
     # (tenants cannot learn from a cache hit's speed what others sent)
     cache_salt: str | None = None
+    # vLLM's: the response's id is built from it (the engine's own ids stay unique)
+    request_id: str | None = None
+    # vLLM's: logprobs name tokens "token_id:<id>" (for tokens whose text does not decode alone)
+    return_tokens_as_token_ids: bool = False
     # Extensions (vLLM's names), all handled by SamplingParams.
     top_k: int | None = None
     min_p: float | None = None
@@ -246,6 +250,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
     suffix: str | None = None
     best_of: int | None = None
 
@@ -343,6 +348,8 @@ class ChatTemplateFields(ToolFields):
     # started with --trust-request-chat-template: a template is code the server runs)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM's)
+    # vLLM's: documents for a RAG template (the template variable `documents`), e.g. {"title", "text"}
+    documents: list[dict[str, str]] | None = None
 
     def rendering(self) -> ChatRendering:
         """The fields as a ChatRendering (tools as the server's settings read them); a 400 naming
@@ -353,6 +360,7 @@ class ChatTemplateFields(ToolFields):
                 add_generation_prompt=self.add_generation_prompt,
                 continue_final_message=self.continue_final_message,
                 variables=dict(self.chat_template_kwargs or {}),
+                documents=self.documents,
                 calling=self.tool_calling,
                 tool_call_parser=self.tool_call_parser,
             )
@@ -362,6 +370,7 @@ class ChatTemplateFields(ToolFields):
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = False  # vLLM's: the template writes BOS itself; true adds the tokenizer's too
     max_tokens: int | None = None  # None: until EOS or the end of the context
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -557,7 +566,7 @@ class CompletionLogprobs:
             "tokens": tokens,
             "token_logprobs": [None] * len(first) + [entry.logprob for entry in token_logprobs],
             "top_logprobs": [None] * len(first)
-            + [{top.decoded or "": top.logprob for top in entry.top} for entry in token_logprobs],
+            + [{self._decode(top.token_id): top.logprob for top in entry.top} for entry in token_logprobs],
             "text_offset": offsets,
         }
 
@@ -575,7 +584,7 @@ def prompt_logprobs_body(entries: list[TokenLogprobs | None], *, decode) -> list
         }
         for rank, top in enumerate(entry.top, start=1):
             ranked.setdefault(
-                str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": top.decoded or ""}
+                str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": decode(top.token_id)}
             )
         body.append(ranked)
     return body
@@ -592,12 +601,8 @@ def chat_logprobs_body(token_logprobs: list[TokenLogprobs], *, decode) -> dict[s
                 "logprob": entry.logprob,
                 "bytes": list(token.encode("utf-8")),
                 "top_logprobs": [
-                    {
-                        "token": top.decoded or "",
-                        "logprob": top.logprob,
-                        "bytes": list((top.decoded or "").encode("utf-8")),
-                    }
-                    for top in entry.top
+                    {"token": name, "logprob": top.logprob, "bytes": list(name.encode("utf-8"))}
+                    for top, name in ((top, decode(top.token_id)) for top in entry.top)
                 ],
             }
         )

@@ -543,3 +543,21 @@ def test_cache_salt_keeps_prefix_cache_hits_within_the_salt(plain_server):
     assert cached("tenant-1") == 0
     assert cached("tenant-1") > 0
     assert cached("tenant-2") == 0
+
+
+def test_vllm_s_request_fields_for_ids_tokens_and_bos(plain_server):
+    url = f"{plain_server.api_url}/completions"
+    body = {"model": plain_server.model_name, "prompt": "Once upon", "max_tokens": 3, "temperature": 0}
+    with_bos = httpx.post(url, json=body, timeout=30).json()
+    without = httpx.post(url, json=body | {"add_special_tokens": False}, timeout=30).json()
+    assert with_bos["usage"]["prompt_tokens"] == without["usage"]["prompt_tokens"] + 1
+    named = httpx.post(url, json=body | {"request_id": "job-17"}, timeout=30).json()
+    assert named["id"] == "cmpl-job-17"
+    streamed = httpx.post(url, json=body | {"request_id": "job-17", "stream": True}, timeout=30).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert chunks and {chunk["id"] for chunk in chunks} == {"cmpl-job-17"}
+    as_ids = httpx.post(
+        url, json=body | {"logprobs": 2, "return_tokens_as_token_ids": True, "return_token_ids": True}, timeout=30
+    ).json()["choices"][0]
+    assert as_ids["logprobs"]["tokens"] == [f"token_id:{token}" for token in as_ids["token_ids"]]
+    assert all(key.startswith("token_id:") for top in as_ids["logprobs"]["top_logprobs"] for key in top)

@@ -103,6 +103,18 @@ def test_chat_template_kwargs_reach_the_template(server):
     assert reply.status_code == 200
 
 
+def test_documents_and_the_tokenizer_s_bos(server):
+    template = "{% for d in documents %}<{{ d.title }}: {{ d.text }}>{% endfor %}{{ messages[0].content }}"
+    body = {"messages": PREFILLED[:1], "chat_template": template}
+    documents = [{"title": "A", "text": "one"}, {"title": "B", "text": "two"}]
+    assert rendered(server, **body, documents=documents) == "<A: one><B: two>Tell a story."
+    common = {"model": server.model_name, "messages": PREFILLED[:1], "max_tokens": 1}
+    url = f"{server.api_url}/chat/completions"
+    plain = httpx.post(url, json=common, timeout=30).json()["usage"]["prompt_tokens"]
+    doubled = httpx.post(url, json=common | {"add_special_tokens": True}, timeout=30).json()["usage"]["prompt_tokens"]
+    assert doubled == plain + 1  # the template's BOS and the tokenizer's
+
+
 def test_version(server):
     assert httpx.get(f"{server.base_url}/version", timeout=10).json() == {"version": quickdraft.__version__}
 
