@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from quickdraft.outputs import RequestMetrics
+from quickdraft.server.vllm_metrics import VllmNamedMetrics
 
 REQUEST_LABELS = ("model", "method", "scenario")
 ENGINE_LABELS = ("model", "method")
@@ -77,6 +78,8 @@ class ServerMetrics:
         self._engine_labels = {"model": model, "method": method}
         self._define_request_metrics()
         self._define_engine_metrics()
+        # The same series under vLLM's names, for tools built on vLLM's /metrics
+        self.registry.register(VllmNamedMetrics(self, model=model))
 
     # ---- definitions ------------------------------------------------------------------
     def _counter(self, name: str, documentation: str, extra_labels: tuple[str, ...] = ()) -> Counter:

@@ -84,3 +84,33 @@ def test_scenario_sanitizing():
     assert [labels.resolve(v) for v in ["a", "b", "a", None]] == ["a", "other", "a", "default"]
     with pytest.raises(ValueError, match="max_values"):
         ScenarioLabels(max_values=1)
+
+
+def test_vllm_s_names_carry_the_same_figures(metrics_server):
+    send_traffic(metrics_server)
+    samples = scrape(metrics_server)
+    vllm = {"model_name": "metered", "engine": "0"}
+    pairs = [
+        ("vllm:prompt_tokens_total", "quickdraft_prompt_tokens_total", {}),
+        ("vllm:generation_tokens_total", "quickdraft_generation_tokens_total", {}),
+        ("vllm:prefix_cache_hits_total", "quickdraft_prefix_cache_hit_tokens_total", {}),
+        ("vllm:num_preemptions_total", "quickdraft_preemptions_total", {}),
+        ("vllm:spec_decode_num_drafts_total", "quickdraft_drafts_total", {}),
+        ("vllm:spec_decode_num_draft_tokens_total", "quickdraft_draft_tokens_total", {}),
+        ("vllm:spec_decode_num_accepted_tokens_total", "quickdraft_accepted_tokens_total", {}),
+        ("vllm:time_to_first_token_seconds_count", "quickdraft_time_to_first_token_seconds_count", {}),
+        ("vllm:e2e_request_latency_seconds_sum", "quickdraft_e2e_request_latency_seconds_sum", {}),
+        ("vllm:num_requests_waiting", "quickdraft_waiting_requests", {}),
+        ("vllm:kv_cache_usage_perc", "quickdraft_kv_cache_usage", {}),
+    ]
+    for ours_in_vllm, ours, labels in pairs:
+        assert total(samples, ours_in_vllm, **vllm, **labels) == pytest.approx(total(samples, ours)), ours_in_vllm
+    assert total(samples, "vllm:generation_tokens_total", **vllm) > 0
+    for reason in ("stop", "length"):
+        ended = total(samples, "quickdraft_requests_total", finish_reason=reason)
+        assert total(samples, "vllm:request_success_total", **vllm, finished_reason=reason) == ended
+    assert total(samples, "vllm:request_success_total", **vllm) > 0
+    first_depth = total(samples, "quickdraft_accepted_tokens_by_position_total", position="1")
+    assert total(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", **vllm, position="0") == first_depth
+    buckets = samples["vllm:time_to_first_token_seconds_bucket"]
+    assert [float(s.labels["le"]) for s in buckets] == sorted(float(s.labels["le"]) for s in buckets)
