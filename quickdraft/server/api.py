@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -391,6 +392,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         _use_server_chat_settings(server, body)
         prepared = _prepare(server, request=request, body=body)
+        prepared.params = _thinking_first(server, prepared.params)
         _check_tool_parser(server, body.tool_calling)
         prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
         return await _generate(
@@ -551,12 +553,19 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
 
 
 def _reasoning_parser(server: QuickdraftServer, params: SamplingParams) -> ReasoningParser | None:
-    """The server's reasoning parser for a chat reply; none for a constrained one (its grammar
-    holds from the first token, so it does not think: structured/reasoning.py)."""
+    """The server's reasoning parser for a chat reply (structured/reasoning.py)."""
     name = server.config.reasoning_parser
-    if name is None or params.structured_outputs is not None:
-        return None
-    return REASONING_PARSERS[name]
+    return None if name is None else REASONING_PARSERS[name]
+
+
+def _thinking_first(server: QuickdraftServer, params: SamplingParams) -> SamplingParams:
+    """A chat request's constraint behind the model's think block, on a server with a reasoning
+    parser: the reply thinks freely, then matches the constraint (as vLLM's structured outputs
+    start after the reasoning ends)."""
+    constraint, name = params.structured_outputs, server.config.reasoning_parser
+    if constraint is None or name is None:
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(constraint, reasoning_parser=name))
 
 
 def _use_server_chat_settings(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeRequest) -> None:

@@ -33,6 +33,10 @@ class StructuredOutputsParams:
     # other whitespace; False lets the model put any whitespace between tokens, as vLLM does by
     # default (small models then often loop on newlines, and fewer tokens are forced).
     disable_any_whitespace: bool = True
+    # A reasoning model's thinking comes first, unconstrained: the output is a <think> block as
+    # that reasoning parser reads it (structured/reasoning.py: "deepseek_r1", "qwen3"), then the
+    # constraint (after optional whitespace). None: the constraint holds from the first token.
+    reasoning_parser: str | None = None
     # The compiled llguidance grammar (a JSON string), filled at construction.
     compiled: str = field(init=False, repr=False, compare=False)
 
@@ -46,7 +50,10 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs.disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}"
             )
-        self.compiled = _compile(given[0], getattr(self, given[0]), flexible=not self.disable_any_whitespace)
+        compiled = _compile(given[0], getattr(self, given[0]), flexible=not self.disable_any_whitespace)
+        if self.reasoning_parser is not None:
+            compiled = _after_thinking(compiled, parser=self.reasoning_parser)
+        self.compiled = compiled
 
     def _given(self, kind: str) -> bool:
         value = getattr(self, kind)
@@ -65,11 +72,42 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs must be StructuredOutputsParams or a dict, got {type(value).__name__}"
             )
-        known = (*KINDS, "disable_any_whitespace")
+        known = (*KINDS, "disable_any_whitespace", "reasoning_parser")
         unknown = sorted(set(value) - set(known))
         if unknown:
             raise ValueError(f"structured_outputs: unknown fields {unknown}; known: {list(known)}")
         return cls(**value)
+
+
+def _after_thinking(compiled: str, *, parser: str) -> str:
+    """`compiled` behind a think block: free text up to the first </think> (which the prompt
+    opened, or the output opens with <think>, as `parser` reads replies), optional whitespace,
+    then the constraint as a nested grammar.  The think text is a lazy lexeme: it ends at the
+    first </think>, as the reasoning parser splits the reply."""
+    from llguidance import LLMatcher
+
+    from quickdraft.structured.reasoning import REASONING_PARSERS  # it imports this module's users
+
+    if parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"structured_outputs.reasoning_parser must be one of {list(REASONING_PARSERS)}, got {parser!r}"
+        )
+    opened = REASONING_PARSERS[parser].opened_by_prompt
+    grammars = json_module.loads(compiled)["grammars"]
+    grammars[0] = {**grammars[0], "name": "constraint"}
+    think = "think" if opened else '("<think>" think)?'
+    lark = (
+        "%llguidance {}\n"
+        f"start: {think} GAP @constraint\n"
+        'think[lazy]: THINK_TEXT "</think>"\n'
+        "THINK_TEXT: /(.|\\n)*/\n"
+        "GAP: /[ \\t\\r\\n]*/\n"
+    )
+    wrapped = json_module.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, *grammars]})
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(wrapped)
+    if is_error:
+        raise ValueError(f"structured_outputs.reasoning_parser: {' '.join(messages[0].split())}")
+    return wrapped
 
 
 def _compile(kind: str, value: Any, *, flexible: bool) -> str:

@@ -46,9 +46,13 @@ def test_a_reply_inside_the_prompt_s_think_block_is_reasoning(server, offline_ll
     assert not "".join(delta.get("content") or "" for delta in deltas)
 
 
-def test_a_constrained_reply_is_all_content(server):
-    message = chat(server, response_format={"type": "json_object"}, max_tokens=20).json()["choices"][0]["message"]
-    assert "reasoning" not in message and message["content"].startswith("{")
+def test_a_constrained_reply_thinks_first(server):
+    """The constraint holds after the think block: R1's prompt opened it, and the tiny model never
+    closes it, so the reply is all (free) thinking; the same request without the parser's
+    wrapping would have to start with "{"."""
+    choice = chat(server, response_format={"type": "json_object"}, max_tokens=20).json()["choices"][0]
+    assert choice["message"]["reasoning"] and choice["message"]["content"] is None
+    assert choice["finish_reason"] == "length" and not choice["message"]["reasoning"].startswith("{")
 
 
 def test_thinking_sent_back_reaches_the_template(server):
