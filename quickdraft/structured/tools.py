@@ -334,10 +334,11 @@ class NamedCallStream(ToolCallStream):
     def feed(self, text: str) -> ReplyDelta:
         if self.num_calls:
             return ReplyDelta(calls=[CallDelta(index=0, arguments=text)] if text else [])
-        return ReplyDelta(calls=[self._new_call(self.name, text)])
+        text = text.lstrip(" \t\r\n")  # after a think block the arguments may follow a blank line
+        return ReplyDelta(calls=[self._new_call(self.name, text)]) if text else ReplyDelta()
 
     def finish(self) -> ReplyDelta:
-        return self.feed("") if not self.num_calls else ReplyDelta()
+        return ReplyDelta(calls=[self._new_call(self.name, "")]) if not self.num_calls else ReplyDelta()
 
 
 class RequiredCallsStream(ToolCallStream):

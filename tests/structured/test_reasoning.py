@@ -13,7 +13,7 @@ from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.structured.grammar import GrammarCompiler
 from quickdraft.structured.params import StructuredOutputsParams
 from quickdraft.structured.reasoning import REASONING_PARSERS
-from quickdraft.structured.tools import HermesCallStream, PlainTextStream
+from quickdraft.structured.tools import HermesCallStream, PlainTextStream, merged_calls
 from tests.structured.test_tools import as_message, splits, whole_and_streamed
 
 CASES = [
@@ -103,3 +103,17 @@ def test_constrained_thinking_stays_exact_under_speculation(tiny_checkpoints):
     assert [o.outputs[0].token_ids for o in drafted] == plain
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         StructuredOutputsParams(json=SCHEMA, reasoning_parser="o1")
+
+
+def test_a_named_call_after_the_thinking_starts_at_its_arguments():
+    from quickdraft.structured.tools import NamedCallStream
+
+    text = '<think>Rome, one day.</think>\n\n{"city": "Rome", "days": 1}'
+
+    def new_stream():
+        return REASONING_PARSERS["qwen3"].new_stream(NamedCallStream(name="get_weather"))
+
+    for cuts in splits(text)[:: max(1, len(text) // 30)]:
+        whole, streamed = whole_and_streamed(new_stream, text, cuts)
+        assert as_message(streamed) == as_message(whole) == ("", [("get_weather", {"city": "Rome", "days": 1})])
+        assert merged_calls(whole.calls)[0]["function"]["arguments"].startswith("{")
