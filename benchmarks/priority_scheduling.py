@@ -10,10 +10,11 @@ first token and end-to-end latency (medians, seconds) and the background ones' e
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
+
+from results_files import save_results
 
 
 def run(llm, *, prompts: list[str], background: int, urgent: int, max_tokens: int, prioritized: bool) -> dict:
@@ -104,10 +105,7 @@ def main() -> None:
         )
     report = "\n".join(lines) + "\n"
     print(report)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-        (args.out / "summary.md").write_text(report)
+    save_results(args.out, rows=rows, report=report)
 
 
 if __name__ == "__main__":

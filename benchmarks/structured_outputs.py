@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from results_files import save_results
+
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/questions.dev.jsonl"
 CONFIGS = {
     "plain": None,
@@ -247,10 +249,7 @@ def main() -> None:
         + summarise(decode_rows)
     )
     print(report)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-        (args.out / "summary.md").write_text(report)
+    save_results(args.out, rows=rows, report=report)
 
 
 def summarise(rows: dict[str, list[dict]]) -> str:

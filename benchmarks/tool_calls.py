@@ -14,10 +14,10 @@ reply reads as calls of the tools.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
+from results_files import save_results
 from structured_outputs import GrammarClock, summarise
 
 CONFIGS = {
@@ -186,10 +186,7 @@ def main() -> None:
         )
     report = "\n".join(reports)
     print(report)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-        (args.out / "summary.md").write_text(report)
+    save_results(args.out, rows=rows, report=report)
 
 
 if __name__ == "__main__":
