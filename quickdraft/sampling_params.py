@@ -71,6 +71,11 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # bad_words as token ids, filled by the engine from its tokenizer when the request is added
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    # The text the output is expected to be, mostly (OpenAI's predicted outputs: a file being
+    # edited): drafted as it stands, verified like any draft, so the output is unchanged by it
+    prediction: str | None = None
+    # prediction as token ids, filled by the engine from its tokenizer when the request is added
+    prediction_token_ids: list[int] | None = field(default=None, init=False, repr=False, compare=False)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # JSON schema / JSON object / regex / choice / grammar the output must match (a dict of
@@ -124,6 +129,8 @@ class SamplingParams:
 
         if self.bad_words is not None:
             self.bad_words = _normalize_bad_words(self.bad_words)
+        if self.prediction is not None and (not isinstance(self.prediction, str) or not self.prediction):
+            raise ValueError(f"prediction must be a non-empty string, got {self.prediction!r}")
 
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)

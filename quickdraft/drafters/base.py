@@ -85,6 +85,8 @@ class DraftRequest:
     # score their paths; others never go past max_depth).
     extend_depth: int = 0
     min_path_prob: float = 0.0
+    # The output the request expects (its `prediction`, tokenized): drafted by PredictionDrafter
+    prediction_token_ids: list[int] | None = None
 
     @property
     def depth_limit(self) -> int:

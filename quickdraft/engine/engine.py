@@ -23,6 +23,7 @@ from quickdraft.config import EngineConfig, SpeculativeConfig
 from quickdraft.drafters import default_registry
 from quickdraft.drafters.base import AcceptedPath, Proposal, TargetInfo
 from quickdraft.drafters.hybrid import path_in_child
+from quickdraft.drafters.prediction import NoDrafter
 from quickdraft.engine.feature_cache import FeatureBlockCache
 from quickdraft.engine.request import Request, make_token_logprobs
 from quickdraft.engine.runner import REUSED_LOGITS_BYTES, ModelRunner, SequenceWork
@@ -274,6 +275,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self.draw_seed()
         if params.bad_words:
             params = self._with_bad_words_token_ids(params)
+        if params.prediction is not None:
+            params = self._with_prediction_token_ids(params)
         structured = params.structured_outputs
         grammar = self.grammars.matcher_for(structured) if structured is not None else None
         request = Request(
@@ -309,6 +312,16 @@ class Engine:
         resolved = params.clone()
         encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
         resolved.bad_words_token_ids = bad_words_token_ids(params.bad_words or [], encode=encode)
+        return resolved
+
+    def _with_prediction_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """A copy with the prediction as token ids; an engine that does not speculate gets a
+        speculator that drafts predictions only (the other requests decode as before)."""
+        resolved = params.clone()
+        resolved.prediction_token_ids = self.tokenizer.encode(params.prediction or "", add_special_tokens=False)
+        if self.speculator is None:
+            config = SpeculativeConfig(method="prediction", num_speculative_tokens=1)
+            self.speculator = Speculator(config=config, drafter=NoDrafter(), max_tree_nodes=CACHE_HEADROOM)
         return resolved
 
     def _check_vocabulary_ids(self, params: SamplingParams) -> None:

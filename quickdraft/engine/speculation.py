@@ -16,6 +16,7 @@ import torch
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal
+from quickdraft.drafters.prediction import PredictionDrafter
 from quickdraft.engine.adaptive import (
     PROBE_LENGTH,
     AcceptanceEstimate,
@@ -49,6 +50,10 @@ class DraftLengthPolicy:
         return current
 
 
+# Draft tokens a predicted output offers per step (a prediction is mostly right: long chains pay)
+PREDICTION_DRAFT_TOKENS = 16
+
+
 class Speculator:
     def __init__(self, *, config: SpeculativeConfig, drafter: Drafter, max_tree_nodes: int):
         if config.num_speculative_tokens is None:  # the engine fills in the method's default
@@ -56,6 +61,7 @@ class Speculator:
         self.config = config
         self.num_speculative_tokens: int = config.num_speculative_tokens
         self.drafter = drafter
+        self.predictions = PredictionDrafter()  # requests that bring their expected output draft it
         self.max_tree_nodes = max_tree_nodes
         self.policy = DraftLengthPolicy(maximum=self.num_speculative_tokens, dynamic=config.dynamic_draft_length)
         self._draft_length: dict[str, int] = {}
@@ -93,13 +99,20 @@ class Speculator:
                 slot=request.slot,
                 seed=request.seed,
                 grammar=request.grammar,
+                prediction_token_ids=request.params.prediction_token_ids,
             )
             self._views[request.request_id] = view
             self._draft_length[request.request_id] = self.num_speculative_tokens
             self._acceptance[request.request_id] = AcceptanceEstimate(prior=self._all_acceptance.rate)
             self._probes[request.request_id] = ProbeSchedule(every=self.config.adaptive_probe_every)
             self.drafter.begin(view)
+            self.predictions.begin(view)
         return view
+
+    def _drafter_of(self, view: DraftRequest) -> Drafter:
+        """Who drafts for a request: its own predicted output where it brought one, else the
+        configured drafter."""
+        return self.predictions if view.prediction_token_ids else self.drafter
 
     @property
     def draft_reserve(self) -> int:
@@ -113,9 +126,10 @@ class Speculator:
             int(getattr(self.drafter, "max_draft_tokens", None) or self.num_speculative_tokens),
             self.max_tree_nodes - 1,
         )
-        if not self.config.adaptive:
-            return bound
-        return min(bound, max(0, math.ceil(self._drafted_per_decode - 0.1)))  # a probe now and then: none
+        reserve = bound if not self.config.adaptive else min(bound, max(0, math.ceil(self._drafted_per_decode - 0.1)))
+        if any(view.prediction_token_ids for view in self._views.values()):  # their chains: room for them
+            reserve = max(reserve, min(PREDICTION_DRAFT_TOKENS, self.max_tree_nodes - 1))
+        return reserve
 
     def drafts_with(self, *, num_running: int) -> bool:
         """Whether a step with this many running requests drafts at all (vLLM's disable_by_batch_size)."""
@@ -140,6 +154,7 @@ class Speculator:
             self._acceptance.pop(request_id, None)
             self._probes.pop(request_id, None)
             self.drafter.finish(request_id)
+            self.predictions.finish(request_id)
 
     # ---- propose ----------------------------------------------------------------------
     def propose(
@@ -155,14 +170,15 @@ class Speculator:
             budget = min(cache_room[request.request_id] - 1, self.max_tree_nodes - 1)
             if token_room is not None:
                 budget = min(budget, token_room[request.request_id])
-            max_depth = min(
-                self._draft_length.get(request.request_id, self.num_speculative_tokens),
-                request.remaining_output_tokens - 1,
-            )
-            limits[request.request_id] = (budget, max_depth)
+            length = self._draft_length.get(request.request_id, self.num_speculative_tokens)
+            if request.params.prediction_token_ids:
+                length = PREDICTION_DRAFT_TOKENS
+            limits[request.request_id] = (budget, min(length, request.remaining_output_tokens - 1))
         path_probs: dict[str, tuple[int, float]] = {}  # adaptive: extension depth and its path probability floor
         if self.config.adaptive:
+            predicted = {r.request_id: limits[r.request_id] for r in requests if r.params.prediction_token_ids}
             limits, path_probs = self._adaptive_limits(requests, limits)
+            limits |= predicted  # a prediction's chain is the client's guess: not the acceptance model's
         self.step_limits = {rid: (b, d) for rid, (b, d) in limits.items() if b >= 1 and d >= 1}
         views = []
         for request in requests:
@@ -176,7 +192,13 @@ class Speculator:
         if not views:
             return {}
         proposals = {}
-        for view, proposal in zip(views, self.drafter.propose(views)):
+        predicted = [view for view in views if view.prediction_token_ids]
+        others = [view for view in views if not view.prediction_token_ids]
+        drafted = []
+        for drafter, group in ((self.predictions, predicted), (self.drafter, others)):
+            if group:
+                drafted += zip(group, drafter.propose(group))
+        for view, proposal in drafted:
             if proposal is None or proposal.num_draft_tokens == 0:
                 continue
             if proposal.num_draft_tokens > view.budget:
@@ -311,4 +333,5 @@ class Speculator:
             self._draft_length[request_id], drafted=max(depths), accepted=accepted.num_accepted
         )
         if not request.is_finished:
-            self.drafter.accept(self._views[request_id], accepted)
+            view = self._views[request_id]
+            self._drafter_of(view).accept(view, accepted)

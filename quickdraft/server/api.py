@@ -516,6 +516,7 @@ async def _generate(
         continuous_usage=body.continuous_usage,
         include_prompt_logprobs=body.prompt_logprobs is not None,
         tokens_as_ids=body.return_tokens_as_token_ids,
+        predicted=body.prediction is not None,
         **(writer_options or {}),
     )
     return await _respond(generation, writer=writer, stream=body.stream, request=request)
@@ -729,8 +730,10 @@ class ResponseWriter:
         continuous_usage: bool = False,
         include_prompt_logprobs: bool = False,
         tokens_as_ids: bool = False,
+        predicted: bool = False,
     ):
         self.server = server
+        self.predicted = predicted  # the request brought a prediction: usage reports what came of it
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
         self.generation = generation
         self.include_usage = include_usage
@@ -774,7 +777,7 @@ class ResponseWriter:
         return {
             **self._envelope(self.object_name),
             "choices": [self._full_choice(completion) for completion in output.outputs],
-            "usage": usage_of(output),
+            "usage": usage_of(output, predicted=self.predicted),
             "speculation": self._speculation(output),
             "seed": output.seed,
         }  # replays a sampled answer (drawn by the engine when not given; completion i used seed + i)
@@ -814,7 +817,7 @@ class ResponseWriter:
                         {
                             **self._envelope(self.chunk_object_name),
                             "choices": [],
-                            "usage": usage_of(output),
+                            "usage": usage_of(output, predicted=self.predicted),
                             "speculation": self._speculation(output),
                         }
                     )

@@ -122,6 +122,9 @@ class SamplingFields(StrictModel):
     request_id: str | None = None
     # vLLM's: logprobs name tokens "token_id:<id>" (for tokens whose text does not decode alone)
     return_tokens_as_token_ids: bool = False
+    # OpenAI's predicted outputs: {"type": "content", "content": text or text parts}, the reply
+    # expected (mostly): drafted as it stands, so a right guess is decoded many tokens a forward
+    prediction: dict[str, Any] | None = None
     # Extensions (vLLM's names), all handled by SamplingParams.
     top_k: int | None = None
     min_p: float | None = None
@@ -204,6 +207,8 @@ class SamplingFields(StrictModel):
         structured = self.structured_outputs_params()
         if structured is not None:
             kwargs["structured_outputs"] = structured
+        if self.prediction is not None:
+            kwargs["prediction"] = _prediction_text(self.prediction)
         return kwargs
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -440,6 +445,19 @@ class DetokenizeRequest(StrictModel):
     tokens: list[int]
 
 
+def _prediction_text(prediction: dict[str, Any]) -> str:
+    """OpenAI's `prediction` object as its text; a 400 naming it when it is not one."""
+    content = prediction.get("content")
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+        content = "".join(str(part.get("text", "")) for part in content)
+    if prediction.get("type") != "content" or not isinstance(content, str) or not content or len(prediction) != 2:
+        raise bad_request(
+            'prediction must be {"type": "content", "content": <text or text parts>} with some text',
+            param="prediction",
+        )
+    return content
+
+
 def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's response_format as StructuredOutputsParams fields."""
     kind = response_format.get("type")
@@ -512,12 +530,21 @@ def usage_body(*, num_prompt_tokens: int, num_completion_tokens: int, num_cached
     }
 
 
-def usage_of(output: RequestOutput) -> dict[str, Any]:
-    return usage_body(
+def usage_of(output: RequestOutput, *, predicted: bool = False) -> dict[str, Any]:
+    """The usage of a finished request; `predicted`: it brought a prediction, whose drafted
+    tokens the target kept or rejected (OpenAI's completion_tokens_details)."""
+    usage = usage_body(
         num_prompt_tokens=output.metrics.num_prompt_tokens,  # every prompt's, for a batch
         num_completion_tokens=sum(len(completion.token_ids) for completion in output.outputs),
         num_cached_tokens=output.metrics.num_cached_tokens,
     )
+    if predicted:
+        metrics = output.metrics
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": metrics.num_accepted_tokens,
+            "rejected_prediction_tokens": metrics.num_draft_tokens - metrics.num_accepted_tokens,
+        }
+    return usage
 
 
 def speculation_body(metrics: RequestMetrics, *, method: str, adaptive: bool) -> dict[str, Any]:

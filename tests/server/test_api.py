@@ -561,3 +561,36 @@ def test_vllm_s_request_fields_for_ids_tokens_and_bos(plain_server):
     ).json()["choices"][0]
     assert as_ids["logprobs"]["tokens"] == [f"token_id:{token}" for token in as_ids["token_ids"]]
     assert all(key.startswith("token_id:") for top in as_ids["logprobs"]["top_logprobs"] for key in top)
+
+
+def test_a_prediction_is_drafted_and_reported_in_usage(plain_server):
+    url = f"{plain_server.api_url}/completions"
+    letters = httpx.post(
+        f"{plain_server.base_url}/tokenize",
+        json={"prompt": "abcdefghijklmnopqrstuvwxyz ", "add_special_tokens": False},
+        timeout=30,
+    ).json()["tokens"]
+    body = {
+        "model": plain_server.model_name,
+        "prompt": "Once upon",
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+        "allowed_token_ids": letters,  # text that tokenizes back into the same tokens
+        "return_token_ids": True,
+    }
+    plain = httpx.post(url, json=body, timeout=30).json()
+    assert "completion_tokens_details" not in plain["usage"]
+    choice = plain["choices"][0]
+    prediction = {"type": "content", "content": [{"type": "text", "text": choice["text"]}]}
+    predicted = httpx.post(url, json=body | {"prediction": prediction}, timeout=30).json()
+    assert predicted["choices"][0]["token_ids"] == choice["token_ids"]
+    details = predicted["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= 35 and predicted["speculation"]["target_forwards"] <= 6
+    diverging = {"type": "content", "content": choice["text"][:3] + "zzzz " * 8}  # right, then wrong
+    wrong = httpx.post(url, json=body | {"prediction": diverging}, timeout=30).json()
+    assert wrong["choices"][0]["token_ids"] == choice["token_ids"]
+    assert wrong["usage"]["completion_tokens_details"]["rejected_prediction_tokens"] > 0
+    for bad in ({"type": "text", "content": "x"}, {"type": "content", "content": ""}, {"content": "x"}):
+        response = httpx.post(url, json=body | {"prediction": bad}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prediction"
