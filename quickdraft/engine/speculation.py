@@ -176,9 +176,9 @@ class Speculator:
             limits[request.request_id] = (budget, min(length, request.remaining_output_tokens - 1))
         path_probs: dict[str, tuple[int, float]] = {}  # adaptive: extension depth and its path probability floor
         if self.config.adaptive:
-            predicted = {r.request_id: limits[r.request_id] for r in requests if r.params.prediction_token_ids}
+            guessed = {r.request_id: limits[r.request_id] for r in requests if r.params.prediction_token_ids}
             limits, path_probs = self._adaptive_limits(requests, limits)
-            limits |= predicted  # a prediction's chain is the client's guess: not the acceptance model's
+            limits |= guessed  # a prediction's chain is the client's guess: not the acceptance model's
         self.step_limits = {rid: (b, d) for rid, (b, d) in limits.items() if b >= 1 and d >= 1}
         views = []
         for request in requests:
@@ -194,8 +194,9 @@ class Speculator:
         proposals = {}
         predicted = [view for view in views if view.prediction_token_ids]
         others = [view for view in views if not view.prediction_token_ids]
-        drafted = []
-        for drafter, group in ((self.predictions, predicted), (self.drafter, others)):
+        drafted: list[tuple[DraftRequest, Proposal | None]] = []
+        groups: tuple[tuple[Drafter, list[DraftRequest]], ...] = ((self.predictions, predicted), (self.drafter, others))
+        for drafter, group in groups:
             if group:
                 drafted += zip(group, drafter.propose(group))
         for view, proposal in drafted:
