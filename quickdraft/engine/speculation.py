@@ -62,6 +62,7 @@ class Speculator:
         self.num_speculative_tokens: int = config.num_speculative_tokens
         self.drafter = drafter
         self.predictions = PredictionDrafter()  # requests that bring their expected output draft it
+        self._proposer: dict[str, Drafter] = {}  # this step's requests that the prediction drafted for
         self.max_tree_nodes = max_tree_nodes
         self.policy = DraftLengthPolicy(maximum=self.num_speculative_tokens, dynamic=config.dynamic_draft_length)
         self._draft_length: dict[str, int] = {}
@@ -110,9 +111,9 @@ class Speculator:
         return view
 
     def _drafter_of(self, view: DraftRequest) -> Drafter:
-        """Who drafts for a request: its own predicted output where it brought one, else the
-        configured drafter."""
-        return self.predictions if view.prediction_token_ids else self.drafter
+        """Who drafted for a request this step: its predicted output where that was found,
+        else the configured drafter."""
+        return self._proposer.get(view.request_id, self.drafter)
 
     @property
     def draft_reserve(self) -> int:
@@ -195,10 +196,14 @@ class Speculator:
         predicted = [view for view in views if view.prediction_token_ids]
         others = [view for view in views if not view.prediction_token_ids]
         drafted: list[tuple[DraftRequest, Proposal | None]] = []
-        groups: tuple[tuple[Drafter, list[DraftRequest]], ...] = ((self.predictions, predicted), (self.drafter, others))
-        for drafter, group in groups:
-            if group:
-                drafted += zip(group, drafter.propose(group))
+        if predicted:
+            guesses = self.predictions.propose(predicted)
+            drafted += [(view, guess) for view, guess in zip(predicted, guesses) if guess is not None]
+            # Where the output is not (or no longer) the prediction, the engine's drafter drafts.
+            others += [view for view, guess in zip(predicted, guesses) if guess is None]
+        self._proposer = {view.request_id: self.predictions for view, _ in drafted}
+        if others:
+            drafted += zip(others, self.drafter.propose(others))
         for view, proposal in drafted:
             if proposal is None or proposal.num_draft_tokens == 0:
                 continue

@@ -28,26 +28,35 @@ def drafted(drafter: PredictionDrafter, output: list[int], *, budget: int = 4) -
     return None if proposal is None else proposal.token_ids[1:]
 
 
-def test_the_prediction_is_drafted_from_its_start_then_in_step():
+def accept(drafter: PredictionDrafter, output: list[int], *, num_accepted: int) -> None:
+    nodes = list(range(num_accepted + 1))
+    drafter.accept(
+        request(output), AcceptedPath(nodes=nodes, num_accepted=num_accepted, committed_token_ids=[], bonus=False)
+    )
+
+
+def test_the_prediction_is_drafted_in_step_with_chains_that_follow_what_was_accepted():
     drafter = PredictionDrafter()
     drafter.begin(request([]))
     assert drafter.propose([request([])])[0].token_ids == [3, 10, 11, 12, 13]  # root: the prompt's last token
-    accepted = AcceptedPath(nodes=[0, 1, 2], num_accepted=2, committed_token_ids=[10, 11, 12], bonus=False)
-    drafter.accept(request([]), accepted)  # 10, 11, then the target's own 12
-    assert drafted(drafter, [10, 11, 12]) == [13, 14, 15, 20]  # in step: straight on
-    edit = AcceptedPath(nodes=[0], num_accepted=0, committed_token_ids=[99], bonus=False)
-    drafter.accept(request([10, 11, 12]), edit)  # the target's 99: an edit
-    assert drafted(drafter, [10, 11, 12, 99]) is None  # 99 is nowhere in the prediction
+    assert drafted(drafter, [10]) == [11, 12, 13, 14]  # the first token (sampled with the prompt) is the prediction's
+    accept(drafter, [10], num_accepted=2)  # 11, 12, then the target's own 13
+    assert drafted(drafter, [10, 11, 12, 13], budget=8) == [14, 15, 20]  # in step; a miss: 2 accepted + 1
+    accept(drafter, [10, 11, 12, 13], num_accepted=3)  # the whole chain: the next one twice as long
+    assert drafted(drafter, [10, 11, 12, 13, 14, 15, 20, 21], budget=8) == [12, 13, 16, 17]  # to the end
+    accept(drafter, [10, 11, 12, 13, 14, 15, 20, 21], num_accepted=0)  # the target's 99: an edit
+    assert drafted(drafter, [10, 11, 12, 13, 14, 15, 20, 21, 99]) is None  # 99 is nowhere in the prediction
 
 
 @pytest.mark.parametrize(
     ("output", "expected"),
     [
         ([10, 11, 12, 13], [14, 15, 20, 21]),
-        ([5, 20, 21], [12, 13, 16, 17]),  # found again after an edit
+        ([5, 20, 21], [12, 13, 16, 17]),  # found again after an edit (a run of 2: at most 4 tokens)
         ([10, 11, 12, 13, 14, 15, 20, 21, 12, 13], [16, 17]),  # the second "12 13": the longer run wins
         ([7, 12, 13], [14, 15, 20, 21]),  # equal runs: the one nearest past where the output last was
         ([16, 17], None),  # the prediction's end: nothing left
+        ([99, 13], None),  # a run of one token says too little: the engine's drafter drafts instead
     ],
 )
 def test_the_output_is_found_again_in_the_prediction(output, expected):
