@@ -171,39 +171,40 @@ class Speculator:
             budget = min(cache_room[request.request_id] - 1, self.max_tree_nodes - 1)
             if token_room is not None:
                 budget = min(budget, token_room[request.request_id])
-            length = self._draft_length.get(request.request_id, self.num_speculative_tokens)
-            if request.params.prediction_token_ids:
-                length = PREDICTION_DRAFT_TOKENS
-            limits[request.request_id] = (budget, min(length, request.remaining_output_tokens - 1))
+            max_depth = min(
+                self._draft_length.get(request.request_id, self.num_speculative_tokens),
+                request.remaining_output_tokens - 1,
+            )
+            limits[request.request_id] = (budget, max_depth)
         path_probs: dict[str, tuple[int, float]] = {}  # adaptive: extension depth and its path probability floor
         if self.config.adaptive:
-            guessed = {r.request_id: limits[r.request_id] for r in requests if r.params.prediction_token_ids}
             limits, path_probs = self._adaptive_limits(requests, limits)
-            limits |= guessed  # a prediction's chain is the client's guess: not the acceptance model's
         self.step_limits = {rid: (b, d) for rid, (b, d) in limits.items() if b >= 1 and d >= 1}
-        views = []
+        predicted, others = [], []
         for request in requests:
             budget, max_depth = limits[request.request_id]
-            if budget < 1 or max_depth < 1:
+            # A prediction's chain is the client's guess, not the acceptance model's: it is offered
+            # whatever length adaptive speculation chose for the engine's drafter.
+            guess_depth = min(PREDICTION_DRAFT_TOKENS, request.remaining_output_tokens - 1)
+            guessed = bool(request.params.prediction_token_ids) and guess_depth >= 1
+            if budget < 1 or (max_depth < 1 and not guessed):
                 continue
             view = self.view(request)
             view.budget, view.max_depth, view.slot = budget, max_depth, request.slot
             view.extend_depth, view.min_path_prob = path_probs.get(request.request_id, (0, 0.0))
-            views.append(view)
-        if not views:
-            return {}
-        proposals = {}
-        predicted = [view for view in views if view.prediction_token_ids]
-        others = [view for view in views if not view.prediction_token_ids]
+            if guessed:
+                predicted.append((view, guess_depth))
+            else:
+                others.append(view)
         drafted: list[tuple[DraftRequest, Proposal | None]] = []
         if predicted:
-            guesses = self.predictions.propose(predicted)
-            drafted += [(view, guess) for view, guess in zip(predicted, guesses) if guess is not None]
-            # Where the output is not (or no longer) the prediction, the engine's drafter drafts.
-            others += [view for view, guess in zip(predicted, guesses) if guess is None]
+            drafted += self._predicted(predicted)
         self._proposer = {view.request_id: self.predictions for view, _ in drafted}
+        # Where the output is not (or no longer) the prediction, the engine's drafter drafts.
+        others += [view for view, _ in predicted if view.request_id not in self._proposer and view.max_depth >= 1]
         if others:
             drafted += zip(others, self.drafter.propose(others))
+        proposals = {}
         for view, proposal in drafted:
             if proposal is None or proposal.num_draft_tokens == 0:
                 continue
@@ -217,6 +218,18 @@ class Speculator:
                 raise RuntimeError(f"proposal root {proposal.token_ids[0]} is not the last committed token {last}")
             proposals[view.request_id] = proposal
         return proposals
+
+    def _predicted(self, predicted: list[tuple[DraftRequest, int]]) -> list[tuple[DraftRequest, Proposal]]:
+        """The prediction chains of the requests that brought one and are in step with it (each
+        view offered `depth`, its own max_depth kept for the engine's drafter)."""
+        views = [view for view, _ in predicted]
+        kept_depths = [view.max_depth for view in views]
+        for view, depth in predicted:
+            view.max_depth = depth
+        guesses = self.predictions.propose(views)
+        for view, depth in zip(views, kept_depths):
+            view.max_depth = depth
+        return [(view, guess) for view, guess in zip(views, guesses) if guess is not None]
 
     def _adaptive_limits(
         self, requests: list[Request], limits: dict[str, tuple[int, int]]

@@ -130,3 +130,43 @@ def test_sampled_requests_n_and_other_drafters_stay_exact(setting, tiny_checkpoi
     assert both[0].metrics.num_accepted_tokens >= 70  # the prediction drafted, not suffix
     with pytest.raises(ValueError, match="prediction must be a non-empty string"):
         SamplingParams(prediction="")
+
+
+class DepthSpy:
+    """Proposes nothing; records the depth the engine offered it per request."""
+
+    feature_layers: tuple[int, ...] = ()
+    scores_paths = False
+
+    def __init__(self):
+        self.depths: list[int] = []
+
+    def begin(self, request):
+        pass
+
+    def observe(self, request, features):
+        pass
+
+    def propose(self, requests):
+        self.depths += [request.max_depth for request in requests]
+        return [None] * len(requests)
+
+    def accept(self, request, accepted):
+        pass
+
+    def finish(self, request_id):
+        pass
+
+
+def test_the_engine_s_drafter_drafts_at_its_own_length_where_the_prediction_is_lost(setting):
+    llm, greedy, plain = setting
+    spy = DepthSpy()
+    llm.engine.set_drafter(spy, num_speculative_tokens=3)
+    try:
+        right = llm.generate(["Once upon a time"], SamplingParams(**greedy, prediction=plain.text))[0]
+        assert right.metrics.num_accepted_tokens >= 70  # chains of up to 16, past the drafter's 3
+        lost = llm.generate(["Once upon a time"], SamplingParams(**greedy, prediction="zz " * 30))[0]
+        assert lost.outputs[0].token_ids == plain.token_ids
+        assert spy.depths and max(spy.depths) == 3  # (less only where max_tokens is near)
+    finally:
+        llm.engine.set_speculative_config(None)
