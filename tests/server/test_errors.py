@@ -205,6 +205,9 @@ FUZZ_VALUES = [
     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
     [{"role": "tool", "content": "x"}],
     "NaN",
+    {"type": "content", "content": "Once upon a time"},
+    {"type": "content", "content": [{"type": "text", "text": "x"}]},
+    [{"title": "t", "text": "x"}],
 ]
 FUZZ_KEYS = [
     "prompt",
@@ -245,6 +248,14 @@ FUZZ_KEYS = [
     "continue_final_message",
     "add_generation_prompt",
     "chat_template_kwargs",
+    "prediction",
+    "priority",
+    "cache_salt",
+    "request_id",
+    "return_tokens_as_token_ids",
+    "add_special_tokens",
+    "documents",
+    "chat_template",
     "zzz",
 ]
 # Generation lengths stay small so hundreds of requests take seconds.
