@@ -9,7 +9,8 @@ import shlex
 import sys
 import time
 
-from quickdraft.config import KV_CACHE_DTYPES
+from quickdraft.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
+from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
 DESCRIPTION = """\
@@ -308,14 +309,14 @@ def _add_serve_parser(commands) -> None:
     )
     serve.add_argument(
         "--reasoning-parser",
-        choices=("deepseek_r1", "qwen3"),
+        choices=tuple(REASONING_PARSERS),
         default=None,
         help="return a chat reply's <think> block as message.reasoning and the rest as content (vLLM's; "
         "deepseek_r1: replies start inside the block, qwen3: only a reply that opens one thinks)",
     )
     serve.add_argument(
         "--scheduling-policy",
-        choices=("fcfs", "priority"),
+        choices=SCHEDULING_POLICIES,
         default="fcfs",
         help="fcfs: first come, first served; priority: requests' `priority` field orders them (lower first, "
         "then arrival), and preemption takes the last in that order (default: fcfs, as vLLM)",

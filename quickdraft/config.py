@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # quickdraft/engine/scheduler.py
 
 
 @dataclass
@@ -58,8 +59,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         lazy = self.lazy_logits_rows
         if lazy is not None and (not isinstance(lazy, int) or isinstance(lazy, bool) or lazy < 0):
             raise ValueError(f"lazy_logits_rows must be None or an integer >= 0, got {lazy!r}")

@@ -55,6 +55,11 @@ class PredictionDrafter:
     def __init__(self) -> None:
         self._states: dict[str, _PredictionState] = {}
 
+    @property
+    def active(self) -> bool:
+        """Whether any request it drafts for is running."""
+        return bool(self._states)
+
     def begin(self, request: DraftRequest) -> None:
         if request.prediction_token_ids:
             self._states[request.request_id] = _PredictionState(tokens=list(request.prediction_token_ids))

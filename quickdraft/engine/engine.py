@@ -273,10 +273,12 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self.draw_seed()
-        if params.bad_words:
-            params = self._with_bad_words_token_ids(params)
-        if params.prediction is not None:
-            params = self._with_prediction_token_ids(params)
+        if params.bad_words or params.prediction is not None:
+            params = self._with_token_ids(params)
+        if params.prediction is not None and self.speculator is None:
+            # An engine that does not speculate drafts predictions only (the others decode as before).
+            config = SpeculativeConfig(method="prediction", num_speculative_tokens=1)
+            self.speculator = Speculator(config=config, drafter=NoDrafter(), max_tree_nodes=CACHE_HEADROOM)
         structured = params.structured_outputs
         grammar = self.grammars.matcher_for(structured) if structured is not None else None
         request = Request(
@@ -306,22 +308,15 @@ class Engine:
         returned in the request's output so that an answer can be replayed."""
         return int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
 
-    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
-        """A copy whose bad words are token ids of this engine's tokenizer (the caller's params may
-        serve engines with other tokenizers)."""
+    def _with_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """A copy whose bad words and prediction are token ids of this engine's tokenizer (the
+        caller's params may serve engines with other tokenizers)."""
         resolved = params.clone()
         encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
-        resolved.bad_words_token_ids = bad_words_token_ids(params.bad_words or [], encode=encode)
-        return resolved
-
-    def _with_prediction_token_ids(self, params: SamplingParams) -> SamplingParams:
-        """A copy with the prediction as token ids; an engine that does not speculate gets a
-        speculator that drafts predictions only (the other requests decode as before)."""
-        resolved = params.clone()
-        resolved.prediction_token_ids = self.tokenizer.encode(params.prediction or "", add_special_tokens=False)
-        if self.speculator is None:
-            config = SpeculativeConfig(method="prediction", num_speculative_tokens=1)
-            self.speculator = Speculator(config=config, drafter=NoDrafter(), max_tree_nodes=CACHE_HEADROOM)
+        if params.bad_words:
+            resolved.bad_words_token_ids = bad_words_token_ids(params.bad_words, encode=encode)
+        if params.prediction is not None:
+            resolved.prediction_token_ids = encode(params.prediction)
         return resolved
 
     def _check_vocabulary_ids(self, params: SamplingParams) -> None:

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from quickdraft.config import SCHEDULING_POLICIES
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.kv.cache import KVCache
 
@@ -40,9 +41,6 @@ class ScheduledRequest:
         """True when, after this step, every known token is in the cache (logits needed)."""
         req = self.request
         return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
-
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class Scheduler:
@@ -74,15 +72,18 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.queue_key = (request.priority if self.policy == "priority" else 0, next(self._arrivals))
+        self._wait(request, preempted=False)
+
+    def _wait(self, request: Request, *, preempted: bool) -> None:
+        """Into the waiting line: at its (priority, arrival) place, or (fcfs) at the back, and at
+        the front when preempted (first in line to recompute)."""
         if self.policy == "priority":
-            self._insert_waiting(request)
+            keys = [waiting.queue_key for waiting in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, request.queue_key), request)
+        elif preempted:
+            self.waiting.appendleft(request)
         else:
             self.waiting.append(request)
-
-    def _insert_waiting(self, request: Request) -> None:
-        """Into the waiting line at its (priority, arrival) place."""
-        keys = [waiting.queue_key for waiting in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, request.queue_key), request)
 
     def _by_precedence(self) -> list[Request]:
         """Running requests in the order they take blocks and budget: admission (fcfs) or
@@ -162,10 +163,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
-        if self.policy == "priority":
-            self._insert_waiting(req)  # its arrival keeps it ahead of later ones of its priority
-        else:
-            self.waiting.appendleft(req)
+        self._wait(req, preempted=True)  # under priority, its arrival keeps it ahead of later ones of its rank
         self.preempted.append(req)
 
     def _admit_waiting(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal
-from quickdraft.drafters.prediction import PredictionDrafter
+from quickdraft.drafters.prediction import MAX_CHAIN, PredictionDrafter
 from quickdraft.engine.adaptive import (
     PROBE_LENGTH,
     AcceptanceEstimate,
@@ -48,10 +48,6 @@ class DraftLengthPolicy:
         if accepted < drafted // 2:
             return max(1, current - 1)
         return current
-
-
-# Draft tokens a predicted output offers per step (a prediction is mostly right: long chains pay)
-PREDICTION_DRAFT_TOKENS = 16
 
 
 class Speculator:
@@ -128,8 +124,8 @@ class Speculator:
             self.max_tree_nodes - 1,
         )
         reserve = bound if not self.config.adaptive else min(bound, max(0, math.ceil(self._drafted_per_decode - 0.1)))
-        if any(view.prediction_token_ids for view in self._views.values()):  # their chains: room for them
-            reserve = max(reserve, min(PREDICTION_DRAFT_TOKENS, self.max_tree_nodes - 1))
+        if self.predictions.active:  # requests that brought predictions: room for their chains
+            reserve = max(reserve, min(MAX_CHAIN, self.max_tree_nodes - 1))
         return reserve
 
     def drafts_with(self, *, num_running: int) -> bool:
@@ -180,12 +176,13 @@ class Speculator:
         if self.config.adaptive:
             limits, path_probs = self._adaptive_limits(requests, limits)
         self.step_limits = {rid: (b, d) for rid, (b, d) in limits.items() if b >= 1 and d >= 1}
-        predicted, others = [], []
+        predicted: list[tuple[DraftRequest, int]] = []  # (view, the engine's drafter's depth for it)
+        others: list[DraftRequest] = []
         for request in requests:
             budget, max_depth = limits[request.request_id]
             # A prediction's chain is the client's guess, not the acceptance model's: it is offered
             # whatever length adaptive speculation chose for the engine's drafter.
-            guess_depth = min(PREDICTION_DRAFT_TOKENS, request.remaining_output_tokens - 1)
+            guess_depth = min(MAX_CHAIN, request.remaining_output_tokens - 1)
             guessed = bool(request.params.prediction_token_ids) and guess_depth >= 1
             if budget < 1 or (max_depth < 1 and not guessed):
                 continue
@@ -193,15 +190,19 @@ class Speculator:
             view.budget, view.max_depth, view.slot = budget, max_depth, request.slot
             view.extend_depth, view.min_path_prob = path_probs.get(request.request_id, (0, 0.0))
             if guessed:
-                predicted.append((view, guess_depth))
+                view.max_depth = guess_depth
+                predicted.append((view, max_depth))
             else:
                 others.append(view)
         drafted: list[tuple[DraftRequest, Proposal | None]] = []
-        if predicted:
-            drafted += self._predicted(predicted)
+        guesses = self.predictions.propose([view for view, _ in predicted]) if predicted else []
+        for (view, own_depth), guess in zip(predicted, guesses):
+            if guess is not None:
+                drafted.append((view, guess))
+            elif own_depth >= 1:  # the output is not (or no longer) the prediction: the engine's drafter drafts
+                view.max_depth = own_depth
+                others.append(view)
         self._proposer = {view.request_id: self.predictions for view, _ in drafted}
-        # Where the output is not (or no longer) the prediction, the engine's drafter drafts.
-        others += [view for view, _ in predicted if view.request_id not in self._proposer and view.max_depth >= 1]
         if others:
             drafted += zip(others, self.drafter.propose(others))
         proposals = {}
@@ -218,18 +219,6 @@ class Speculator:
                 raise RuntimeError(f"proposal root {proposal.token_ids[0]} is not the last committed token {last}")
             proposals[view.request_id] = proposal
         return proposals
-
-    def _predicted(self, predicted: list[tuple[DraftRequest, int]]) -> list[tuple[DraftRequest, Proposal]]:
-        """The prediction chains of the requests that brought one and are in step with it (each
-        view offered `depth`, its own max_depth kept for the engine's drafter)."""
-        views = [view for view, _ in predicted]
-        kept_depths = [view.max_depth for view in views]
-        for view, depth in predicted:
-            view.max_depth = depth
-        guesses = self.predictions.propose(views)
-        for view, depth in zip(views, kept_depths):
-            view.max_depth = depth
-        return [(view, guess) for view, guess in zip(views, guesses) if guess is not None]
 
     def _adaptive_limits(
         self, requests: list[Request], limits: dict[str, tuple[int, int]]
