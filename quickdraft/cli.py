@@ -342,6 +342,12 @@ def _add_serve_parser(commands) -> None:
         "clients you trust, as vLLM's flag)",
     )
     serve.add_argument(
+        "--logits-processor-pattern",
+        default=None,
+        help="a regular expression (matched in full) of the qualified names a request's logits_processors may "
+        "import (vLLM's flag); without it the field is refused",
+    )
+    serve.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="vLLM's flag, accepted for its command lines: --tool-call-parser alone enables tool_choice auto",
@@ -980,6 +986,7 @@ def run_serve(args) -> int:
         auto_tool_call_grammar=args.auto_tool_call_grammar,
         chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        logits_processor_pattern=args.logits_processor_pattern,
         generation_config=args.generation_config,
         scheduling_policy=args.scheduling_policy,
         reasoning_parser=args.reasoning_parser,

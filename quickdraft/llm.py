@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.engine import Engine
@@ -156,6 +156,8 @@ class LLM:
         while len(outputs) < len(group_of):
             for delta in self.engine.step():
                 group = group_of.get(delta.request_id)
+                if delta.finish_reason == "error" and group is not None:
+                    self._raise_failure(delta.request_id, list(group_of))
                 if delta.finished and group is not None:
                     outputs[delta.request_id] = delta.output
                     if all(request_id in outputs for request_id in group.request_ids):
@@ -184,6 +186,8 @@ class LLM:
                     index = index_of.get(delta.request_id)
                     if index is None:
                         continue
+                    if delta.finish_reason == "error":
+                        self._raise_failure(delta.request_id, list(index_of))
                     if delta.finished:
                         finished[delta.request_id] = delta.output
                     if not (delta.text or delta.token_ids or delta.finished):
@@ -242,6 +246,15 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _raise_failure(self, failed_id: str, request_ids: list[str]) -> NoReturn:
+        """A request of the call failed (its logits processors raised): stop the call's other
+        requests, free them, and raise its error."""
+        error = self.engine.get_request(failed_id).error
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+            self.engine.release(request_id)
+        raise error if error is not None else RuntimeError(f"request {failed_id} failed")
 
     def _new_group(self, params: SamplingParams) -> _Group:
         """The engine request ids of one prompt's completions (best_of, else n), and their seed

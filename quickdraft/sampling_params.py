@@ -20,8 +20,10 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from quickdraft.structured.params import StructuredOutputsParams
+from quickdraft.verify.logits_processors import processor_arity
 
 
 class InvalidParameterError(ValueError):
@@ -81,6 +83,11 @@ class SamplingParams:
     # JSON schema / JSON object / regex / choice / grammar the output must match (a dict of
     # StructuredOutputsParams' fields is accepted); None = free text
     structured_outputs: StructuredOutputsParams | None = None
+    # callables fn(output_token_ids, logits) or fn(prompt_token_ids, output_token_ids, logits)
+    # -> logits over one row [V] (vLLM's per-request form), called on every verified row with that
+    # row's own history, so exact under speculation; pure functions of their arguments
+    # (verify/logits_processors.py). Shared, not copied, by clone() and n / best_of's children.
+    logits_processors: list[Callable[..., Any]] | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, low=1)  # completions of the prompt (engine/parallel_sampling.py)
@@ -134,6 +141,8 @@ class SamplingParams:
 
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.logits_processors is not None:
+            self.logits_processors = _normalize_logits_processors(self.logits_processors)
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -150,7 +159,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        # A processor may hold much (a tokenizer, tensors): shared, as vLLM's clone shares them.
+        memo = {id(processor): processor for processor in self.logits_processors or ()}
+        return copy.deepcopy(self, memo)
 
 
 def _is_int(value: object) -> bool:
@@ -236,6 +247,14 @@ def _normalize_logit_bias(bias: object) -> dict[int, float]:
             raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
         result[token] = _check_float(f"logit_bias[{token}]", value, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
     return result
+
+
+def _normalize_logits_processors(processors: object) -> list[Callable[..., Any]]:
+    if not isinstance(processors, (list, tuple)):
+        raise ValueError(f"logits_processors must be a list of callables, got {processors!r}")
+    for index, processor in enumerate(processors):
+        processor_arity(processor, index=index)
+    return list(processors)
 
 
 def _normalize_bad_words(words: object) -> list[str]:

@@ -9,6 +9,7 @@ finished ones free their slot.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -29,7 +30,7 @@ from quickdraft.engine.request import Request, make_token_logprobs
 from quickdraft.engine.runner import REUSED_LOGITS_BYTES, ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
-from quickdraft.engine.verification import StepLogits, chain_rows, verify_step, walks_path
+from quickdraft.engine.verification import StepLogits, chain_rows, node_histories, verify_step, walks_path
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.decoder import Decoder, LogitsArena
 from quickdraft.models.heap import return_free_heap, transparent_huge_pages
@@ -46,6 +47,7 @@ from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import InvalidParameterError, SamplingParams, bad_words_token_ids
 from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, TreeMasks, apply_masks
+from quickdraft.verify.logits_processors import LogitsProcessorError, apply_logits_processors
 from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key, token_ranks
 
 if TYPE_CHECKING:  # torch.distributed is imported only when tensor parallelism is on
@@ -115,6 +117,8 @@ class Engine:
         self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
         # Rows computed when a walk reaches them (see lazy_logits_rows), valid through the step.
         self._logits_arena = LogitsArena(vocab_size=self.model_config.vocab_size, max_bytes=REUSED_LOGITS_BYTES)
+        # request id -> node -> the error its logits processors raised on that node's row this step
+        self._processor_failures: dict[str, dict[int, LogitsProcessorError]] = {}
         self._lazy_rows: int | None = config.lazy_logits_rows  # None until measured
         self.scheduler = Scheduler(
             cache=self.cache,
@@ -370,6 +374,13 @@ class Engine:
         self._retire(request)
         return True
 
+    def _fail(self, request: Request, error: Exception) -> None:
+        """The request cannot go on (its logits processors failed): it finishes with reason
+        "error" and `request.error`."""
+        request.error = error
+        request.finish(reason="error")
+        self._retire(request)
+
     def _retire(self, request: Request) -> None:
         """A request just finished: free its slot and drafter state, count its metrics."""
         self.scheduler.finish(request)
@@ -461,9 +472,13 @@ class Engine:
         verifying = [i for i, _ in verified]
         accepted: list[AcceptedPath | None] = [None] * len(plan)
         logprobs: list[list[TokenLogprobs | None]] = [[] for _ in plan]
+        self._processor_failures.clear()
+        failed: dict[int, LogitsProcessorError] = {}  # plan index -> why its request fails this step
         if verifying:
+            requests = [plan[i].request for i in verifying]
             logits, row_offsets = self._verification_logits(
                 out,
+                requests=requests,
                 work=work,
                 proposals=proposals,
                 verifying=verifying,
@@ -472,7 +487,6 @@ class Engine:
                 row_starts=row_starts,
                 first_rows=first_rows,
             )
-            requests = [plan[i].request for i in verifying]
             paths = verify_step(
                 requests=requests,
                 proposals=[proposal for _, proposal in verified],
@@ -483,12 +497,18 @@ class Engine:
             path_logprobs = self._path_logprobs(requests, paths, logits, row_offsets)
             for k, i in enumerate(verifying):
                 accepted[i], logprobs[i] = paths[k], path_logprobs[k]
+                failure = _first_failure(paths[k], self._processor_failures.get(requests[k].request_id))
+                if failure is not None:  # plain decoding would have failed there: commit what came before
+                    accepted[i], failed[i] = _path_before(paths[k], failure[0]), failure[1]
         self._record_prompt_logprobs(plan, work=work, row_starts=row_starts, hidden_states=out.forward.hidden_states)
         now = time.perf_counter()
         kept_features = _kept_features(
             features, plan=plan, proposals=proposals, accepted=accepted, row_starts=row_starts
         )
         for i, item in enumerate(plan):
+            if i in failed and accepted[i] is None:  # failed at its root: nothing to commit
+                self._fail(item.request, failed[i])
+                continue
             masks = grammar_masks[i]
             self._commit(
                 item,
@@ -500,6 +520,8 @@ class Engine:
                 features=kept_features[i],
                 now=now,
             )
+            if i in failed and not item.request.is_finished:
+                self._fail(item.request, failed[i])
         finished = time.perf_counter()
         self._record_step(
             plan=plan,
@@ -641,6 +663,7 @@ class Engine:
         self,
         out,
         *,
+        requests: list[Request],  # the verifying items' requests
         work: list[SequenceWork],
         proposals: list[Proposal | None],
         verifying: list[int],  # items with a proposal, in order
@@ -653,8 +676,9 @@ class Engine:
         Rows the LM head computed come from the forward; a node that can only be a few tokens
         (its grammar's, or the request's allowed_token_ids) gets -inf everywhere but at those
         tokens, whose logits are computed alone (``Decoder.logits_of_tokens``): same distribution
-        after the mask, a few dot products instead of the whole vocabulary.  A grammar's masks
-        are applied to every row as it is computed, so every use sees the constrained distribution."""
+        after the mask, a few dot products instead of the whole vocabulary.  A grammar's masks,
+        then a request's logits processors, are applied to every row as it is computed, so every
+        use sees the constrained, processed distribution."""
         sizes = [proposals[i].tree.num_nodes for i in verifying]  # type: ignore[union-attr]
         row_offsets = list(itertools.accumulate(sizes, initial=0))
         masks = [grammar_masks[i] for i in verifying]
@@ -670,12 +694,20 @@ class Engine:
             for fed in work[i].logits_nodes
         ]
         hidden_states = out.forward.hidden_states  # [N, D]
+        histories = [  # per verifying item: each node's output history, for its logits processors
+            node_histories(request, proposals[i]) if request.params.logits_processors else None  # type: ignore[arg-type]
+            for request, i in zip(requests, verifying)
+        ]
+
+        def finish_rows(values: torch.Tensor, rows: list[int]) -> None:  # [len(rows), V] in place
+            self._mask_rows(values, rows=rows, masks=masks, row_offsets=row_offsets)
+            self._process_rows(values, rows=rows, requests=requests, histories=histories, row_offsets=row_offsets)
 
         @torch.inference_mode()
         def fill(rows: list[int]) -> torch.Tensor:  # -> [len(rows), V], into the step's arena
             index = torch.tensor([hidden_row[r] for r in rows], device=self.device)
             values = self.model.compute_logits(hidden_states[index], buffer=self._logits_arena)
-            self._mask_rows(values, rows=rows, masks=masks, row_offsets=row_offsets)
+            finish_rows(values, rows)
             self.metrics.num_logits_rows += len(rows)
             return values
 
@@ -685,7 +717,7 @@ class Engine:
             assert out.logits is not None
             start = out.logits_offsets[verifying[0]]
             rows = out.logits[start : start + len(computed)]
-            self._mask_rows(rows, rows=computed, masks=masks, row_offsets=row_offsets)
+            finish_rows(rows, computed)
             table.add(computed, rows)
         sparse = [
             (row_offsets[k] + node, ids)
@@ -703,7 +735,7 @@ class Engine:
             values = self.model.logits_of_tokens(hidden, [ids for _, ids in sparse])
             for j, ((_, ids), row_values) in enumerate(zip(sparse, values)):
                 rows[j, torch.tensor(ids, device=self.device)] = row_values.to(dtype)
-            self._mask_rows(rows, rows=[row for row, _ in sparse], masks=masks, row_offsets=row_offsets)
+            finish_rows(rows, [row for row, _ in sparse])
             table.add([row for row, _ in sparse], rows)
         # room for the rows a walk may still ask for (the sparse ones never go through the LM head)
         self._logits_arena.reset(row_offsets[-1] - len(computed) - len(sparse))
@@ -732,6 +764,36 @@ class Engine:
             else:
                 for j, node in zip(at, nodes):
                     apply_masks(logits[j : j + 1], item_masks, nodes=slice(node, node + 1))
+
+    def _process_rows(
+        self,
+        logits: torch.Tensor,  # [len(rows), V] the rows' logits (masked), processed in place
+        *,
+        rows: list[int],  # each logits row's node row in the step's table
+        requests: list[Request],  # per verifying item
+        histories: list[list[list[int]] | None],  # per verifying item: its nodes' output histories
+        row_offsets: list[int],  # item k's nodes are table rows row_offsets[k]:row_offsets[k + 1]
+    ) -> None:
+        """Each row of a request with logits processors through them, with its node's history. A
+        row whose processor fails is left as it is and noted (`_processor_failures`): its request
+        fails if its accepted path reaches that row, alone."""
+        if not any(h is not None for h in histories):
+            return
+        for j, row in enumerate(rows):
+            k = bisect.bisect_right(row_offsets, row) - 1
+            request, item_histories = requests[k], histories[k]
+            if item_histories is None:
+                continue
+            node = row - row_offsets[k]
+            try:
+                logits[j] = apply_logits_processors(
+                    logits[j],
+                    request.params.logits_processors or (),
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=item_histories[node],
+                )
+            except LogitsProcessorError as err:
+                self._processor_failures.setdefault(request.request_id, {})[node] = err
 
     def _commit(
         self,
@@ -853,6 +915,30 @@ class Engine:
             finish_reason=request.finish_reason,
             output=request.to_output() if request.is_finished else None,
         )
+
+
+def _first_failure(
+    path: AcceptedPath, failures: dict[int, LogitsProcessorError] | None
+) -> tuple[int, LogitsProcessorError] | None:
+    """(position on the path, error) of the first path node whose row a logits processor failed
+    on; rows off the path were never used and do not count."""
+    for position, node in enumerate(path.nodes):
+        if failures and node in failures:
+            return position, failures[node]
+    return None
+
+
+def _path_before(path: AcceptedPath, position: int) -> AcceptedPath | None:
+    """The path's tokens chosen before its node at `position` (None for the root: no token):
+    committed token j was chosen from node j's row, so the first `position` of them stand."""
+    if position == 0:
+        return None
+    return AcceptedPath(
+        nodes=path.nodes[:position],
+        num_accepted=position - 1,
+        committed_token_ids=path.committed_token_ids[:position],
+        bonus=False,
+    )
 
 
 def _committed_rows(

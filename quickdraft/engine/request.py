@@ -61,6 +61,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_skipped_tokens = 0  # of them, taken from the prefix cache at admission (drafters skip them)
         self.finish_reason: str | None = None
+        self.error: Exception | None = None  # why a request finished with reason "error"
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         # [P]: entry p the logprob of prompt token p given those before it (None for the first,

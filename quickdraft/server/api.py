@@ -37,6 +37,7 @@ from quickdraft.models.chat import ChatRenderError, render_chat
 from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
+from quickdraft.server.logits_processors import resolve_logits_processors
 from quickdraft.server.middleware import ApiKeyCheck, EndCancelledRequests
 from quickdraft.server.preprocess import Model, parse_request
 from quickdraft.server.protocol import (
@@ -278,7 +279,7 @@ class Generation:
             raise bad_request(f"{self._prompt_param}: {event.message}", param=self._prompt_param)
         if isinstance(event, Failed):
             self._done = True
-            raise APIError(status=event.status, message=event.message, code=event.code)
+            raise APIError(status=event.status, message=event.message, code=event.code, param=event.param)
         if not isinstance(event, Admitted):
             raise APIError(status=500, message=f"unexpected engine event {type(event).__name__}", code="engine_error")
 
@@ -290,7 +291,7 @@ class Generation:
             event = await self._events.get()
             if isinstance(event, Failed):
                 self._done = True
-                raise APIError(status=event.status, message=event.message, code=event.code)
+                raise APIError(status=event.status, message=event.message, code=event.code, param=event.param)
             if event.prompt_logprobs is not None:
                 self.prompt_logprobs[event.index] = event.prompt_logprobs
             if event.finished:
@@ -536,7 +537,14 @@ def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields
     request.state.scenario = scenario
     _check_model(server, body.model)
     body.check_unsupported()
-    return _Prepared(params=body.sampling_params(server.default_sampling), scenario=scenario)
+    params = body.sampling_params(server.default_sampling)
+    if body.logits_processors:
+        processors = resolve_logits_processors(body.logits_processors, pattern=server.config.logits_processor_pattern)
+        try:
+            params = dataclasses.replace(params, logits_processors=processors)
+        except ValueError as err:  # not a callable of the forms a processor takes
+            raise bad_request(str(err), param="logits_processors") from err
+    return _Prepared(params=params, scenario=scenario)
 
 
 def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]:

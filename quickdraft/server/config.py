@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,9 @@ class ServerConfig:
     # Requests may send their own chat_template (vLLM's --trust-request-chat-template): jinja the
     # server renders (sandboxed, yet able to spend its time), so only for clients it trusts.
     trust_request_chat_template: bool = False
+    # vLLM's --logits-processor-pattern: a regular expression (matched in full) of the qualified
+    # names a request's `logits_processors` may import; None: the field is refused
+    logits_processor_pattern: str | None = None
     # vLLM's --generation-config: "auto" (the HF model directory's generation_config.json gives the
     # sampling fields a request leaves out), "vllm" (ignore it) or a directory holding one; and
     # --override-generation-config, keys of that file to replace.
@@ -106,6 +110,13 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
                 raise ValueError(f"{name} must be a list of non-empty strings, got {value!r}")
+        if self.logits_processor_pattern is not None:
+            try:
+                re.compile(self.logits_processor_pattern)
+            except (re.error, TypeError) as err:
+                pattern = self.logits_processor_pattern
+                message = f"logits_processor_pattern must be a regular expression, got {pattern!r}: {err}"
+                raise ValueError(message) from err
         if self.allow_credentials and "*" in self.allowed_origins:
             raise ValueError("allow_credentials needs the allowed origins named: browsers refuse credentials with '*'")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

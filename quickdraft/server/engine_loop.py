@@ -73,6 +73,7 @@ class Failed:
     status: int
     message: str
     code: str
+    param: str | None = None  # the request field at fault, where one is
 
 
 LoopEvent = Admitted | Rejected | Progress | Failed
@@ -309,6 +310,16 @@ class EngineLoop:
             return
         if not (delta.text or delta.token_ids or delta.finished):
             return  # a prefill chunk that produced nothing yet
+        if delta.finish_reason == "error":  # its logits processors failed: the request fails, alone
+            error = self._engine.get_request(delta.request_id).error
+            failure = Failed(
+                status=400,
+                message=str(error),
+                code="logits_processor_error",
+                param=getattr(error, "param", None),
+            )
+            self._abort_submission(tracked.submission.request_id, notify=failure, finish_reason="error")
+            return
         logprobs = self._new_logprobs(delta.request_id, tracked, num_new=len(delta.token_ids))
         tracked.num_sent_tokens += len(delta.token_ids)
         prompt_logprobs = None

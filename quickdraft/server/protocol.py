@@ -43,6 +43,14 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
+class LogitsProcessorConstructor(StrictModel):
+    """vLLM's: a factory by qualified name, called with args and kwargs; its result is the processor."""
+
+    qualname: str
+    args: list[Any] | None = None
+    kwargs: dict[str, Any] | None = None
+
+
 class TextPart(StrictModel):
     type: Literal["text", "input_text"]
     text: str
@@ -125,6 +133,9 @@ class SamplingFields(StrictModel):
     # OpenAI's predicted outputs: {"type": "content", "content": text or text parts}, the reply
     # expected (mostly): drafted as it stands, so a right guess is decoded many tokens a forward
     prediction: dict[str, Any] | None = None
+    # vLLM's: processors by qualified name, that --logits-processor-pattern allows
+    # (server/logits_processors.py); applied to every verified row, so exact under speculation
+    logits_processors: list[str | LogitsProcessorConstructor] | None = None
     # Extensions (vLLM's names), all handled by SamplingParams.
     top_k: int | None = None
     min_p: float | None = None

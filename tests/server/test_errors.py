@@ -208,6 +208,8 @@ FUZZ_VALUES = [
     {"type": "content", "content": "Once upon a time"},
     {"type": "content", "content": [{"type": "text", "text": "x"}]},
     [{"title": "t", "text": "x"}],
+    ["os.system"],
+    [{"qualname": "builtins.print", "args": [1]}],
 ]
 FUZZ_KEYS = [
     "prompt",
@@ -256,6 +258,7 @@ FUZZ_KEYS = [
     "add_special_tokens",
     "documents",
     "chat_template",
+    "logits_processors",
     "zzz",
 ]
 # Generation lengths stay small so hundreds of requests take seconds.
