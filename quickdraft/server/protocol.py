@@ -162,6 +162,8 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the whitespace a JSON constraint allows (a regex), beside whichever field gave it
+    guided_whitespace_pattern: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -239,11 +241,24 @@ class SamplingFields(StrictModel):
         given |= {name: {kind: value} for name, (kind, value) in guided.items() if value is not None}
         given |= self.tool_constraint(beside=bool(given))
         if not given:
+            if self.guided_whitespace_pattern is not None:
+                raise bad_request(
+                    "guided_whitespace_pattern: a JSON constraint (response_format, structured_outputs, guided_json) "
+                    "must come with it",
+                    param="guided_whitespace_pattern",
+                )
             return None
         if len(given) > 1:
             names = ", ".join(given)
             raise bad_request(f"give one structured output constraint per request, got {names}", param=list(given)[1])
         ((param, fields),) = given.items()
+        if self.guided_whitespace_pattern is not None:
+            if isinstance(fields, StructuredOutputsParams) or "whitespace_pattern" in fields:
+                raise bad_request(
+                    "guided_whitespace_pattern: give the pattern once, beside a JSON constraint",
+                    param="guided_whitespace_pattern",
+                )
+            fields = {**fields, "whitespace_pattern": self.guided_whitespace_pattern}
         try:
             return StructuredOutputsParams.from_value(fields)
         except (ValueError, TypeError) as err:
@@ -482,8 +497,10 @@ def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any]:
                 param="response_format",
             )
         return {"json": spec["schema"]}
+    if kind == "structural_tag":  # vLLM's: {"type", "structures": [{"begin", "schema", "end"}], "triggers"}
+        return {"structural_tag": response_format}
     raise bad_request(
-        f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+        f'response_format.type must be "text", "json_object", "json_schema" or "structural_tag", got {kind!r}',
         param="response_format",
         code="unsupported_value",
     )

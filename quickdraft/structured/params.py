@@ -1,25 +1,75 @@
 """What a request asks its output to match (vLLM's ``StructuredOutputsParams`` shape).
 
 Exactly one of ``json`` (a JSON schema, dict or string), ``json_object`` (any JSON object),
-``regex``, ``choice`` (a list of strings) or ``grammar`` (Lark, or GBNF, which is converted)
-is given.  The constraint is compiled to an llguidance grammar and checked at construction
-(without a tokenizer), so an invalid schema, regex or grammar is a ``ValueError`` that starts
+``regex``, ``choice`` (a list of strings), ``grammar`` (Lark, or GBNF, which is converted) or
+``structural_tag`` (free text in which each trigger starts a tagged JSON structure) is given.
+The constraint is compiled to an llguidance grammar and checked at construction (without a
+tokenizer), so an invalid schema, regex or grammar is a ``ValueError`` that starts
 with ``structured_outputs.<field>`` and names the problem, before any request is queued.
 """
 
 from __future__ import annotations
 
 import json as json_module
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
-def json_layout(*, flexible: bool) -> dict[str, Any]:
+def json_layout(*, flexible: bool, whitespace_pattern: str | None = None) -> dict[str, Any]:
     """llguidance's JSON options: json.dumps' separators, and any other whitespace only if flexible
-    (also an inline schema's "x-guidance" inside a Lark grammar)."""
+    (also an inline schema's "x-guidance" inside a Lark grammar); a whitespace pattern (vLLM's
+    whitespace_pattern, a regex) is the whitespace allowed between tokens instead."""
+    if whitespace_pattern is not None:
+        return {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
     return {"whitespace_flexible": flexible, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class TaggedStructure:
+    """A JSON value between two fixed strings (a structural tag's structure, a tool call block)."""
+
+    begin: str  # starts with one of the grammar's triggers
+    schema: dict[str, Any] | bool  # the JSON schema of what comes between
+    end: str
+
+
+def tagged_text_grammar(
+    structures: list[TaggedStructure], *, triggers: list[str], repeat: bool, layout: dict[str, Any]
+) -> str:
+    """A Lark grammar of free text in which every trigger starts one of the structures whose
+    begin starts with it: text up to the first trigger (a lazy match ending at it), the rest of
+    the begin, the JSON, the end, then the same again (once only without `repeat`); text without
+    a trigger ends the output. Inside a structure its keys and punctuation are forced tokens."""
+    # a trigger as a regex inside /.../ (its slashes escaped too)
+    no_trigger = "~/(.|\\n)*(" + "|".join(re.escape(t).replace("/", "\\/") for t in triggers) + ")(.|\\n)*/"
+    after = "start" if repeat else "TEXT"
+    lines = [f"start: TEXT | segment {after}"]
+    segments = []
+    for index, trigger in enumerate(triggers):
+        bodies = []
+        for structure in structures:
+            if not structure.begin.startswith(trigger) or _trigger_of(structure.begin, triggers) != trigger:
+                continue
+            schema = structure.schema if isinstance(structure.schema, dict) else {}
+            parts = [structure.begin[len(trigger) :], None, structure.end]
+            json_part = "%json " + json_module.dumps({**schema, "x-guidance": layout})
+            bodies.append(" ".join(json_module.dumps(p) if p is not None else json_part for p in parts if p != ""))
+        if not bodies:
+            continue
+        segments.append(f"before_{index} body_{index}")
+        lines.append(f"before_{index}[suffix={json_module.dumps(trigger)}]: /(.|\\n)*/ & {no_trigger}")
+        lines.append(f"body_{index}: " + " | ".join(bodies))
+    lines.insert(1, "segment: " + " | ".join(segments))
+    lines.append(f"TEXT: /(.|\\n)*/ & {no_trigger}")
+    return "\n".join(lines)
+
+
+def _trigger_of(begin: str, triggers: list[str]) -> str | None:
+    """The longest trigger a structure's begin starts with (its text up to there is free)."""
+    return max((t for t in triggers if begin.startswith(t)), key=len, default=None)
 
 
 @dataclass(kw_only=True)
@@ -29,6 +79,12 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # Lark (llguidance's dialect) or GBNF (llama.cpp's)
+    # vLLM's structural tag (a dict or its JSON text): {"structures": [{"begin", "schema", "end"}],
+    # "triggers": [...]}: free text in which each trigger starts one of the structures
+    structural_tag: str | dict[str, Any] | None = None
+    # vLLM's whitespace_pattern: the whitespace a JSON constraint allows between tokens (a regex);
+    # given, it replaces disable_any_whitespace's layout
+    whitespace_pattern: str | None = None
     # JSON kinds: True (default) writes JSON with json.dumps' separators (", " and ": ") and no
     # other whitespace; False lets the model put any whitespace between tokens, as vLLM does by
     # default (small models then often loop on newlines, and fewer tokens are forced).
@@ -50,7 +106,14 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs.disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}"
             )
-        compiled = _compile(given[0], getattr(self, given[0]), flexible=not self.disable_any_whitespace)
+        if self.whitespace_pattern is not None and (
+            not isinstance(self.whitespace_pattern, str) or _regex_error(self.whitespace_pattern)
+        ):
+            raise ValueError(
+                f"structured_outputs.whitespace_pattern must be a regular expression, got {self.whitespace_pattern!r}"
+            )
+        layout = json_layout(flexible=not self.disable_any_whitespace, whitespace_pattern=self.whitespace_pattern)
+        compiled = _compile(given[0], getattr(self, given[0]), layout=layout)
         if self.reasoning_parser is not None:
             compiled = _after_thinking(compiled, parser=self.reasoning_parser)
         self.compiled = compiled
@@ -72,7 +135,7 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs must be StructuredOutputsParams or a dict, got {type(value).__name__}"
             )
-        known = (*KINDS, "disable_any_whitespace", "reasoning_parser")
+        known = (*KINDS, "disable_any_whitespace", "reasoning_parser", "whitespace_pattern")
         unknown = sorted(set(value) - set(known))
         if unknown:
             raise ValueError(f"structured_outputs: unknown fields {unknown}; known: {list(known)}")
@@ -110,13 +173,61 @@ def _after_thinking(compiled: str, *, parser: str) -> str:
     return wrapped
 
 
-def _compile(kind: str, value: Any, *, flexible: bool) -> str:
+def _regex_error(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return True
+    return False
+
+
+def _read_structural_tag(value: Any, *, name: str) -> tuple[list[TaggedStructure], list[str]]:
+    """vLLM's structural tag ({"structures": [...], "triggers": [...]}, or its JSON text), checked:
+    a ValueError naming what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json_module.loads(value)
+        except json_module.JSONDecodeError as err:
+            raise ValueError(f"{name} is not valid JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object with structures and triggers, got {type(value).__name__}")
+    if "format" in value:
+        raise ValueError(
+            f"{name}: the 'format' form (xgrammar's newer structural tags) is not supported here; "
+            "give structures and triggers"
+        )
+    unknown = sorted(set(value) - {"type", "structures", "triggers"})
+    if unknown or value.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f"{name}: expected type, structures and triggers, got {sorted(value)}")
+    triggers = value.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{name}.triggers must be a non-empty list of non-empty strings, got {triggers!r}")
+    raw = value.get("structures")
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"{name}.structures must be a non-empty list, got {raw!r}")
+    structures = []
+    for index, item in enumerate(raw):
+        where = f"{name}.structures[{index}]"
+        if not isinstance(item, dict) or set(item) - {"begin", "schema", "end"} or "begin" not in item:
+            raise ValueError(f"{where} must be {{begin, schema, end}}, got {item!r}")
+        begin, schema, end = item["begin"], item.get("schema", True), item.get("end", "")
+        if not isinstance(begin, str) or not isinstance(end, str) or not isinstance(schema, (dict, bool)):
+            raise ValueError(f"{where}: begin and end are strings and schema a JSON schema, got {item!r}")
+        if schema is False:
+            raise ValueError(f"{where}.schema is false: no JSON value would match")
+        if _trigger_of(begin, triggers) is None:
+            raise ValueError(f"{where}.begin {begin!r} starts with none of the triggers {triggers}")
+        structures.append(TaggedStructure(begin=begin, schema=schema, end=end))
+    return structures, triggers
+
+
+def _compile(kind: str, value: Any, *, layout: dict[str, Any]) -> str:
     """The llguidance grammar for one constraint; ValueError naming the field when it is invalid."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
     name = f"structured_outputs.{kind}"
-    json_options = json_layout(flexible=flexible)
+    json_options = layout
     if kind == "json_object":
         if value is not True:
             raise ValueError(f"{name} must be true or false, got {value!r}")
@@ -140,6 +251,11 @@ def _compile(kind: str, value: Any, *, flexible: bool) -> str:
             raise ValueError(f"{name} must be a non-empty list of non-empty strings, got {value!r}")
         # Lark string literals take JSON's escapes: any choice text is matched literally.
         grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json_module.dumps(c) for c in value))
+    elif kind == "structural_tag":
+        structures, triggers = _read_structural_tag(value, name=name)
+        grammar = LLMatcher.grammar_from_lark(
+            tagged_text_grammar(structures, triggers=triggers, repeat=True, layout=json_options)
+        )
     else:
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{name} must be a non-empty grammar (Lark or GBNF), got {value!r}")

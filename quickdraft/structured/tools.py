@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from quickdraft.structured.params import StructuredOutputsParams, json_layout
+from quickdraft.structured.params import StructuredOutputsParams, TaggedStructure, json_layout, tagged_text_grammar
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -125,21 +125,11 @@ class ToolCalling:
         return StructuredOutputsParams(json=calls)
 
     def _auto_grammar(self) -> str:
-        """Free text in which each <tool_call> block holds a call of one of the tools: text up to
-        the opening tag (a lazy match ending at it), the call as JSON of its schema, the closing
-        tag, then the same again (once only without parallel calls); text without the tag ends
-        the reply. Inside a block the keys and punctuation are forced tokens."""
-        call_schema = {"anyOf": self._call_schemas("arguments"), "x-guidance": json_layout(flexible=False)}
-        after_call = "start" if self.parallel else "TEXT"
-        tag = re.escape(HERMES_OPEN)
-        return "\n".join(
-            [
-                f"start: TEXT | before call {after_call}",
-                f"before[suffix={json.dumps(HERMES_OPEN)}]: /(.|\\n)*/",
-                f"call: %json {json.dumps(call_schema)} {json.dumps(HERMES_CLOSE)}",
-                f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/",
-            ]
-        )
+        """Free text in which each <tool_call> block holds a call of one of the tools (once only
+        without parallel calls): a structural tag with the opening tag as its trigger."""
+        call = TaggedStructure(begin=HERMES_OPEN, schema={"anyOf": self._call_schemas("arguments")}, end=HERMES_CLOSE)
+        layout = json_layout(flexible=False)
+        return tagged_text_grammar([call], triggers=[HERMES_OPEN], repeat=self.parallel, layout=layout)
 
     def _call_schemas(self, arguments_key: str) -> list[dict[str, Any]]:
         """One schema per tool: {"name": its name, arguments_key: its parameters}."""

@@ -204,16 +204,29 @@ def test_shipped_hybrid_of_the_demo_is_exact():
     assert speculative_metrics_if_exact(spec, max_tokens=48).acceptance_length > 1.3
 
 
+def no_immediate_repeat(output, logits):
+    """A logits processor: the last output token cannot come again at once."""
+    if output:
+        logits[output[-1]] = float("-inf")
+    return logits
+
+
+def favour_prompt_tokens(prompt, output, logits):
+    """A logits processor of the three-argument form: the prompt's tokens gain 2."""
+    logits[torch.tensor(prompt)] += 2.0
+    return logits
+
+
 # One request per prompt, each with other sampling parameters, all seeded: a mixed batch.
 SEEDED = [
-    SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True, logits_processors=[favour_prompt_tokens]),
     SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=12, max_tokens=32, ignore_eos=True),
     SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.2, seed=13, max_tokens=32, ignore_eos=True),
     SamplingParams(
         temperature=1.2, presence_penalty=0.5, frequency_penalty=0.3, seed=14, max_tokens=32, ignore_eos=True
     ),
     SamplingParams(temperature=0.6, top_k=5, min_tokens=8, seed=15, max_tokens=32),
-    SamplingParams(temperature=0, seed=16, max_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=0, seed=16, max_tokens=32, ignore_eos=True, logits_processors=[no_immediate_repeat]),
 ]
 
 

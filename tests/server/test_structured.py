@@ -86,3 +86,44 @@ def test_invalid_schema_is_a_400_naming_response_format(ngram_server):
         )
     assert caught.value.body["param"] == "response_format"
     assert "Invalid type: nope" in caught.value.body["message"]
+
+
+STRUCTURAL_TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<n=", "schema": {"type": "integer"}, "end": ">"}],
+    "triggers": ["<n="],
+}
+
+
+def test_response_format_structural_tag(ngram_server):
+    client = ngram_server.openai_client()
+    reply = client.chat.completions.create(
+        model=ngram_server.model_name,
+        messages=[{"role": "user", "content": "Number <n=12> and <n=7>"}],
+        response_format=STRUCTURAL_TAG,
+        max_tokens=40,
+        temperature=0,
+    )
+    text = reply.choices[0].message.content
+    # every trigger the reply writes starts a whole structure
+    assert all(re.match(r"-?\d+>", rest) for rest in text.split("<n=")[1:]), text
+    bad = {**STRUCTURAL_TAG, "structures": [{"begin": "<x>", "schema": {}, "end": ""}]}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=ngram_server.model_name, messages=[{"role": "user", "content": "x"}], response_format=bad
+        )
+    assert caught.value.body["param"] == "response_format" and "starts with none of the triggers" in str(caught.value)
+
+
+def test_guided_whitespace_pattern_goes_with_a_json_constraint(suffix_server):
+    client = suffix_server.openai_client()
+    extra = {"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]?"}
+    reply = client.completions.create(
+        model=suffix_server.model_name, prompt="Answer:", max_tokens=64, temperature=0, extra_body=extra
+    )
+    assert set(json.loads(reply.choices[0].text)) == {"city", "year"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=suffix_server.model_name, prompt="x", max_tokens=4, extra_body={"guided_whitespace_pattern": " "}
+        )
+    assert caught.value.body["param"] == "guided_whitespace_pattern"

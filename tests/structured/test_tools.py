@@ -21,6 +21,7 @@ from quickdraft.structured.tools import (
     resolve_tool_calling,
 )
 from tests.models.test_decoder import prompt
+from tests.structured.conftest import consumed
 
 WEATHER = {
     "type": "function",
@@ -310,28 +311,9 @@ def test_llm_chat_shows_the_tools_to_the_template(target):
         llm.chat(HISTORY[:1], params, chat_template=plain, tools=[{"type": "function"}])
 
 
-@pytest.fixture(scope="module")
-def compiler(tmp_path_factory):
-    from quickdraft.models.tokenizer import Tokenizer
-    from quickdraft.structured.grammar import GrammarCompiler
-    from tests.conftest import write_tiny_tokenizer
-
-    folder = tmp_path_factory.mktemp("tool_tok")
-    write_tiny_tokenizer(folder, bos="<bos>", eos="<eos>", chat=False)
-    tokenizer = Tokenizer.from_dir(folder)
-    compiler = GrammarCompiler(tokenizer=tokenizer.backend, vocab_size=320, eos_token_ids=[1])
-    compiler.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
-    compiler.decode = tokenizer.decode
-    return compiler
-
-
-def auto_matcher(compiler, *, parallel: bool = True):
+def auto_matcher(text_compiler, *, parallel: bool = True):
     calling = resolve_tool_calling(tools=TOOLS, tool_choice="auto", parallel_tool_calls=parallel, constrain_auto=True)
-    return compiler.matcher_for(calling.constraint()).matcher
-
-
-def consumed(matcher, compiler, text: str) -> bool:
-    return all(matcher.consume_token(token) for token in compiler.encode(text))
+    return text_compiler.matcher_for(calling.constraint()).matcher
 
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
@@ -348,24 +330,24 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days":
         ('<tool_call>{"name":"get_time","arguments":{}}</tool_call>', False),  # json.dumps' separators only
     ],
 )
-def test_auto_grammar_holds_calls_to_the_tools_and_leaves_text_free(compiler, text, valid):
-    matcher = auto_matcher(compiler)
-    assert (consumed(matcher, compiler, text) and matcher.is_accepting()) == valid
+def test_auto_grammar_holds_calls_to_the_tools_and_leaves_text_free(text_compiler, text, valid):
+    matcher = auto_matcher(text_compiler)
+    assert (consumed(matcher, text_compiler, text) and matcher.is_accepting()) == valid
 
 
-def test_auto_grammar_forces_the_call_s_keys_and_needs_it_closed(compiler):
-    matcher = auto_matcher(compiler)
-    assert consumed(matcher, compiler, "ok <tool_call>")
+def test_auto_grammar_forces_the_call_s_keys_and_needs_it_closed(text_compiler):
+    matcher = auto_matcher(text_compiler)
+    assert consumed(matcher, text_compiler, "ok <tool_call>")
     assert not matcher.is_accepting()  # an open block cannot end the reply
-    assert compiler.decode(matcher.compute_ff_tokens()) == '{"name": "get_'
-    assert consumed(matcher, compiler, '{"name": "get_time", "arguments": {}}')
-    assert compiler.decode(matcher.compute_ff_tokens()) == "</tool_call>"
+    assert text_compiler.decode(matcher.compute_ff_tokens()) == '{"name": "get_'
+    assert consumed(matcher, text_compiler, '{"name": "get_time", "arguments": {}}')
+    assert text_compiler.decode(matcher.compute_ff_tokens()) == "</tool_call>"
 
 
-def test_auto_grammar_without_parallel_calls_allows_one(compiler):
-    matcher = auto_matcher(compiler, parallel=False)
-    assert consumed(matcher, compiler, f"{CALL} and then ") and matcher.is_accepting()
-    assert not consumed(matcher, compiler, "<tool_call>")
+def test_auto_grammar_without_parallel_calls_allows_one(text_compiler):
+    matcher = auto_matcher(text_compiler, parallel=False)
+    assert consumed(matcher, text_compiler, f"{CALL} and then ") and matcher.is_accepting()
+    assert not consumed(matcher, text_compiler, "<tool_call>")
 
 
 def test_auto_grammar_is_exact_under_speculation(target):
