@@ -1,8 +1,17 @@
 """quickdraft: lossless speculative decoding inference engine."""
 
+from quickdraft.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from quickdraft.llm import LLM
 from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"

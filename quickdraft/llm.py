@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from quickdraft.config import EngineConfig
+from quickdraft.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed, merged_output
 from quickdraft.models.chat import ChatRendering, render_chat
@@ -246,6 +247,46 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The beam_width best continuations of each prompt by summed logprob (vLLM's
+        `LLM.beam_search`; engine/beam_search.py): max_tokens rounds, each expanding every live
+        beam of every prompt by one token in one batch, the prefix cache sharing what beams have in
+        common. Outputs in the order of the prompts, each's beams best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        token_ids = [self._prompt_token_ids(prompt) for prompt in _as_prompt_list(prompts)]
+        search = BeamSearch(
+            token_ids, params, eos_token_ids=self.engine.eos_token_ids, max_model_len=self.engine.max_model_len
+        )
+        progress = _progress_bar(params.max_tokens, enabled=use_tqdm)
+        while not search.done:
+            pending = [{"prompt_token_ids": tokens} for tokens in search.pending()]
+            outputs = self.generate(pending, params.round_params())
+            search.advance([output.outputs[0].logprobs[0].top for output in outputs])  # type: ignore[index]
+            progress.update(1)
+        progress.close()
+        return search.results(decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        """A prompt's token ids, as generate would feed them (a text gets the tokenizer's BOS)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return list(prompt)
+        raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
 
     def _raise_failure(self, failed_id: str, request_ids: list[str]) -> NoReturn:
         """A request of the call failed (its logits processors raised): stop the call's other

@@ -32,9 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 import quickdraft
+from quickdraft.engine.beam_search import BeamSearch
 from quickdraft.engine.parallel_sampling import merged_batch_output
 from quickdraft.models.chat import ChatRenderError, render_chat
-from quickdraft.outputs import CompletionOutput, RequestOutput
+from quickdraft.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
 from quickdraft.server.logits_processors import resolve_logits_processors
@@ -498,6 +499,17 @@ async def _generate(
     writer_options: dict[str, Any] | None = None,  # the writer class's own keyword arguments
 ):
     """Run the prompts through the engine loop, answer (streamed or whole)."""
+    if body.use_beam_search:
+        return await _beam_search(
+            server,
+            body=body,
+            request=request,
+            prepared=prepared,
+            prompts=prompts,
+            prompt_param=prompt_param,
+            id_prefix=id_prefix,
+            writer_class=writer_class,
+        )
     generation = Generation(
         server=server,
         prompts=prompts,
@@ -521,6 +533,70 @@ async def _generate(
         **(writer_options or {}),
     )
     return await _respond(generation, writer=writer, stream=body.stream, request=request)
+
+
+async def _beam_search(
+    server: QuickdraftServer,
+    *,
+    body,
+    request: Request,
+    prepared,
+    prompts: list[list[int]],
+    prompt_param: str,
+    id_prefix: str,
+    writer_class,
+):
+    """vLLM's use_beam_search: rounds of one-token requests through the engine loop (each
+    beam's top 2n next tokens; engine/beam_search.py), then the n best beams of each prompt as
+    its choices (choice k: beam k % n of prompt k // n)."""
+    params = body.beam_search_params(
+        max_tokens=prepared.params.max_tokens, room=server.max_model_len - max(len(p) for p in prompts)
+    )
+    search = BeamSearch(prompts, params, eos_token_ids=server.eos_token_ids, max_model_len=server.max_model_len)
+    common = dict(server=server, scenario=prepared.scenario, prompt_param=prompt_param, id_prefix=id_prefix)
+    started = time.perf_counter()
+    while not search.done:
+        pending = search.pending()
+        generation = Generation(
+            prompts=pending, params=params.round_params(), priority=body.priority, cache_salt=body.cache_salt, **common
+        )
+        try:
+            await generation.start()
+            output = await _collect_unless_disconnected(generation, request)
+        finally:
+            generation.close()
+        if output is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        search.advance([completion.logprobs[0].top for completion in output.outputs])  # type: ignore[index]
+    beams = search.results(
+        decode=lambda ids: server.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+    )
+    completions = [
+        CompletionOutput(
+            index=prompt * params.beam_width + rank,
+            text=beam.output_text,
+            token_ids=beam.output_token_ids,
+            finish_reason=beam.finish_reason,
+            cumulative_logprob=beam.cum_logprob,
+        )
+        for prompt, result in enumerate(beams)
+        for rank, beam in enumerate(result.sequences)
+    ]
+    metrics = RequestMetrics(arrival_time=started, num_prompt_tokens=sum(len(p) for p in prompts))
+    output = RequestOutput(
+        request_id=id_prefix,
+        prompt=None,
+        prompt_token_ids=prompts[0],
+        outputs=completions,
+        finished=True,
+        metrics=metrics,
+    )
+    # the response's id and envelope (this generation is never submitted)
+    envelope = Generation(prompts=prompts, params=prepared.params, client_request_id=body.request_id, **common)
+    writer = writer_class(
+        server=server, generation=envelope, include_usage=False, include_token_ids=body.return_token_ids
+    )
+    return JSONResponse(writer.full_body(output))
 
 
 class _Prepared:

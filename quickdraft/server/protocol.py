@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from quickdraft.engine.beam_search import BeamSearchParams
 from quickdraft.models.chat import ChatRenderError, ChatRendering
 from quickdraft.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -136,6 +137,10 @@ class SamplingFields(StrictModel):
     # vLLM's: processors by qualified name, that --logits-processor-pattern allows
     # (server/logits_processors.py); applied to every verified row, so exact under speculation
     logits_processors: list[str | LogitsProcessorConstructor] | None = None
+    # vLLM's beam search: the n best continuations by summed logprob (engine/beam_search.py),
+    # ranked with length_penalty; whole responses only
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Extensions (vLLM's names), all handled by SamplingParams.
     top_k: int | None = None
     min_p: float | None = None
@@ -185,6 +190,29 @@ class SamplingFields(StrictModel):
                 param="prompt_logprobs",
                 code="unsupported_value",
             )
+
+    def beam_search_params(self, *, max_tokens: int | None, room: int) -> BeamSearchParams:
+        """use_beam_search's settings (n beams, max_tokens, or `room`: the context left to the
+        longest prompt); a 400 naming any field beam search would not honour."""
+        for name in sorted(self.model_fields_set - BEAM_SEARCH_FIELDS):
+            value, default = getattr(self, name), type(self).model_fields[name].default
+            if value != default and not (name == "temperature" and value == 0):
+                raise bad_request(
+                    f"{name} is not used by beam search (it ranks beams by the model's logprobs): leave it out",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        try:
+            return BeamSearchParams(
+                beam_width=self.n,
+                max_tokens=max_tokens if max_tokens is not None else room,
+                ignore_eos=self.ignore_eos,
+                length_penalty=self.length_penalty,
+            )
+        except ValueError as err:
+            field_name = str(err).split(" ", 1)[0]
+            param = {"beam_width": "n"}.get(field_name, field_name)
+            raise bad_request(f"{param}{str(err)[len(field_name) :]}", param=param) from err
 
     def sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """SamplingParams keyword arguments of the fields set; a field left out takes `defaults`
@@ -269,6 +297,35 @@ class SamplingFields(StrictModel):
         the request gives a constraint of its own."""
         return {}
 
+
+# What a beam search request may set (the rest would be ignored, so it is refused).
+BEAM_SEARCH_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "messages",
+        "n",
+        "max_tokens",
+        "max_completion_tokens",
+        "ignore_eos",
+        "length_penalty",
+        "use_beam_search",
+        "user",
+        "metadata",
+        "priority",
+        "cache_salt",
+        "request_id",
+        "return_token_ids",
+        "truncate_prompt_tokens",
+        "skip_special_tokens",
+        "add_special_tokens",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+    }
+)
 
 # Token ids are tried before strings, first match wins: pydantic's default ("smart") union
 # validates a list against every member, and a list of a million ids checked as list[str]

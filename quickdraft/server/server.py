@@ -108,6 +108,10 @@ class QuickdraftServer:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.engine.eos_token_ids
+
     def start(self) -> None:
         if not self._started:
             self._started = True

@@ -259,6 +259,9 @@ FUZZ_KEYS = [
     "documents",
     "chat_template",
     "logits_processors",
+    "use_beam_search",
+    "length_penalty",
+    "guided_whitespace_pattern",
     "zzz",
 ]
 # Generation lengths stay small so hundreds of requests take seconds.
