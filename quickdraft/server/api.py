@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -54,6 +55,15 @@ from quickdraft.server.protocol import (
     speculation_body,
     usage_body,
     usage_of,
+)
+from quickdraft.server.responses import (
+    ResponsesRequest,
+    function_call_item,
+    message_item,
+    output_items,
+    reasoning_item,
+    renamed_error,
+    response_body,
 )
 from quickdraft.server.validation import validation_error_to_api_error
 from quickdraft.structured.reasoning import REASONING_PARSERS, ReasoningParser
@@ -364,6 +374,22 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             writer_options={"echo": echo},
         )
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body = await _read_request(server, request, model=ResponsesRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body.check_unsupported()
+        history = server.responses.conversation(body.previous_response_id) if body.previous_response_id else []
+        try:
+            return await _respond_to(server, request=request, body=body, history=history)
+        except APIError as err:
+            raise renamed_error(err) from err
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return JSONResponse(server.responses.body(response_id))
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _read_request(server, request, model=TokenizeRequest)
@@ -408,6 +434,35 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             writer_class=ChatWriter,
             writer_options={"tool_calling": body.tool_calling, "reasoning": _reasoning_parser(server, prepared.params)},
         )
+
+
+async def _respond_to(server: QuickdraftServer, *, request: Request, body: ResponsesRequest, history: list) -> Response:
+    """A Responses request through the chat pipeline, as the chat request it means."""
+    try:
+        chat = ChatCompletionRequest.model_validate(body.chat_fields(history=history))
+    except ValidationError as err:
+        raise validation_error_to_api_error(err.errors()) from err
+    _use_server_chat_settings(server, chat)
+    prepared = _prepare(server, request=request, body=chat)
+    prepared.params = _thinking_first(server, prepared.params)
+    _check_tool_parser(server, chat.tool_calling)
+    prompt_token_ids = await server.preprocessor.run(_render_chat, server, chat)
+    return await _generate(
+        server,
+        body=chat,
+        request=request,
+        prepared=prepared,
+        prompts=[prompt_token_ids],
+        prompt_param="input",
+        id_prefix="resp",
+        writer_class=ResponsesWriter,
+        writer_options={
+            "tool_calling": chat.tool_calling,
+            "reasoning": _reasoning_parser(server, prepared.params),
+            "request": body,
+            "conversation": history + body.input_messages(),
+        },
+    )
 
 
 async def _read_request(server: QuickdraftServer, request: Request, *, model: type[Model]) -> Model | None:
@@ -1073,6 +1128,140 @@ class ChatWriter(ResponseWriter):
             **self._final_extras(),
         )
         return content_chunk + final
+
+
+class ResponsesWriter(ChatWriter):
+    """The chat reply as OpenAI's Response object (server/responses.py) and, streamed, as its
+    events: response.created, each output item opened, its text or arguments in deltas, closed,
+    then response.completed with the whole response. A stored response is kept for
+    previous_response_id."""
+
+    def __init__(self, *, request: ResponsesRequest, conversation: list[dict[str, Any]], **kwargs: Any):
+        super().__init__(**kwargs)
+        self._request = request
+        self._conversation = conversation  # the messages the reply answers (instructions left out)
+        self._sequence = 0
+        self._items: list[dict[str, Any]] = []  # streamed output items, the last one open
+
+    def _response(self, *, output: list[dict[str, Any]], status: str, usage=None, finish_reason=None):
+        return response_body(
+            response_id=self.generation.response_id,
+            created=self.generation.created,
+            model=self.server.model_name,
+            request=self._request,
+            output=output,
+            status=status,
+            usage=usage,
+            finish_reason=finish_reason,
+        )
+
+    def _kept(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self._request.store:
+            self.server.responses.put(body, conversation=self._conversation)
+        return body
+
+    def full_body(self, output: RequestOutput) -> dict[str, Any]:
+        chat = super().full_body(output)
+        (choice,) = chat["choices"]
+        items = output_items(choice["message"])
+        return self._kept(
+            self._response(output=items, status="completed", usage=chat["usage"], finish_reason=choice["finish_reason"])
+        )
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        self._sequence += 1
+        body = {"type": kind, "sequence_number": self._sequence, **fields}
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        yield self._event("response.created", response=self._response(output=[], status="in_progress"))
+        yield self._event("response.in_progress", response=self._response(output=[], status="in_progress"))
+        stream = self._new_stream()
+        finish_reason = None
+        try:
+            async for event in self.generation.progress():
+                reply = stream.feed(event.text)
+                if event.finished:
+                    reply += stream.finish()
+                    finish_reason = self._finish_reason(event.finish_reason, stream)
+                for chunk in self._reply_events(reply):
+                    yield chunk
+            for chunk in self._close_item():
+                yield chunk
+            output = self.generation.output
+            usage = None if output is None else usage_of(output)
+            final = self._response(output=self._items, status="completed", usage=usage, finish_reason=finish_reason)
+            yield self._event("response.completed", response=self._kept(final))
+        except APIError as err:
+            yield self._event("error", code=err.code, message=err.message, param=err.param)
+
+    def _reply_events(self, reply: ReplyDelta) -> list[str]:
+        """Events for what the reply added: thinking, text and call pieces, each in its item
+        (a new kind of piece closes the open item and opens its own)."""
+        events: list[str] = []
+        if reply.reasoning:
+            events += self._open_item("reasoning")
+            self._items[-1]["content"][0]["text"] += reply.reasoning
+            events.append(self._event("response.reasoning_text.delta", **self._at(), delta=reply.reasoning))
+        if reply.content:
+            events += self._open_item("message")
+            self._items[-1]["content"][0]["text"] += reply.content
+            events.append(
+                self._event(
+                    "response.output_text.delta", **self._at(), content_index=0, delta=reply.content, logprobs=[]
+                )
+            )
+        for piece in reply.calls:
+            if piece.call_id is not None:
+                events += self._close_item()
+                item = function_call_item(piece.call_id, piece.name or "", "", status="in_progress")
+                events += self._add_item(item)
+            self._items[-1]["arguments"] += piece.arguments
+            if piece.arguments:
+                events.append(
+                    self._event("response.function_call_arguments.delta", **self._at(), delta=piece.arguments)
+                )
+        return events
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1}
+
+    def _open_item(self, kind: str) -> list[str]:
+        if self._items and self._items[-1]["type"] == kind and self._items[-1]["status"] == "in_progress":
+            return []
+        events = self._close_item()
+        if kind == "reasoning":
+            item = {**reasoning_item(""), "status": "in_progress"}
+            return events + self._add_item(item)
+        item = message_item("", status="in_progress")
+        events += self._add_item(item)
+        item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return events + [self._event("response.content_part.added", **self._at(), content_index=0, part=part)]
+
+    def _add_item(self, item: dict[str, Any]) -> list[str]:
+        self._items.append(item)
+        return [self._event("response.output_item.added", output_index=len(self._items) - 1, item=dict(item))]
+
+    def _close_item(self) -> list[str]:
+        if not self._items or self._items[-1]["status"] != "in_progress":
+            return []
+        item, at = self._items[-1], self._at()
+        events = []
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            events.append(self._event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
+            events.append(self._event("response.content_part.done", **at, content_index=0, part=item["content"][0]))
+        elif item["type"] == "function_call":
+            events.append(self._event("response.function_call_arguments.done", **at, arguments=item["arguments"]))
+        elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append(self._event("response.reasoning_text.done", **at, content_index=0, text=text))
+        item["status"] = "completed"
+        if item["type"] == "reasoning":
+            del item["status"]
+        events.append(self._event("response.output_item.done", output_index=at["output_index"], item=dict(item)))
+        return events
 
 
 def _delta_body(reply: ReplyDelta) -> dict[str, Any]:

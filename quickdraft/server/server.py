@@ -25,6 +25,7 @@ from quickdraft.server.engine_loop import EngineLoop, Failed
 from quickdraft.server.errors import APIError, queue_full, shutting_down
 from quickdraft.server.metrics import ScenarioLabels, ServerMetrics
 from quickdraft.server.preprocess import Preprocessor
+from quickdraft.server.responses import ResponseStore
 
 logger = logging.getLogger("quickdraft.server")
 
@@ -96,6 +97,7 @@ class QuickdraftServer:
         self.admission = Admission(max_in_flight=config.max_queue)
         self.engine_loop = EngineLoop(engine=self.engine, metrics=self.metrics, compute=compute)
         self.preprocessor = Preprocessor()
+        self.responses = ResponseStore()  # stored Responses API responses, for previous_response_id
         self.created = int(time.time())
         self._started = False
         self.app = create_app(self)
