@@ -332,3 +332,58 @@ def test_fuzzed_bodies_never_get_a_5xx(plain_server, ngram_server):
             assert response.status_code == 200 or 400 <= response.status_code < 500, (raw[:80], response.text)
     # The fuzzing reached both sides: accepted requests and refusals.
     assert statuses.count(200) > 20 and sum(400 <= s < 500 for s in statuses) > 100
+
+
+RESPONSES_KEYS = [
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "tools",
+    "tool_choice",
+    "text",
+    "previous_response_id",
+    "store",
+    "include",
+    "truncation",
+    "metadata",
+    "zzz",
+]
+RESPONSES_VALUES = [
+    *FUZZ_VALUES,
+    [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}],
+    [{"type": "function_call_output", "call_id": "c", "output": "ok"}],
+    [{"type": "reasoning", "summary": []}, {"role": "assistant", "content": "x"}],
+    {"format": {"type": "json_object"}},
+    {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+    [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+    {"type": "function", "name": "f"},
+    "resp-missing",
+]
+
+
+def test_fuzzed_responses_bodies_never_get_a_5xx(ngram_server):
+    rng = random.Random(4321)
+    statuses = []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(120):
+            body = {"input": "hello", "max_output_tokens": 2, "temperature": 0}
+            for _ in range(rng.randint(1, 2)):
+                key = rng.choice(RESPONSES_KEYS)
+                body[key] = copy.deepcopy(rng.choice(RESPONSES_VALUES)) if rng.random() < 0.8 else rng.randint(-3, 9)
+            if not isinstance(body.get("max_output_tokens"), int) or body["max_output_tokens"] > MAX_FUZZ_TOKENS:
+                body["max_output_tokens"] = MAX_FUZZ_TOKENS
+            request = {"content": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}}
+            if body.get("stream") is True:
+                with client.stream("POST", f"{ngram_server.api_url}/responses", **request) as response:
+                    response.read()
+            else:
+                response = client.post(f"{ngram_server.api_url}/responses", **request)
+            assert response.status_code < 500, (body, response.text)
+            if response.status_code >= 400:
+                assert "error" in response.json(), response.text
+            statuses.append(response.status_code)
+    assert statuses.count(200) > 5 and sum(400 <= s < 500 for s in statuses) > 30
