@@ -418,22 +418,37 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         body = await _read_request(server, request, model=ChatCompletionRequest)
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        _use_server_chat_settings(server, body)
-        prepared = _prepare(server, request=request, body=body)
-        prepared.params = _thinking_first(server, prepared.params)
-        _check_tool_parser(server, body.tool_calling)
-        prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
-        return await _generate(
-            server,
-            body=body,
-            request=request,
-            prepared=prepared,
-            prompts=[prompt_token_ids],
-            prompt_param="messages",
-            id_prefix="chatcmpl",
-            writer_class=ChatWriter,
-            writer_options={"tool_calling": body.tool_calling, "reasoning": _reasoning_parser(server, prepared.params)},
-        )
+        return await _chat(server, request=request, body=body)
+
+
+async def _chat(
+    server: QuickdraftServer,
+    *,
+    request: Request,
+    body: ChatCompletionRequest,
+    prompt_param: str = "messages",
+    id_prefix: str = "chatcmpl",
+    writer_class: type[ChatWriter] | None = None,
+    writer_options: dict[str, Any] | None = None,  # the writer's own keyword arguments, beside chat's
+) -> Response:
+    """A chat request through the engine loop (the Responses API's too, as the chat request it means)."""
+    _use_server_chat_settings(server, body)
+    prepared = _prepare(server, request=request, body=body)
+    prepared.params = _thinking_first(server, prepared.params)
+    _check_tool_parser(server, body.tool_calling)
+    prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
+    reasoning = _reasoning_parser(server, prepared.params)
+    return await _generate(
+        server,
+        body=body,
+        request=request,
+        prepared=prepared,
+        prompts=[prompt_token_ids],
+        prompt_param=prompt_param,
+        id_prefix=id_prefix,
+        writer_class=writer_class or ChatWriter,
+        writer_options={"tool_calling": body.tool_calling, "reasoning": reasoning, **(writer_options or {})},
+    )
 
 
 async def _respond_to(server: QuickdraftServer, *, request: Request, body: ResponsesRequest, history: list) -> Response:
@@ -442,26 +457,15 @@ async def _respond_to(server: QuickdraftServer, *, request: Request, body: Respo
         chat = ChatCompletionRequest.model_validate(body.chat_fields(history=history))
     except ValidationError as err:
         raise validation_error_to_api_error(err.errors()) from err
-    _use_server_chat_settings(server, chat)
-    prepared = _prepare(server, request=request, body=chat)
-    prepared.params = _thinking_first(server, prepared.params)
-    _check_tool_parser(server, chat.tool_calling)
-    prompt_token_ids = await server.preprocessor.run(_render_chat, server, chat)
-    return await _generate(
+    conversation = history + body.input_messages()
+    return await _chat(
         server,
-        body=chat,
         request=request,
-        prepared=prepared,
-        prompts=[prompt_token_ids],
+        body=chat,
         prompt_param="input",
         id_prefix="resp",
         writer_class=ResponsesWriter,
-        writer_options={
-            "tool_calling": chat.tool_calling,
-            "reasoning": _reasoning_parser(server, prepared.params),
-            "request": body,
-            "conversation": history + body.input_messages(),
-        },
+        writer_options={"request": body, "conversation": conversation},
     )
 
 

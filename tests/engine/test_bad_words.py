@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from quickdraft import LLM, SamplingParams
-from tests.engine.test_speculative import GarbageDrafter, repetitive_prompts
+from tests.engine.test_speculative import EXACTNESS_CONFIGS, repetitive_prompts, speculative_llm
 
 
 def contains(tokens: list[int], word: list[int]) -> bool:
@@ -50,23 +50,12 @@ def test_a_bad_word_is_no_longer_generated(target, case):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"method": "ngram", "num_speculative_tokens": 4},
-        {"method": "suffix", "num_speculative_tokens": 6},
-        {"method": "ngram", "num_speculative_tokens": 6, "garbage": True},
-    ],
-)
+@pytest.mark.parametrize("config", EXACTNESS_CONFIGS)
 def test_speculation_with_bad_words_equals_plain(target, case, config, temperature):
     params = SamplingParams(max_tokens=24, temperature=temperature, seed=3, bad_words=[case["word"], "e"])
     prompts = [case["prompt"], *repetitive_prompts()[:3]]
     plain = [o.outputs[0].token_ids for o in LLM(target, max_model_len=256).generate(prompts, params)]
-    config = dict(config)
-    garbage = config.pop("garbage", False)
-    llm = LLM(target, max_model_len=256, speculative_config=config)
-    if garbage:
-        llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True, seed=7)
+    llm = speculative_llm(target, config, max_model_len=256)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     assert llm.get_metrics().num_draft_tokens > 0
     assert not any(contains(tokens, case["ids"]) for tokens in plain)

@@ -8,7 +8,7 @@ import pytest
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.verify.logits_processors import LogitsProcessorError
-from tests.engine.test_speculative import GarbageDrafter, repetitive_prompts
+from tests.engine.test_speculative import EXACTNESS_CONFIGS, repetitive_prompts, speculative_llm
 
 MAX_TOKENS = 30
 
@@ -59,14 +59,7 @@ def test_processors_change_plain_decoding_as_asked(target):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"method": "ngram", "num_speculative_tokens": 4},
-        {"method": "suffix", "num_speculative_tokens": 6},
-        {"method": "ngram", "num_speculative_tokens": 6, "garbage": True},
-    ],
-)
+@pytest.mark.parametrize("config", EXACTNESS_CONFIGS)
 def test_speculation_with_processors_equals_plain(target, config, temperature):
     params = SamplingParams(
         max_tokens=MAX_TOKENS, temperature=temperature, seed=3, logits_processors=[every_fifth, echo_prompt]
@@ -74,15 +67,11 @@ def test_speculation_with_processors_equals_plain(target, config, temperature):
     plain = outputs(LLM(target, max_model_len=256), params)
     unprocessed = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=3)
     assert plain != outputs(LLM(target, max_model_len=256), unprocessed)
-    config = dict(config)
-    garbage = config.pop("garbage", False)
-    llm = LLM(target, max_model_len=256, speculative_config=config)
-    if garbage:
-        llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True, seed=7)
+    llm = speculative_llm(target, config, max_model_len=256)
     assert outputs(llm, params) == plain
     metrics = llm.get_metrics()
     assert metrics.num_draft_tokens > 0
-    if temperature == 0.0 and not garbage:  # drafts accepted past the root: nodes' own histories mattered
+    if temperature == 0.0 and not config.get("garbage"):  # drafts accepted past the root: nodes' own histories mattered
         assert metrics.num_accepted_tokens > 20
 
 
@@ -126,7 +115,7 @@ def test_generate_raises_the_processor_s_error_and_leaves_nothing_running(target
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("config", [{"method": "suffix", "num_speculative_tokens": 6}, {"garbage": True}])
+@pytest.mark.parametrize("config", EXACTNESS_CONFIGS[1:])
 def test_a_processor_failing_only_off_the_plain_path_never_fails_the_request(target, config):
     """Rows of rejected branches go through the processor too; its failures there do not count."""
     prompt = repetitive_prompts()[0]
@@ -140,11 +129,8 @@ def test_a_processor_failing_only_off_the_plain_path_never_fails_the_request(tar
             raise ValueError("a history plain decoding never has")
         return logits
 
-    llm = LLM(target, max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 6})
-    if config.get("garbage"):
-        llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True, seed=7)
-    else:
-        llm = LLM(target, max_model_len=256, speculative_config=config)
+    # every node's row computed in the forward (none left for the walks to ask for): rows off the path too
+    llm = speculative_llm(target, config, max_model_len=256, lazy_logits_rows=0)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logits_processors=[only_the_plain_path])
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected
     assert calls["off the path"] > 0  # rejected branches were processed, and failed, without consequence

@@ -79,6 +79,24 @@ class PositionalDrafter(GarbageDrafter):
         return proposals
 
 
+# The drafters each exactness test of a sampling feature runs: two real ones and random trees.
+EXACTNESS_CONFIGS = [
+    {"method": "ngram", "num_speculative_tokens": 4},
+    {"method": "suffix", "num_speculative_tokens": 6},
+    {"method": "ngram", "num_speculative_tokens": 6, "garbage": True},
+]
+
+
+def speculative_llm(target: str, config: dict, **kwargs) -> LLM:
+    """An LLM drafting as `config` says; with "garbage": True a GarbageDrafter's random trees."""
+    config = dict(config)
+    garbage = config.pop("garbage", False)
+    llm = LLM(target, speculative_config=config, **kwargs)
+    if garbage:
+        llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True, seed=7)
+    return llm
+
+
 def repetitive_prompts() -> list[list[int]]:
     base = prompt(6, seed=70)
     return [base * 3, prompt(10, seed=71), (prompt(4, seed=72) * 5)[:17], prompt(25, seed=73)]

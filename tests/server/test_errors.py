@@ -303,6 +303,22 @@ def raw_bodies(rng: random.Random) -> list[bytes]:
     return bodies + [b"null", b"42", b'"text"', b"[" * 5000 + b"]" * 5000, b"\xff\xfe", b'{"prompt": NaN}']
 
 
+def send_fuzzed(client: httpx.Client, url: str, body: dict) -> int:
+    """Post the body (streamed when it asks); its status, checked: never a 5xx, errors in their body."""
+    # json.dumps escapes lone surrogates as \udXXX, as JavaScript clients send them
+    # (httpx's json= would fail to encode them on this side).
+    request = {"content": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}}
+    if body.get("stream") is True:
+        with client.stream("POST", url, **request) as response:
+            response.read()
+    else:
+        response = client.post(url, **request)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert "error" in response.json(), response.text
+    return response.status_code
+
+
 def test_fuzzed_bodies_never_get_a_5xx(plain_server, ngram_server):
     rng = random.Random(1234)
     statuses = []
@@ -311,19 +327,7 @@ def test_fuzzed_bodies_never_get_a_5xx(plain_server, ngram_server):
             server, path, base = (
                 (plain_server, "/completions", COMPLETION) if i % 2 == 0 else (ngram_server, "/chat/completions", CHAT)
             )
-            body = mutate(base, rng)
-            # json.dumps escapes lone surrogates as \udXXX, as JavaScript clients send them
-            # (httpx's json= would fail to encode them on this side).
-            request = {"content": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}}
-            if body.get("stream") is True:
-                with client.stream("POST", f"{server.api_url}{path}", **request) as response:
-                    response.read()
-            else:
-                response = client.post(f"{server.api_url}{path}", **request)
-            assert response.status_code < 500, (body, response.text)
-            if response.status_code >= 400:
-                assert "error" in response.json(), response.text
-            statuses.append(response.status_code)
+            statuses.append(send_fuzzed(client, f"{server.api_url}{path}", mutate(base, rng)))
         for raw in raw_bodies(rng):
             response = client.post(
                 f"{plain_server.api_url}/completions", content=raw, headers={"Content-Type": "application/json"}
@@ -376,14 +380,5 @@ def test_fuzzed_responses_bodies_never_get_a_5xx(ngram_server):
                 body[key] = copy.deepcopy(rng.choice(RESPONSES_VALUES)) if rng.random() < 0.8 else rng.randint(-3, 9)
             if not isinstance(body.get("max_output_tokens"), int) or body["max_output_tokens"] > MAX_FUZZ_TOKENS:
                 body["max_output_tokens"] = MAX_FUZZ_TOKENS
-            request = {"content": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}}
-            if body.get("stream") is True:
-                with client.stream("POST", f"{ngram_server.api_url}/responses", **request) as response:
-                    response.read()
-            else:
-                response = client.post(f"{ngram_server.api_url}/responses", **request)
-            assert response.status_code < 500, (body, response.text)
-            if response.status_code >= 400:
-                assert "error" in response.json(), response.text
-            statuses.append(response.status_code)
+            statuses.append(send_fuzzed(client, f"{ngram_server.api_url}/responses", body))
     assert statuses.count(200) > 5 and sum(400 <= s < 500 for s in statuses) > 30

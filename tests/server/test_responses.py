@@ -96,16 +96,15 @@ def test_json_schema_text_format(server):
     assert set(json.loads(response.output_text)) == {"n"}, response.output_text
 
 
+# A request that must call the tool (room for the call's JSON in the tiny tokenizer's bytes)
+MUST_CALL = dict(
+    input="Weather in Oslo?", tools=[WEATHER], tool_choice="required", max_output_tokens=200, temperature=0
+)
+
+
 def test_a_required_function_call_and_its_output_sent_back(server):
     client = server.openai_client()
-    response = client.responses.create(
-        model=server.model_name,
-        input="Weather in Oslo?",
-        tools=[WEATHER],
-        tool_choice="required",
-        max_output_tokens=200,
-        temperature=0,
-    )
+    response = client.responses.create(model=server.model_name, **MUST_CALL)
     calls = [item for item in response.output if item.type == "function_call"]
     assert response.status == "completed", response.output
     assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
@@ -170,15 +169,7 @@ def test_an_unstored_response_cannot_be_continued(server):
 
 def test_a_streamed_function_call_is_the_whole_one(server):
     client = server.openai_client()
-    common = dict(
-        model=server.model_name,
-        input="Weather in Oslo?",
-        tools=[WEATHER],
-        tool_choice="required",
-        max_output_tokens=200,
-        temperature=0,
-        store=False,
-    )
+    common = dict(model=server.model_name, store=False, **MUST_CALL)
     whole = client.responses.create(**common)
     events = list(client.responses.create(stream=True, **common))
     arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
