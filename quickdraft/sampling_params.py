@@ -88,6 +88,8 @@ class SamplingParams:
     # row's own history, so exact under speculation; pure functions of their arguments
     # (verify/logits_processors.py). Shared, not copied, by clone() and n / best_of's children.
     logits_processors: list[Callable[..., Any]] | None = None
+    # per processor, the form it takes (2: output and logits, 3: the prompt first), found once
+    logits_processor_arities: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, low=1)  # completions of the prompt (engine/parallel_sampling.py)
@@ -143,6 +145,9 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if self.logits_processors is not None:
             self.logits_processors = _normalize_logits_processors(self.logits_processors)
+            self.logits_processor_arities = [
+                processor_arity(processor, index=index) for index, processor in enumerate(self.logits_processors)
+            ]
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -252,8 +257,6 @@ def _normalize_logit_bias(bias: object) -> dict[int, float]:
 def _normalize_logits_processors(processors: object) -> list[Callable[..., Any]]:
     if not isinstance(processors, (list, tuple)):
         raise ValueError(f"logits_processors must be a list of callables, got {processors!r}")
-    for index, processor in enumerate(processors):
-        processor_arity(processor, index=index)
     return list(processors)
 
 

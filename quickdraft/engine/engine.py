@@ -779,17 +779,20 @@ class Engine:
         fails if its accepted path reaches that row, alone."""
         if not any(h is not None for h in histories):
             return
+        # read-only prompts for the processors, made once a call
+        prompts = [tuple(r.prompt_token_ids) if h is not None else () for r, h in zip(requests, histories)]
         for j, row in enumerate(rows):
             k = bisect.bisect_right(row_offsets, row) - 1
             request, item_histories = requests[k], histories[k]
             if item_histories is None:
                 continue
-            node = row - row_offsets[k]
+            node, params = row - row_offsets[k], request.params
             try:
                 logits[j] = apply_logits_processors(
                     logits[j],
-                    request.params.logits_processors or (),
-                    prompt_token_ids=request.prompt_token_ids,
+                    params.logits_processors or (),
+                    arities=params.logits_processor_arities,
+                    prompt_token_ids=prompts[k],
                     output_token_ids=item_histories[node],
                 )
             except LogitsProcessorError as err:

@@ -18,6 +18,7 @@ is on; here they compose with every drafter.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,27 +69,31 @@ def apply_logits_processors(
     row: torch.Tensor,  # [V] one row of logits (the grammar's mask applied, if any)
     processors: Sequence[LogitsProcessor],
     *,
-    prompt_token_ids: Sequence[int],
-    output_token_ids: list[int],  # committed output + the drafted tokens on the row's path
+    arities: Sequence[int],  # per processor, processor_arity's
+    prompt_token_ids: Sequence[int],  # not copied: a tuple, or a list the processors only read
+    output_token_ids: list[int],  # committed output + the drafted tokens on the row's path (the row's own)
 ) -> torch.Tensor:  # [V], same dtype and device
     """The row after each processor in turn; LogitsProcessorError naming the processor when one
-    raises or returns no usable row (wrong shape, NaN, or no finite logit left)."""
+    raises or returns no usable row (wrong shape, NaN, +inf, or no finite logit left)."""
     vocab = row.shape[0]
-    for index, processor in enumerate(processors):
+    for index, (processor, arity) in enumerate(zip(processors, arities)):
         name = f"logits_processors[{index}] ({processor_name(processor)})"
         try:
-            if processor_arity(processor, index=index) == 3:
-                result = processor(list(prompt_token_ids), list(output_token_ids), row)
+            if arity == 3:
+                result = processor(prompt_token_ids, output_token_ids, row)
             else:
-                result = processor(list(output_token_ids), row)
+                result = processor(output_token_ids, row)
         except Exception as err:
             raise LogitsProcessorError(f"{name} raised {type(err).__name__}: {err}") from err
         if not isinstance(result, torch.Tensor) or tuple(result.shape) != (vocab,):
             got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
             raise LogitsProcessorError(f"{name} must return a tensor of shape ({vocab},), got {got}")
-        if not result.is_floating_point() or bool(torch.isnan(result).any()):
-            raise LogitsProcessorError(f"{name} returned NaN or a non-float tensor ({result.dtype})")
-        if not bool(torch.isfinite(result).any()):
+        if not result.is_floating_point():
+            raise LogitsProcessorError(f"{name} returned a non-float tensor ({result.dtype})")
+        top = float(result.max())  # one pass: NaN anywhere makes it NaN
+        if math.isnan(top) or top == math.inf:
+            raise LogitsProcessorError(f"{name} returned NaN or +inf")
+        if top == -math.inf:
             raise LogitsProcessorError(f"{name} left no token with a finite logit")
         row = result.to(device=row.device, dtype=row.dtype)
     return row

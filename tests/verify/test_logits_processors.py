@@ -3,6 +3,7 @@ name it when it raises or returns no usable row."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -60,10 +61,11 @@ def test_logits_processors_must_be_a_list():
         SamplingParams(logits_processors=two)
 
 
-def test_clone_and_replace_share_the_processors():
+def test_clone_and_replace_share_the_processors_and_know_their_forms():
     processor = Callable2()
-    params = SamplingParams(logits_processors=[processor], n=2)
+    params = SamplingParams(logits_processors=[processor, three], n=2)
     assert params.clone().logits_processors[0] is processor
+    assert params.logits_processor_arities == [2, 3] == dataclasses.replace(params, n=1).logits_processor_arities
 
 
 def test_each_processor_sees_the_row_its_predecessor_returned_and_the_histories():
@@ -80,7 +82,7 @@ def test_each_processor_sees_the_row_its_predecessor_returned_and_the_histories(
         return logits * 2
 
     row = torch.arange(4, dtype=torch.float32)
-    out = apply_logits_processors(row, [record, double], prompt_token_ids=[7, 8], output_token_ids=[3])
+    out = apply_logits_processors(row, [record, double], arities=[3, 2], prompt_token_ids=(7, 8), output_token_ids=[3])
     assert torch.equal(out, torch.tensor([10.0, 2.0, 4.0, 6.0]))
     assert seen[0][:2] == ([7, 8], [3]) and torch.equal(seen[0][2], row)
     assert seen[1][:2] == (None, [3]) and torch.equal(seen[1][2], torch.tensor([5.0, 1.0, 2.0, 3.0]))
@@ -97,11 +99,12 @@ def raises(output, logits):
         (lambda output, logits: logits[:2], r"must return a tensor of shape \(4,\), got \(2,\)"),
         (lambda output, logits: logits.tolist(), r"got list"),
         (lambda output, logits: logits * float("nan"), "NaN"),
+        (lambda output, logits: logits + float("inf"), r"\+inf"),
         (lambda output, logits: torch.full_like(logits, float("-inf")), "no token with a finite logit"),
         (lambda output, logits: logits.long(), "non-float"),
     ],
 )
 def test_a_processor_that_fails_is_named(processor, message):
     with pytest.raises(LogitsProcessorError, match=message) as caught:
-        apply_logits_processors(torch.zeros(4), [processor], prompt_token_ids=[1], output_token_ids=[])
+        apply_logits_processors(torch.zeros(4), [processor], arities=[2], prompt_token_ids=(1,), output_token_ids=[])
     assert caught.value.param == "logits_processors"
