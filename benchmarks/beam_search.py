@@ -57,9 +57,9 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     lines = [
-        f"{len(prompts)} prompts, {args.max_tokens} tokens, all prompts in one call; best beam ranked by summed logprob",
+        f"{len(prompts)} prompts, {args.max_tokens} tokens, all prompts in one call; beams ranked by summed logprob",
         "",
-        "| config | seconds | vs greedy | best beam likelier than greedy | less likely | prompt tokens from the cache |",
+        "| config | seconds | vs greedy | best beam likelier than greedy | less likely | prompt tokens cached |",
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
