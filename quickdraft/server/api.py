@@ -1190,6 +1190,9 @@ class ResponsesWriter(ChatWriter):
                     finish_reason = self._finish_reason(event.finish_reason, stream)
                 for chunk in self._reply_events(reply):
                     yield chunk
+            if not self._items:  # an empty reply is one empty message, as the whole response has it
+                for chunk in self._open_item("message"):
+                    yield chunk
             for chunk in self._close_item():
                 yield chunk
             output = self.generation.output
