@@ -240,8 +240,10 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument(
         "--served-model-name",
         default=None,
+        nargs="+",
         metavar="NAME",
-        help="the model name clients send and metrics carry (default: from MODEL)",
+        help="the model name clients send and metrics carry (default: from MODEL); several: any is taken, "
+        "the first is the one responses carry (vLLM's)",
     )
     serve.add_argument(
         "--shutdown-grace",
@@ -965,7 +967,7 @@ def run_serve(args) -> int:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)})")
     config = ServerConfig(
         model=args.model_path or args.model,
-        served_model_name=args.served_model_name,
+        served_model_name=_one_or_list(args.served_model_name),
         host=args.host,
         port=args.port,
         dtype=args.dtype,
@@ -1040,6 +1042,13 @@ def _compare_plain(llm, prompt, params, speculative_output) -> None:
         f"{'identical' if same else 'DIFFER'} ({'greedy' if params.is_greedy else 'sampled: may differ'})",
         file=sys.stderr,
     )
+
+
+def _one_or_list(values: list[str] | None) -> str | list[str] | None:
+    """An nargs="+" option as ServerConfig takes it: one name as itself, several as a list."""
+    if values is None or len(values) > 1:
+        return values
+    return values[0]
 
 
 def _cors_lists(args: argparse.Namespace) -> dict[str, list[str]]:

@@ -156,9 +156,9 @@ def _scenario_of(request: Request, server: QuickdraftServer) -> str:
 
 # ---- /v1/models, /health, /metrics -----------------------------------------------------------
 def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {
-            "id": server.model_name,
+            "id": name,
             "object": "model",
             "created": server.created,
             "owned_by": "quickdraft",
@@ -168,18 +168,12 @@ def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in server.model_names]}
 
     @app.get("/v1/models/{model_id:path}")  # :path, since model names may hold a "/"
     async def retrieve_model(model_id: str):
-        if model_id != server.model_name:
-            raise APIError(
-                status=404,
-                param="model",
-                code="model_not_found",
-                message=f"model: {model_id!r} does not exist; this server serves {server.model_name!r}",
-            )
-        return model_card()
+        _check_model(server, model_id)
+        return model_card(model_id)
 
     @app.get("/version")  # vLLM's
     async def version():
@@ -737,12 +731,13 @@ def _check_tool_parser(server: QuickdraftServer, calling: ToolCalling | None) ->
 
 
 def _check_model(server: QuickdraftServer, model: str | None) -> None:
-    if model is not None and model != server.model_name:
+    if model is not None and model not in server.model_names:
+        served = " or ".join(repr(name) for name in server.model_names)
         raise APIError(
             status=404,
             param="model",
             code="model_not_found",
-            message=f"model: {model!r} does not exist; this server serves {server.model_name!r}",
+            message=f"model: {model!r} does not exist; this server serves {served}",
         )
 
 

@@ -28,7 +28,9 @@ API_KEY_ENV = "QUICKDRAFT_API_KEY"
 @dataclass(kw_only=True)
 class ServerConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the embedded Gemma 3 270M
-    served_model_name: str | None = None  # what clients put in "model" (default: derived from model)
+    # what clients put in "model" (default: derived from model); several (vLLM's): any of them is
+    # taken, the first is the one responses and metrics carry
+    served_model_name: str | list[str] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
@@ -98,10 +100,18 @@ class ServerConfig:
         if self.api_key is not None and not _is_token(self.api_key):
             # Clients send the key in a header (`Bearer <key>`): it must be something a header carries.
             raise ValueError("api_key must be a non-empty string of printable ASCII characters without spaces")
-        if self.served_model_name is not None and (
-            not isinstance(self.served_model_name, str) or not self.served_model_name.strip()
-        ):
-            raise ValueError(f"served_model_name must be a non-empty string, got {self.served_model_name!r}")
+        if self.served_model_name is not None:
+            names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
+            if (
+                not isinstance(names, list)
+                or not names
+                or not all(isinstance(name, str) and name.strip() for name in names)
+                or len(set(names)) != len(names)
+            ):
+                raise ValueError(
+                    "served_model_name must be a non-empty string or a list of distinct ones, "
+                    f"got {self.served_model_name!r}"
+                )
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
@@ -167,8 +177,17 @@ class ServerConfig:
         )
 
     @property
+    def model_names(self) -> list[str]:
+        """Every name clients may send in "model" (the first is model_name)."""
+        if isinstance(self.served_model_name, list):
+            return list(self.served_model_name)
+        return [self.model_name]
+
+    @property
     def model_name(self) -> str:
-        """The name clients use in "model" and the `model` label of every metric."""
+        """The name responses carry in "model" and the `model` label of every metric."""
+        if isinstance(self.served_model_name, list):
+            return self.served_model_name[0]
         if self.served_model_name is not None:
             return self.served_model_name
         if self.model is None or self.model in ("default", "gemma3-270m", DEFAULT_SERVED_MODEL_NAME):

@@ -85,6 +85,7 @@ class QuickdraftServer:
         if config.chat_template is not None:
             self.engine.tokenizer.chat_template = config.chat_template_text()
         self.model_name = config.model_name
+        self.model_names = config.model_names  # every name a request may send (the first is model_name)
         # What a request leaves out, from the model's generation config (vLLM's default)
         self.default_sampling = config.default_sampling_fields()
         if self.default_sampling:

@@ -134,3 +134,14 @@ def test_a_processor_failing_only_off_the_plain_path_never_fails_the_request(tar
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logits_processors=[only_the_plain_path])
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected
     assert calls["off the path"] > 0  # rejected branches were processed, and failed, without consequence
+
+
+def test_n_completions_share_the_processors_and_stay_exact(target):
+    params = SamplingParams(
+        n=3, max_tokens=MAX_TOKENS, temperature=0.9, seed=11, logits_processors=[every_fifth, echo_prompt]
+    )
+    prompt = repetitive_prompts()[0]
+    plain = LLM(target, max_model_len=256).generate([prompt], params)[0].outputs
+    spec = speculative_llm(target, EXACTNESS_CONFIGS[1], max_model_len=256).generate([prompt], params)[0].outputs
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert len({tuple(c.token_ids) for c in plain}) == 3  # seeds seed + i: three different samples

@@ -182,8 +182,9 @@ def test_server_config_validates():
         ServerConfig(port=70000)
     with pytest.raises(ValueError, match="shutdown_grace_seconds"):
         ServerConfig(shutdown_grace_seconds=-1)
-    with pytest.raises(ValueError, match="served_model_name"):
-        ServerConfig(served_model_name=" ")
+    for names in (" ", [], ["a", "a"], ["a", ""]):
+        with pytest.raises(ValueError, match="served_model_name"):
+            ServerConfig(served_model_name=names)
     with pytest.raises(ValueError, match="max_request_bytes"):
         ServerConfig(max_request_bytes=-5)
     with pytest.raises(ValueError, match="request_read_timeout_seconds"):
@@ -368,3 +369,10 @@ def test_sigint_on_an_idle_server_exits_0(tiny_checkpoints):
         serving.kill()
     assert code == 0, "".join(serving.log)
     assert_clean_log(serving.log)
+
+
+def test_several_served_model_names_reach_the_config(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(quickdraft.server, "run_server", seen.append)
+    assert main(["serve", str(tmp_path), "--served-model-name", "first", "alias"]) == 0
+    assert (seen[0].model_name, seen[0].model_names) == ("first", ["first", "alias"])
