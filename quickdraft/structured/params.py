@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from quickdraft.structured.structural_tag import structural_tag_grammar
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
@@ -27,51 +29,6 @@ def json_layout(*, flexible: bool, whitespace_pattern: str | None = None) -> dic
     return {"whitespace_flexible": flexible, "item_separator": ", ", "key_separator": ": "}
 
 
-@dataclass(frozen=True)
-class TaggedStructure:
-    """A JSON value between two fixed strings (a structural tag's structure, a tool call block)."""
-
-    begin: str  # starts with one of the grammar's triggers
-    schema: dict[str, Any] | bool  # the JSON schema of what comes between
-    end: str
-
-
-def tagged_text_grammar(
-    structures: list[TaggedStructure], *, triggers: list[str], repeat: bool, layout: dict[str, Any]
-) -> str:
-    """A Lark grammar of free text in which every trigger starts one of the structures whose
-    begin starts with it: text up to the first trigger (a lazy match ending at it), the rest of
-    the begin, the JSON, the end, then the same again (once only without `repeat`); text without
-    a trigger ends the output. Inside a structure its keys and punctuation are forced tokens."""
-    # a trigger as a regex inside /.../ (its slashes escaped too)
-    no_trigger = "~/(.|\\n)*(" + "|".join(re.escape(t).replace("/", "\\/") for t in triggers) + ")(.|\\n)*/"
-    after = "start" if repeat else "TEXT"
-    lines = [f"start: TEXT | segment {after}"]
-    segments = []
-    for index, trigger in enumerate(triggers):
-        bodies = []
-        for structure in structures:
-            if not structure.begin.startswith(trigger) or _trigger_of(structure.begin, triggers) != trigger:
-                continue
-            schema = structure.schema if isinstance(structure.schema, dict) else {}
-            parts = [structure.begin[len(trigger) :], None, structure.end]
-            json_part = "%json " + json_module.dumps({**schema, "x-guidance": layout})
-            bodies.append(" ".join(json_module.dumps(p) if p is not None else json_part for p in parts if p != ""))
-        if not bodies:
-            continue
-        segments.append(f"before_{index} body_{index}")
-        lines.append(f"before_{index}[suffix={json_module.dumps(trigger)}]: /(.|\\n)*/ & {no_trigger}")
-        lines.append(f"body_{index}: " + " | ".join(bodies))
-    lines.insert(1, "segment: " + " | ".join(segments))
-    lines.append(f"TEXT: /(.|\\n)*/ & {no_trigger}")
-    return "\n".join(lines)
-
-
-def _trigger_of(begin: str, triggers: list[str]) -> str | None:
-    """The longest trigger a structure's begin starts with (its text up to there is free)."""
-    return max((t for t in triggers if begin.startswith(t)), key=len, default=None)
-
-
 @dataclass(kw_only=True)
 class StructuredOutputsParams:
     json: str | dict[str, Any] | None = None  # a JSON schema
@@ -80,7 +37,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # Lark (llguidance's dialect) or GBNF (llama.cpp's)
     # vLLM's structural tag (a dict or its JSON text): {"structures": [{"begin", "schema", "end"}],
-    # "triggers": [...]}: free text in which each trigger starts one of the structures
+    # "triggers": [...]}, free text in which each trigger starts one of the structures, or
+    # {"format": {...}}, xgrammar's nested form (structured/structural_tag.py)
     structural_tag: str | dict[str, Any] | None = None
     # vLLM's whitespace_pattern: the whitespace a JSON constraint allows between tokens (a regex);
     # given, it replaces disable_any_whitespace's layout
@@ -181,46 +139,6 @@ def _regex_error(pattern: str) -> bool:
     return False
 
 
-def _read_structural_tag(value: Any, *, name: str) -> tuple[list[TaggedStructure], list[str]]:
-    """vLLM's structural tag ({"structures": [...], "triggers": [...]}, or its JSON text), checked:
-    a ValueError naming what is wrong."""
-    if isinstance(value, str):
-        try:
-            value = json_module.loads(value)
-        except json_module.JSONDecodeError as err:
-            raise ValueError(f"{name} is not valid JSON: {err}") from err
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be an object with structures and triggers, got {type(value).__name__}")
-    if "format" in value:
-        raise ValueError(
-            f"{name}: the 'format' form (xgrammar's newer structural tags) is not supported here; "
-            "give structures and triggers"
-        )
-    unknown = sorted(set(value) - {"type", "structures", "triggers"})
-    if unknown or value.get("type", "structural_tag") != "structural_tag":
-        raise ValueError(f"{name}: expected type, structures and triggers, got {sorted(value)}")
-    triggers = value.get("triggers")
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-        raise ValueError(f"{name}.triggers must be a non-empty list of non-empty strings, got {triggers!r}")
-    raw = value.get("structures")
-    if not isinstance(raw, list) or not raw:
-        raise ValueError(f"{name}.structures must be a non-empty list, got {raw!r}")
-    structures = []
-    for index, item in enumerate(raw):
-        where = f"{name}.structures[{index}]"
-        if not isinstance(item, dict) or set(item) - {"begin", "schema", "end"} or "begin" not in item:
-            raise ValueError(f"{where} must be {{begin, schema, end}}, got {item!r}")
-        begin, schema, end = item["begin"], item.get("schema", True), item.get("end", "")
-        if not isinstance(begin, str) or not isinstance(end, str) or not isinstance(schema, (dict, bool)):
-            raise ValueError(f"{where}: begin and end are strings and schema a JSON schema, got {item!r}")
-        if schema is False:
-            raise ValueError(f"{where}.schema is false: no JSON value would match")
-        if _trigger_of(begin, triggers) is None:
-            raise ValueError(f"{where}.begin {begin!r} starts with none of the triggers {triggers}")
-        structures.append(TaggedStructure(begin=begin, schema=schema, end=end))
-    return structures, triggers
-
-
 def _compile(kind: str, value: Any, *, layout: dict[str, Any]) -> str:
     """The llguidance grammar for one constraint; ValueError naming the field when it is invalid."""
     from llguidance import LLMatcher
@@ -252,10 +170,7 @@ def _compile(kind: str, value: Any, *, layout: dict[str, Any]) -> str:
         # Lark string literals take JSON's escapes: any choice text is matched literally.
         grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json_module.dumps(c) for c in value))
     elif kind == "structural_tag":
-        structures, triggers = _read_structural_tag(value, name=name)
-        grammar = LLMatcher.grammar_from_lark(
-            tagged_text_grammar(structures, triggers=triggers, repeat=True, layout=json_options)
-        )
+        grammar = structural_tag_grammar(value, layout=json_options, where=name)
     else:
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{name} must be a non-empty grammar (Lark or GBNF), got {value!r}")

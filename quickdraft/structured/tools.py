@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from quickdraft.structured.params import StructuredOutputsParams, TaggedStructure, json_layout, tagged_text_grammar
+from quickdraft.structured.params import StructuredOutputsParams
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -116,7 +116,7 @@ class ToolCalling:
         if self.mode == "named":
             return StructuredOutputsParams(json=self._tool(self.named).parameters)
         if self.mode == "auto" and self.constrain_auto and self.parser == "hermes":
-            return StructuredOutputsParams(grammar=self._auto_grammar())
+            return StructuredOutputsParams(structural_tag=self._auto_structural_tag())
         if self.mode != "required":
             return None
         calls: dict[str, Any] = {"type": "array", "items": {"anyOf": self._call_schemas("parameters")}, "minItems": 1}
@@ -124,12 +124,18 @@ class ToolCalling:
             calls["maxItems"] = 1
         return StructuredOutputsParams(json=calls)
 
-    def _auto_grammar(self) -> str:
+    def _auto_structural_tag(self) -> dict[str, Any]:
         """Free text in which each <tool_call> block holds a call of one of the tools (once only
-        without parallel calls): a structural tag with the opening tag as its trigger."""
-        call = TaggedStructure(begin=HERMES_OPEN, schema={"anyOf": self._call_schemas("arguments")}, end=HERMES_CLOSE)
-        layout = json_layout(flexible=False)
-        return tagged_text_grammar([call], triggers=[HERMES_OPEN], repeat=self.parallel, layout=layout)
+        without parallel calls): a structural tag triggered by the opening tag."""
+        call = {"type": "json_schema", "json_schema": {"anyOf": self._call_schemas("arguments")}}
+        tag = {"type": "tag", "begin": HERMES_OPEN, "content": call, "end": HERMES_CLOSE}
+        calls = {
+            "type": "triggered_tags",
+            "triggers": [HERMES_OPEN],
+            "tags": [tag],
+            "stop_after_first": not self.parallel,
+        }
+        return {"type": "structural_tag", "format": calls}
 
     def _call_schemas(self, arguments_key: str) -> list[dict[str, Any]]:
         """One schema per tool: {"name": its name, arguments_key: its parameters}."""

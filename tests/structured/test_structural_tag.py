@@ -43,6 +43,59 @@ def test_a_structural_tag_holds_each_triggered_structure_and_leaves_text_free(te
     assert accepts(text_compiler, StructuredOutputsParams(structural_tag=TAG), text) == valid
 
 
+TAG_A = {
+    "type": "tag",
+    "begin": "<a>",
+    "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+    "end": "</a>",
+}
+TAG_B = {"type": "tag", "begin": "<b>", "content": {"type": "any_text"}, "end": "</b>"}
+
+
+def fmt(node: dict) -> StructuredOutputsParams:
+    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": node})
+
+
+@pytest.mark.parametrize(
+    ("node", "text", "valid"),
+    [
+        ({"type": "const_string", "value": "Hi!"}, "Hi!", True),
+        ({"type": "const_string", "value": "Hi!"}, "Hi", False),
+        ({"type": "regex", "pattern": "[0-9]{2}/x"}, "42/x", True),
+        ({"type": "regex", "pattern": "[0-9]{2}/x"}, "4/x", False),
+        ({"type": "json_schema", "json_schema": {"type": "integer"}}, "12", True),
+        ({"type": "grammar", "grammar": 'root ::= "v" [0-9]'}, "v7", True),
+        ({"type": "grammar", "grammar": 'root ::= "v" [0-9]'}, "v", False),
+        ({"type": "sequence", "elements": [{"type": "const_string", "value": "n="}, TAG_A["content"]]}, "n=3", True),
+        ({"type": "or", "elements": [TAG_A, TAG_B]}, "<b>any text</b>", True),
+        ({"type": "or", "elements": [TAG_A, TAG_B]}, "<a>x</a>", False),
+        (TAG_B, "<b>free </a> text</b>", True),
+        (TAG_B, "<b>free text", False),
+        ({"type": "any_text"}, "anything at all", True),
+        ({"type": "tags_with_separator", "tags": [TAG_A], "separator": ","}, "<a>1</a>,<a>2</a>", True),
+        ({"type": "tags_with_separator", "tags": [TAG_A], "separator": ","}, "", True),
+        ({"type": "tags_with_separator", "tags": [TAG_A], "separator": ",", "at_least_one": True}, "", False),
+        (
+            {"type": "tags_with_separator", "tags": [TAG_A], "separator": ",", "stop_after_first": True},
+            "<a>1</a>,<a>2</a>",
+            False,
+        ),
+        ({"type": "triggered_tags", "triggers": ["<a"], "tags": [TAG_A]}, "x <a>1</a> y <a>2</a>", True),
+        ({"type": "triggered_tags", "triggers": ["<a"], "tags": [TAG_A]}, "x <a>y</a>", False),
+        ({"type": "triggered_tags", "triggers": ["<a"], "tags": [TAG_A]}, "no tag", True),
+        ({"type": "triggered_tags", "triggers": ["<a"], "tags": [TAG_A], "at_least_one": True}, "no tag", False),
+        ({"type": "triggered_tags", "triggers": ["<a"], "tags": [TAG_A], "stop_after_first": True}, "<a>1</a> x", True),
+        (
+            {"type": "triggered_tags", "triggers": ["<a"], "tags": [TAG_A], "stop_after_first": True},
+            "<a>1</a><a>2</a>",
+            False,
+        ),
+    ],
+)
+def test_the_format_form_takes_what_each_node_says(text_compiler, node, text, valid):
+    assert accepts(text_compiler, fmt(node), text) == valid
+
+
 def test_a_structural_tag_may_come_as_json_text():
     import json
 
@@ -61,7 +114,15 @@ def test_a_structural_tag_may_come_as_json_text():
         ({"structures": [{"begin": "<g>", "schema": {}, "end": ""}], "triggers": ["<f"]}, "starts with none"),
         ({"structures": [{"begin": "<f>", "schema": False}], "triggers": ["<f"]}, "schema is false"),
         ({"structures": [{"begin": "<f>", "extra": 1}], "triggers": ["<f"]}, r"must be \{begin, schema, end\}"),
-        ({"type": "structural_tag", "format": {"type": "const_string"}}, "'format' form"),
+        ({"format": {"type": "const_string"}}, r"\.format\.value must be a string"),
+        ({"format": {"type": "nope"}}, r"\.format\.type must be one of"),
+        ({"format": {"type": "tag", "begin": "<a>", "content": {"type": "any_text"}}}, r"\.end must be a string"),
+        ({"format": {"type": "sequence", "elements": []}}, r"\.elements must be a non-empty list"),
+        ({"format": {"type": "regex", "pattern": "x", "flags": 1}}, "unknown fields"),
+        (
+            {"format": {"type": "triggered_tags", "triggers": ["<x"], "tags": [TAG_A]}},
+            r"\.tags\[0\]\.begin '<a>' starts with none of the triggers",
+        ),
     ],
 )
 def test_bad_structural_tags_name_the_problem(tag, message):
