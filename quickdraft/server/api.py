@@ -441,7 +441,12 @@ async def _chat(
         prompt_param=prompt_param,
         id_prefix=id_prefix,
         writer_class=writer_class or ChatWriter,
-        writer_options={"tool_calling": body.tool_calling, "reasoning": reasoning, **(writer_options or {})},
+        writer_options={
+            "tool_calling": body.tool_calling,
+            "reasoning": reasoning,
+            "echo": body.echoed_text(),
+            **(writer_options or {}),
+        },
     )
 
 
@@ -1043,11 +1048,17 @@ class ChatWriter(ResponseWriter):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(
-        self, *, tool_calling: ToolCalling | None = None, reasoning: ReasoningParser | None = None, **kwargs: Any
+        self,
+        *,
+        tool_calling: ToolCalling | None = None,
+        reasoning: ReasoningParser | None = None,
+        echo: str = "",
+        **kwargs: Any,
     ):
         super().__init__(**kwargs)
         self._tool_calling = tool_calling
         self._reasoning = reasoning  # splits the thinking out before the calls are read
+        self._echo = echo  # vLLM's chat echo: the assistant's last message, before the reply
         self._streams: dict[int, ToolCallStream] = {}  # per streamed completion
 
     def full_body(self, output: RequestOutput) -> dict[str, Any]:
@@ -1077,6 +1088,8 @@ class ChatWriter(ResponseWriter):
             message["reasoning"] = reply.reasoning or None
             if not reply.content:
                 message["content"] = None  # all thinking: the reply has no answer yet
+        if self._echo:
+            message["content"] = self._echo + (message["content"] or "")
         return self._with_token_ids(
             {
                 "index": completion.index,
@@ -1094,7 +1107,7 @@ class ChatWriter(ResponseWriter):
                 [
                     {
                         "index": index,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": self._echo},
                         "logprobs": None,
                         "finish_reason": None,
                     }

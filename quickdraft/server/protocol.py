@@ -464,6 +464,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     store: bool | None = None
+    # vLLM's: the reply starts with the last message's text when that message is the assistant's
+    # (a prefilled reply continued with continue_final_message comes back whole)
+    echo: bool = False
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -491,6 +494,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages)
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before the reply: the last message's text if it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def tool_constraint(self, *, beside: bool) -> dict[str, StructuredOutputsParams]:
         calling = self.tool_calling

@@ -3,6 +3,8 @@ chat_template_kwargs (template variables), a request's own chat_template, and /v
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -48,6 +50,24 @@ def test_a_continued_reply_is_the_completion_of_the_open_conversation(server):
     chat = httpx.post(f"{server.api_url}/chat/completions", json=common | body, timeout=30).json()
     completion = httpx.post(f"{server.api_url}/completions", json=common | {"prompt": tokens}, timeout=30).json()
     assert chat["choices"][0]["token_ids"] == completion["choices"][0]["token_ids"]
+
+
+def test_echo_puts_the_prefilled_assistant_message_before_the_reply(server):
+    body = dict(messages=PREFILLED, add_generation_prompt=False, continue_final_message=True, max_tokens=6)
+    common = {"model": server.model_name, "temperature": 0, **body}
+    url = f"{server.api_url}/chat/completions"
+    reply = httpx.post(url, json=common, timeout=30).json()["choices"][0]["message"]["content"]
+    echoed = httpx.post(url, json=common | {"echo": True}, timeout=30).json()
+    assert echoed["choices"][0]["message"]["content"] == "Once upon a time " + reply
+    with httpx.stream("POST", url, json=common | {"echo": True, "stream": True}, timeout=30) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert streamed == "Once upon a time " + reply
+    # the last message is the user's: nothing to echo
+    user_last = {"model": server.model_name, "messages": PREFILLED[:1], "max_tokens": 4, "temperature": 0}
+    with_echo = httpx.post(url, json=user_last | {"echo": True}, timeout=30).json()
+    without = httpx.post(url, json=user_last, timeout=30).json()
+    assert with_echo["choices"][0]["message"] == without["choices"][0]["message"]
 
 
 @pytest.mark.parametrize(
