@@ -1175,7 +1175,8 @@ class ResponsesWriter(ChatWriter):
     def full_body(self, output: RequestOutput) -> dict[str, Any]:
         chat = super().full_body(output)
         (choice,) = chat["choices"]
-        items = output_items(choice["message"])
+        logprobs = choice["logprobs"]["content"] if self._request.wants_logprobs and choice["logprobs"] else None
+        items = output_items(choice["message"], logprobs=logprobs)
         return self._kept(
             self._response(output=items, status="completed", usage=chat["usage"], finish_reason=choice["finish_reason"])
         )
@@ -1196,7 +1197,10 @@ class ResponsesWriter(ChatWriter):
                 if event.finished:
                     reply += stream.finish()
                     finish_reason = self._finish_reason(event.finish_reason, stream)
-                for chunk in self._reply_events(reply):
+                logprobs = None
+                if self._request.wants_logprobs and event.logprobs:
+                    logprobs = chat_logprobs_body(event.logprobs, decode=self._decode_token)["content"]
+                for chunk in self._reply_events(reply, logprobs=logprobs):
                     yield chunk
             if not self._items:  # an empty reply is one empty message, as the whole response has it
                 for chunk in self._open_item("message"):
@@ -1210,7 +1214,7 @@ class ResponsesWriter(ChatWriter):
         except APIError as err:
             yield self._event("error", code=err.code, message=err.message, param=err.param)
 
-    def _reply_events(self, reply: ReplyDelta) -> list[str]:
+    def _reply_events(self, reply: ReplyDelta, *, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         """Events for what the reply added: thinking, text and call pieces, each in its item
         (a new kind of piece closes the open item and opens its own)."""
         events: list[str] = []
@@ -1218,12 +1222,19 @@ class ResponsesWriter(ChatWriter):
             events += self._open_item("reasoning")
             self._items[-1]["content"][0]["text"] += reply.reasoning
             events.append(self._event("response.reasoning_text.delta", **self._at(), delta=reply.reasoning))
-        if reply.content:
+        if reply.content or logprobs:
             events += self._open_item("message")
-            self._items[-1]["content"][0]["text"] += reply.content
+            part = self._items[-1]["content"][0]
+            part["text"] += reply.content
+            if logprobs:
+                part.setdefault("logprobs", []).extend(logprobs)
             events.append(
                 self._event(
-                    "response.output_text.delta", **self._at(), content_index=0, delta=reply.content, logprobs=[]
+                    "response.output_text.delta",
+                    **self._at(),
+                    content_index=0,
+                    delta=reply.content,
+                    logprobs=logprobs or [],
                 )
             )
         for piece in reply.calls:
@@ -1265,7 +1276,8 @@ class ResponsesWriter(ChatWriter):
         events = []
         if item["type"] == "message":
             text = item["content"][0]["text"]
-            events.append(self._event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
+            logprobs = item["content"][0].get("logprobs", [])
+            events.append(self._event("response.output_text.done", **at, content_index=0, text=text, logprobs=logprobs))
             events.append(self._event("response.content_part.done", **at, content_index=0, part=item["content"][0]))
         elif item["type"] == "function_call":
             events.append(self._event("response.function_call_arguments.done", **at, arguments=item["arguments"]))

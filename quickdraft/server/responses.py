@@ -18,10 +18,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from quickdraft.sampling_params import MAX_LOGPROBS
 from quickdraft.server.errors import APIError, bad_request
 from quickdraft.server.protocol import StrictModel
 
 MAX_STORED_RESPONSES = 1024
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value served: tokens' logprobs
 
 # chat request field -> the Responses field a client sent it as (errors name the client's field)
 CHAT_TO_RESPONSES_FIELD = {
@@ -52,15 +54,25 @@ class ResponsesRequest(StrictModel):
     user: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (dropping old turns) is not built
     background: Literal[False] | None = None
-    include: list[str] | None = None
+    include: list[str] | None = None  # only "message.output_text.logprobs"
+    top_logprobs: int | None = None  # with that include: the likeliest tokens beside each one's
 
     def check_unsupported(self) -> None:
-        if self.include:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
-                "include is not supported by this server (no extra output is kept)",
-                param="include",
-                code="unsupported_parameter",
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
             )
+        other = sorted(set(self.include or ()) - {LOGPROBS_INCLUDE})
+        if other:
+            raise bad_request(
+                f"include: {other} not supported by this server (only {LOGPROBS_INCLUDE!r})",
+                param="include",
+                code="unsupported_value",
+            )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ())
 
     def chat_fields(self, *, history: list[dict[str, Any]]) -> dict[str, Any]:
         """The chat request this one means (a dict for ChatCompletionRequest), after `history`:
@@ -79,6 +91,8 @@ class ResponsesRequest(StrictModel):
             "user": self.user,
         }
         fields |= {name: value for name, value in optional.items() if value is not None}
+        if self.wants_logprobs:  # top_logprobs alone returns nothing (OpenAI's: it needs the include)
+            fields |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.tools is not None:
             fields["tools"] = [_chat_tool(tool, index=index) for index, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -212,14 +226,17 @@ def renamed_error(err: APIError) -> APIError:
     return APIError(status=err.status, message=f"{field}{message}", param=field, code=err.code, headers=err.headers)
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat reply's message as Responses output items: its thinking, its text, its calls."""
+def output_items(message: dict[str, Any], *, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A chat reply's message as Responses output items: its thinking, its text (with every
+    generated token's logprobs, where asked), its calls."""
     items: list[dict[str, Any]] = []
     if message.get("reasoning"):
         items.append(reasoning_item(message["reasoning"]))
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
+    if message.get("content") or not calls or logprobs is not None:
         items.append(message_item(message.get("content") or ""))
+        if logprobs is not None:
+            items[-1]["content"][0]["logprobs"] = logprobs
     items += [function_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]) for call in calls]
     return items
 

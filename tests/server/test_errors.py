@@ -351,6 +351,7 @@ RESPONSES_KEYS = [
     "previous_response_id",
     "store",
     "include",
+    "top_logprobs",
     "truncation",
     "metadata",
     "zzz",
@@ -366,6 +367,7 @@ RESPONSES_VALUES = [
     [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
     {"type": "function", "name": "f"},
     "resp-missing",
+    ["message.output_text.logprobs"],
 ]
 
 

@@ -150,6 +150,7 @@ def test_previous_response_id_continues_the_stored_conversation(server, offline_
         ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
         ({"input": [{"type": "image", "url": "x"}]}, 400, "input"),
         ({"input": "x", "include": ["reasoning.encrypted_content"]}, 400, "include"),
+        ({"input": "x", "top_logprobs": 21}, 400, "top_logprobs"),
         ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": "x", "frequency": 1}, 400, "frequency"),
     ],
@@ -179,3 +180,26 @@ def test_a_streamed_function_call_is_the_whole_one(server):
     assert arguments == "".join(c.arguments for c in calls)
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [item.id for item in done] == [item.id for item in events[-1].response.output]
+
+
+def test_logprobs_come_with_the_text_when_included(server):
+    client = server.openai_client()
+    common = dict(
+        model=server.model_name,
+        input="Count",
+        max_output_tokens=6,
+        temperature=0,
+        top_logprobs=2,
+        include=["message.output_text.logprobs"],
+        store=False,
+    )
+    whole = client.responses.create(**common)
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == whole.usage.output_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    events = list(client.responses.create(stream=True, **common))
+    streamed = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in part.logprobs]
+    without = client.responses.create(**{**common, "include": None})
+    assert not without.output[0].content[0].logprobs
