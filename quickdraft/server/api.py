@@ -384,6 +384,11 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
     async def retrieve_response(response_id: str):
         return JSONResponse(server.responses.body(response_id))
 
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        server.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _read_request(server, request, model=TokenizeRequest)

@@ -344,6 +344,11 @@ class ResponseStore:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
+    def delete(self, response_id: str) -> None:
+        self._get(response_id, param="response_id")  # a 404 when it is not there
+        with self._lock:
+            self._entries.pop(response_id, None)
+
     def body(self, response_id: str) -> dict[str, Any]:
         return self._get(response_id, param="response_id")[0]
 

@@ -203,3 +203,14 @@ def test_logprobs_come_with_the_text_when_included(server):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in part.logprobs]
     without = client.responses.create(**{**common, "include": None})
     assert not without.output[0].content[0].logprobs
+
+
+def test_a_deleted_response_is_gone(server):
+    client = server.openai_client()
+    response = client.responses.create(model=server.model_name, input="x", max_output_tokens=2)
+    assert client.responses.retrieve(response.id).id == response.id
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(response.id)
