@@ -276,17 +276,12 @@ class LLM:
 
     def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
         """A prompt's token ids, as generate would feed them (a text gets the tokenizer's BOS)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list):
-            return list(prompt)
-        raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+        given = _prompt_input(prompt)
+        if given.token_ids is not None:
+            return list(given.token_ids)
+        if not isinstance(given.text, str):  # the engine's message for such a prompt
+            raise TypeError(f"prompt must be a string, got {type(given.text).__name__}")
+        return self.tokenizer.encode(given.text)
 
     def _raise_failure(self, failed_id: str, request_ids: list[str]) -> NoReturn:
         """A request of the call failed (its logits processors raised): stop the call's other
@@ -313,21 +308,44 @@ class LLM:
     def _add(
         self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None, priority: int = 0
     ) -> str:
-        queue = {"params": params, "request_id": request_id, "priority": priority}
-        if isinstance(prompt, str):
-            return self.engine.add_request(prompt=prompt, **queue)
-        if isinstance(prompt, dict):
-            queue["cache_salt"] = prompt.get("cache_salt")  # vLLM's: cache blocks shared only under one salt
-            if "prompt_token_ids" in prompt:
-                request_id = self.engine.add_request(prompt_token_ids=prompt["prompt_token_ids"], **queue)
-                self.engine.get_request(request_id).prompt = prompt.get("prompt")
-                return request_id
-            if "prompt" in prompt:
-                return self.engine.add_request(prompt=prompt["prompt"], **queue)
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list):
-            return self.engine.add_request(prompt_token_ids=prompt, **queue)
-        raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+        given = _prompt_input(prompt)
+        added = self.engine.add_request(
+            prompt=given.text if given.token_ids is None else None,
+            prompt_token_ids=given.token_ids,
+            params=params,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=given.cache_salt,
+        )
+        if given.token_ids is not None:
+            self.engine.get_request(added).prompt = given.text  # shown beside the ids, where given
+        return added
+
+
+@dataclass
+class _PromptInput:
+    """A prompt as given: its text, its token ids (given as such), and its cache salt."""
+
+    text: str | None  # with token ids, the text shown beside them (None: none given)
+    token_ids: list[int] | None
+    cache_salt: str | None = None
+
+
+def _prompt_input(prompt: PromptType) -> _PromptInput:
+    """A string, a token-id list, or {"prompt": ...} / {"prompt_token_ids": [...]} with an
+    optional "cache_salt" (vLLM's: cache blocks shared only under one salt)."""
+    if isinstance(prompt, str):
+        return _PromptInput(text=prompt, token_ids=None)
+    if isinstance(prompt, dict):
+        salt = prompt.get("cache_salt")
+        if "prompt_token_ids" in prompt:
+            return _PromptInput(text=prompt.get("prompt"), token_ids=prompt["prompt_token_ids"], cache_salt=salt)
+        if "prompt" in prompt:
+            return _PromptInput(text=prompt["prompt"], token_ids=None, cache_salt=salt)
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, list):
+        return _PromptInput(text=None, token_ids=prompt)
+    raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
 
 
 def _progress_bar(total: int, *, enabled: bool):

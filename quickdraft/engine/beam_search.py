@@ -163,7 +163,8 @@ class BeamSearch:
         """The best beam_width beams of each prompt, best first; `decode(token_ids) -> str`."""
         outputs = []
         for prompt, finished in zip(self.prompts, self.finished):
-            ranked = sorted(finished, key=lambda item: self._score(item[0]), reverse=True)
+            scored = [(self._score(beam, reason), beam, reason) for beam, reason in finished]
+            ranked = sorted(scored, key=lambda item: item[0], reverse=True)  # stable: ties keep their order
             sequences = [
                 BeamSearchSequence(
                     tokens=prompt + beam.output,
@@ -173,14 +174,14 @@ class BeamSearch:
                     output_token_ids=list(beam.output),
                     output_text=decode(beam.output),
                     finish_reason=reason,
-                    score=self._score(beam),
+                    score=score,
                 )
-                for beam, reason in ranked[: self.params.beam_width]
+                for score, beam, reason in ranked[: self.params.beam_width]
             ]
             outputs.append(BeamSearchOutput(sequences=sequences))
         return outputs
 
-    def _score(self, beam: _Beam) -> float:
-        ended = bool(beam.output) and beam.output[-1] in self.eos_token_ids and not self.params.ignore_eos
-        length = max(1, len(beam.output) - ended)  # the end-of-sequence token is not length (vLLM's)
+    def _score(self, beam: _Beam, reason: str) -> float:
+        # a beam that stopped ended with its end-of-sequence token, which is not length (vLLM's)
+        length = max(1, len(beam.output) - (reason == "stop"))
         return beam.cum_logprob / length**self.params.length_penalty

@@ -925,8 +925,10 @@ def _first_failure(
 ) -> tuple[int, LogitsProcessorError] | None:
     """(position on the path, error) of the first path node whose row a logits processor failed
     on; rows off the path were never used and do not count."""
+    if not failures:
+        return None
     for position, node in enumerate(path.nodes):
-        if failures and node in failures:
+        if node in failures:
             return position, failures[node]
     return None
 

@@ -61,6 +61,7 @@ from quickdraft.server.responses import (
     function_call_item,
     message_item,
     output_items,
+    output_text_part,
     reasoning_item,
     renamed_error,
     response_body,
@@ -457,11 +458,11 @@ async def _chat(
 
 async def _respond_to(server: QuickdraftServer, *, request: Request, body: ResponsesRequest, history: list) -> Response:
     """A Responses request through the chat pipeline, as the chat request it means."""
+    conversation = history + body.input_messages()
     try:
-        chat = ChatCompletionRequest.model_validate(body.chat_fields(history=history))
+        chat = ChatCompletionRequest.model_validate(body.chat_fields(conversation=conversation))
     except ValidationError as err:
         raise validation_error_to_api_error(err.errors()) from err
-    conversation = history + body.input_messages()
     return await _chat(
         server,
         request=request,
@@ -1158,7 +1159,8 @@ class ResponsesWriter(ChatWriter):
         self._request = request
         self._conversation = conversation  # the messages the reply answers (instructions left out)
         self._sequence = 0
-        self._items: list[dict[str, Any]] = []  # streamed output items, the last one open
+        self._items: list[dict[str, Any]] = []  # streamed output items
+        self._open = False  # whether the last item is still being streamed
 
     def _response(self, *, output: list[dict[str, Any]], status: str, usage=None, finish_reason=None):
         return response_body(
@@ -1258,25 +1260,26 @@ class ResponsesWriter(ChatWriter):
         return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1}
 
     def _open_item(self, kind: str) -> list[str]:
-        if self._items and self._items[-1]["type"] == kind and self._items[-1]["status"] == "in_progress":
+        if self._open and self._items[-1]["type"] == kind:
             return []
         events = self._close_item()
         if kind == "reasoning":
-            item = {**reasoning_item(""), "status": "in_progress"}
-            return events + self._add_item(item)
+            return events + self._add_item(reasoning_item(""))
         item = message_item("", status="in_progress")
         events += self._add_item(item)
-        item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
-        part = {"type": "output_text", "text": "", "annotations": []}
+        item["content"] = [output_text_part("")]
+        part = item["content"][0]
         return events + [self._event("response.content_part.added", **self._at(), content_index=0, part=part)]
 
     def _add_item(self, item: dict[str, Any]) -> list[str]:
         self._items.append(item)
-        return [self._event("response.output_item.added", output_index=len(self._items) - 1, item=dict(item))]
+        self._open = True
+        return [self._event("response.output_item.added", output_index=len(self._items) - 1, item=item)]
 
     def _close_item(self) -> list[str]:
-        if not self._items or self._items[-1]["status"] != "in_progress":
+        if not self._open:
             return []
+        self._open = False
         item, at = self._items[-1], self._at()
         events = []
         if item["type"] == "message":
@@ -1289,10 +1292,9 @@ class ResponsesWriter(ChatWriter):
         elif item["type"] == "reasoning":
             text = item["content"][0]["text"]
             events.append(self._event("response.reasoning_text.done", **at, content_index=0, text=text))
-        item["status"] = "completed"
-        if item["type"] == "reasoning":
-            del item["status"]
-        events.append(self._event("response.output_item.done", output_index=at["output_index"], item=dict(item)))
+        if "status" in item:  # messages and calls have one; reasoning items none
+            item["status"] = "completed"
+        events.append(self._event("response.output_item.done", output_index=at["output_index"], item=item))
         return events
 
 

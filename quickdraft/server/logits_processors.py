@@ -43,7 +43,9 @@ def resolve_logits_processors(specs: list[Any], *, pattern: str | None) -> list[
 
 
 def _import_qualname(qualname: str, *, where: str) -> Any:
-    """The object at "module.attribute[.attribute...]", trying the longest importable module."""
+    """The object at "module.attribute[.attribute...]", trying the longest importable module.
+    Not pkgutil.resolve_name: it takes a module that exists but fails to import (a dependency of
+    its missing) for an attribute, and would report "not found" instead of the import error."""
     parts = qualname.split(".")
     for split in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:split])

@@ -30,8 +30,6 @@ CHAT_TO_RESPONSES_FIELD = {
     "messages": "input",
     "response_format": "text",
     "max_completion_tokens": "max_output_tokens",
-    "tool_choice": "tool_choice",
-    "tools": "tools",
 }
 
 
@@ -74,11 +72,11 @@ class ResponsesRequest(StrictModel):
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ())
 
-    def chat_fields(self, *, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """The chat request this one means (a dict for ChatCompletionRequest), after `history`:
-        the messages of the responses it continues."""
+    def chat_fields(self, *, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat request this one means (a dict for ChatCompletionRequest); `conversation`: the
+        messages of the responses it continues, then its own input (input_messages)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
-        messages += history + self.input_messages()
+        messages += conversation
         fields: dict[str, Any] = {"messages": messages, "stream": self.stream}
         optional = {
             "model": self.model,
@@ -241,10 +239,11 @@ def output_items(message: dict[str, Any], *, logprobs: list[dict[str, Any]] | No
     return items
 
 
-def message_item(text: str, *, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+def message_item(text: str, *, status: str = "completed") -> dict[str, Any]:
+    """A message item; an in-progress one (just opened, streamed) has no content part yet."""
+    content = [output_text_part(text)] if status == "completed" else []
     return {
-        "id": item_id or new_item_id("msg"),
+        "id": new_item_id("msg"),
         "type": "message",
         "status": status,
         "role": "assistant",
@@ -252,11 +251,13 @@ def message_item(text: str, *, item_id: str | None = None, status: str = "comple
     }
 
 
-def function_call_item(
-    call_id: str, name: str, arguments: str, *, item_id: str | None = None, status: str = "completed"
-) -> dict[str, Any]:
+def output_text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def function_call_item(call_id: str, name: str, arguments: str, *, status: str = "completed") -> dict[str, Any]:
     return {
-        "id": item_id or new_item_id("fc"),
+        "id": new_item_id("fc"),
         "type": "function_call",
         "status": status,
         "call_id": call_id,
@@ -265,9 +266,9 @@ def function_call_item(
     }
 
 
-def reasoning_item(text: str, *, item_id: str | None = None) -> dict[str, Any]:
+def reasoning_item(text: str) -> dict[str, Any]:
     return {
-        "id": item_id or new_item_id("rs"),
+        "id": new_item_id("rs"),
         "type": "reasoning",
         "summary": [],
         "content": [{"type": "reasoning_text", "text": text}],

@@ -71,7 +71,7 @@ class StructuredOutputsParams:
                 f"structured_outputs.whitespace_pattern must be a regular expression, got {self.whitespace_pattern!r}"
             )
         layout = json_layout(flexible=not self.disable_any_whitespace, whitespace_pattern=self.whitespace_pattern)
-        compiled = _compile(given[0], getattr(self, given[0]), layout=layout)
+        compiled = _compile(given[0], getattr(self, given[0]), json_options=layout)
         if self.reasoning_parser is not None:
             compiled = _after_thinking(compiled, parser=self.reasoning_parser)
         self.compiled = compiled
@@ -139,13 +139,12 @@ def _regex_error(pattern: str) -> bool:
     return False
 
 
-def _compile(kind: str, value: Any, *, layout: dict[str, Any]) -> str:
+def _compile(kind: str, value: Any, *, json_options: dict[str, Any]) -> str:
     """The llguidance grammar for one constraint; ValueError naming the field when it is invalid."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
     name = f"structured_outputs.{kind}"
-    json_options = layout
     if kind == "json_object":
         if value is not True:
             raise ValueError(f"{name} must be true or false, got {value!r}")

@@ -85,7 +85,7 @@ def tagged_text(
     segments = []
     for trigger in triggers:
         bodies = [
-            " ".join(part for part in (_literal(begin[len(trigger) :]), body, _literal(end)) if part)
+            _between(begin[len(trigger) :], body, end)
             for begin, body, end in tags
             if _trigger_of(begin, triggers) == trigger
         ]
@@ -102,6 +102,11 @@ def tagged_text(
 
 def _literal(text: str) -> str:
     return json.dumps(text) if text else ""
+
+
+def _between(begin: str, body: str, end: str) -> str:
+    """A Lark sequence: the literal begin (if any), the body expression, the literal end (if any)."""
+    return " ".join(part for part in (_literal(begin), body, _literal(end)) if part)
 
 
 def _trigger_of(begin: str, triggers: list[str]) -> str | None:
@@ -235,8 +240,7 @@ def _format(rules: LarkRules, node: Any, *, path: str, end: str | None = None) -
 
 
 def _tag(rules: LarkRules, node: Any, *, path: str) -> str:
-    begin, body, end = _tag_parts(rules, node, path=path)
-    return " ".join(part for part in (_literal(begin), body, _literal(end)) if part)
+    return _between(*_tag_parts(rules, node, path=path))
 
 
 def _tag_parts(rules: LarkRules, node: Any, *, path: str) -> tuple[str, str, str]:
