@@ -2,6 +2,7 @@
 
 from quickdraft.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from quickdraft.llm import LLM
+from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.sampling_params import SamplingParams
 
@@ -11,6 +12,7 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -13,6 +13,9 @@ from quickdraft.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
 from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
+# vLLM's switch for the adapter routes of a running server, read as the flag's default.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
 DESCRIPTION = """\
 quickdraft: an LLM inference engine built around lossless speculative decoding.
 
@@ -179,6 +182,7 @@ examples:
   quickdraft serve                                   # embedded Gemma 3 270M on 127.0.0.1:8000
   quickdraft serve ./my-hf-dir --speculative-config '{"method": "suffix"}' --port 8080
   quickdraft serve --replicas 2 --speculative-config '{"method": "suffix"}'   # Ray Serve, cache-aware routing
+  quickdraft serve ./my-hf-dir --enable-lora --lora-modules sql=./sql-lora   # request "model": "sql"
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 """
@@ -342,6 +346,24 @@ def _add_serve_parser(commands) -> None:
         action="store_true",
         help="let requests send their own chat_template (jinja the server renders, sandboxed; only for "
         "clients you trust, as vLLM's flag)",
+    )
+    lora = serve.add_argument_group("LoRA adapters (vLLM's flags)", 'PEFT LoRA adapters a request names in "model"')
+    lora.add_argument("--enable-lora", action="store_true", help="let requests run LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help='adapters served by name: name=path or JSON {"name": ..., "path": ..., "base_model_name": ...}',
+    )
+    lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default: 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank taken (default: 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default: --max-loras)")
+    lora.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+        help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also {RUNTIME_LORA_ENV}=true, as vLLM)",
     )
     serve.add_argument(
         "--logits-processor-pattern",
@@ -991,6 +1013,12 @@ def run_serve(args) -> int:
         logits_processor_pattern=args.logits_processor_pattern,
         generation_config=args.generation_config,
         scheduling_policy=args.scheduling_policy,
+        enable_lora=args.enable_lora,
+        lora_modules=args.lora_modules,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         reasoning_parser=args.reasoning_parser,
         allow_credentials=args.allow_credentials,
         **_cors_lists(args),
@@ -1007,6 +1035,8 @@ def run_serve(args) -> int:
                 raise ValueError(f"{flag} applies to replicas: give --replicas N with it")
         run_server(config)
         return 0
+    if config.enable_lora:
+        raise ValueError("--enable-lora with --replicas is not built: serve adapters from one engine")
     try:
         from quickdraft.server.replicas import ReplicaOptions, run_replicated_server
     except ImportError as err:

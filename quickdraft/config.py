@@ -53,9 +53,23 @@ class EngineConfig:
     # vLLM's: "fcfs" (first come, first served) or "priority" (requests' `priority`, lower first;
     # quickdraft/engine/scheduler.py)
     scheduling_policy: str = "fcfs"
+    # vLLM's LoRA settings (quickdraft/models/lora.py): requests may run PEFT LoRA adapters;
+    # at most max_loras distinct adapters run in one step (requests of others wait), of rank up to
+    # max_lora_rank; max_cpu_loras adapters stay loaded (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "tensor_parallel_size",
+            "max_loras",
+            "max_lora_rank",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -82,6 +96,17 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype other than 'auto' needs tensor_parallel_size 1 (not built for the split)")
         if self.weights_in_huge_pages is not None and not isinstance(self.weights_in_huge_pages, bool):
             raise ValueError(f"weights_in_huge_pages must be true, false or None, got {self.weights_in_huge_pages!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        cpu_loras = self.max_cpu_loras
+        if cpu_loras is not None and (
+            not isinstance(cpu_loras, int) or isinstance(cpu_loras, bool) or cpu_loras < self.max_loras
+        ):
+            raise ValueError(
+                f"max_cpu_loras must be None or an integer >= max_loras ({self.max_loras}), got {cpu_loras!r}"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora needs tensor_parallel_size 1 (adapters are not split over ranks)")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.seed, int):

@@ -13,6 +13,7 @@ from quickdraft.engine.engine import Engine
 from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed, merged_output
 from quickdraft.models.chat import ChatRendering, render_chat
 from quickdraft.models.generation_config import default_sampling_fields
+from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.structured.tools import resolve_tool_calling
@@ -67,6 +68,10 @@ class LLM:
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
         scheduling_policy: str = "fcfs",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
         """`generation_config` (vLLM's): "auto" takes the sampling an HF model directory's
         generation_config.json recommends as the defaults of `get_default_sampling_params()`
@@ -94,6 +99,10 @@ class LLM:
             lazy_logits_rows=lazy_logits_rows,
             weights_in_huge_pages=weights_in_huge_pages,
             scheduling_policy=scheduling_policy,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         self.engine = Engine(self.config)
 
@@ -123,6 +132,7 @@ class LLM:
         *,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
@@ -130,6 +140,8 @@ class LLM:
         optionally with "cache_salt" (prefix-cache blocks are shared only with prompts of that salt).
         use_tqdm: a progress bar of the prompts done (vLLM's argument; off by default here).
         priority: one per prompt, lower first (vLLM's; needs scheduling_policy="priority").
+        lora_request: the LoRA adapter for every prompt, or one per prompt (None: the base model);
+        needs enable_lora=True.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -138,14 +150,15 @@ class LLM:
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority: {len(priorities)} values for {len(prompt_list)} prompts")
+        adapters = _per_prompt(lora_request, len(prompt_list), name="lora_request")
         # Validate every prompt before any is queued: a bad one must not leave the others running.
         groups: list[_Group] = []
         try:
-            for prompt, params, rank in zip(prompt_list, params_list, priorities):
+            for prompt, params, rank, adapter in zip(prompt_list, params_list, priorities, adapters):
                 group = self._new_group(params)
                 groups.append(group)  # first: a failure aborts every child (an id not added is ignored)
                 for request_id, child in zip(group.request_ids, child_params(params, seed=group.seed)):
-                    self._add(prompt, child, request_id=request_id, priority=rank)
+                    self._add(prompt, child, request_id=request_id, priority=rank, lora_request=adapter)
         except Exception:
             for request_id in (request_id for group in groups for request_id in group.request_ids):
                 self.engine.abort_request(request_id)
@@ -168,7 +181,13 @@ class LLM:
             self.engine.release(request_id)
         return [group.merged(outputs) for group in groups]
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> Iterator[StreamDelta]:
         """Yield the text and tokens each step adds; the last delta carries the full output.
         With n > 1 the deltas of the n completions come interleaved, each under its `index` and
         `finished` at its own end; only the very last carries `output` (all n of them)."""
@@ -179,7 +198,7 @@ class LLM:
         try:
             one_prompt = _as_prompt_list(prompt)[0]
             for request_id, child in zip(group.request_ids, child_params(params, seed=group.seed)):
-                self._add(one_prompt, child, request_id=request_id)
+                self._add(one_prompt, child, request_id=request_id, lora_request=lora_request)
             index_of = {request_id: index for index, request_id in enumerate(group.request_ids)}
             finished: dict[str, RequestOutput] = {}
             while len(finished) < len(index_of):
@@ -217,6 +236,7 @@ class LLM:
         use_tqdm: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template.
 
@@ -246,7 +266,7 @@ class LLM:
                 missing_template="pass chat_template=..., or use generate() with a prompt",
             )
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -254,6 +274,7 @@ class LLM:
         params: BeamSearchParams,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """The beam_width best continuations of each prompt by summed logprob (vLLM's
         `LLM.beam_search`; engine/beam_search.py): max_tokens rounds, each expanding every live
@@ -268,7 +289,7 @@ class LLM:
         progress = _progress_bar(params.max_tokens, enabled=use_tqdm)
         while not search.done:
             pending = [{"prompt_token_ids": tokens} for tokens in search.pending()]
-            outputs = self.generate(pending, params.round_params())
+            outputs = self.generate(pending, params.round_params(), lora_request=lora_request)
             search.advance([output.outputs[0].logprobs[0].top for output in outputs])  # type: ignore[index]
             progress.update(1)
         progress.close()
@@ -282,6 +303,17 @@ class LLM:
         if not isinstance(given.text, str):  # the engine's message for such a prompt
             raise TypeError(f"prompt must be a string, got {type(given.text).__name__}")
         return self.tokenizer.encode(given.text)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter before its first request (vLLM's); raises naming what is wrong with it."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the loaded adapters."""
+        return self.engine.list_loras()
 
     def _raise_failure(self, failed_id: str, request_ids: list[str]) -> NoReturn:
         """A request of the call failed (its logits processors raised): stop the call's other
@@ -306,7 +338,13 @@ class LLM:
         )
 
     def _add(
-        self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         given = _prompt_input(prompt)
         added = self.engine.add_request(
@@ -316,6 +354,7 @@ class LLM:
             request_id=request_id,
             priority=priority,
             cache_salt=given.cache_salt,
+            lora_request=lora_request,
         )
         if given.token_ids is not None:
             self.engine.get_request(added).prompt = given.text  # shown beside the ids, where given
@@ -363,6 +402,15 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty string, token-id list, or list of those")
     return list(prompts)
+
+
+def _per_prompt(value, count: int, *, name: str) -> list:
+    """One value for every prompt, or a sequence of one per prompt."""
+    if value is None or not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{name}: {len(value)} values for {count} prompts")
+    return list(value)
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:

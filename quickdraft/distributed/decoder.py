@@ -28,6 +28,7 @@ from quickdraft.models.attention import AttentionBatch, SequenceAttention
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import Decoder, DecoderLayer, ForwardOutput, LogitsBuffer
 from quickdraft.models.loader import build_decoder, load_weights
+from quickdraft.models.lora import LoRABatch
 from quickdraft.models.quantized import QuantizedWeight
 
 FORWARD, SHUTDOWN = 1, 2  # message kinds
@@ -112,8 +113,11 @@ class TensorParallelDecoder(Decoder):
         capture_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
         logits_buffer: LogitsBuffer | None = None,
+        lora: LoRABatch | None = None,  # always None: EngineConfig refuses LoRA with tensor parallelism
     ) -> ForwardOutput:
         assert self.group is not None
+        if lora is not None:
+            raise ValueError("LoRA adapters are not split over tensor-parallel ranks")
         if self.group.rank == 0:
             if not isinstance(cache, TensorParallelKVCache):
                 raise TypeError("a tensor-parallel target runs over its TensorParallelKVCache")

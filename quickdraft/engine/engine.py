@@ -42,6 +42,7 @@ from quickdraft.models.loader import (
     resolve_model_dir,
     resolve_quantization,
 )
+from quickdraft.models.lora import LoRARegistry, LoRARequest, LoRASlots
 from quickdraft.models.quantized_loader import quantized_weights_in_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
@@ -115,6 +116,17 @@ class Engine:
             want_huge_pages and self.tensor_parallel is None and quantized_weights_in_huge_pages(self.model)
         )
         self.runner = ModelRunner(model=self.model, cache=self.cache, device=self.device)
+        # LoRA adapters by lora_int_id (None: enable_lora is off)
+        self.loras: LoRARegistry | None = None
+        if config.enable_lora:
+            self.loras = LoRARegistry(
+                config=self.model_config,
+                max_rank=config.max_lora_rank,
+                capacity=config.max_cpu_loras or config.max_loras,
+                device=self.device,
+            )
+            self.runner.lora_slots = LoRASlots(config.max_loras)
+            self.model.lora_enabled = True
         # Rows computed when a walk reaches them (see lazy_logits_rows), valid through the step.
         self._logits_arena = LogitsArena(vocab_size=self.model_config.vocab_size, max_bytes=REUSED_LOGITS_BYTES)
         # request id -> node -> the error its logits processors raised on that node's row this step
@@ -126,6 +138,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
+            max_loras=config.max_loras,
         )
         self.eos_token_ids = list(
             dict.fromkeys(list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids))
@@ -257,15 +270,18 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; `priority` (lower first) needs scheduling_policy "priority";
-        `cache_salt` (vLLM's): prefix-cache blocks are shared only with requests of the same salt."""
+        `cache_salt` (vLLM's): prefix-cache blocks are shared only with requests of the same salt;
+        `lora_request`: the LoRA adapter the target runs for it (loaded on first use; needs enable_lora)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt", f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        lora = self._lora_for(lora_request)
         token_ids = self._prompt_tokens(prompt, prompt_token_ids, keep_last=params.truncate_prompt_tokens)
         self._check_vocabulary_ids(params)
         if params.num_samples != 1:
@@ -298,10 +314,34 @@ class Engine:
             grammar=grammar,
             priority=priority,
             cache_salt=cache_salt,
+            lora=lora,
         )
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _lora_for(self, lora_request: LoRARequest | None):
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise InvalidParameterError(
+                "lora_request",
+                f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} asked for, "
+                "but LoRA is not enabled (enable_lora=True / --enable-lora)",
+            )
+        return self.loras.get(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (vLLM's add_lora); errors name what is wrong with it."""
+        self._lora_for(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded adapter (requests running it keep it until they finish); False if not loaded."""
+        return self.loras is not None and self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras.ids()) if self.loras is not None else set()
 
     def new_request_id(self) -> str:
         """An id no request of this engine was given by it before."""
@@ -652,11 +692,14 @@ class Engine:
                 token_ids=proposal.token_ids,
                 tree=proposal.tree,
                 logits_nodes=sorted(n for n in nodes if sparse is None or sparse[n] is None),
+                lora=req.lora,
             )
         tokens = req.all_token_ids[start : start + item.num_new_tokens]
         root_dense = proposal is not None and (sparse is None or sparse[0] is None)
         logits_nodes = [item.num_new_tokens - 1] if root_dense else []
-        return SequenceWork(slot=req.scheduled_slot, cache_len=start, token_ids=tokens, logits_nodes=logits_nodes)
+        return SequenceWork(
+            slot=req.scheduled_slot, cache_len=start, token_ids=tokens, logits_nodes=logits_nodes, lora=req.lora
+        )
 
     @torch.inference_mode()
     def _verification_logits(

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from quickdraft.models.lora import LoRAWeights
 from quickdraft.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from quickdraft.outputs import (
     CompletionOutput,
@@ -42,10 +43,15 @@ class Request:
         grammar: RequestGrammar | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: LoRAWeights | None = None,
     ):
         self.request_id = request_id
         self.priority = priority  # lower first, under the "priority" scheduling policy
         self.cache_salt = cache_salt  # prefix-cache blocks are shared only under the same salt
+        self.lora = lora  # the LoRA adapter the target runs for this request
+        # What its prefix-cache blocks are keyed by beside their tokens: the salt and the adapter
+        # (KV computed under one adapter is not another's).
+        self.prefix_salt = cache_salt if lora is None else f"{cache_salt or ''}\0lora\0{lora.key}"
         self.queue_key: tuple[int, int] = (0, 0)  # (priority, arrival), set by the scheduler
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)

@@ -9,6 +9,7 @@ import torch
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch, build_sequence_attention
 from quickdraft.models.decoder import Decoder, ForwardOutput, LogitsBuffer
+from quickdraft.models.lora import LoRABatch, LoRASlots, LoRAWeights
 from quickdraft.verify.tree import Tree
 
 
@@ -21,6 +22,7 @@ class SequenceWork:
     token_ids: list[int]  # node 0 first; for a tree node 0 is the root
     tree: Tree | None = None  # the draft tree's shape (node 0 = the root); None = a chain
     logits_nodes: list[int] = field(default_factory=list)  # nodes whose logits are needed
+    lora: LoRAWeights | None = None  # the LoRA adapter its tokens run, if any
 
 
 @dataclass
@@ -41,6 +43,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.logits_buffer = LogitsBuffer(vocab_size=model.config.vocab_size, max_bytes=REUSED_LOGITS_BYTES)
+        self.lora_slots: LoRASlots | None = None  # set where requests may run LoRA adapters
 
     def forward(
         self,
@@ -106,8 +109,27 @@ class ModelRunner:
             end_layer=end_layer,
             logits_rows=self._long(logits_rows) if logits_rows else None,
             logits_buffer=self.logits_buffer if reuse_logits else None,
+            lora=self._lora_batch(work, sequences),
         )
         return RunnerOutput(logits=out.logits, logits_offsets=logits_offsets, forward=out)
+
+    def _lora_batch(self, work: list[SequenceWork], sequences: list) -> LoRABatch | None:
+        """Each row's adapter slot, or None where no row runs an adapter."""
+        adapters = [item.lora for item in work if item.lora is not None]
+        if not adapters:
+            return None
+        if self.lora_slots is None:
+            raise RuntimeError("a forward with LoRA adapters on a runner without LoRA slots (enable_lora)")
+        slots = self.lora_slots.assign(adapters)
+        row_slots = [-1] * sequences[-1].row_end
+        by_slot: dict[int, LoRAWeights] = {}
+        for item, seq in zip(work, sequences):
+            if item.lora is not None:
+                slot = slots[item.lora.key]
+                by_slot[slot] = item.lora
+                row_slots[seq.row_start : seq.row_end] = [slot] * (seq.row_end - seq.row_start)
+        rows = {slot: self._long([row for row, held in enumerate(row_slots) if held == slot]) for slot in by_slot}
+        return LoRABatch(row_slots=row_slots, rows=rows, adapters=by_slot)
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -52,6 +52,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = False,
         policy: str = "fcfs",
+        max_loras: int = 1,
     ):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {policy!r}")
@@ -61,6 +62,7 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras  # distinct LoRA adapters among the running requests
         # Draft tree nodes a decode may add to the forward (set by the engine from its speculator):
         # held back from prefill chunks, so that drafts are not squeezed out by a long prompt.
         self.draft_reserve = 0
@@ -174,16 +176,19 @@ class Scheduler:
         position = 0
         while position < len(self.waiting) and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
             req = self.waiting[position]
+            if not self._adapter_fits(req):
+                position += 1  # its adapter waits for one of the running ones to finish; others go on
+                continue
             # Cached full blocks of the prompt start the slot's tables: their tokens count as computed.
             prefix = (
-                self.cache.find_prefix(req.all_token_ids, usable=self.prefix_usable, salt=req.cache_salt)
+                self.cache.find_prefix(req.all_token_ids, usable=self.prefix_usable, salt=req.prefix_salt)
                 if self.enable_prefix_caching and not req.needs_prompt_rows
                 else None
             )
             if prefix is not None and self._prefill_computing_blocks_of(req, cached=prefix.num_tokens):
                 position += 1  # it waits for them to be cached
                 continue
-            slot = self.cache.allocate(prefix=prefix, salt=req.cache_salt)
+            slot = self.cache.allocate(prefix=prefix, salt=req.prefix_salt)
             computed = prefix.num_tokens if prefix is not None else 0
             first_chunk = computed + min(req.num_tokens - computed, self.max_num_batched_tokens)
             if self.running and not self.cache.can_reserve(slot, first_chunk):
@@ -199,8 +204,16 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether req may run beside the running requests: its LoRA adapter (if any) is one of
+        theirs or one more within max_loras."""
+        if req.lora is None:
+            return True
+        running = {other.lora.key for other in self.running if other.lora is not None}
+        return req.lora.key in running or len(running) < self.max_loras
+
     def _prefill_computing_blocks_of(self, req: Request, *, cached: int) -> bool:
-        """Whether a running request's prefill (of the same cache_salt) is computing full blocks
+        """Whether a running request's prefill (of the same cache_salt and adapter) is computing full blocks
         that req's tokens start with beyond its `cached` tokens.  Waiting until they are cached beats computing them a
         second time beside it (the n completions of one prompt; prompts that share a long system
         prompt), as SGLang's in-batch prefix sharing does: on a CPU, where a prefill is bound by
@@ -210,7 +223,7 @@ class Scheduler:
         if reusable <= cached:
             return False
         for other in self.running:
-            if other.num_tokens - other.num_computed_tokens <= 1 or other.cache_salt != req.cache_salt:
+            if other.num_tokens - other.num_computed_tokens <= 1 or other.prefix_salt != req.prefix_salt:
                 continue  # decoding (what it shares is cached already), or blocks it may not share
             shared = _shared_full_blocks(token_ids[:reusable], other.prompt_token_ids, size=size)
             if shared > max(cached, other.num_computed_tokens // size * size):

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from quickdraft.kernels.build import LazyKernel
+from quickdraft.models.lora import SITES as LORA_SITES
+from quickdraft.models.lora import LoRABatch
 from quickdraft.models.quantized import FORMAT_IDS, OFFSETS, PackedPart, QuantizedWeight, unpack_rows
 
 __all__ = [
@@ -55,13 +57,13 @@ ISAS = ("avx512", "avx2")
 # reference's, one rounding each.
 _KERNELS = {
     "avx512": LazyKernel(
-        "quant_linear_v2",
+        "quant_linear_v3",
         source="quant_linear.cpp",
         extra_cflags=("-ffp-contract=off",),
         what="the AVX2 kernel (the torch reference if forced)",
     ),
     "avx2": LazyKernel(
-        "quant_linear_avx2_v2",
+        "quant_linear_avx2_v3",
         source="quant_linear.cpp",
         extra_cflags=("-ffp-contract=off", "-DQD_ISA_AVX2"),
         what="the torch reference (slow)",
@@ -380,6 +382,7 @@ class FusedStack:
         self._stack = self._ext.DecoderStack()
         for layer in layers:
             self._stack.add_layer(*layer.weight_args(), *layer.size_args())
+        self._lora_keys: dict[int, str] = {}  # slot -> the key of the adapter the kernel holds there
 
     def built_from(self, layers: list[FusedLayerWeights]) -> bool:
         """Whether this stack holds exactly these layers, with the kernel build in use now."""
@@ -402,9 +405,12 @@ class FusedStack:
         cache_keys: list[torch.Tensor],  # per layer [blocks, Hkv, block_size, hd]
         cache_values: list[torch.Tensor],
         capture: list[int],
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Layers start..end-1 over `hidden` -> (the last one's output [N, D], the outputs of the
-        layers in `capture`, in its order)."""
+        layers in `capture`, in its order); `lora`: the adapters of its rows."""
+        if lora is not None:
+            self._hold_adapters(lora)
         out = self._stack.forward(
             hidden.contiguous(),
             start,
@@ -420,8 +426,25 @@ class FusedStack:
             [s.masks for s in sequences],
             capture,
             _amx_min_rows(self._ext),
+            lora.row_slots if lora is not None else [],
         )
         return out[0], out[1:]
+
+    def _hold_adapters(self, lora: LoRABatch) -> None:
+        """The kernel gets each slot's adapter (transposed for its loops) when the slot changed hands."""
+        for slot, adapter in lora.adapters.items():
+            if self._lora_keys.get(slot) == adapter.key:
+                continue
+            self._stack.clear_lora(slot)
+            for index, sites in enumerate(adapter.layers):
+                for site, parts in sites.items():
+                    self._stack.set_lora(
+                        slot,
+                        index,
+                        LORA_SITES.index(site),
+                        [(part.a.t().contiguous(), part.b.t().contiguous(), part.col0) for part in parts],
+                    )
+            self._lora_keys[slot] = adapter.key
 
 
 def fused_decoder_layer(

@@ -27,6 +27,7 @@ from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch
 from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from quickdraft.models.layers import LinearFn, RMSNorm, RotaryTable, apply_rotary
+from quickdraft.models.lora import LoRABatch
 from quickdraft.models.quantized import QuantizedWeight, embedding_rows
 
 
@@ -141,11 +142,13 @@ class DecoderLayer(torch.nn.Module):
         attn: AttentionBatch,
         cache: KVCache,
         linear: LinearFn,
+        lora: LoRABatch | None = None,
+        allow_fused: bool = True,  # False: this layer's torch code (the one-call layer takes no adapters)
     ) -> torch.Tensor:  # [N, D]
-        fused = self._fused_weights_for(hidden)
+        fused = self._fused_weights_for(hidden) if allow_fused else None
         if fused is not None:
             return self._fused_forward(hidden, fused, rotary=rotary, attn=attn, cache=cache)
-        q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear)
+        q, k, v = self.attention_inputs(hidden, rotary=rotary, linear=linear, lora=lora)
         cache.write(
             self.layer_index,
             keys=k,
@@ -153,7 +156,7 @@ class DecoderLayer(torch.nn.Module):
             block_index=attn.block_index[cache.group_of_layer[self.layer_index]],
             block_offset=attn.block_offset,
         )
-        return self.block_output(hidden, self._attend(q, attn, cache), linear=linear)
+        return self.block_output(hidden, self._attend(q, attn, cache), linear=linear, lora=lora)
 
     def _fused_weights_for(self, hidden: torch.Tensor, *, kernel_ready: bool = False) -> FusedLayerWeights | None:
         """The one-call C++ layer's arguments where it applies (quantized weights without biases,
@@ -231,11 +234,16 @@ class DecoderLayer(torch.nn.Module):
     # The pieces below are also driven by feature-level draft heads that hold a decoder layer
     # of the target's architecture (MTP layers) and attend over their own caches.
     def attention_inputs(
-        self, hidden: torch.Tensor, *, rotary: tuple[torch.Tensor, torch.Tensor], linear: LinearFn
+        self,
+        hidden: torch.Tensor,
+        *,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        linear: LinearFn,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # hidden [N, D] (the layer's input) -> q [N, H, hd], k and v [N, Hkv, hd]
         x = self.input_layernorm(hidden)
-        qkv = linear(x, self.qkv_proj, self.qkv_bias).view(
+        qkv = self._with_adapters(linear(x, self.qkv_proj, self.qkv_bias), x, "qkv_proj", linear, lora).view(
             x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim
         )
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -246,21 +254,37 @@ class DecoderLayer(torch.nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v
 
-    def block_output(self, hidden: torch.Tensor, attended: torch.Tensor, *, linear: LinearFn) -> torch.Tensor:
+    def block_output(
+        self, hidden: torch.Tensor, attended: torch.Tensor, *, linear: LinearFn, lora: LoRABatch | None = None
+    ) -> torch.Tensor:
         # hidden [N, D] (the layer's input), attended [N, H * hd] -> the layer's output [N, D]
         attn_out = self._output_linear(attended, self.o_proj, self.o_bias, linear)
+        attn_out = self._with_adapters(attn_out, attended, "o_proj", linear, lora)
         if self.pre_feedforward_layernorm is not None:
             # Gemma: norm the attention output, add, then norm again before the MLP.
             hidden = hidden + self.post_attention_layernorm(attn_out)
-            mlp_out = self._mlp(self.pre_feedforward_layernorm(hidden), linear)
+            mlp_out = self._mlp(self.pre_feedforward_layernorm(hidden), linear, lora)
             return hidden + self.post_feedforward_layernorm(mlp_out)
         hidden = hidden + attn_out
-        return hidden + self._mlp(self.post_attention_layernorm(hidden), linear)
+        return hidden + self._mlp(self.post_attention_layernorm(hidden), linear, lora)
 
-    def _mlp(self, x: torch.Tensor, linear: LinearFn) -> torch.Tensor:  # [N, D] -> [N, D]
-        gate, up = linear(x, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
+    def _mlp(
+        self, x: torch.Tensor, linear: LinearFn, lora: LoRABatch | None = None
+    ) -> torch.Tensor:  # [N, D] -> [N, D]
+        gate_up = self._with_adapters(linear(x, self.gate_up_proj, self.gate_up_bias), x, "gate_up_proj", linear, lora)
+        gate, up = gate_up.chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self._output_linear(act * up, self.down_proj, self.down_bias, linear)
+        hidden = act * up
+        return self._with_adapters(
+            self._output_linear(hidden, self.down_proj, self.down_bias, linear), hidden, "down_proj", linear, lora
+        )
+
+    def _with_adapters(
+        self, out: torch.Tensor, x: torch.Tensor, site: str, linear: LinearFn, lora: LoRABatch | None
+    ) -> torch.Tensor:  # out [N, M] (site's output for x [N, K]) with its rows' LoRA deltas added
+        if lora is None:
+            return out
+        return lora.add_deltas(out, x, layer=self.layer_index, site=site, linear=linear)
 
     def _output_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, linear: LinearFn
@@ -309,6 +333,10 @@ class Decoder(torch.nn.Module):
         )
         self.linear: LinearFn = F.linear
         self._fused_stack: FusedStack | None = None  # every layer in one C++ call per forward
+        # Set where requests may run LoRA adapters: every forward then computes its layers one way
+        # (the stack, which takes adapters, or the torch layers), so a row's bits never depend on
+        # whether an adapter's rows share its forward.
+        self.lora_enabled = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor | QuantizedWeight:  # [V, D]
@@ -377,6 +405,7 @@ class Decoder(torch.nn.Module):
         cache: KVCache,
         layers: range,
         capture_layers: tuple[int, ...],
+        lora: LoRABatch | None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """`layers` of the stack in one call: what the loop over DecoderLayer.forward computes."""
         names = list(rotary)
@@ -395,6 +424,7 @@ class Decoder(torch.nn.Module):
             cache_keys=cache.keys,
             cache_values=cache.values,
             capture=capture,
+            lora=lora,
         )
         return out, dict(zip(capture, captured))
 
@@ -412,6 +442,7 @@ class Decoder(torch.nn.Module):
         capture_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,  # [M] rows that need logits; None = no logits
         logits_buffer: LogitsBuffer | None = None,  # where the logits may be written (valid until its next use)
+        lora: LoRABatch | None = None,  # the rows that run LoRA adapters
     ) -> ForwardOutput:
         end_layer = self.config.num_layers if end_layer is None else end_layer
         if not 0 <= start_layer < end_layer <= self.config.num_layers:
@@ -434,12 +465,21 @@ class Decoder(torch.nn.Module):
                 cache=cache,
                 layers=range(start_layer, end_layer),
                 capture_layers=capture_layers,
+                lora=lora,
             )
         else:
             for index in range(start_layer, end_layer):
                 layer = self.layers[index]
                 layer_rotary = rotary[SLIDING_ATTENTION if layer.is_sliding else FULL_ATTENTION]
-                hidden = layer(hidden, rotary=layer_rotary, attn=attn, cache=cache, linear=self.linear)
+                hidden = layer(
+                    hidden,
+                    rotary=layer_rotary,
+                    attn=attn,
+                    cache=cache,
+                    linear=self.linear,
+                    lora=lora,
+                    allow_fused=not self.lora_enabled,
+                )
                 if index in capture_layers:
                     captured[index] = hidden
         logits = None

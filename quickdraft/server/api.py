@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,8 +36,9 @@ import quickdraft
 from quickdraft.engine.beam_search import BeamSearch
 from quickdraft.engine.parallel_sampling import merged_batch_output
 from quickdraft.models.chat import ChatRenderError, render_chat
+from quickdraft.models.lora import LoRAError, LoRARequest
 from quickdraft.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, Submission
+from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, RequestOptions, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
 from quickdraft.server.logits_processors import resolve_logits_processors
 from quickdraft.server.middleware import ApiKeyCheck, EndCancelledRequests
@@ -47,8 +48,10 @@ from quickdraft.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     SamplingFields,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     chat_logprobs_body,
     now_seconds,
     prompt_logprobs_body,
@@ -93,6 +96,8 @@ def create_app(server: QuickdraftServer) -> FastAPI:
     _install_error_handlers(app, server)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
+    if server.config.allow_runtime_lora_updating:
+        _add_lora_routes(app, server)
     # The last added runs first: the key is checked before anything else happens.
     app.add_middleware(EndCancelledRequests, is_shutting_down=lambda: server.shutting_down, error=server.shutdown_error)
     if server.config.api_key is not None:
@@ -167,14 +172,19 @@ def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
             "speculative_method": server.method,
         }
 
+    def adapter_card(adapter: LoRARequest) -> dict[str, Any]:
+        parent = adapter.base_model_name or server.model_name
+        return {**model_card(adapter.lora_name), "root": adapter.lora_path, "parent": parent}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card(name) for name in server.model_names]}
+        cards = [model_card(name) for name in server.model_names]
+        return {"object": "list", "data": cards + [adapter_card(a) for a in server.lora_modules.values()]}
 
     @app.get("/v1/models/{model_id:path}")  # :path, since model names may hold a "/"
     async def retrieve_model(model_id: str):
-        _check_model(server, model_id)
-        return model_card(model_id)
+        adapter = _check_model(server, model_id)
+        return model_card(model_id) if adapter is None else adapter_card(adapter)
 
     @app.get("/version")  # vLLM's
     async def version():
@@ -205,6 +215,43 @@ def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
+# ---- LoRA adapters added and dropped while serving (vLLM's routes) ------------------------------
+def _add_lora_routes(app: FastAPI, server: QuickdraftServer) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _read_request(server, request, model=LoadLoRAAdapterRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        name = body.lora_name
+        if name in server.lora_modules or name in server.model_names:
+            raise bad_request(f"lora_name: the adapter {name!r} has already been loaded", param="lora_name")
+        try:
+            adapter = LoRARequest(name, server.next_lora_id(), body.lora_path)
+            # loaded (and checked against the model) on the loop thread, between steps
+            await asyncio.wrap_future(server.engine_loop.call(lambda engine: engine.add_lora(adapter)))
+        except LoRAError as err:
+            raise bad_request(str(err), param="lora_path") from err
+        server.lora_modules[name] = adapter
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _read_request(server, request, model=UnloadLoRAAdapterRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        adapter = server.lora_modules.get(body.lora_name)
+        if adapter is None or body.lora_int_id not in (None, adapter.lora_int_id):
+            raise APIError(
+                status=404,
+                param="lora_name",
+                code="lora_not_found",
+                message=f"lora_name: the adapter {body.lora_name!r} (id {body.lora_int_id}) cannot be found",
+            )
+        del server.lora_modules[body.lora_name]  # new requests no longer find it; running ones keep it
+        await asyncio.wrap_future(server.engine_loop.call(lambda engine: engine.remove_lora(adapter.lora_int_id)))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
 # ---- generation -----------------------------------------------------------------------------
 class Generation:
     """One request's way through the engine loop, seen from its handler.
@@ -222,16 +269,14 @@ class Generation:
         scenario: str,
         prompt_param: str,
         id_prefix: str,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        options: RequestOptions | None = None,  # priority, cache salt, adapter (None: the defaults)
         client_request_id: str | None = None,
     ):
         self.server = server
         self.request_id = f"{id_prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever clients send
         # the response's `id`: the client's request_id where it sent one (vLLM's)
         self.response_id = self.request_id if client_request_id is None else f"{id_prefix}-{client_request_id}"
-        self._priority = priority
-        self._cache_salt = cache_salt
+        self._options = options or RequestOptions()
         self.created = now_seconds()
         self._prompts = prompts
         self._params = params
@@ -255,6 +300,12 @@ class Generation:
         # choice -> its prompt's logprobs, where asked for (by child index until the output is known)
         self.prompt_logprobs: dict[int, list] = {}
 
+    @property
+    def model_name(self) -> str:
+        """What the response's "model" says: the adapter's name where the request named one."""
+        adapter = self._options.lora_request
+        return adapter.lora_name if adapter is not None else self.server.model_name
+
     def _deliver(self, event) -> None:  # called on the engine loop thread
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
@@ -269,8 +320,7 @@ class Generation:
             scenario=self._scenario,
             submitted_at=time.perf_counter(),
             deliver=self._deliver,
-            priority=self._priority,
-            cache_salt=self._cache_salt,
+            options=self._options,
         )
         try:
             self.server.engine_loop.submit(submission)
@@ -581,8 +631,7 @@ async def _generate(
         scenario=prepared.scenario,
         prompt_param=prompt_param,
         id_prefix=id_prefix,
-        priority=body.priority,
-        cache_salt=body.cache_salt,
+        options=prepared.options,
         client_request_id=body.request_id,
     )
     writer = writer_class(
@@ -621,9 +670,7 @@ async def _beam_search(
     started = time.perf_counter()
     while not search.done:
         pending = search.pending()
-        generation = Generation(
-            prompts=pending, params=params.round_params(), priority=body.priority, cache_salt=body.cache_salt, **common
-        )
+        generation = Generation(prompts=pending, params=params.round_params(), options=prepared.options, **common)
         try:
             await generation.start()
             output = await _collect_unless_disconnected(generation, request)
@@ -664,9 +711,10 @@ async def _beam_search(
 
 
 class _Prepared:
-    def __init__(self, *, params: SamplingParams, scenario: str):
+    def __init__(self, *, params: SamplingParams, scenario: str, options: RequestOptions):
         self.params = params
         self.scenario = scenario
+        self.options = options
 
 
 def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields) -> _Prepared:
@@ -675,7 +723,7 @@ def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields
     raw_scenario = (body.metadata or {}).get("scenario") or request.headers.get(SCENARIO_HEADER)
     scenario = server.scenarios.resolve(raw_scenario)
     request.state.scenario = scenario
-    _check_model(server, body.model)
+    adapter = _check_model(server, body.model)
     body.check_unsupported()
     params = body.sampling_params(server.default_sampling)
     if body.logits_processors:
@@ -684,7 +732,8 @@ def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields
             params = dataclasses.replace(params, logits_processors=processors)
         except ValueError as err:  # not a callable of the forms a processor takes
             raise bad_request(str(err), param="logits_processors") from err
-    return _Prepared(params=params, scenario=scenario)
+    options = RequestOptions(priority=body.priority, cache_salt=body.cache_salt, lora_request=adapter)
+    return _Prepared(params=params, scenario=scenario, options=options)
 
 
 def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]:
@@ -741,15 +790,20 @@ def _check_tool_parser(server: QuickdraftServer, calling: ToolCalling | None) ->
         )
 
 
-def _check_model(server: QuickdraftServer, model: str | None) -> None:
-    if model is not None and model not in server.model_names:
-        served = " or ".join(repr(name) for name in server.model_names)
+def _check_model(server: QuickdraftServer, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter `model` names (None: the base model); a 404 for a name not served."""
+    if model is None or model in server.model_names:
+        return None
+    adapter = server.lora_modules.get(model)
+    if adapter is None:
+        served = " or ".join(repr(name) for name in [*server.model_names, *server.lora_modules])
         raise APIError(
             status=404,
             param="model",
             code="model_not_found",
             message=f"model: {model!r} does not exist; this server serves {served}",
         )
+    return adapter
 
 
 def _render_chat(server: QuickdraftServer, body: ChatCompletionRequest) -> list[int]:
@@ -916,7 +970,7 @@ class ResponseWriter:
             "id": self.generation.response_id,
             "object": object_name,
             "created": self.generation.created,
-            "model": self.server.model_name,
+            "model": self.generation.model_name,
         }
 
     def _speculation(self, output: RequestOutput) -> dict[str, Any]:
@@ -1166,7 +1220,7 @@ class ResponsesWriter(ChatWriter):
         return response_body(
             response_id=self.generation.response_id,
             created=self.generation.created,
-            model=self.server.model_name,
+            model=self.generation.model_name,
             request=self._request,
             output=output,
             status=status,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import EngineConfig
 from quickdraft.models.generation_config import default_sampling_fields
+from quickdraft.models.lora import LoRARequest
 from quickdraft.models.tokenizer import check_chat_template
 from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
@@ -85,6 +87,17 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # vLLM's LoRA serving: adapters (PEFT directories) a request names in "model".  lora_modules:
+    # "name=path" or {"name", "path", "base_model_name"} (a JSON string or a dict); max_loras
+    # adapters run in one step, of rank up to max_lora_rank, max_cpu_loras stay loaded.  With
+    # allow_runtime_lora_updating (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) clients add and
+    # drop adapters through /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    enable_lora: bool = False
+    lora_modules: list[str | dict] = field(default_factory=list)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_scenarios", "max_request_bytes", "tensor_parallel_size"):
@@ -135,9 +148,27 @@ class ServerConfig:
             )
         if self.chat_template is not None:
             check_chat_template(self.chat_template_text())
+        adapters = self.lora_requests()  # a bad --lora-modules entry fails here, naming itself
+        if (adapters or self.allow_runtime_lora_updating) and not self.enable_lora:
+            raise ValueError("lora_modules and runtime LoRA updating need enable_lora (--enable-lora)")
+        for adapter in adapters:
+            if adapter.lora_name in self.model_names:
+                raise ValueError(f"lora_modules: {adapter.lora_name!r} is also a served model name")
         self.default_sampling_fields()  # a bad setting fails at start, naming itself
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r}")
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """lora_modules as LoRARequests, ids 1, 2, ... in their order."""
+        if not isinstance(self.lora_modules, list):
+            raise ValueError(f"lora_modules must be a list, got {self.lora_modules!r}")
+        requests: list[LoRARequest] = []
+        for entry in self.lora_modules:
+            name, path, base = _lora_module(entry)
+            if any(other.lora_name == name for other in requests):
+                raise ValueError(f"lora_modules: the name {name!r} is given twice")
+            requests.append(LoRARequest(name, len(requests) + 1, path, base_model_name=base))
+        return requests
 
     def default_sampling_fields(self) -> dict:
         """SamplingParams fields for what a request leaves out (models/generation_config.py)."""
@@ -174,6 +205,10 @@ class ServerConfig:
             lazy_logits_rows=self.lazy_logits_rows,
             weights_in_huge_pages=self.weights_in_huge_pages,
             scheduling_policy=self.scheduling_policy,
+            enable_lora=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
         )
 
     @property
@@ -194,6 +229,32 @@ class ServerConfig:
             return DEFAULT_SERVED_MODEL_NAME
         path = Path(self.model)
         return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _lora_module(entry: object) -> tuple[str, str, str | None]:
+    """(name, path, base model name) of a --lora-modules entry: "name=path" or a JSON object."""
+    if isinstance(entry, str) and entry.lstrip().startswith("{"):
+        try:
+            entry = json.loads(entry)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"lora_modules: {entry!r} is not valid JSON ({err})") from err
+    if isinstance(entry, dict):
+        name, path, base = entry.get("name"), entry.get("path"), entry.get("base_model_name")
+        unknown = set(entry) - {"name", "path", "base_model_name"}
+        if (
+            unknown
+            or not isinstance(name, str)
+            or not isinstance(path, str)
+            or not (base is None or isinstance(base, str))
+        ):
+            raise ValueError(
+                f'lora_modules: {entry!r} must be {{"name": ..., "path": ..., "base_model_name": optional}}'
+            )
+        return name, path, base
+    if isinstance(entry, str) and "=" in entry:
+        name, path = entry.split("=", 1)
+        return name, path, None
+    raise ValueError(f"lora_modules: {entry!r} must be name=path or a JSON object with name and path")
 
 
 def _is_token(value: object) -> bool:

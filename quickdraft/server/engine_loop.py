@@ -28,6 +28,7 @@ from quickdraft.engine.compute_thread import ComputeThread
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed
 from quickdraft.engine.request import RequestStatus
+from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.server.metrics import FinishedRequest, ServerMetrics
@@ -82,6 +83,15 @@ LoopEvent = Admitted | Rejected | Progress | Failed
 SHUTTING_DOWN = Failed(status=503, message="the server is shutting down", code="shutting_down")
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks of the engine beside its prompts and sampling (Engine.add_request's)."""
+
+    priority: int = 0  # vLLM's: lower first, under the "priority" scheduling policy
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only under the same salt
+    lora_request: LoRARequest | None = None  # the adapter the request's "model" names
+
+
 @dataclass
 class Submission:
     request_id: str
@@ -90,8 +100,7 @@ class Submission:
     scenario: str
     submitted_at: float  # time.perf_counter() in the handler
     deliver: Callable[[LoopEvent], None]  # thread-safe: called from the loop thread
-    priority: int = 0  # vLLM's: lower first, under the "priority" scheduling policy
-    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only under the same salt
+    options: RequestOptions = field(default_factory=RequestOptions)
 
 
 @dataclass
@@ -263,8 +272,9 @@ class EngineLoop:
                     prompt_token_ids=prompt,
                     params=child,
                     request_id=request_id,
-                    priority=submission.priority,
-                    cache_salt=submission.cache_salt,
+                    priority=submission.options.priority,
+                    cache_salt=submission.options.cache_salt,
+                    lora_request=submission.options.lora_request,
                 )
         except Exception as err:
             for request_id in request_ids:  # the children added before the failure (unknown ids are ignored)

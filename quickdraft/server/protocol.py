@@ -536,6 +536,20 @@ class DetokenizeRequest(StrictModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(StrictModel):
+    """vLLM's /v1/load_lora_adapter: a PEFT LoRA directory served under a name from now on."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """vLLM's /v1/unload_lora_adapter (lora_int_id, where sent, must be the adapter's)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 def _prediction_text(prediction: dict[str, Any]) -> str:
     """OpenAI's `prediction` object as its text; a 400 naming it when it is not one."""
     content = prediction.get("content")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import signal
 import socket
@@ -20,6 +21,7 @@ from quickdraft.engine.compute_thread import ComputeThread
 from quickdraft.engine.engine import Engine
 from quickdraft.kernels import build_cpu_kernels
 from quickdraft.models.heap import freeze_loaded_objects
+from quickdraft.models.lora import LoRARequest
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.engine_loop import EngineLoop, Failed
 from quickdraft.server.errors import APIError, queue_full, shutting_down
@@ -86,6 +88,12 @@ class QuickdraftServer:
             self.engine.tokenizer.chat_template = config.chat_template_text()
         self.model_name = config.model_name
         self.model_names = config.model_names  # every name a request may send (the first is model_name)
+        # LoRA adapters a request may name in "model" (--lora-modules, and /v1/load_lora_adapter's)
+        self.lora_modules: dict[str, LoRARequest] = {}
+        for adapter in config.lora_requests():
+            self.engine.add_lora(adapter)  # a bad adapter stops the start, naming itself
+            self.lora_modules[adapter.lora_name] = adapter
+        self._lora_ids = itertools.count(len(self.lora_modules) + 1)
         # What a request leaves out, from the model's generation config (vLLM's default)
         self.default_sampling = config.default_sampling_fields()
         if self.default_sampling:
@@ -102,6 +110,10 @@ class QuickdraftServer:
         self.created = int(time.time())
         self._started = False
         self.app = create_app(self)
+
+    def next_lora_id(self) -> int:
+        """An adapter id no adapter of this server had before."""
+        return next(self._lora_ids)
 
     @property
     def max_model_len(self) -> int:

@@ -14,7 +14,7 @@ from quickdraft.server.responses import ResponsesRequest
 
 
 class FakeGeneration:
-    response_id, created, num_choices, num_prompt_tokens, output = "resp-1", 0, 1, 3, None
+    response_id, created, num_choices, num_prompt_tokens, output, model_name = "resp-1", 0, 1, 3, None, "m"
 
     def __init__(self, texts: list[str], *, fail: bool = False):
         self.texts, self.fail = texts, fail

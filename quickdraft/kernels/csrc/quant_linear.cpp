@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1256,12 +1257,56 @@ void attend_sequences(const float* qkv, const KV* kc, const KV* vc, const std::v
   });
 }
 
+// LoRA adapters (quickdraft/models/lora.py): per slot, per site (qkv, o_proj, gate_up, down), the
+// parts out[:, col0 : col0 + n] += (x a_t) b_t of the modules it targets: a_t [K, r] and b_t [r, n]
+// float32 (the scale folded in).  row_slots [N]: each row's slot, -1 for none.
+struct LoraPart {
+  at::Tensor a_t, b_t;
+  int64_t col0;
+};
+constexpr int kLoraSites = 4;
+using LoraSites = std::array<std::vector<LoraPart>, kLoraSites>;
+struct LoraRows {
+  const std::vector<LoraSites>* slots;  // by slot
+  const int64_t* row_slots;             // [N]
+};
+
+// Adds site's deltas to the rows that run an adapter.  A row's delta is computed from that row
+// alone, k after k and r after r in order (the loops vectorize across r and across outputs, never
+// across a sum), so it has the same bits whatever rows share the call.
+void add_lora(const LoraRows* lora, int site, const float* x, int64_t N, int64_t K, float* out, int64_t ldo) {
+  if (lora == nullptr) return;
+  for_rows(N, [&](int64_t n) {
+    const int64_t slot = lora->row_slots[n];
+    if (slot < 0) return;
+    for (const LoraPart& part : (*lora->slots)[slot][site]) {
+      const int64_t r = part.a_t.size(1), m = part.b_t.size(1);
+      const float* a = part.a_t.const_data_ptr<float>();
+      const float* b = part.b_t.const_data_ptr<float>();
+      const float* xn = x + n * K;
+      std::vector<float> u(r, 0.0f), delta(m, 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const float xk = xn[k];
+        const float* ak = a + k * r;
+        for (int64_t i = 0; i < r; ++i) u[i] += ak[i] * xk;
+      }
+      for (int64_t i = 0; i < r; ++i) {
+        const float ui = u[i];
+        const float* bi = b + i * m;
+        for (int64_t j = 0; j < m; ++j) delta[j] += bi[j] * ui;
+      }
+      float* o = out + n * ldo + part.col0;
+      for (int64_t j = 0; j < m; ++j) o[j] += delta[j];
+    }
+  });
+}
+
 // hidden [N, D] -> the layer's output [N, D].  cache_k / cache_v [num_blocks, Hkv, block_size, hd]: a
 // paged cache (a slot cache is one block per slot).  seqs: per sequence (table_start, row_start,
 // row_end, kv_start, kv_end) of this layer's attention type, its block table at
 // tables[table_start ...] (storage index p lives in block tables[table_start + p / block_size]);
 // masks: its [T, kv_end - kv_start] or None.
-at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& qkv, const std::vector<Part>& o_proj,
+at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Part>& qkv, const std::vector<Part>& o_proj,
                          const std::vector<Part>& gate_up, const std::vector<Part>& down,
                          const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
                          const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm,
@@ -1269,7 +1314,8 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
                          const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks,
-                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, int64_t amx_min_rows) {
+                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, int64_t amx_min_rows,
+                         const LoraRows* lora) {
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor hidden = hidden_in.contiguous();
   const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
@@ -1291,6 +1337,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
   const float* w_in = input_norm.const_data_ptr<float>();
   for_rows(N, [&](int64_t n) { rms_norm_row(h + n * D, w_in, D, eps, x.data() + n * D); });
   matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum, amx_min_rows);
+  add_lora(lora, 0, x.data(), N, D, qkv_out.data(), QKV);
   const float* w_qk = opt_ptr(qk_norm);
   const float* cp = cosv.const_data_ptr<float>();
   const float* sp = sinv.const_data_ptr<float>();
@@ -1339,6 +1386,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     write_and_attend(cache_k.mutable_data_ptr<float>(), cache_v.mutable_data_ptr<float>());
   // block output
   matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum, amx_min_rows);
+  add_lora(lora, 1, attended.data(), N, H * hd, proj.data(), D);
   const float* w_post = post_attention_norm.const_data_ptr<float>();
   for_rows(N, [&](int64_t n) {
     float* yn = y + n * D;
@@ -1352,10 +1400,12 @@ at::Tensor decoder_layer(const at::Tensor& hidden_in, const std::vector<Part>& q
     }
   });
   matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum, amx_min_rows);
+  add_lora(lora, 2, x.data(), N, D, gu.data(), 2 * I);
   for_rows(N, [&](int64_t n) {
     gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu, x.data() + n * I);
   });
   matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum, amx_min_rows);
+  add_lora(lora, 3, x.data(), N, I, proj.data(), D);
   const float* w_post_ff = opt_ptr(post_ff_norm);
   for_rows(N, [&](int64_t n) {
     std::vector<float> row(D);
@@ -1393,6 +1443,21 @@ at::Tensor norm_matmul(const at::Tensor& x_in, const at::Tensor& norm, int64_t s
   return out;
 }
 
+// decoder_layer_impl without adapters, for Python.
+at::Tensor decoder_layer(const at::Tensor& hidden, const std::vector<Part>& qkv, const std::vector<Part>& o_proj,
+                         const std::vector<Part>& gate_up, const std::vector<Part>& down,
+                         const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                         const c10::optional<at::Tensor>& pre_ff_norm, const c10::optional<at::Tensor>& post_ff_norm,
+                         const c10::optional<at::Tensor>& qk_norm, double eps, bool gelu, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor& cache_k, at::Tensor& cache_v,
+                         const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
+                         const std::vector<c10::optional<at::Tensor>>& masks, int64_t H, int64_t Hkv, int64_t hd,
+                         int64_t I, double scale, int64_t amx_min_rows) {
+  return decoder_layer_impl(hidden, qkv, o_proj, gate_up, down, input_norm, post_attention_norm, pre_ff_norm,
+                            post_ff_norm, qk_norm, eps, gelu, cos, sin, cache_k, cache_v, seqs, tables, masks, H, Hkv,
+                            hd, I, scale, amx_min_rows, nullptr);
+}
+
 // The layers of a decoder, one forward in one call: decoder_layer for each layer in turn.  A
 // Python loop around decoder_layer spends ~50 us a layer (the module call, the kernel's ~25
 // arguments converted, the cached-argument checks): ~0.9 ms of a 13 ms batch-1 decode on the
@@ -1409,6 +1474,7 @@ class DecoderStack {
     bool gelu;
     int64_t H, Hkv, hd, I;
     double scale;
+    std::vector<LoraSites> lora;  // by adapter slot
   };
 
   void add_layer(std::vector<Part> qkv, std::vector<Part> o_proj, std::vector<Part> gate_up, std::vector<Part> down,
@@ -1418,6 +1484,34 @@ class DecoderStack {
     layers_.push_back({std::move(qkv), std::move(o_proj), std::move(gate_up), std::move(down), std::move(input_norm),
                        std::move(post_attention_norm), std::move(pre_ff_norm), std::move(post_ff_norm),
                        std::move(qk_norm), eps, gelu, H, Hkv, hd, I, scale});
+  }
+
+  // Adapter slot `slot`'s parts at one site of one layer, (a_t [K, r], b_t [r, n], col0) each,
+  // replacing what the slot held there.
+  void set_lora(int64_t slot, int64_t layer, int64_t site, const std::vector<std::tuple<at::Tensor, at::Tensor, int64_t>>& parts) {
+    TORCH_CHECK(0 <= layer && layer < size() && 0 <= site && site < kLoraSites && slot >= 0, "set_lora: bad index");
+    Layer& l = layers_[layer];
+    const int64_t D = l.input_norm.size(0), Q = l.H * l.hd;
+    const int64_t widths_in[kLoraSites] = {D, Q, D, l.I};
+    const int64_t widths_out[kLoraSites] = {(l.H + 2 * l.Hkv) * l.hd, D, 2 * l.I, D};
+    std::vector<LoraPart> checked;
+    for (const auto& [a_t, b_t, col0] : parts) {
+      TORCH_CHECK(a_t.scalar_type() == at::kFloat && b_t.scalar_type() == at::kFloat && a_t.is_contiguous() &&
+                      b_t.is_contiguous() && a_t.dim() == 2 && b_t.dim() == 2,
+                  "set_lora: a_t and b_t must be contiguous 2-d float32");
+      TORCH_CHECK(a_t.size(0) == widths_in[site] && b_t.size(0) == a_t.size(1) && col0 >= 0 &&
+                      col0 + b_t.size(1) <= widths_out[site],
+                  "set_lora: a part does not fit layer ", layer, " site ", site);
+      checked.push_back({a_t, b_t, col0});
+    }
+    if (static_cast<int64_t>(l.lora.size()) <= slot) l.lora.resize(slot + 1);
+    l.lora[slot][site] = std::move(checked);
+  }
+
+  // Forgets what adapter slot `slot` held, in every layer.
+  void clear_lora(int64_t slot) {
+    for (Layer& l : layers_)
+      if (slot >= 0 && slot < static_cast<int64_t>(l.lora.size())) l.lora[slot] = LoraSites{};
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -1433,13 +1527,20 @@ class DecoderStack {
                                   const std::vector<std::vector<int64_t>>& seqs,
                                   const std::vector<std::vector<int64_t>>& tables,
                                   const std::vector<std::vector<c10::optional<at::Tensor>>>& masks,
-                                  const std::vector<int64_t>& capture, int64_t amx_min_rows) {
+                                  const std::vector<int64_t>& capture, int64_t amx_min_rows,
+                                  const std::vector<int64_t>& row_slots) {
     TORCH_CHECK(0 <= start && start < end && end <= size(), "DecoderStack: bad layer range [", start, ", ", end, ")");
     TORCH_CHECK(static_cast<int64_t>(cache_keys.size()) == size() && cache_values.size() == cache_keys.size() &&
                     rotary_kind.size() == cache_keys.size() && sequence_kind.size() == cache_keys.size(),
                 "DecoderStack: one cache tensor and kind per layer");
     TORCH_CHECK(cos.size() == sin.size() && seqs.size() == tables.size() && seqs.size() == masks.size(),
                 "DecoderStack: inconsistent kinds");
+    TORCH_CHECK(row_slots.empty() || static_cast<int64_t>(row_slots.size()) == hidden.size(0),
+                "DecoderStack: row_slots must be empty or one per row");
+    for (const int64_t slot : row_slots)
+      for (int64_t i = start; i < end; ++i)
+        TORCH_CHECK(slot < static_cast<int64_t>(layers_[i].lora.size()), "DecoderStack: a row reads LoRA slot ",
+                    slot, ", which was never set");
     std::vector<at::Tensor> captured(capture.size());
     at::Tensor h = hidden;
     for (int64_t i = start; i < end; ++i) {
@@ -1447,9 +1548,11 @@ class DecoderStack {
       const int64_t r = rotary_kind[i], q = sequence_kind[i];
       TORCH_CHECK(0 <= r && r < static_cast<int64_t>(cos.size()) && 0 <= q && q < static_cast<int64_t>(seqs.size()),
                   "DecoderStack: layer ", i, " reads a kind this forward lacks");
-      h = decoder_layer(h, l.qkv, l.o_proj, l.gate_up, l.down, l.input_norm, l.post_attention_norm, l.pre_ff_norm,
+      const LoraRows lora{&l.lora, row_slots.data()};
+      h = decoder_layer_impl(h, l.qkv, l.o_proj, l.gate_up, l.down, l.input_norm, l.post_attention_norm, l.pre_ff_norm,
                         l.post_ff_norm, l.qk_norm, l.eps, l.gelu, cos[r], sin[r], cache_keys[i], cache_values[i],
-                        seqs[q], tables[q], masks[q], l.H, l.Hkv, l.hd, l.I, l.scale, amx_min_rows);
+                        seqs[q], tables[q], masks[q], l.H, l.Hkv, l.hd, l.I, l.scale, amx_min_rows,
+                        row_slots.empty() ? nullptr : &lora);
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == i) captured[c] = h;
     }
@@ -1581,6 +1684,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("add_layer", &qd_quant::DecoderStack::add_layer)
       .def("size", &qd_quant::DecoderStack::size)
+      .def("set_lora", &qd_quant::DecoderStack::set_lora)
+      .def("clear_lora", &qd_quant::DecoderStack::clear_lora)
       .def("forward", &qd_quant::DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("draft_chain", &qd_quant::draft_chain, "a copy-path draft head's top-1 chain, every depth in one call",
         py::call_guard<py::gil_scoped_release>());
