@@ -446,6 +446,17 @@ class EngineLoop:
             free_slots=self.stats.free_slots,
             kv_cache_usage=self.stats.kv_cache_usage,
         )
+        if self._engine.loras is not None:
+            self._metrics.set_loras(
+                max_loras=self._engine.config.max_loras,
+                running=_adapter_names(scheduler.running),
+                waiting=_adapter_names(scheduler.waiting),
+            )
+
+
+def _adapter_names(requests) -> list[str]:
+    """The distinct LoRA adapters of `requests`, by name, in order."""
+    return sorted({request.lora.name for request in requests if request.lora is not None})
 
 
 def _deliver(submission: Submission, event: LoopEvent) -> None:

@@ -182,6 +182,14 @@ class ServerMetrics:
             ENGINE_LABELS,
             registry=self.registry,
         )
+        # vLLM's lora_requests_info: the value is when it was published, the labels say which
+        # adapters the running and the waiting requests run (comma-separated); set with LoRA only.
+        self.lora_requests_info = Gauge(
+            "quickdraft_lora_requests_info",
+            "Running stats on LoRA requests: the adapters of the running and of the waiting requests",
+            [*ENGINE_LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=self.registry,
+        )
         # Create the unlabelled-by-scenario series now so a fresh server already exposes them.
         engine_metrics = (self.batch_size, self.steps_failed, self.running, self.waiting, self.free_slots)
         for metric in (*engine_metrics, self.kv_cache_usage):
@@ -252,6 +260,16 @@ class ServerMetrics:
         self.waiting.labels(**self._engine_labels).set(waiting)
         self.free_slots.labels(**self._engine_labels).set(free_slots)
         self.kv_cache_usage.labels(**self._engine_labels).set(kv_cache_usage)
+
+    def set_loras(self, *, max_loras: int, running: list[str], waiting: list[str]) -> None:
+        """The adapters in use now (one series: the previous label set is dropped)."""
+        self.lora_requests_info.clear()
+        self.lora_requests_info.labels(
+            **self._engine_labels,
+            max_lora=str(max_loras),
+            running_lora_adapters=",".join(running),
+            waiting_lora_adapters=",".join(waiting),
+        ).set_to_current_time()
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""

@@ -62,6 +62,12 @@ ALIASES = (
         "accepted_by_position",
         labels=(("position", "position"),),
     ),
+    Alias(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        "lora_requests_info",
+        labels=tuple((name, name) for name in ("max_lora", "waiting_lora_adapters", "running_lora_adapters")),
+    ),
 )
 
 

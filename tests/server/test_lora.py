@@ -124,3 +124,18 @@ def test_json_lora_modules_name_their_base(adapter_paths):
     first, second = config.lora_requests()
     assert (first.lora_name, first.lora_int_id, first.base_model_name) == ("a", 1, "b")
     assert (second.lora_name, second.lora_int_id, second.lora_path) == ("c", 2, "/p")
+
+
+def test_metrics_name_the_adapters_of_running_requests(server):
+    """vLLM's vllm:lora_requests_info: scraped while an adapter's stream runs, it names it."""
+    body = {"model": "sql", "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.api_url}/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        during = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        for _ in lines:  # to its end
+            pass
+    info = [line for line in during.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters="sql"' in info[0], info
+    after = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert 'running_lora_adapters=""' in after
