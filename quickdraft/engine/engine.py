@@ -42,7 +42,7 @@ from quickdraft.models.loader import (
     resolve_model_dir,
     resolve_quantization,
 )
-from quickdraft.models.lora import LoRARegistry, LoRARequest, LoRASlots
+from quickdraft.models.lora import LoRARegistry, LoRARequest, LoRASlots, LoRAWeights
 from quickdraft.models.quantized_loader import quantized_weights_in_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
@@ -320,7 +320,7 @@ class Engine:
         self.scheduler.add(request)
         return request_id
 
-    def _lora_for(self, lora_request: LoRARequest | None):
+    def _lora_for(self, lora_request: LoRARequest | None) -> LoRAWeights | None:
         if lora_request is None:
             return None
         if self.loras is None:
@@ -454,8 +454,10 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """Schedule, draft, one target forward, verify every request at once, commit each."""
         started = time.perf_counter()
+        # Whether this step drafts (disable_by_batch_size), decided once: the scheduler's reserve
+        # for draft nodes and the drafting itself follow the same answer.
+        drafting = self.speculator is not None and self.speculator.drafts_with(num_running=len(self.scheduler.running))
         if self.speculator is not None:  # adaptive speculation's follows what it drafts
-            drafting = self.speculator.drafts_with(num_running=len(self.scheduler.running))
             self.scheduler.draft_reserve = self.speculator.draft_reserve if drafting else 0
         plan = self.scheduler.schedule()
         if self.speculator is not None:
@@ -480,7 +482,7 @@ class Engine:
         # Before any commit changes the requests (one may finish inside its accepted path).
         num_decodes = sum(1 for item in plan if item.num_new_tokens == 1 and item.completes_prompt)
         decode_only = num_decodes == len(plan)
-        drafts = self._propose(plan)
+        drafts = self._propose(plan) if drafting else {}
         drafted = time.perf_counter()
         # Every item that completes its known tokens ends in a proposal; a plain decode's is its root alone.
         proposals = [self._proposal_for(item, drafts) for item in plan]
@@ -631,7 +633,7 @@ class Engine:
         if self.speculator is None:
             return {}
         decoding = [item.request for item in plan if item.num_new_tokens == 1 and item.completes_prompt]
-        if not decoding or not self.speculator.drafts_with(num_running=len(self.scheduler.running)):
+        if not decoding:
             return {}
         # Room the scheduler reserved in the cache: drafts never take blocks of their own.
         room = {r.request_id: self.cache.room(r.scheduled_slot) - r.num_computed_tokens for r in decoding}

@@ -4,7 +4,8 @@ Every step, each running request feeds the tokens whose KV is not yet cached: a 
 partial prompt (chunked prefill), or the one token sampled last step (decode).  Decodes go
 first so a long prompt never stalls the requests already generating; prefill chunks fill
 the rest of the token budget.  Waiting requests join when a cache slot is free and the cache
-has blocks for their first chunk.
+has blocks for their first chunk (and, for one that runs a LoRA adapter, when its adapter is
+running already or fewer than max_loras are: the others behind it go on).
 
 Blocks are reserved here, before the forward: a request whose next token finds no free block
 preempts the newest running requests (they give their blocks back and wait first in line to

@@ -180,3 +180,25 @@ def _on_cuda(init):
         init(self, *args, **{**kwargs, "device": "cuda"})
 
     return init_on_cuda
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_adapters_on_cuda_keep_rows_and_speculation_exact(tiny_checkpoints, tmp_path, dtype):
+    """A batch mixing two adapters and the base model gives each prompt its tokens alone, and
+    suffix speculation gives plain decoding's (torch layers: the adapters' deltas through the
+    fixed-shape linear)."""
+    from quickdraft import LoRARequest
+    from tests.models.test_lora import write_peft_adapter
+
+    base = tiny_checkpoints["gemma3"]
+    adapters = [LoRARequest(f"a{i}", i, str(write_peft_adapter(base, tmp_path / f"a{i}", seed=i))) for i in (1, 2)]
+    prompts = repetitive_prompts()
+    loras = [adapters[0], None, adapters[1], adapters[0]]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    llm = cuda_llm(base, dtype=dtype, enable_lora=True, max_loras=2)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+    alone = [llm.generate([p], params, lora_request=lora)[0].outputs[0].token_ids for p, lora in zip(prompts, loras)]
+    assert together == alone
+    assert together[0] != llm.generate([prompts[0]], params)[0].outputs[0].token_ids
+    spec = cuda_llm(base, dtype=dtype, enable_lora=True, max_loras=2, speculative_config={"method": "suffix"})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, lora_request=loras)] == together

@@ -13,11 +13,11 @@ import torch
 from quickdraft import LLM, LoRARequest, SamplingParams
 from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.kernels.quant_linear import fused_layer_available
-from quickdraft.kv.cache import KVCache
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.loader import load_decoder, resolve_model_dir
 from quickdraft.models.lora import LoRAError, LoRARegistry, LoRASlots, LoRAWeights, load_lora_adapter
 from quickdraft.verify.tree import Tree
+from tests.models.test_quantized_loader import _runner as slot_runner
 
 CPU = torch.device("cpu")
 PROMPT = [2, 50, 60, 70, 80, 90, 100, 33, 44, 45, 46, 47]
@@ -112,17 +112,7 @@ def _runner(base: Path, *, quantization: str | None, slots: int) -> ModelRunner:
         resolve_model_dir(base), dtype=torch.float32, device=CPU, max_len=128, quantization=quantization
     )
     model.lora_enabled = True
-    cache = KVCache(
-        num_layers=config.num_layers,
-        num_slots=slots,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_len=128,
-        dtype=torch.float32,
-        device=CPU,
-        block_size=4,
-    )
-    runner = ModelRunner(model=model, cache=cache, device=CPU)
+    runner = slot_runner(model, config, slots=slots)
     runner.lora_slots = LoRASlots(2)
     return runner
 
@@ -180,6 +170,29 @@ def test_rows_of_other_adapters_change_no_bit_of_a_row(tiny_checkpoints, adapter
         fresh(), [[SequenceWork(slot=0, cache_len=n, token_ids=[rest[0]], logits_nodes=[0])]], {0: (prefix, None)}
     )
     assert not torch.allclose(base_rows, alone[0], atol=1e-3)
+
+
+@pytest.mark.skipif(not fused_layer_available(), reason="no compiled one-call layer on this CPU")
+def test_a_prompt_prefilled_at_once_gives_each_tokens_decoded_bits(tiny_checkpoints, adapters):
+    """12 rows of one adapter in one forward (its deltas computed 8 rows and then 4 at a time)
+    give each token's bits decoded alone."""
+    base = tiny_checkpoints["gemma3"]
+    first = _adapter(base, adapters["gemma3"], 1)
+    runner = _runner(base, quantization="q8_0", slots=2)
+    (wide,) = _decode_logits(
+        runner,
+        [[SequenceWork(slot=0, cache_len=0, token_ids=PROMPT, logits_nodes=list(range(len(PROMPT))), lora=first)]],
+        {},
+    )
+    alone = _decode_logits(
+        runner,
+        [
+            [SequenceWork(slot=1, cache_len=i, token_ids=[PROMPT[i]], logits_nodes=[0], lora=first)]
+            for i in range(len(PROMPT))
+        ],
+        {},
+    )
+    assert torch.equal(wide, torch.cat(alone))
 
 
 @pytest.mark.skipif(not fused_layer_available(), reason="no compiled one-call layer on this CPU")
