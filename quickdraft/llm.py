@@ -115,6 +115,15 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's accessor; also the `tokenizer` property)."""
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's); True once done (requests must not be running)."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling a prompt gets without SamplingParams: the model's generation config
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) over

@@ -114,6 +114,15 @@ def test_prefix_cache_blocks_are_not_shared_between_adapters(tiny_checkpoints, a
     assert base.outputs[0].token_ids == fresh.generate([prompt], GREEDY)[0].outputs[0].token_ids
 
 
+def test_reset_prefix_cache_forgets_every_adapters_blocks(tiny_checkpoints, adapters):
+    llm = _lora_llm(tiny_checkpoints, block_size=4)
+    prompt = repetitive_prompts()[3]
+    llm.generate([prompt], GREEDY, lora_request=adapters["first"])
+    assert llm.reset_prefix_cache() and llm.get_tokenizer() is llm.tokenizer
+    again = llm.generate([prompt], GREEDY, lora_request=adapters["first"])[0]
+    assert again.metrics.num_cached_tokens == 0
+
+
 def test_adapters_need_enable_lora(tiny_checkpoints, adapters):
     llm = LLM(_target(tiny_checkpoints), max_model_len=64)
     with pytest.raises(InvalidParameterError, match="'first' asked for, but LoRA is not enabled"):
