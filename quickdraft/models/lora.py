@@ -192,14 +192,28 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
-def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: int, device: torch.device) -> LoRAWeights:
-    """Read and check a PEFT LoRA directory for this target; errors name the adapter and the problem."""
-    name = request.lora_name
-    settings, tensors, key = _read_adapter_files(Path(request.lora_path), name)
+@dataclass
+class _Module:
+    """One targeted module as a file holds it."""
+
+    layer: int
+    proj: str  # PEFT's module name (q_proj, ...)
+    a: torch.Tensor  # [r, K]
+    b: torch.Tensor  # [n, r]
+    alpha: float  # scale = alpha / r (alpha / sqrt(r) with rsLoRA); 0: scale 1 (llama.cpp's)
+
+
+def _check_layer(tensor_name: str, *, layer: int, num_layers: int, adapter: str) -> None:
+    if layer >= num_layers:
+        raise LoRAError(f"LoRA adapter {adapter!r}: {tensor_name!r} is for layer {layer}; the target has {num_layers}")
+
+
+def _peft_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Module], bool, str]:
+    """A PEFT directory's modules, whether it is rsLoRA, and the hash of its files."""
+    settings, tensors, key = _read_adapter_files(path, name)
     _check_settings(settings, name)
-    shapes = _site_shapes(config)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    modules: dict[tuple[int, str], str] = {}
+    module_names: dict[tuple[int, str], str] = {}
     for tensor_name, tensor in tensors.items():
         match = _KEY.match(tensor_name)
         if match is None or match["proj"] not in _MODULE_SITES:
@@ -208,24 +222,112 @@ def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: in
                 f"module ({', '.join(_MODULE_SITES)} of the decoder layers; embeddings and the LM head are not)"
             )
         layer, proj = int(match["layer"]), match["proj"]
-        if layer >= config.num_layers:
-            raise LoRAError(
-                f"LoRA adapter {name!r}: {tensor_name!r} is for layer {layer}; the target has {config.num_layers}"
-            )
+        _check_layer(tensor_name, layer=layer, num_layers=config.num_layers, adapter=name)
         found.setdefault((layer, proj), {})[match["ab"]] = tensor
-        modules[layer, proj] = match["module"]
-    if not found:
-        raise LoRAError(f"LoRA adapter {name!r}: its weights file holds no LoRA tensors")
+        module_names[layer, proj] = match["module"]
     alpha = float(settings.get("lora_alpha", settings.get("r", 8)))
-    rslora = bool(settings.get("use_rslora", False))
+    alpha_pattern = settings.get("alpha_pattern") or {}
+    modules = [
+        _paired(name, layer, proj, pair, alpha=float(_pattern_value(alpha_pattern, module_names[layer, proj], alpha)))
+        for (layer, proj), pair in sorted(found.items())
+    ]
+    return modules, bool(settings.get("use_rslora", False)), key
+
+
+def _paired(name: str, layer: int, proj: str, pair: dict[str, torch.Tensor], *, alpha: float) -> _Module:
+    if set(pair) != {"A", "B"}:
+        missing = "B" if "A" in pair else "A"
+        raise LoRAError(f"LoRA adapter {name!r}, layer {layer} {proj}: has lora_{''.join(pair)} without lora_{missing}")
+    return _Module(layer=layer, proj=proj, a=pair["A"], b=pair["B"], alpha=alpha)
+
+
+# GGUF leaf names of the projections (llama.cpp's convert_lora_to_gguf) -> PEFT's module names
+_GGUF_PROJECTIONS = {
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+_GGUF_KEY = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>\w+)\.weight\.lora_(?P<ab>[ab])$")
+# our ModelConfig.model_type -> general.architecture of its GGUF files
+_GGUF_ARCHITECTURES = {
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Module], bool, str]:
+    """A llama.cpp LoRA adapter (GGUF, general.type "adapter") as modules: its B rows of q and k
+    put back in HF's order for Llama, as the loader does for the base weights."""
+    import gguf
+    import numpy as np
+
+    from quickdraft.models.gguf import _torch_shape, _unpermute_rows, open_gguf, read_field
+
+    try:
+        reader = open_gguf(path)
+    except Exception as err:
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {str(path)!r} as GGUF ({err})") from err
+    kind, adapter_type = read_field(reader, "general.type"), read_field(reader, "adapter.type")
+    if kind != "adapter" or adapter_type != "lora":
+        raise LoRAError(
+            f"LoRA adapter {name!r}: {str(path)!r} is not a LoRA adapter GGUF (general.type {kind!r}, "
+            f"adapter.type {adapter_type!r}); a model file cannot be an adapter"
+        )
+    architecture = read_field(reader, "general.architecture")
+    expected = _GGUF_ARCHITECTURES.get(config.model_type)
+    if architecture != expected:
+        raise LoRAError(f"LoRA adapter {name!r}: an adapter of {architecture!r} models; the target is {expected!r}")
+    alpha = float(read_field(reader, "adapter.lora.alpha", 0.0) or 0.0)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor in reader.tensors:
+        match = _GGUF_KEY.match(tensor.name)
+        if match is None or match["leaf"] not in _GGUF_PROJECTIONS:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {tensor.name!r} is not a LoRA A/B weight of a supported "
+                f"projection ({', '.join(_GGUF_PROJECTIONS)}; embeddings and the output are not)"
+            )
+        layer, proj = int(match["layer"]), _GGUF_PROJECTIONS[match["leaf"]]
+        _check_layer(tensor.name, layer=layer, num_layers=config.num_layers, adapter=name)
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as err:
+            raise LoRAError(f"LoRA adapter {name!r}: cannot read tensor {tensor.name!r} ({err})") from err
+        values = np.asarray(values, dtype=np.float32).reshape(_torch_shape(tensor))
+        if architecture == "llama" and match["ab"] == "b" and proj in ("q_proj", "k_proj"):
+            values = _unpermute_rows(values, n_head=config.num_heads if proj == "q_proj" else config.num_kv_heads)
+        found.setdefault((layer, proj), {})[match["ab"].upper()] = torch.from_numpy(np.ascontiguousarray(values))
+    modules = [_paired(name, layer, proj, pair, alpha=alpha) for (layer, proj), pair in sorted(found.items())]
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return modules, False, digest.hexdigest()[:32]
+
+
+def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: int, device: torch.device) -> LoRAWeights:
+    """Read and check a LoRA adapter for this target: a PEFT directory, or llama.cpp's GGUF adapter
+    file; errors name the adapter and the problem."""
+    name, path = request.lora_name, Path(request.lora_path)
+    if path.suffix == ".gguf" and path.is_file():
+        modules, rslora, key = _gguf_modules(path, name, config)
+    else:
+        modules, rslora, key = _peft_modules(path, name, config)
+    if not modules:
+        raise LoRAError(f"LoRA adapter {name!r}: its weights file holds no LoRA tensors")
+    shapes = _site_shapes(config)
     layers: list[dict[str, list[LoRAPart]]] = [{} for _ in range(config.num_layers)]
     max_found = 0
-    for (layer, proj), pair in sorted(found.items()):
-        where = f"LoRA adapter {name!r}, layer {layer} {proj}"
-        if set(pair) != {"A", "B"}:
-            raise LoRAError(f"{where}: has lora_{''.join(pair)} without lora_{'B' if 'A' in pair else 'A'}")
-        a, b = pair["A"], pair["B"]
-        width_in, width_out, col0 = shapes[proj]
+    for module in modules:
+        where = f"LoRA adapter {name!r}, layer {module.layer} {module.proj}"
+        a, b = module.a, module.b
+        width_in, width_out, col0 = shapes[module.proj]
         if (
             a.dim() != 2
             or b.dim() != 2
@@ -241,15 +343,13 @@ def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: in
         if rank > max_rank:
             raise LoRAError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
         max_found = max(max_found, rank)
-        module_alpha = float(_pattern_value(settings.get("alpha_pattern") or {}, modules[layer, proj], alpha))
-        scale = module_alpha / (math.sqrt(rank) if rslora else rank)
-        site, _ = _MODULE_SITES[proj]
+        scale = module.alpha / (math.sqrt(rank) if rslora else rank) if module.alpha else 1.0
         part = LoRAPart(
             a=a.to(torch.float32).contiguous().to(device),
             b=(b.to(torch.float32) * scale).contiguous().to(device),
             col0=col0,
         )
-        layers[layer].setdefault(site, []).append(part)
+        layers[module.layer].setdefault(_MODULE_SITES[module.proj][0], []).append(part)
     for sites in layers:
         for parts in sites.values():
             parts.sort(key=lambda part: part.col0)

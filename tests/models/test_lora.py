@@ -330,3 +330,73 @@ def test_registry_keeps_one_adapter_per_id_and_the_most_recent(tiny_checkpoints,
     registry.get(LoRARequest("b", 2, str(adapters["gemma3-second"])))
     assert registry.ids() == [2]  # capacity 1: the older one dropped
     assert registry.remove(2) and not registry.remove(2)
+
+
+def write_gguf_adapter(peft_dir: Path, out: Path, *, architecture: str, config: ModelConfig, f16: bool = False) -> Path:
+    """The PEFT adapter as llama.cpp's convert_lora_to_gguf writes it: blk.N.<leaf>.weight.lora_a/b,
+    adapter.lora.alpha, and (Llama) the q and k B rows in llama.cpp's permuted order."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from tests.models.test_gguf import _llama_permute
+
+    leaves = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
+    settings = json.loads((peft_dir / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(out, architecture)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(settings["lora_alpha"]))
+    for name, tensor in sorted(load_file(peft_dir / "adapter_model.safetensors").items()):
+        layer = name.split("layers.")[1].split(".")[0]
+        proj = name.split(".lora_")[0].rsplit(".", 1)[1]
+        ab = name.split(".lora_")[1][0].lower()
+        values = tensor.float().numpy()
+        if architecture == "llama" and ab == "b" and proj in ("q_proj", "k_proj"):
+            values = _llama_permute(values, n_head=config.num_heads if proj == "q_proj" else config.num_kv_heads)
+        values = np.ascontiguousarray(values.astype(np.float16 if f16 else np.float32))
+        writer.add_tensor(f"blk.{layer}.{leaves[proj]}.weight.lora_{ab}", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_llama_cpp_gguf_adapters_load_as_their_peft_source(tiny_checkpoints, adapters, tmp_path, arch):
+    """A GGUF LoRA adapter (llama.cpp's layout) gives the very parts of the PEFT adapter it was
+    written from (Llama's permuted q and k rows put back), so the same tokens; float16 runs too."""
+    base = tiny_checkpoints[arch]
+    config = _config(base)
+    path = write_gguf_adapter(adapters[arch], tmp_path / "a.gguf", architecture=arch, config=config)
+    from_gguf, from_peft = _adapter(base, path, 1), _adapter(base, adapters[arch], 2)
+    for ours, theirs in zip(from_gguf.layers, from_peft.layers):
+        assert ours.keys() == theirs.keys()
+        for site in ours:
+            for part, expected in zip(ours[site], theirs[site]):
+                assert part.col0 == expected.col0
+                assert torch.equal(part.a, expected.a) and torch.equal(part.b, expected.b)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_model_len=128)
+    tokens = [
+        llm.generate([PROMPT], GREEDY, lora_request=LoRARequest(n, i, str(p)))[0].outputs[0].token_ids
+        for i, (n, p) in enumerate([("gguf", path), ("peft", adapters[arch])], start=1)
+    ]
+    assert tokens[0] == tokens[1]
+    half = write_gguf_adapter(adapters[arch], tmp_path / "h.gguf", architecture=arch, config=config, f16=True)
+    assert len(llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("half", 3, str(half)))[0].outputs[0].token_ids)
+
+
+def test_gguf_files_that_are_not_adapters_of_the_target_are_refused(tiny_checkpoints, adapters, tmp_path):
+    from tests.models.test_gguf import build_tiny_gguf
+
+    gemma = tiny_checkpoints["gemma3"]
+    model_file = build_tiny_gguf(tmp_path, "llama-q8_0").path
+    with pytest.raises(LoRAError, match=r"is not a LoRA adapter GGUF \(general.type"):
+        _adapter(gemma, model_file, 1)
+    llama_adapter = write_gguf_adapter(
+        adapters["llama"], tmp_path / "l.gguf", architecture="llama", config=_config(tiny_checkpoints["llama"])
+    )
+    with pytest.raises(LoRAError, match="an adapter of 'llama' models; the target is 'gemma3'"):
+        _adapter(gemma, llama_adapter, 1)
