@@ -694,6 +694,14 @@ def _add_bench_serve_parser(suites) -> None:
         "the rounds and list each round's ratio (default: 1)",
     )
     serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories or llama.cpp .gguf files) the requests run in turn",
+    )
+    serve.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default: 1)")
+    serve.add_argument(
         "--time-limit",
         type=float,
         default=300.0,
@@ -890,6 +898,8 @@ def run_bench_serve(args) -> int:
         max_num_seqs=args.max_num_seqs,
         replicas=args.replicas,
         routing=args.routing,
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras,
     )
     out_dir = Path(args.out) if args.out else default_out_dir()
     report = run_serving_bench(

@@ -70,9 +70,14 @@ class ServingBenchOptions:
     # the modes of a level back to back (their order rotating from round to round), so a ratio
     # to "off" compares runs minutes apart at most, whatever this machine's speed drifts to.
     rounds: int = 1
+    # LoRA adapters the requests run ("name=path", as `quickdraft serve --lora-modules`): request n
+    # names adapter n % len(lora_modules); empty: every request runs the base model.
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         self.questions = Path(self.questions)
+        self.lora_modules = tuple(self.lora_modules)
         self.concurrency = tuple(self.concurrency)
         self.modes = tuple(self.modes)
         unknown = [m for m in self.modes if m not in MODES]
@@ -87,16 +92,24 @@ class ServingBenchOptions:
             _check_positive_int("concurrency", level)
         if len(set(self.concurrency)) != len(self.concurrency):
             raise ValueError(f"concurrency levels must be distinct, got {list(self.concurrency)}")
-        for name in ("requests_per_client", "max_tokens", "rounds"):
+        for name in ("requests_per_client", "max_tokens", "rounds", "max_loras"):
             _check_positive_int(name, getattr(self, name))
         if self.replicas is not None:
             _check_positive_int("replicas", self.replicas)
+            if self.lora_modules:
+                raise ValueError("LoRA adapters with replicas are not built (quickdraft serve refuses them too)")
         if self.max_num_seqs is not None:
             _check_positive_int("max_num_seqs", self.max_num_seqs)
         for name in ("time_limit_seconds", "request_timeout_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+    def request_model(self, index: int) -> str:
+        """The "model" request `index` names: the served model, or its LoRA adapter."""
+        if not self.lora_modules:
+            return SERVED_MODEL_NAME
+        return self.lora_modules[index % len(self.lora_modules)].split("=", 1)[0]
 
     @property
     def num_slots(self) -> int:
@@ -195,13 +208,15 @@ class RequestRecord:
         return self.error is None and self.finish_reason is not None
 
 
-async def stream_completion(client, *, prompt: BenchPrompt, index: int, max_tokens: int) -> RequestRecord:
+async def stream_completion(
+    client, *, prompt: BenchPrompt, index: int, max_tokens: int, model: str = SERVED_MODEL_NAME
+) -> RequestRecord:
     """One greedy streamed completion; errors are recorded, not raised (the level goes on)."""
     import httpx
 
     record = RequestRecord(index=index, question_id=prompt.question_id, task=prompt.task)
     body = {
-        "model": SERVED_MODEL_NAME,
+        "model": model,
         "prompt": prompt.text,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -292,7 +307,11 @@ async def run_level(
                 index = first_index + turn * concurrency + client_index
                 records.append(
                     await stream_completion(
-                        client, prompt=prompts[index % len(prompts)], index=index, max_tokens=options.max_tokens
+                        client,
+                        prompt=prompts[index % len(prompts)],
+                        index=index,
+                        max_tokens=options.max_tokens,
+                        model=options.request_model(index),
                     )
                 )
             return records
@@ -407,6 +426,9 @@ def server_config(options: ServingBenchOptions, *, speculative_config: dict | No
         speculative_config=speculative_config,
         shutdown_grace_seconds=5.0,
         log_level="warning",
+        enable_lora=bool(options.lora_modules),
+        lora_modules=list(options.lora_modules),
+        max_loras=options.max_loras,
     )
 
 
@@ -593,6 +615,7 @@ async def _run_levels(
             prompt=BenchPrompt(question_id=-1, category="warmup", text=WARMUP_PROMPT),
             index=-1,
             max_tokens=WARMUP_MAX_TOKENS,
+            model=options.request_model(0),
         )
     if not warmup.ok:
         raise RuntimeError(f"the {mode} server failed its warm-up request: {warmup.error}")
@@ -643,8 +666,16 @@ def _header(options: ServingBenchOptions, *, engine, num_prompts: int) -> str:
         f"{options.max_tokens} tokens at most, "
         f"{options.requests_per_client} per client; first turns of {num_prompts} Spec-Bench questions from "
         f"{options.questions.name}; always-on = {json.dumps(options.speculative_config, sort_keys=True)}; "
+        f"{_lora_text(options)}"
         f"{time.strftime('%Y-%m-%d %H:%M')}"
     )
+
+
+def _lora_text(options: ServingBenchOptions) -> str:
+    if not options.lora_modules:
+        return ""
+    names = ", ".join(options.request_model(i) for i in range(len(options.lora_modules)))
+    return f"requests run LoRA adapters in turn ({names}; max_loras {options.max_loras}); "
 
 
 def replica_options(options: ServingBenchOptions):

@@ -325,3 +325,33 @@ def test_bench_serve_on_replicas_gives_the_single_servers_tokens(report, tiny_ch
         tokens = {r["index"]: r["token_ids"] for r in level["requests"]}
         expected = {r["index"]: r["token_ids"] for r in single_levels[key]["requests"]}
         assert tokens == expected
+
+
+def test_requests_run_lora_adapters_in_turn_and_stay_exact(tiny_checkpoints, questions_file, tmp_path):
+    """--lora-modules: request n names adapter n % 2; speculation gives each request the tokens
+    plain decoding gives it, and those are LLM.generate's under that adapter."""
+    from quickdraft import LLM, LoRARequest
+    from quickdraft.bench.specbench import conversation_prompt
+    from quickdraft.sampling_params import SamplingParams
+    from tests.models.test_lora import write_peft_adapter
+
+    base = tiny_checkpoints["gemma3"]
+    paths = [write_peft_adapter(base, tmp_path / f"a{i}", seed=i) for i in (1, 2)]
+    out = tmp_path / "out"
+    extra = ["--concurrency", "2", "--requests-per-client", "1", "--modes", "off", "always-on", "--max-loras", "2"]
+    extra += ["--lora-modules", f"one={paths[0]}", f"two={paths[1]}"]
+    assert run_bench(base, questions_file, out, *extra) == 0
+    data = json.loads((out / JSON_FILE).read_text())
+    levels = levels_by_key(data)
+    assert levels[("always-on", 2)]["summary"]["exact"] is True
+    off = levels[("off", 2)]["requests"]
+    llm = LLM(str(base), max_model_len=128, enable_lora=True, max_loras=2)
+    texts = {q["question_id"]: conversation_prompt(q["turns"][:1], []) for q in QUESTIONS}
+    adapters = [LoRARequest("one", 1, str(paths[0])), LoRARequest("two", 2, str(paths[1]))]
+    expected = llm.generate(
+        [texts[r["question_id"]] for r in off],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+        lora_request=[adapters[r["index"] % 2] for r in off],
+    )
+    assert [r["token_ids"] for r in off] == [o.outputs[0].token_ids for o in expected]
+    assert "requests run LoRA adapters in turn (one, two; max_loras 2)" in (out / SUMMARY_FILE).read_text()
