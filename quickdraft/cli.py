@@ -188,6 +188,12 @@ examples:
 """
 
 
+def _add_lora_module_arguments(parser, *, what: str) -> None:
+    """--lora-modules and --max-loras, as vLLM spells them (`serve` and `bench serve`)."""
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help=what)
+    parser.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default: 1)")
+
+
 def _add_serve_parser(commands) -> None:
     serve = commands.add_parser(
         "serve",
@@ -349,14 +355,9 @@ def _add_serve_parser(commands) -> None:
     )
     lora = serve.add_argument_group("LoRA adapters (vLLM's flags)", 'PEFT LoRA adapters a request names in "model"')
     lora.add_argument("--enable-lora", action="store_true", help="let requests run LoRA adapters")
-    lora.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help='adapters served by name: name=path or JSON {"name": ..., "path": ..., "base_model_name": ...}',
+    _add_lora_module_arguments(
+        lora, what='adapters served by name: name=path or JSON {"name": ..., "path": ..., "base_model_name": ...}'
     )
-    lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default: 1)")
     lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank taken (default: 16)")
     lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default: --max-loras)")
     lora.add_argument(
@@ -693,14 +694,9 @@ def _add_bench_serve_parser(suites) -> None:
         "(their order rotating), so that a ratio to off does not ride on this machine's drift; the tables pool "
         "the rounds and list each round's ratio (default: 1)",
     )
-    serve.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="LoRA adapters (PEFT directories or llama.cpp .gguf files) the requests run in turn",
+    _add_lora_module_arguments(
+        serve, what="LoRA adapters (PEFT directories or llama.cpp .gguf files) the requests run in turn"
     )
-    serve.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default: 1)")
     serve.add_argument(
         "--time-limit",
         type=float,
