@@ -703,7 +703,9 @@ async def _beam_search(
         metrics=metrics,
     )
     # the response's id and envelope (this generation is never submitted)
-    envelope = Generation(prompts=prompts, params=prepared.params, client_request_id=body.request_id, **common)
+    envelope = Generation(
+        prompts=prompts, params=prepared.params, options=prepared.options, client_request_id=body.request_id, **common
+    )
     writer = writer_class(
         server=server, generation=envelope, include_usage=False, include_token_ids=body.return_token_ids
     )

@@ -165,3 +165,16 @@ def test_fuzzed_adapter_route_bodies_never_get_a_5xx(server, adapter_paths, tmp_
     # both sides reached: some loads, unloads and completions went through, most were refused
     assert statuses.count(200) >= 2 and sum(400 <= s < 500 for s in statuses) > 20
     httpx.post(f"{server.base_url}/v1/unload_lora_adapter", json={"lora_name": "poem"}, timeout=10)
+
+
+def test_beam_search_runs_the_adapter_and_names_it(server, tiny_checkpoints, adapter_paths):
+    body = {"model": "sql", "prompt": PROMPT, "max_tokens": 6, "use_beam_search": True, "n": 2, "temperature": 0}
+    reply = httpx.post(f"{server.api_url}/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == "sql"
+    from quickdraft import BeamSearchParams
+
+    llm = LLM(str(tiny_checkpoints["gemma3"]), enable_lora=True, max_model_len=128)
+    adapter = LoRARequest("sql", 1, adapter_paths["sql"])
+    (expected,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=6), lora_request=adapter)
+    assert [c["text"] for c in reply.json()["choices"]] == [s.output_text for s in expected.sequences]
