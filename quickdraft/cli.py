@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template"
     )
+    generate.add_argument(
+        "--lora",
+        default=None,
+        metavar="PATH",
+        help="run a LoRA adapter: a PEFT directory or a llama.cpp .gguf adapter (llama-cli's --lora)",
+    )
     _add_tensor_parallel_option(generate)
     _add_lazy_logits_option(generate)
     _add_huge_pages_option(generate)
@@ -766,7 +772,17 @@ def run_generate(args) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         lazy_logits_rows=args.lazy_logits_rows,
         weights_in_huge_pages=args.weights_in_huge_pages,
+        enable_lora=args.lora is not None,
+        max_lora_rank=256,  # one adapter the user picked: no serving budget to guard
     )
+    adapter = None
+    if args.lora is not None:
+        from pathlib import Path
+
+        from quickdraft.models.lora import LoRARequest
+
+        adapter = LoRARequest(Path(args.lora).name or "adapter", 1, args.lora)
+        llm.add_lora(adapter)  # a bad adapter fails here, naming itself
     load_seconds = time.perf_counter() - load_start
     prompt = args.prompt
     if args.chat:
@@ -777,7 +793,7 @@ def run_generate(args) -> int:
     if args.compare_plain:  # one-time costs (kernel load, allocator) must not count against either run
         llm.generate(["warm up"], _warmup_params())
     output = None
-    for delta in llm.stream(prompt, params):
+    for delta in llm.stream(prompt, params, lora_request=adapter):
         sys.stdout.write(delta.text)
         sys.stdout.flush()
         output = delta.output or output
@@ -803,7 +819,7 @@ def run_generate(args) -> int:
             file=sys.stderr,
         )
     if args.compare_plain:
-        _compare_plain(llm, prompt, params, output)
+        _compare_plain(llm, prompt, params, output, lora_request=adapter)
     return 0
 
 
@@ -1060,12 +1076,12 @@ def _warmup_params():
     return SamplingParams(temperature=0.0, max_tokens=4)
 
 
-def _compare_plain(llm, prompt, params, speculative_output) -> None:
+def _compare_plain(llm, prompt, params, speculative_output, *, lora_request=None) -> None:
     """Decode the same prompt plainly in the same engine; print the speedup and exactness."""
     spec_config = llm.engine.speculator.config if llm.engine.speculator else None
     llm.engine.set_speculative_config(None)
     try:
-        plain = llm.generate([prompt], params)[0]
+        plain = llm.generate([prompt], params, lora_request=lora_request)[0]
     finally:
         llm.engine.set_speculative_config(spec_config)
     same = plain.outputs[0].token_ids == speculative_output.outputs[0].token_ids

@@ -181,3 +181,25 @@ def test_python_dash_m_runs_the_cli():
 
     done = subprocess.run([sys.executable, "-m", "quickdraft", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage: quickdraft" in done.stdout
+
+
+def test_generate_runs_a_lora_adapter_and_compares_with_plain_under_it(tiny_checkpoints, capsys, tmp_path):
+    """--lora (llama-cli's flag): the streamed text is LLM.generate's under the adapter, and
+    --compare-plain decodes plainly under the same adapter (outputs identical)."""
+    from quickdraft import LLM, LoRARequest, SamplingParams
+    from tests.models.test_lora import write_peft_adapter
+
+    base = tiny_checkpoints["gemma3"]
+    adapter = write_peft_adapter(base, tmp_path / "adapter", seed=5)
+    args = ["generate", "hello", "--model", str(base), "--max-tokens", "12", "--max-model-len", "64"]
+    args += ["--lora", str(adapter), "--speculative-config", '{"method": "ngram"}', "--compare-plain"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    llm = LLM(str(base), enable_lora=True, max_model_len=64)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    expected = llm.generate(["hello"], params, lora_request=LoRARequest("a", 1, str(adapter)))[0].outputs[0].text
+    assert captured.out.strip() == ("hello" + expected).strip()
+    assert expected != llm.generate(["hello"], params)[0].outputs[0].text
+    assert "outputs identical" in captured.err
+    assert main(["generate", "hi", "--model", str(base), "--lora", str(tmp_path / "none")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
