@@ -109,7 +109,9 @@ class ServingBenchOptions:
         """The "model" request `index` names: the served model, or its LoRA adapter."""
         if not self.lora_modules:
             return SERVED_MODEL_NAME
-        return self.lora_modules[index % len(self.lora_modules)].split("=", 1)[0]
+        from quickdraft.server.config import lora_module_fields
+
+        return lora_module_fields(self.lora_modules[index % len(self.lora_modules)])[0]
 
     @property
     def num_slots(self) -> int:

@@ -29,15 +29,15 @@ from quickdraft.models.layers import LinearFn
 
 SITES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-# PEFT's module name -> (our site, its place among the site's output parts)
+# PEFT's module name -> our site (its output columns there: _site_shapes)
 _MODULE_SITES = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "o_proj": "o_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
 }
 
 _KEY = re.compile(
@@ -110,10 +110,6 @@ class LoRAWeights:
 
     def parts(self, layer: int, site: str) -> list[LoRAPart]:
         return self.layers[layer].get(site, [])
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(p.a.nbytes + p.b.nbytes for layer in self.layers for parts in layer.values() for p in parts)
 
 
 def _site_shapes(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -241,25 +237,7 @@ def _paired(name: str, layer: int, proj: str, pair: dict[str, torch.Tensor], *, 
     return _Module(layer=layer, proj=proj, a=pair["A"], b=pair["B"], alpha=alpha)
 
 
-# GGUF leaf names of the projections (llama.cpp's convert_lora_to_gguf) -> PEFT's module names
-_GGUF_PROJECTIONS = {
-    "attn_q": "q_proj",
-    "attn_k": "k_proj",
-    "attn_v": "v_proj",
-    "attn_output": "o_proj",
-    "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
-}
 _GGUF_KEY = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>\w+)\.weight\.lora_(?P<ab>[ab])$")
-# our ModelConfig.model_type -> general.architecture of its GGUF files
-_GGUF_ARCHITECTURES = {
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}
 
 
 def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Module], bool, str]:
@@ -268,7 +246,12 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
     import gguf
     import numpy as np
 
-    from quickdraft.models.gguf import _torch_shape, _unpermute_rows, open_gguf, read_field
+    from quickdraft.models.gguf import _BLOCK_NAMES, _HF_CLASSES, _torch_shape, _unpermute_rows, open_gguf, read_field
+
+    # the loader's GGUF leaf names of the projections (attn_q -> self_attn.q_proj) -> PEFT's module names
+    projections = {leaf: hf.rpartition(".")[2] for leaf, hf in _BLOCK_NAMES.items() if hf.endswith("_proj")}
+    # the target's model_type (as its config.json or the GGUF conversion names it) -> GGUF architecture
+    architectures = {arch: arch for arch in _HF_CLASSES} | {hf[0]: arch for arch, hf in _HF_CLASSES.items()}
 
     try:
         reader = open_gguf(path)
@@ -281,19 +264,19 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
             f"adapter.type {adapter_type!r}); a model file cannot be an adapter"
         )
     architecture = read_field(reader, "general.architecture")
-    expected = _GGUF_ARCHITECTURES.get(config.model_type)
+    expected = architectures.get(config.model_type)
     if architecture != expected:
         raise LoRAError(f"LoRA adapter {name!r}: an adapter of {architecture!r} models; the target is {expected!r}")
     alpha = float(read_field(reader, "adapter.lora.alpha", 0.0) or 0.0)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
         match = _GGUF_KEY.match(tensor.name)
-        if match is None or match["leaf"] not in _GGUF_PROJECTIONS:
+        if match is None or match["leaf"] not in projections:
             raise LoRAError(
                 f"LoRA adapter {name!r}: tensor {tensor.name!r} is not a LoRA A/B weight of a supported "
-                f"projection ({', '.join(_GGUF_PROJECTIONS)}; embeddings and the output are not)"
+                f"projection ({', '.join(projections)}; embeddings and the output are not)"
             )
-        layer, proj = int(match["layer"]), _GGUF_PROJECTIONS[match["leaf"]]
+        layer, proj = int(match["layer"]), projections[match["leaf"]]
         _check_layer(tensor.name, layer=layer, num_layers=config.num_layers, adapter=name)
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -304,11 +287,7 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
             values = _unpermute_rows(values, n_head=config.num_heads if proj == "q_proj" else config.num_kv_heads)
         found.setdefault((layer, proj), {})[match["ab"].upper()] = torch.from_numpy(np.ascontiguousarray(values))
     modules = [_paired(name, layer, proj, pair, alpha=alpha) for (layer, proj), pair in sorted(found.items())]
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return modules, False, digest.hexdigest()[:32]
+    return modules, False, hashlib.sha256(reader.data).hexdigest()[:32]  # the file as the reader mapped it
 
 
 def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: int, device: torch.device) -> LoRAWeights:
@@ -349,7 +328,7 @@ def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: in
             b=(b.to(torch.float32) * scale).contiguous().to(device),
             col0=col0,
         )
-        layers[module.layer].setdefault(_MODULE_SITES[module.proj][0], []).append(part)
+        layers[module.layer].setdefault(_MODULE_SITES[module.proj], []).append(part)
     for sites in layers:
         for parts in sites.values():
             parts.sort(key=lambda part: part.col0)
@@ -460,9 +439,6 @@ class LoRARegistry:
     def ids(self) -> list[int]:
         return list(self._loaded)
 
-    def by_name(self, name: str) -> LoRAWeights | None:
-        return next((w for w in self._loaded.values() if w.name == name), None)
-
 
 def write_random_adapter(out: Path, *, config: ModelConfig, rank: int, b_std: float, seed: int) -> Path:
     """A PEFT LoRA directory of random weights on every projection of a target of `config`
@@ -474,7 +450,7 @@ def write_random_adapter(out: Path, *, config: ModelConfig, rank: int, b_std: fl
     tensors = {}
     for layer in range(config.num_layers):
         for module, (width_in, width_out, _) in _site_shapes(config).items():
-            block = "mlp" if _MODULE_SITES[module][0] in ("gate_up_proj", "down_proj") else "self_attn"
+            block = "mlp" if _MODULE_SITES[module] in ("gate_up_proj", "down_proj") else "self_attn"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, width_in, generator=generator) / width_in**0.5
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(width_out, rank, generator=generator) * b_std

@@ -164,7 +164,7 @@ class ServerConfig:
             raise ValueError(f"lora_modules must be a list, got {self.lora_modules!r}")
         requests: list[LoRARequest] = []
         for entry in self.lora_modules:
-            name, path, base = _lora_module(entry)
+            name, path, base = lora_module_fields(entry)
             if any(other.lora_name == name for other in requests):
                 raise ValueError(f"lora_modules: the name {name!r} is given twice")
             requests.append(LoRARequest(name, len(requests) + 1, path, base_model_name=base))
@@ -231,7 +231,7 @@ class ServerConfig:
         return path.stem if path.suffix == ".gguf" else path.name
 
 
-def _lora_module(entry: object) -> tuple[str, str, str | None]:
+def lora_module_fields(entry: object) -> tuple[str, str, str | None]:
     """(name, path, base model name) of a --lora-modules entry: "name=path" or a JSON object."""
     if isinstance(entry, str) and entry.lstrip().startswith("{"):
         try:

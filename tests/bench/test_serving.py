@@ -355,3 +355,8 @@ def test_requests_run_lora_adapters_in_turn_and_stay_exact(tiny_checkpoints, que
     )
     assert [r["token_ids"] for r in off] == [o.outputs[0].token_ids for o in expected]
     assert "requests run LoRA adapters in turn (one, two; max_loras 2)" in (out / SUMMARY_FILE).read_text()
+
+
+def test_requests_name_lora_modules_as_serve_parses_them():
+    options = ServingBenchOptions(speculative_config=NGRAM, lora_modules=('{"name": "x", "path": "/p"}', "y=/q"))
+    assert [options.request_model(i) for i in range(3)] == ["x", "y", "x"]
