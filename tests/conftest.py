@@ -28,6 +28,9 @@ TINY = dict(
 )
 
 
+PHI3_ORIGINAL_CONTEXT = 64
+
+
 def tiny_hf_config(arch: str):
     import transformers
 
@@ -54,6 +57,28 @@ def tiny_hf_config(arch: str):
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
                 "rope_theta": 500000.0,
+            },
+        )
+    if arch == "mistral":  # a sliding window on every layer, as Mistral 7B v0.1 has
+        return transformers.MistralConfig(**TINY, head_dim=16, sliding_window=8, bos_token_id=1, eos_token_id=2)
+    if arch == "phi3":
+        # Phi-4-mini's shape: fused projections, partial rotary, LongRoPE; sequences past 64 positions
+        # use the long factors (in transformers, and here where max_model_len is past 64)
+        return transformers.Phi3Config(
+            **TINY,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            sliding_window=None,
+            tie_word_embeddings=True,
+            original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT,
+                "short_factor": [1.0, 1.25, 1.5, 2.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
             },
         )
     if arch == "qwen2":
@@ -114,6 +139,8 @@ def write_tiny_tokenizer(out_dir: Path, *, bos: str, eos: str, chat: bool) -> No
 
 
 ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
+# Architectures tested in tests/models/test_architectures.py only (ARCHS runs through every suite).
+MORE_ARCHS = ("mistral", "phi3")
 
 
 @pytest.fixture(scope="session")

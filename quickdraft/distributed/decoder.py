@@ -201,6 +201,7 @@ def shard_decoder(
     device: torch.device,
     max_len: int,
     quantized: dict[str, QuantizedWeight] | None = None,  # the weights kept quantized (load_weights)
+    context_len: int | None = None,
 ) -> TensorParallelDecoder:
     """This rank's decoder from the full weights (each rank keeps only its slices)."""
     layout = ShardLayout(config=config, rank=group.rank, size=group.size)
@@ -223,6 +224,7 @@ def shard_decoder(
         max_len=max_len,
         quantized=local_quantized,
         decoder_class=TensorParallelDecoder,
+        context_len=context_len,
     )
     assert isinstance(decoder, TensorParallelDecoder)
     if not config.tie_word_embeddings and not keep_full_head:
@@ -248,6 +250,7 @@ def load_sharded_decoder(
     max_len: int,
     quantization: str | None = None,
     gguf_path=None,
+    context_len: int | None = None,
 ) -> tuple[TensorParallelDecoder, ModelConfig]:
     """This rank's decoder of the checkpoint in `model_dir` (float weights of `dtype`, or
     quantized as `load_weights` reads them)."""
@@ -269,5 +272,6 @@ def load_sharded_decoder(
         device=device,
         max_len=max_len,
         quantized=weights.quantized,
+        context_len=context_len,
     )
     return decoder, weights.config

@@ -54,6 +54,7 @@ class WorkerSpec:
     gguf_path: str | None
     device_type: str  # "cpu" / "cuda"
     max_len: int  # the rotary tables' length (the cache's)
+    context_len: int | None  # the longest sequence served (LongRoPE picks its factors by it)
     cache: CacheOptions
     num_threads: int
 
@@ -137,6 +138,7 @@ def start_tensor_parallel(
     device: torch.device,
     max_len: int,
     cache: CacheOptions,
+    context_len: int | None = None,
     quantization: str | None = None,
     gguf_path: Path | None = None,
 ) -> TensorParallelTarget:
@@ -164,6 +166,7 @@ def start_tensor_parallel(
                 gguf_path=None if gguf_path is None else str(gguf_path),
                 device_type=device.type,
                 max_len=max_len,
+                context_len=context_len,
                 cache=cache,
                 num_threads=num_threads,
             )
@@ -185,6 +188,7 @@ def start_tensor_parallel(
             max_len=max_len,
             quantization=quantization,
             gguf_path=gguf_path,
+            context_len=context_len,
         )
         layout = ShardLayout(config=config, rank=0, size=size)
         kv = build_cache(config, layout, cache, dtype=dtype, device=device)

@@ -27,6 +27,7 @@ def run_follower(spec: WorkerSpec) -> None:
         dtype=dtype,
         device=device,
         max_len=spec.max_len,
+        context_len=spec.context_len,
         quantization=spec.quantization,
         gguf_path=spec.gguf_path,
     )

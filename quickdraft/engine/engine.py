@@ -96,6 +96,7 @@ class Engine:
                 quantization=self.quantization,
                 gguf_path=gguf_path,
                 huge_pages=want_huge_pages,
+                context_len=self.max_model_len,
             )
             self.cache = KVCache(
                 num_layers=self.model_config.num_layers,
@@ -170,6 +171,7 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
             max_len=cache_len,
+            context_len=self.max_model_len,
             quantization=self.quantization,
             gguf_path=gguf_path,
             cache=CacheOptions(

@@ -9,9 +9,18 @@ means adding a parser branch here, never a new model file.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
+
+# Llama-shaped models whose `sliding_window` (when set) applies to every layer, as transformers
+# reads them; Qwen2/3 gate theirs behind `use_sliding_window`.
+_WINDOW_WHEN_SET = ("mistral", "phi3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+# A checkpoint tensor holding query/key rows: `hf_row_order` may reorder them.
+_HEAD_ROWS = re.compile(r"layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>q|k|qkv)_proj\.(?:weight|bias)$")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -20,17 +29,56 @@ SLIDING_ATTENTION = "sliding_attention"
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # The fraction of each head's dimensions that rotate (Phi-4-mini: 0.75); the rest pass through.
+    partial_rotary_factor: float = 1.0
+    # LongRoPE (Phi-3/3.5/4): per-frequency divisors for contexts up to / past the original length,
+    # and the factor cos and sin are scaled by (None: derived from `factor`, as transformers does).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_type {self.rope_type!r}: supported are default, linear, llama3")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}: supported are {', '.join(ROPE_TYPES)}")
         if self.theta <= 0:
             raise ValueError(f"rope theta must be positive, got {self.theta}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError(
+                "longrope needs short_factor and long_factor lists of one length "
+                f"(got {len(self.short_factor)} and {len(self.long_factor)})"
+            )
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many of a head's dimensions rotate (even, as transformers and llama.cpp take it)."""
+        return int(head_dim * self.partial_rotary_factor) // 2 * 2
+
+    def dim_order(self, head_dim: int) -> list[int] | None:
+        """Our head dimension j holds the checkpoint's dimension order[j] (None: the same layout).
+
+        A checkpoint with partial rotary rotates pairs (i, i + R/2) of its first R dimensions and
+        passes the rest through; our kernels rotate pairs (j, j + D/2) of all D. Laying the rotated
+        halves at [0, R/2) and [D/2, D/2 + R/2) and the pass-through dimensions in the remaining
+        places (frequency 0 there: cos 1, sin 0) computes the same attention: q and k move alike,
+        and a dot product does not depend on the order of its dimensions.
+        """
+        rotary_dim = self.rotary_dim(head_dim)
+        if rotary_dim == head_dim:
+            return None
+        half, rotary_half = head_dim // 2, rotary_dim // 2
+        passing = list(range(rotary_dim, head_dim))
+        return (
+            list(range(rotary_half))
+            + passing[: half - rotary_half]
+            + list(range(rotary_half, rotary_dim))
+            + passing[half - rotary_half :]
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +107,8 @@ class ModelConfig:
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
     sliding_window: int | None = None
     final_logit_softcapping: float | None = None
+    # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (our fused layout already).
+    fused_projections: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -75,6 +125,14 @@ class ModelConfig:
                 raise ValueError(f"unsupported layer type {layer_type!r}")
             if layer_type not in self.rope_by_layer_type:
                 raise ValueError(f"no rope parameters for layer type {layer_type!r}")
+        for rope in self.rope_by_layer_type.values():
+            pairs = rope.rotary_dim(self.head_dim) // 2
+            if rope.rope_type == "longrope" and len(rope.short_factor) != pairs:
+                raise ValueError(
+                    f"longrope has {len(rope.short_factor)} factors; {pairs} rotated dimension pairs need {pairs}"
+                )
+        if self.qk_norm and any(r.rotary_dim(self.head_dim) < self.head_dim for r in self.rope_by_layer_type.values()):
+            raise ValueError("q/k norms with partial rotary embeddings are not supported")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if self.activation not in ("gelu_tanh", "silu"):
@@ -87,6 +145,26 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def hf_row_order(self, hf_name: str) -> list[int] | None:
+        """Which row of the checkpoint tensor `hf_name` each of our rows takes (None: the same).
+
+        Only query and key rows of a partial-rotary model move (`RopeConfig.dim_order`, per
+        head); every loader path (float, quantized, LoRA) reorders through here.
+        """
+        match = _HEAD_ROWS.search(hf_name)
+        if match is None:
+            return None
+        layer = int(match["layer"])
+        layer_type = self.layer_types[min(layer, self.num_layers - 1)]
+        order = self.rope_by_layer_type[layer_type].dim_order(self.head_dim)
+        if order is None:
+            return None
+        heads = {"q": self.num_heads, "k": self.num_kv_heads, "qkv": self.num_heads + self.num_kv_heads}
+        rows = [head * self.head_dim + dim for head in range(heads[match["proj"]]) for dim in order]
+        if match["proj"] == "qkv":  # the value rows keep their place
+            rows += range(len(rows), len(rows) + self.kv_size)
+        return rows
 
     @property
     def layer_windows(self) -> list[int | None]:
@@ -141,10 +219,17 @@ def _common_fields(hf: dict) -> dict:
 def _rope_from_params(params: dict | None, default_theta: float) -> RopeConfig:
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "su":  # the first Phi-3 128k checkpoints' name for longrope
+        rope_type = "longrope"
     kwargs = dict(theta=float(params.get("rope_theta", default_theta)), rope_type=rope_type)
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
-        if key in params:
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "partial_rotary_factor"):
+        if params.get(key) is not None:
             kwargs[key] = float(params[key])
+    if params.get("attention_factor") is not None:
+        kwargs["attention_factor"] = float(params["attention_factor"])
+    for key in ("short_factor", "long_factor"):
+        if params.get(key) is not None:
+            kwargs[key] = tuple(float(value) for value in params[key])
     if "original_max_position_embeddings" in params:
         kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
     return RopeConfig(**kwargs)
@@ -195,9 +280,18 @@ def _llama_family_fields(hf: dict, model_type: str) -> dict:
     rope_params = hf.get("rope_parameters")
     if rope_params is None:  # transformers 4.x spelling
         rope_params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10_000.0)}
+    # transformers 4.x kept these beside rope_scaling, at the top level (Phi-3, Phi-4-mini)
+    rope_params = {
+        key: hf[key] for key in ("partial_rotary_factor", "original_max_position_embeddings") if hf.get(key) is not None
+    } | rope_params
     rope = _rope_from_params(rope_params, 10_000.0)
-    layer_types = hf.get("layer_types") or [FULL_ATTENTION] * num_layers
-    if not hf.get("use_sliding_window", False):
+    if rope.rope_type == "longrope":
+        rope = _longrope_resolved(rope, hf, factor_given=rope_params.get("factor") is not None)
+    windowed = hf.get("use_sliding_window", False) or (
+        model_type in _WINDOW_WHEN_SET and bool(hf.get("sliding_window"))
+    )
+    layer_types = hf.get("layer_types") or [SLIDING_ATTENTION if windowed else FULL_ATTENTION] * num_layers
+    if not windowed:
         layer_types = [FULL_ATTENTION] * num_layers
     attention_bias = bool(hf.get("attention_bias", False))
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
@@ -212,5 +306,20 @@ def _llama_family_fields(hf: dict, model_type: str) -> dict:
         o_bias=False if model_type == "qwen2" else attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=model_type == "qwen3",
-        sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window") else None,
+        sliding_window=hf.get("sliding_window") if windowed else None,
+        fused_projections=model_type == "phi3",
     )
+
+
+def _longrope_resolved(rope: RopeConfig, hf: dict, *, factor_given: bool) -> RopeConfig:
+    """LongRoPE's `factor` and `attention_factor` filled in as transformers derives them (the
+    ratio of the context lengths, and sqrt(1 + ln(factor) / ln(original)))."""
+    factor = rope.factor
+    if not factor_given:
+        factor = int(_require(hf, "max_position_embeddings")) / rope.original_max_position_embeddings
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(rope.original_max_position_embeddings))
+        )
+    return replace(rope, factor=factor, attention_factor=attention_factor)

@@ -29,7 +29,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "phi3", "qwen2", "qwen3")
 
 # Bumped whenever the output of the conversion changes, so old caches get rebuilt.
 CONVERTER_VERSION = 1
@@ -67,17 +67,21 @@ _ARCH_BLOCK_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     "llama": {"ffn_norm": "post_attention_layernorm"},
+    # Phi-3 keeps HF's fused projections: q/k/v rows in one tensor, gate then up rows in ffn_up.
+    "phi3": {"ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen2": {"ffn_norm": "post_attention_layernorm"},
     "qwen3": {"ffn_norm": "post_attention_layernorm"},
 }
 
 # Tensors llama.cpp adds that have no HF parameter: `rope_freqs` holds Llama 3.1's per-dimension
 # RoPE factors, turned back into config parameters by `llama3_rope_scaling`.
-_IGNORED_TENSORS = {"rope_freqs.weight"}
+# `rope_factors_long/short` hold Phi-3's LongRoPE factors, read back into config parameters.
+_IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 _HF_CLASSES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "llama": ("llama", "LlamaForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
@@ -294,7 +298,13 @@ def _common_config(reader: gguf.GGUFReader, *, architecture: str, tensor_shapes:
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(key("attention.head_count_kv", n_head)),
-        "head_dim": int(key("attention.key_length", key("rope.dimension_count", hidden_size // n_head))),
+        # Phi-3's rope.dimension_count is its rotary part (partial rotary), not the head's
+        "head_dim": int(
+            key(
+                "attention.key_length",
+                hidden_size // n_head if architecture == "phi3" else key("rope.dimension_count", hidden_size // n_head),
+            )
+        ),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(key("context_length")),
         # llama.cpp only writes `output.weight` when it differs from the embedding.
@@ -361,7 +371,43 @@ def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: s
         extra["mlp_bias"] = False
     if architecture in ("qwen2", "qwen3"):
         extra["use_sliding_window"] = False
+    if architecture == "phi3":
+        extra |= _phi3_config(reader, config)
     return config | extra
+
+
+def _phi3_config(reader: gguf.GGUFReader, config: dict) -> dict:  # -> keys to add to `config`
+    """Phi-3's partial rotary, sliding window (0: none, as Phi-4 writes it) and LongRoPE (its factors
+    are tensors; llama.cpp writes no scaling type for them)."""
+    key = lambda name, default=None: arch_field(reader, "phi3", name, default)  # noqa: E731
+    theta = float(key("rope.freq_base", 10_000.0))
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": theta,
+        "partial_rotary_factor": int(key("rope.dimension_count", config["head_dim"])) / config["head_dim"],
+    }
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        if set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+            raise ValueError(f"a Phi-3 GGUF with LongRoPE needs rope_factors_long and _short, found {sorted(factors)}")
+        values = {
+            name.removeprefix("rope_factors_").removesuffix(".weight") + "_factor": gguf.quants.dequantize(
+                tensor.data, tensor.tensor_type
+            )
+            .reshape(-1)
+            .tolist()
+            for name, tensor in factors.items()
+        }
+        original = int(key("rope.scaling.original_context_length", _REQUIRED))
+        rope |= values | {"rope_type": "longrope", "original_max_position_embeddings": original}
+        attention_factor = key("rope.scaling.attn_factor")
+        if attention_factor is not None:
+            rope["attention_factor"] = float(attention_factor)
+    window = int(key("attention.sliding_window", 0) or 0)
+    extra = {"rope_scaling": None, "rope_parameters": rope, "sliding_window": window or None}
+    if rope["rope_type"] == "longrope":
+        extra["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    return extra
 
 
 def hf_config(reader: gguf.GGUFReader, *, architecture: str, tensor_shapes: dict[str, tuple]) -> dict:

@@ -71,16 +71,29 @@ class RMSNorm(torch.nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # -> [head_dim // 2]
+def rope_inv_freq(rope: RopeConfig, head_dim: int, *, long_context: bool = False) -> torch.Tensor:  # -> [D // 2]
+    """The rotation frequency of each dimension pair (i, i + D/2) of a head.
+
+    With partial rotary (rotary_dim < D) the pairs past rotary_dim / 2 get frequency 0: cos 1,
+    sin 0, an exact identity; `RopeConfig.dim_order` lays the pass-through dimensions there.
+    long_context: LongRoPE's long factors (the context runs past the original length).
+    """
+    rotary_dim = rope.rotary_dim(head_dim)
     # On the CPU even under a meta-device context: a meta arange imports torch's symbolic-shape
     # machinery (sympy and ~800 modules, 68 MB resident) for a table that is rebuilt anyway.
-    positions = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
-    inv_freq = 1.0 / (rope.theta ** (positions.float() / head_dim))
+    positions = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (rope.theta ** (positions.float() / rotary_dim))
     if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope)
-    return inv_freq
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope)
+    elif rope.rope_type == "longrope":
+        factors = rope.long_factor if long_context else rope.short_factor  # one a pair (ModelConfig checks)
+        # as transformers computes it: 1 / (factor * theta ** (2i / d)), not inv_freq / factor
+        inv_freq = 1.0 / (
+            torch.tensor(factors, dtype=torch.float32, device="cpu") * rope.theta ** (positions.float() / rotary_dim)
+        )
+    return torch.cat([inv_freq, inv_freq.new_zeros(head_dim // 2 - rotary_dim // 2)])
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -104,14 +117,24 @@ class RotaryTable(torch.nn.Module):
     rotation is a roll and two products: exactly the reference's arithmetic, fewer ops.
     """
 
-    def __init__(self, rope: RopeConfig, *, head_dim: int, max_len: int, dtype: torch.dtype):
+    def __init__(
+        self, rope: RopeConfig, *, head_dim: int, max_len: int, dtype: torch.dtype, context_len: int | None = None
+    ):
+        """context_len: the longest sequence served (default max_len); past LongRoPE's original
+        length the long factors rotate every position, a choice made once, as llama.cpp does, so
+        that a token's rotation never depends on the other positions of its step."""
         super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim)  # [D/2]
+        long_context = (context_len or max_len) > rope.original_max_position_embeddings
+        inv_freq = rope_inv_freq(rope, head_dim, long_context=long_context)  # [D/2]
         freqs = torch.arange(max_len, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, D]
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if rope.attention_factor is not None:  # LongRoPE scales the rotated dimensions' cos and sin
+            rotated = torch.cat([inv_freq, inv_freq]) > 0  # [D]
+            cos = torch.where(rotated, cos * rope.attention_factor, cos)
+            sin = torch.where(rotated, sin * rope.attention_factor, sin)
         signed_sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

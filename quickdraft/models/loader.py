@@ -184,10 +184,13 @@ def _normalised_name(name: str) -> str:
 def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
     """Our fused parameter -> the HF tensors concatenated (along rows) to make it."""
     p = f"model.layers.{index}."
+    fused = config.fused_projections
     names = {
-        "qkv_proj": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+        "qkv_proj": [p + "self_attn.qkv_proj.weight"] if fused else [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
         "o_proj": [p + "self_attn.o_proj.weight"],
-        "gate_up_proj": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+        "gate_up_proj": [p + "mlp.gate_up_proj.weight"]
+        if fused
+        else [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
         "down_proj": [p + "mlp.down_proj.weight"],
         "input_layernorm.weight": [p + "input_layernorm.weight"],
         "post_attention_layernorm.weight": [p + "post_attention_layernorm.weight"],
@@ -232,7 +235,9 @@ def convert_hf_tensors(
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors the config needs: {shown}")
     state = {
-        ours: torch.cat([tensors[n] for n in theirs]) if len(theirs) > 1 else tensors[theirs[0]]
+        ours: torch.cat([_reordered(config, n, tensors[n]) for n in theirs])
+        if len(theirs) > 1
+        else _reordered(config, theirs[0], tensors[theirs[0]])
         for ours, theirs in plan.items()
         if not ours.endswith("qk_norm.weight")
     }
@@ -245,6 +250,11 @@ def convert_hf_tensors(
         # Gemma's norms scale by (1 + weight) in float32: fold the 1 in once, here.
         state = {name: t.float() + 1.0 if name.endswith("norm.weight") else t for name, t in state.items()}
     return state
+
+
+def _reordered(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    order = config.hf_row_order(hf_name)
+    return tensor if order is None else tensor.index_select(0, torch.tensor(order))
 
 
 def hf_tensors_from_state(
@@ -265,7 +275,11 @@ def hf_tensors_from_state(
             pieces = list(tensor.split(sizes))
         else:
             pieces = [tensor]
-        tensors.update({name: piece.contiguous() for name, piece in zip(theirs, pieces)})
+        for name, piece in zip(theirs, pieces):
+            order = config.hf_row_order(name)
+            if order is not None:  # back to the checkpoint's row order
+                piece = piece.index_select(0, torch.argsort(torch.tensor(order)))
+            tensors[name] = piece.contiguous()
     return tensors
 
 
@@ -278,9 +292,11 @@ def build_decoder(
     max_len: int,
     quantized: dict[str, QuantizedWeight] | None = None,
     decoder_class: type[Decoder] = Decoder,
+    context_len: int | None = None,
 ) -> Decoder:
     """The decoder with `state`'s tensors; the weights in `quantized` stay quantized (CPU).
-    `decoder_class`: a subclass taking the same arguments (a tensor-parallel shard's)."""
+    `decoder_class`: a subclass taking the same arguments (a tensor-parallel shard's).
+    context_len: the longest sequence served (max_len, the rotary tables' length, by default)."""
     with torch.device("meta"):
         decoder = decoder_class(config, dtype=dtype, max_len=max_len)
     for name in quantized or {}:
@@ -301,9 +317,9 @@ def build_decoder(
     # Rotary tables are buffers computed from the config, not weights: rebuild them for real.
     for layer_type in decoder.rotary:
         rope = config.rope_by_layer_type[layer_type]
-        decoder.rotary[layer_type] = RotaryTable(rope, head_dim=config.head_dim, max_len=max_len, dtype=dtype).to(
-            device
-        )
+        decoder.rotary[layer_type] = RotaryTable(
+            rope, head_dim=config.head_dim, max_len=max_len, dtype=dtype, context_len=context_len
+        ).to(device)
     decoder.linear = default_linear_fn(device)
     decoder.eval()
     return decoder
@@ -370,13 +386,20 @@ def load_decoder(
     quantization: str | None = None,
     gguf_path: Path | None = None,
     huge_pages: bool = False,
+    context_len: int | None = None,
 ) -> tuple[Decoder, ModelConfig]:
     """The target decoder of `model_dir` (see `load_weights` for `quantization` and `huge_pages`)."""
     weights = load_weights(
         model_dir, dtype=dtype, device=device, quantization=quantization, gguf_path=gguf_path, huge_pages=huge_pages
     )
     decoder = build_decoder(
-        weights.config, weights.state, dtype=dtype, device=device, max_len=max_len, quantized=weights.quantized
+        weights.config,
+        weights.state,
+        dtype=dtype,
+        device=device,
+        max_len=max_len,
+        quantized=weights.quantized,
+        context_len=context_len,
     )
     del weights
     return_free_heap()

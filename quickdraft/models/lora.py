@@ -38,10 +38,13 @@ _MODULE_SITES = {
     "gate_proj": "gate_up_proj",
     "up_proj": "gate_up_proj",
     "down_proj": "down_proj",
+    # Phi-3's own fused projections
+    "qkv_proj": "qkv_proj",
+    "gate_up_proj": "gate_up_proj",
 }
 
 _KEY = re.compile(
-    r"^(?P<module>.*\blayers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z]+_proj))"
+    r"^(?P<module>.*\blayers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z_]+_proj))"
     r"\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$"
 )
 
@@ -113,17 +116,28 @@ class LoRAWeights:
 
 
 def _site_shapes(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
-    """PEFT module -> (input width, output width, first output column in its site)."""
+    """The target's modules, as PEFT names them -> (input width, output width, first output
+    column in its site)."""
     c = config
-    return {
-        "q_proj": (c.hidden_size, c.q_size, 0),
-        "k_proj": (c.hidden_size, c.kv_size, c.q_size),
-        "v_proj": (c.hidden_size, c.kv_size, c.q_size + c.kv_size),
-        "o_proj": (c.q_size, c.hidden_size, 0),
-        "gate_proj": (c.hidden_size, c.intermediate_size, 0),
-        "up_proj": (c.hidden_size, c.intermediate_size, c.intermediate_size),
-        "down_proj": (c.intermediate_size, c.hidden_size, 0),
-    }
+    if c.fused_projections:
+        attention = {"qkv_proj": (c.hidden_size, c.q_size + 2 * c.kv_size, 0)}
+        mlp = {"gate_up_proj": (c.hidden_size, 2 * c.intermediate_size, 0)}
+    else:
+        attention = {
+            "q_proj": (c.hidden_size, c.q_size, 0),
+            "k_proj": (c.hidden_size, c.kv_size, c.q_size),
+            "v_proj": (c.hidden_size, c.kv_size, c.q_size + c.kv_size),
+        }
+        mlp = {
+            "gate_proj": (c.hidden_size, c.intermediate_size, 0),
+            "up_proj": (c.hidden_size, c.intermediate_size, c.intermediate_size),
+        }
+    return (
+        attention
+        | {"o_proj": (c.q_size, c.hidden_size, 0)}
+        | mlp
+        | {"down_proj": (c.intermediate_size, c.hidden_size, 0)}
+    )
 
 
 def _read_adapter_files(path: Path, name: str) -> tuple[dict, dict[str, torch.Tensor], str]:
@@ -246,10 +260,16 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
     import gguf
     import numpy as np
 
-    from quickdraft.models.gguf import _BLOCK_NAMES, _HF_CLASSES, _torch_shape, _unpermute_rows, open_gguf, read_field
+    from quickdraft.models.gguf import (
+        _ARCH_BLOCK_NAMES,
+        _BLOCK_NAMES,
+        _HF_CLASSES,
+        _torch_shape,
+        _unpermute_rows,
+        open_gguf,
+        read_field,
+    )
 
-    # the loader's GGUF leaf names of the projections (attn_q -> self_attn.q_proj) -> PEFT's module names
-    projections = {leaf: hf.rpartition(".")[2] for leaf, hf in _BLOCK_NAMES.items() if hf.endswith("_proj")}
     # the target's model_type (as its config.json or the GGUF conversion names it) -> GGUF architecture
     architectures = {arch: arch for arch in _HF_CLASSES} | {hf[0]: arch for arch, hf in _HF_CLASSES.items()}
 
@@ -267,6 +287,9 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
     expected = architectures.get(config.model_type)
     if architecture != expected:
         raise LoRAError(f"LoRA adapter {name!r}: an adapter of {architecture!r} models; the target is {expected!r}")
+    # the loader's GGUF leaf names of the projections (attn_q -> self_attn.q_proj) -> PEFT's module names
+    leaves = _BLOCK_NAMES | _ARCH_BLOCK_NAMES[architecture]
+    projections = {leaf: hf.rpartition(".")[2] for leaf, hf in leaves.items() if hf.endswith("_proj")}
     alpha = float(read_field(reader, "adapter.lora.alpha", 0.0) or 0.0)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
@@ -306,6 +329,8 @@ def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: in
     for module in modules:
         where = f"LoRA adapter {name!r}, layer {module.layer} {module.proj}"
         a, b = module.a, module.b
+        if module.proj not in shapes:
+            raise LoRAError(f"{where}: this target has no {module.proj} (its projections: {', '.join(shapes)})")
         width_in, width_out, col0 = shapes[module.proj]
         if (
             a.dim() != 2
@@ -323,6 +348,9 @@ def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: in
             raise LoRAError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
         max_found = max(max_found, rank)
         scale = module.alpha / (math.sqrt(rank) if rslora else rank) if module.alpha else 1.0
+        order = config.hf_row_order(f"layers.{module.layer}.self_attn.{module.proj}.weight")
+        if order is not None:  # output rows in the order the loader gave the base weight's
+            b = b.index_select(0, torch.tensor(order))
         part = LoRAPart(
             a=a.to(torch.float32).contiguous().to(device),
             b=(b.to(torch.float32) * scale).contiguous().to(device),
@@ -456,6 +484,6 @@ def write_random_adapter(out: Path, *, config: ModelConfig, rank: int, b_std: fl
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(width_out, rank, generator=generator) * b_std
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(_MODULE_SITES)}
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(_site_shapes(config))}
     (out / "adapter_config.json").write_text(json.dumps(settings))
     return out

@@ -32,6 +32,13 @@ def _permuted(parts: QuantParts, order: np.ndarray) -> QuantParts:
     )
 
 
+def _in_our_row_order(config: ModelConfig, hf_name: str, parts: QuantParts) -> QuantParts:
+    """Rows of a quantized HF tensor reordered as the float path reorders them (whole rows move,
+    so the blocks of each row, and their bits, stay as stored)."""
+    order = config.hf_row_order(hf_name)
+    return parts if order is None else _permuted(parts, np.array(order))
+
+
 def _unpermute_order(rows: int, n_head: int) -> np.ndarray:
     """Row order undoing llama.cpp's Q/K permutation (as gguf._unpermute_rows does to values)."""
     from quickdraft.models.gguf import _unpermute_rows
@@ -181,16 +188,17 @@ def quantized_state(
             rest[ours] = theirs
             continue
         if mode == "gguf":
-            pieces = [stored.get(name) for name in theirs]
-            if any(piece is None for piece in pieces):
+            stored_pieces = [stored.get(name) for name in theirs]
+            if any(piece is None for piece in stored_pieces):
                 rest[ours] = theirs  # stored as floats (or a format without a kernel): float path
                 continue
+            pieces = [_in_our_row_order(config, name, piece) for name, piece in zip(theirs, stored_pieces)]
         else:
             weights = [float_tensors[name] for name in theirs]
             if weights[0].shape[-1] % 32:
                 rest[ours] = theirs
                 continue
-            pieces = [quantize_q8_0(weight) for weight in weights]
+            pieces = [_in_our_row_order(config, name, quantize_q8_0(weight)) for name, weight in zip(theirs, weights)]
         quantized[ours] = QuantizedWeight.from_parts(pieces)
     if not quantized:
         logger.warning("quantization %r: no weight of this checkpoint can be run quantized", mode)

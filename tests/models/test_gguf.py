@@ -9,6 +9,7 @@ imports these helpers too.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -205,6 +206,7 @@ def byte_level_vocab(*, pre: str) -> TinyVocab:
 _GGUF_ARCH = {
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "llama": gguf.MODEL_ARCH.LLAMA,
+    "phi3": gguf.MODEL_ARCH.PHI3,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
 }
@@ -247,6 +249,20 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
             **common,
         )
         model_class = transformers.LlamaForCausalLM
+    elif architecture == "phi3":
+        # Phi-4-mini's shape: partial rotary, LongRoPE (its factors are tensors in a GGUF); a
+        # 32-position original context, so PROMPT-long sequences use the short factors
+        config = transformers.Phi3Config(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            sliding_window=None,
+            original_max_position_embeddings=32,
+            rope_parameters=PHI3_ROPE,
+            **common,
+        )
+        model_class = transformers.Phi3ForCausalLM
     elif architecture == "qwen2":
         config = transformers.Qwen2Config(
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common
@@ -305,6 +321,17 @@ def _write_hparams(writer: gguf.GGUFWriter, *, architecture: str, config) -> Non
     writer.add_value_length(head_dim)
     if architecture == "gemma3":
         writer.add_sliding_window(config.sliding_window)
+    if architecture == "phi3":  # as llama.cpp's converter writes Phi-3 (no key length, factors as tensors)
+        rope = config.rope_parameters
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        writer.add_sliding_window(0)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"]))
+        )
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if architecture == "llama":
         writer.add_rope_dimension_count(head_dim)
         rope = config.rope_parameters
@@ -387,6 +414,16 @@ LLAMA3_ROPE = {
 }
 
 
+PHI3_ROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "original_max_position_embeddings": 32,
+    "short_factor": [1.0, 1.25, 1.5, 2.0],
+    "long_factor": [1.0, 2.0, 4.0, 8.0],
+}
+
+
 @dataclass
 class Variant:
     architecture: str
@@ -402,6 +439,7 @@ VARIANTS = {
     "llama-q8_0": Variant("llama", {"": QType.Q8_0}, "llama-bpe"),
     "llama-linear-rope": Variant("llama", {}, "llama-bpe", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "llama-llama3-rope": Variant("llama", {"": QType.Q8_0}, "llama-bpe", rope_scaling=LLAMA3_ROPE),
+    "phi3-q8_0": Variant("phi3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen2-f16": Variant("qwen2", {"": QType.F16}, "qwen2"),
     "qwen3-bf16": Variant("qwen3", {"ffn": QType.BF16, "attn": QType.Q8_0}, "qwen2"),
 }
@@ -516,6 +554,18 @@ def test_llama_and_qwen_configs(converted):
     assert qwen3["architectures"] == ["Qwen3ForCausalLM"] and qwen3["head_dim"] == 32
 
 
+def test_phi3_config(converted):
+    """Phi-3's partial rotary from rope.dimension_count, LongRoPE from its factor tensors and
+    attention factor, no window where the file writes 0 (as Phi-4's converter does)."""
+    config = json.loads((converted["phi3-q8_0"] / "config.json").read_text())
+    assert config["architectures"] == ["Phi3ForCausalLM"] and config["head_dim"] == 16
+    assert config["sliding_window"] is None and config["original_max_position_embeddings"] == 32
+    rope = config["rope_parameters"]
+    assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.5
+    assert (rope["short_factor"], rope["long_factor"]) == (PHI3_ROPE["short_factor"], PHI3_ROPE["long_factor"])
+    assert rope["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(256 / 32) / math.log(32)))
+
+
 def test_llama3_rope_recovered_from_rope_freqs(converted):
     rope = json.loads((converted["llama-llama3-rope"] / "config.json").read_text())["rope_scaling"]
     # With head_dim 16 only one frequency is on the ramp, so the parameters are not unique; the
@@ -598,14 +648,14 @@ def test_missing_file_raises_file_not_found(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "phi.gguf"
-    writer = gguf.GGUFWriter(path, "phi3")
+    writer = gguf.GGUFWriter(path, "phi2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'phi3'.*gemma3, llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'phi2'.*gemma3, llama, phi3, qwen2, qwen3"):
         convert_gguf_to_hf_dir(path, tmp_path / "out")
 
 

@@ -29,7 +29,10 @@ PROMPT = [2, 40, 41, 300, 77, 91, 120, 5, 260, 261, 262, 263, 100, 101, 50, 51, 
 @pytest.fixture(scope="module")
 def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("quantized_ggufs")
-    return {name: build_tiny_gguf(directory, name).path for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16")}
+    return {
+        name: build_tiny_gguf(directory, name).path
+        for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0")
+    }
 
 
 def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
@@ -45,7 +48,7 @@ def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
     )
 
 
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16"])
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0"])
 def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
     floats, _ = load(tiny_gguf_paths[name], None)
     quantized, _ = load(tiny_gguf_paths[name], "gguf")
@@ -93,7 +96,7 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0"])
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "phi3-q8_0"])
 def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name, kv_dtype):
     model, config = load(tiny_gguf_paths[name], "gguf")
     prefix, rest = PROMPT[:12], PROMPT[12:]
@@ -290,7 +293,7 @@ def _set_fused(model, fused: bool) -> None:
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
-@pytest.mark.parametrize("name", ["llama-q8_0", "gemma3-mixed"])
+@pytest.mark.parametrize("name", ["llama-q8_0", "gemma3-mixed", "phi3-q8_0"])
 def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
     """The C++ layer computes what DecoderLayer's torch code computes, to rounding.  Rounding
     differences of ~1e-7 can flip an int8 activation quant (a ~1% step) now and then, and later

@@ -1,0 +1,269 @@
+"""Mistral and Phi-3 (Phi-3.5 / Phi-4-mini's shape): the same decoder with other switches.
+
+Mistral puts a sliding window on every layer. Phi-3 stores q/k/v and gate/up fused, rotates only
+part of each head (the loader reorders query and key rows so that the kernels' full-head rotation
+computes it, `RopeConfig.dim_order`) and scales its rotation with LongRoPE, whose short or long
+factors are chosen once from the served context. Each is checked against transformers, on float
+and quantized weights, under speculation, and with LoRA adapters against PEFT.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.engine.runner import ModelRunner, SequenceWork
+from quickdraft.kv.cache import KVCache
+from quickdraft.models.config import ModelConfig, RopeConfig
+from quickdraft.models.loader import load_decoder
+from quickdraft.models.lora import LoRARequest
+from quickdraft.verify.tree import Tree
+from tests.conftest import MORE_ARCHS, PHI3_ORIGINAL_CONTEXT, build_tiny_checkpoint
+from tests.engine.test_speculative import GREEDY, GarbageDrafter, repetitive_prompts
+from tests.models.test_decoder import prompt, reference_logits
+from tests.models.test_lora import peft_greedy, write_peft_adapter
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("more_archs")
+    return {arch: build_tiny_checkpoint(arch, root / arch) for arch in MORE_ARCHS}
+
+
+def make_runner(path: Path, *, context_len: int, quantization: str | None = None, max_len: int = 160) -> ModelRunner:
+    model, config = load_decoder(
+        path, dtype=torch.float32, device=CPU, max_len=max_len, quantization=quantization, context_len=context_len
+    )
+    cache = KVCache(
+        num_layers=config.num_layers,
+        num_slots=2,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_len=max_len,
+        dtype=torch.float32,
+        block_size=5,
+        layer_windows=config.layer_windows,
+        device=CPU,
+    )
+    return ModelRunner(model=model, cache=cache, device=CPU)
+
+
+def test_configs(checkpoints):
+    mistral = ModelConfig.from_hf_dict(json.loads((checkpoints["mistral"] / "config.json").read_text()))
+    assert set(mistral.layer_types) == {"sliding_attention"} and mistral.sliding_window == 8
+    assert not mistral.fused_projections
+    phi3 = ModelConfig.from_hf_dict(json.loads((checkpoints["phi3"] / "config.json").read_text()))
+    assert phi3.fused_projections and set(phi3.layer_types) == {"full_attention"}
+    rope = phi3.rope_by_layer_type["full_attention"]
+    assert rope.rope_type == "longrope" and rope.rotary_dim(phi3.head_dim) == 8
+    assert rope.factor == 512 / PHI3_ORIGINAL_CONTEXT  # transformers' default: the ratio of the contexts
+    assert rope.attention_factor == pytest.approx(
+        (1 + torch.tensor(8.0).log() / torch.tensor(64.0).log()).sqrt().item()
+    )
+
+
+def test_partial_rotary_layout():
+    """Rotated pairs (i, i + R/2) land on the kernels' (j, j + D/2); the rest pass through."""
+    rope = RopeConfig(theta=10_000.0, partial_rotary_factor=0.5)
+    assert rope.dim_order(8) == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert RopeConfig(theta=10_000.0).dim_order(8) is None
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        RopeConfig(theta=10_000.0, partial_rotary_factor=0.0)
+    with pytest.raises(ValueError, match="longrope needs short_factor and long_factor"):
+        RopeConfig(theta=10_000.0, rope_type="longrope", short_factor=(1.0,), long_factor=())
+
+
+@pytest.mark.parametrize("quantization", [None, "q8_0"])
+@pytest.mark.parametrize("arch", MORE_ARCHS)
+def test_prefill_and_decode_match_transformers(checkpoints, arch, quantization):
+    """A prefill in chunks then decodes (past Mistral's window; within Phi-3's original context, so
+    both use the short factors) gives transformers' logits; Q8_0 weights stay close."""
+    path = checkpoints[arch]
+    tokens = prompt(PHI3_ORIGINAL_CONTEXT - 4, seed=2)
+    runner = make_runner(path, context_len=PHI3_ORIGINAL_CONTEXT, quantization=quantization)
+    got, cache_len = [], 0
+    for chunk in [tokens[:7], tokens[7:30]] + [[t] for t in tokens[30:]]:
+        out = runner.forward(
+            [SequenceWork(slot=1, cache_len=cache_len, token_ids=chunk, logits_nodes=list(range(len(chunk))))]
+        )
+        got.append(out.logits)
+        cache_len += len(chunk)
+        runner.cache.commit(1, cache_len)
+    tolerance = 1e-4 if quantization is None else 2e-2
+    torch.testing.assert_close(torch.cat(got), reference_logits(path, tokens), rtol=tolerance, atol=tolerance)
+
+
+def test_longrope_factors_follow_the_served_context(checkpoints):
+    """transformers rotates with the short factors while a sequence is within the original context
+    and with the long ones past it; we pick once, from the served context: our rotary table equals
+    transformers' cos/sin for short sequences when the context is within the original length, for
+    long ones when it runs past. And a long prompt's logits are transformers'."""
+    from tests.models.test_decoder import reference_model
+
+    path = checkpoints["phi3"]
+    hf_rotary = reference_model(path).model.rotary_emb
+    D, R = 16, 8  # head_dim, rotated dimensions
+    for context_len, positions in ((PHI3_ORIGINAL_CONTEXT, 40), (128, 100)):
+        model, _ = load_decoder(path, dtype=torch.float32, device=CPU, max_len=160, context_len=context_len)
+        table = model.rotary["full_attention"]
+        cos, sin = hf_rotary(torch.zeros(1), torch.arange(positions)[None])  # [1, T, R]
+        ours = torch.cat([table.cos[:positions, : R // 2], table.cos[:positions, D // 2 : D // 2 + R // 2]], dim=-1)
+        torch.testing.assert_close(ours, cos[0], rtol=1e-6, atol=1e-6)
+        ours_sin = torch.cat(
+            [-table.signed_sin[:positions, : R // 2], table.signed_sin[:positions, D // 2 : D // 2 + R // 2]], dim=-1
+        )
+        torch.testing.assert_close(ours_sin, sin[0], rtol=1e-6, atol=1e-6)
+        # the pass-through dimensions: an exact identity
+        assert torch.equal(table.cos[:, R // 2 : D // 2], torch.ones(160, D // 2 - R // 2))
+        assert not table.signed_sin[:, R // 2 : D // 2].any()
+    short_table = load_decoder(path, dtype=torch.float32, device=CPU, max_len=160, context_len=64)[0].rotary[
+        "full_attention"
+    ]
+    assert not torch.equal(short_table.cos, table.cos)  # the two choices differ
+    tokens = prompt(PHI3_ORIGINAL_CONTEXT + 16, seed=3)
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))]
+    torch.testing.assert_close(
+        make_runner(path, context_len=128).forward(work).logits, reference_logits(path, tokens), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("arch", MORE_ARCHS)
+def test_tree_rows_are_bit_identical_to_decoding_alone(checkpoints, arch):
+    """Q8_0 weights on the one-call C++ layers: every node of a tree beside another request's
+    chain has the bits of its path decoded token by token."""
+    path = checkpoints[arch]
+    context = prompt(12, seed=4)
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    nodes = [context[-1], 11, 12, 13, 14, 15, 16]
+    runner = make_runner(path, context_len=128, quantization="q8_0")
+    for slot in (0, 1):
+        runner.forward([SequenceWork(slot=slot, cache_len=0, token_ids=context[:-1])])
+        runner.cache.commit(slot, len(context) - 1)
+    n = len(context) - 1
+    tree = runner.forward(
+        [
+            SequenceWork(
+                slot=0, cache_len=n, token_ids=nodes, tree=Tree(parents), logits_nodes=list(range(len(nodes)))
+            ),
+            SequenceWork(slot=1, cache_len=n, token_ids=[5, 6, 7], logits_nodes=[0, 1, 2]),
+        ]
+    ).logits
+    for node in range(len(nodes)):
+        path_tokens, walk = [], node
+        while walk >= 0:
+            path_tokens.append(nodes[walk])
+            walk = parents[walk]
+        alone = make_runner(path, context_len=128, quantization="q8_0")
+        alone.forward([SequenceWork(slot=0, cache_len=0, token_ids=context[:-1])])
+        cache_len = n
+        for token in path_tokens[::-1]:
+            logits = alone.forward(
+                [SequenceWork(slot=0, cache_len=cache_len, token_ids=[token], logits_nodes=[0])]
+            ).logits
+            cache_len += 1
+            alone.cache.commit(0, cache_len)
+        assert torch.equal(tree[node], logits[0]), node
+
+
+@pytest.mark.parametrize("quantization", [None, "q8_0"])
+@pytest.mark.parametrize("arch", MORE_ARCHS)
+def test_speculative_equals_plain(checkpoints, arch, quantization):
+    """Suffix speculation and a drafter proposing garbage trees return plain decoding's tokens."""
+    path = str(checkpoints[arch])
+    params = SamplingParams(max_tokens=32, **GREEDY)
+    settings = dict(max_model_len=256, max_num_seqs=4, quantization=quantization)
+    expected = [o.outputs[0].token_ids for o in LLM(path, **settings).generate(repetitive_prompts(), params)]
+    suffix = LLM(path, **settings, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    assert [o.outputs[0].token_ids for o in suffix.generate(repetitive_prompts(), params)] == expected
+    assert suffix.get_metrics().num_accepted_tokens > 0
+    garbage = LLM(path, **settings, speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    garbage.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True, seed=7)
+    assert [o.outputs[0].token_ids for o in garbage.generate(repetitive_prompts(), params)] == expected
+
+
+def test_phi3_lora_on_fused_projections_equals_peft(checkpoints, tmp_path):
+    """A PEFT adapter on Phi-3's own qkv_proj / gate_up_proj: PEFT's tokens (its q/k rows reordered
+    as the base weight's); an adapter naming modules the target lacks is refused by name."""
+    base = checkpoints["phi3"]
+    adapter = write_peft_adapter(
+        base, tmp_path / "phi3", seed=1, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    )
+    prompt_ids = prompt(12, seed=5)
+    # within the original context, as transformers' generate then rotates with the short factors
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_model_len=PHI3_ORIGINAL_CONTEXT)
+    expected = peft_greedy(base, adapter, prompt_ids, 12)
+    assert expected != peft_greedy(base, None, prompt_ids, 12)  # the adapter changes the answer
+    request = LoRARequest("phi3", 1, str(adapter))
+    out = llm.generate([prompt_ids], SamplingParams(max_tokens=12, **GREEDY), lora_request=request)
+    assert out[0].outputs[0].token_ids == expected
+    llama_style = write_peft_adapter(checkpoints["mistral"], tmp_path / "mistral", seed=2, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="no q_proj"):
+        llm.generate([prompt_ids], SamplingParams(max_tokens=2), lora_request=LoRARequest("m", 2, str(llama_style)))
+
+
+def _phi_config(**fields) -> dict:
+    """config.json fields of a Phi-3 family checkpoint (transformers 4.x spelling, as published)."""
+    return {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+        "tie_word_embeddings": False,
+    } | fields
+
+
+def test_published_phi_configs_parse():
+    """The shapes of Phi-3-mini-4k (a 2047-token window on every layer), Phi-3.5-mini (LongRoPE
+    from 4k to 128k) and Phi-4-mini (partial rotary, tied head) as their config.json spell them."""
+    mini = ModelConfig.from_hf_dict(_phi_config(max_position_embeddings=4096, sliding_window=2047, rope_scaling=None))
+    assert mini.sliding_window == 2047 and set(mini.layer_types) == {"sliding_attention"} and mini.head_dim == 96
+    factors = [1.0 + i / 10 for i in range(48)]
+    longrope = {"type": "longrope", "short_factor": factors, "long_factor": [2 * f for f in factors]}
+    phi35 = ModelConfig.from_hf_dict(
+        _phi_config(max_position_embeddings=131072, original_max_position_embeddings=4096, rope_scaling=longrope)
+    )
+    rope = phi35.rope_by_layer_type["full_attention"]
+    assert rope.rope_type == "longrope" and rope.factor == 32.0 and rope.rotary_dim(96) == 96
+    assert rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    phi4 = ModelConfig.from_hf_dict(
+        _phi_config(
+            vocab_size=200064,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            partial_rotary_factor=0.75,
+            max_position_embeddings=131072,
+            original_max_position_embeddings=4096,
+            sliding_window=262144,
+            tie_word_embeddings=True,
+            rope_scaling=longrope,
+        )
+    )
+    assert phi4.head_dim == 128 and phi4.rope_by_layer_type["full_attention"].rotary_dim(128) == 96
+    assert phi4.tie_word_embeddings and phi4.fused_projections
+    with pytest.raises(ValueError, match="longrope has 48 factors; 32 rotated dimension pairs need 32"):
+        ModelConfig.from_hf_dict(
+            _phi_config(
+                partial_rotary_factor=0.5,
+                num_attention_heads=24,
+                num_key_value_heads=8,
+                max_position_embeddings=131072,
+                original_max_position_embeddings=4096,
+                rope_scaling=longrope,
+            )
+        )
