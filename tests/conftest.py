@@ -59,6 +59,20 @@ def tiny_hf_config(arch: str):
                 "rope_theta": 500000.0,
             },
         )
+    if arch == "gemma2":
+        # caps far below Gemma 2's (50 and 30), so that a tiny random model's scores and logits
+        # reach them and a missing cap changes the result
+        return transformers.Gemma2Config(
+            **TINY,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=2.0,
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
     if arch == "mistral":  # a sliding window on every layer, as Mistral 7B v0.1 has
         return transformers.MistralConfig(**TINY, head_dim=16, sliding_window=8, bos_token_id=1, eos_token_id=2)
     if arch == "phi3":
@@ -103,8 +117,8 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(out_dir)
     write_tiny_tokenizer(
         out_dir,
-        bos="<bos>" if arch == "gemma3" else "<s>",
-        eos="<eos>" if arch == "gemma3" else "</s>",
+        bos="<bos>" if arch.startswith("gemma") else "<s>",
+        eos="<eos>" if arch.startswith("gemma") else "</s>",
         chat=arch == "qwen3",
     )
     return out_dir
@@ -140,7 +154,7 @@ def write_tiny_tokenizer(out_dir: Path, *, bos: str, eos: str, chat: bool) -> No
 
 ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 # Architectures tested in tests/models/test_architectures.py only (ARCHS runs through every suite).
-MORE_ARCHS = ("mistral", "phi3")
+MORE_ARCHS = ("gemma2", "mistral", "phi3")
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,9 @@ _WIDENED = (torch.bfloat16, torch.float16)
 # The AVX-512 build first; CPUs without it (AMD Zen 2/3, older Intel) take the AVX2 build,
 # batch-invariant too (with bits of its own).
 _KERNELS = (
-    LazyKernel("attention_v1", source="attention.cpp", extra_cflags=("-ffp-contract=off",), what="the AVX2 build"),
+    LazyKernel("attention_v2", source="attention.cpp", extra_cflags=("-ffp-contract=off",), what="the AVX2 build"),
     LazyKernel(
-        "attention_avx2_v1",
+        "attention_avx2_v2",
         source="attention.cpp",
         extra_cflags=("-ffp-contract=off", "-DQD_ISA_AVX2"),
         what="scaled_dot_product_attention",
@@ -48,14 +48,22 @@ def kernel_available() -> bool:
 
 
 def attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], keys / values [Hkv, S, D], mask [T, S] bool (True = may attend) or None
-    (all) -> [T, H, D]."""
+    (all) -> [T, H, D].  softcap: scores become softcap * tanh(score / softcap) (Gemma 2)."""
     if q.is_cpu and q.dtype in _WIDENED and keys.dtype == q.dtype and q.shape[-1] % 16 == 0 and kernel_available():
         # bfloat16 / float16 layers on the CPU: widened exactly and run by the float32 kernel, so
         # they are batch-invariant too (torch's attention is not), and rounded once at the end.
-        widened = attention(q.float(), keys.float().contiguous(), values.float().contiguous(), mask=mask, scale=scale)
+        widened = attention(
+            q.float(), keys.float().contiguous(), values.float().contiguous(), mask=mask, scale=scale, softcap=softcap
+        )
         return widened.to(q.dtype)
     usable = (
         q.dtype == torch.float32
@@ -68,7 +76,7 @@ def attention(
     )
     ext = _extension() if usable else None
     if ext is not None:
-        return ext.attention(q, keys, values, mask, scale)
+        return ext.attention(q, keys, values, mask, scale, softcap or 0.0)
     if q.is_cuda:  # SDPA picks its kernel by row count: fixed-size calls keep rows' bits
-        return fixed_rows_attention(q, keys, values, mask=mask, scale=scale)
-    return sdpa_rows(q, keys, values, mask=mask, scale=scale)
+        return fixed_rows_attention(q, keys, values, mask=mask, scale=scale, softcap=softcap)
+    return sdpa_rows(q, keys, values, mask=mask, scale=scale, softcap=softcap)

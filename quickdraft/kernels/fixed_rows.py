@@ -40,21 +40,27 @@ def fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def fixed_rows_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], keys / values [Hkv, S, D], mask [T, S] bool or None (all) -> [T, H, D]; in
     float32 every SDPA call over FIXED_ROWS query rows with a mask (padding rows attend to every
     key)."""
     count = q.shape[0]
     if q.dtype != torch.float32:
-        return sdpa_rows(q, keys, values, mask=mask, scale=scale)
+        return sdpa_rows(q, keys, values, mask=mask, scale=scale, softcap=softcap)
     if mask is None:
         mask = torch.ones(count, keys.shape[1], dtype=torch.bool, device=q.device)
     padded_q = _padded(q)
     padded_mask = torch.cat([mask, mask.new_ones(len(padded_q) - count, mask.shape[1])])
 
     def attend(chunk: torch.Tensor, chunk_mask: torch.Tensor) -> torch.Tensor:
-        return sdpa_rows(chunk, keys, values, mask=chunk_mask, scale=scale)
+        return sdpa_rows(chunk, keys, values, mask=chunk_mask, scale=scale, softcap=softcap)
 
     return _by_chunks(attend, padded_q, padded_mask)[:count]
 
@@ -70,9 +76,18 @@ def _by_chunks(call, rows: torch.Tensor, masks: torch.Tensor | None) -> torch.Te
 
 
 def sdpa_rows(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # q [T, H, D], keys / values [Hkv, S, D] -> [T, H, D]
-    """torch's scaled_dot_product_attention in this layout (grouped query heads included)."""
+    """torch's scaled_dot_product_attention in this layout (grouped query heads included); with a
+    soft cap (which SDPA cannot apply) the same steps written out."""
+    if softcap:
+        return _capped_attention(q, keys, values, mask=mask, scale=scale, softcap=softcap)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys[None],
@@ -82,3 +97,23 @@ def sdpa_rows(
         enable_gqa=keys.shape[0] != q.shape[1],
     )  # [1, H, T, D]
     return out[0].transpose(0, 1)
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # q [T, H, D], keys / values [Hkv, S, D] -> [T, H, D]
+    group = q.shape[1] // keys.shape[0]
+    k = keys.repeat_interleave(group, dim=0)  # [H, S, D]
+    v = values.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.transpose(0, 1).float(), k.transpose(1, 2).float()) * scale  # [H, T, S]
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(weights, v).transpose(0, 1)  # [T, H, D]

@@ -57,13 +57,13 @@ ISAS = ("avx512", "avx2")
 # reference's, one rounding each.
 _KERNELS = {
     "avx512": LazyKernel(
-        "quant_linear_v3",
+        "quant_linear_v4",
         source="quant_linear.cpp",
         extra_cflags=("-ffp-contract=off",),
         what="the AVX2 kernel (the torch reference if forced)",
     ),
     "avx2": LazyKernel(
-        "quant_linear_avx2_v3",
+        "quant_linear_avx2_v4",
         source="quant_linear.cpp",
         extra_cflags=("-ffp-contract=off", "-DQD_ISA_AVX2"),
         what="the torch reference (slow)",
@@ -289,6 +289,7 @@ class FusedLayerWeights:
     head_dim: int
     intermediate_size: int
     scale: float
+    softcap: float = 0.0  # Gemma 2's attention score cap (0: none)
 
     def weight_args(self) -> tuple:
         """The kernels' layer arguments before the per-call ones (decoder_layer, DecoderStack)."""
@@ -308,7 +309,7 @@ class FusedLayerWeights:
 
     def size_args(self) -> tuple:
         """The kernels' head and width arguments (after the per-call ones in decoder_layer)."""
-        return (self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.scale)
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.scale, self.softcap)
 
     @classmethod
     def of(
@@ -322,6 +323,7 @@ class FusedLayerWeights:
         num_kv_heads: int,
         head_dim: int,
         scale: float,
+        softcap: float | None = None,
     ) -> FusedLayerWeights:
         return cls(
             qkv=_parts(weights["qkv_proj"]),
@@ -340,6 +342,7 @@ class FusedLayerWeights:
             head_dim=head_dim,
             intermediate_size=weights["down_proj"].shape[1],
             scale=scale,
+            softcap=softcap or 0.0,
         )
 
 

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
 
 # Llama-shaped models whose `sliding_window` (when set) applies to every layer, as transformers
 # reads them; Qwen2/3 gate theirs behind `use_sliding_window`.
@@ -107,6 +107,7 @@ class ModelConfig:
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
     sliding_window: int | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by c * tanh(score / c)
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (our fused layout already).
     fused_projections: bool = False
     bos_token_id: int | None = None
@@ -184,7 +185,7 @@ class ModelConfig:
                 f"(architectures={hf.get('architectures')}); quickdraft supports "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        parser = _gemma3_fields if model_type.startswith("gemma3") else _llama_family_fields
+        parser = _gemma_fields if model_type.startswith("gemma") else _llama_family_fields
         return cls(**{**_common_fields(hf), **parser(hf, model_type)})
 
 
@@ -235,9 +236,25 @@ def _rope_from_params(params: dict | None, default_theta: float) -> RopeConfig:
     return RopeConfig(**kwargs)
 
 
+def _gemma_fields(hf: dict, model_type: str) -> dict:
+    """Gemma 2 and 3: sandwich norms, (1 + w) norms, scaled embeddings, a tied head. Gemma 3 adds
+    q/k norms and a rope per layer type; Gemma 2 soft-caps its attention scores instead, and
+    alternates sliding and global layers."""
+    if model_type == "gemma2":
+        return _gemma3_fields(hf, model_type) | dict(
+            model_type="gemma2",
+            qk_norm=False,
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+        )
+    if hf.get("attn_logit_softcapping"):
+        raise ValueError("attn_logit_softcapping is not supported for Gemma 3 (it does not use it)")
+    return _gemma3_fields(hf, model_type)
+
+
 def _gemma3_fields(hf: dict, model_type: str) -> dict:
     num_layers = int(hf["num_hidden_layers"])
-    pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+    default_pattern = 2 if model_type == "gemma2" else 6
+    pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", default_pattern)))
     layer_types = hf.get("layer_types") or [
         SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
     ]
@@ -245,14 +262,16 @@ def _gemma3_fields(hf: dict, model_type: str) -> dict:
     if FULL_ATTENTION in rope_params or SLIDING_ATTENTION in rope_params:
         full = _rope_from_params(rope_params.get(FULL_ATTENTION), 1_000_000.0)
         local = _rope_from_params(rope_params.get(SLIDING_ATTENTION), 10_000.0)
+    elif rope_params:  # one rope for every layer (Gemma 2 as transformers >= 5 writes it)
+        full = local = _rope_from_params(rope_params, 10_000.0)
     else:  # transformers 4.x spelling
         full = _rope_from_params(
             {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1_000_000.0)},
             1_000_000.0,
         )
-        local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
-    if hf.get("attn_logit_softcapping"):
-        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 does not use it)")
+        # Gemma 2 rotates every layer alike (rope_theta); Gemma 3's local layers have their own base
+        default_local = hf.get("rope_theta", 10_000.0) if model_type == "gemma2" else 10_000.0
+        local = RopeConfig(theta=float(hf.get("rope_local_base_freq", default_local)))
     hidden = int(hf["hidden_size"])
     return dict(
         model_type="gemma3_text",

@@ -105,6 +105,7 @@ class DecoderLayer(torch.nn.Module):
         self.q_size, self.kv_size = c.q_size, c.kv_size
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.attn_scale = c.attn_scale
+        self.attn_softcap = c.attn_logit_softcapping  # Gemma 2; None elsewhere
         self.gelu = c.activation == "gelu_tanh"
         # Quantized layers run as one C++ call (csrc/quant_linear.cpp) unless this is False.
         self.fused = True
@@ -206,6 +207,7 @@ class DecoderLayer(torch.nn.Module):
                 num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim,
                 scale=self.attn_scale,
+                softcap=self.attn_softcap,
             )
             if usable
             else None
@@ -305,7 +307,12 @@ class DecoderLayer(torch.nn.Module):
             if keys.dtype != q.dtype:  # a float16 cache (kv_cache_dtype) beside float compute
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
             out[seq.row_start : seq.row_end] = attention(
-                q[seq.row_start : seq.row_end], keys, values, mask=mask, scale=self.attn_scale
+                q[seq.row_start : seq.row_end],
+                keys,
+                values,
+                mask=mask,
+                scale=self.attn_scale,
+                softcap=self.attn_softcap,
             )
         return out.view(num_tokens, self.q_size)
 

@@ -29,7 +29,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "phi3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 
 # Bumped whenever the output of the conversion changes, so old caches get rebuilt.
 CONVERTER_VERSION = 1
@@ -60,12 +60,14 @@ _BLOCK_NAMES = {
 }
 
 # Norm names differ: Gemma 3 has four norms per block (sandwich norms), the others two.
+_GEMMA_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _ARCH_BLOCK_NAMES = {
-    "gemma3": {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
     "llama": {"ffn_norm": "post_attention_layernorm"},
     # Phi-3 keeps HF's fused projections: q/k/v rows in one tensor, gate then up rows in ffn_up.
     "phi3": {"ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
@@ -79,6 +81,7 @@ _ARCH_BLOCK_NAMES = {
 _IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 _HF_CLASSES = {
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "llama": ("llama", "LlamaForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
@@ -185,7 +188,7 @@ def dequantize_tensor(
         weights = np.asarray(weights, dtype=np.float32).reshape(shape)
     except Exception as error:
         raise ValueError(f"{source}: cannot dequantize tensor {tensor.name!r}: {error}") from error
-    if architecture == "gemma3" and tensor.name.endswith("norm.weight"):
+    if architecture in ("gemma2", "gemma3") and tensor.name.endswith("norm.weight"):
         # Gemma's RMSNorm scales by (1 + w); llama.cpp stores (1 + w) so subtract the 1 back.
         weights = weights - 1.0
     if architecture == "llama" and ".attn_q." in tensor.name:
@@ -344,6 +347,24 @@ def _gemma3_config(reader: gguf.GGUFReader, config: dict) -> dict:
     }
 
 
+def _gemma2_config(reader: gguf.GGUFReader, config: dict) -> dict:
+    """Gemma 2 as llama.cpp reads it: every other layer sliding (from the first), one rope base,
+    queries scaled by 1/sqrt(head_dim) (the 27B model, which uses hidden/heads, is not handled)."""
+    key = lambda name, default=None: arch_field(reader, "gemma2", name, default)  # noqa: E731
+    theta = float(key("rope.freq_base", 10_000.0))
+    return config | {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["head_dim"],
+        "sliding_window": int(key("attention.sliding_window", _REQUIRED)),
+        "layer_types": _gemma3_layer_types(2, n_layers=config["num_hidden_layers"]),
+        "final_logit_softcapping": key("final_logit_softcapping"),
+        "attn_logit_softcapping": key("attn_logit_softcapping"),
+        "attention_bias": False,
+        "rope_theta": theta,
+        "rope_parameters": _rope_parameters(theta, None),
+    }
+
+
 def _gemma3_layer_types(pattern: int | list | None, *, n_layers: int) -> list[str]:
     """Which layers use sliding-window attention: every 6th layer is global unless the file says."""
     if isinstance(pattern, list):  # per-layer flags, true = sliding window
@@ -418,6 +439,8 @@ def hf_config(reader: gguf.GGUFReader, *, architecture: str, tensor_shapes: dict
     config = _common_config(reader, architecture=architecture, tensor_shapes=tensor_shapes)
     if architecture == "gemma3":
         return _gemma3_config(reader, config)
+    if architecture == "gemma2":
+        return _gemma2_config(reader, config)
     return _llama_like_config(reader, config, architecture=architecture, tensor_shapes=tensor_shapes)
 
 

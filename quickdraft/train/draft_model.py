@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.kernels.fixed_rows import sdpa_rows
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import DecoderLayer
 from quickdraft.models.layers import RMSNorm, RotaryTable
@@ -104,14 +105,9 @@ class DraftLM(torch.nn.Module):
             mask = causal & (positions[:, None] - positions[None, :] < c.sliding_window) if sliding else causal
             rotary = self.rotary[c.layer_types[layer.layer_index]].lookup(positions)
             q, k, v = layer.attention_inputs(hidden, rotary=rotary, linear=F.linear)
-            attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                attn_mask=mask,
-                scale=c.attn_scale,
-                enable_gqa=c.num_kv_heads != c.num_heads,
-            )[0].transpose(0, 1)
+            attended = sdpa_rows(  # differentiable; with the target's score cap (Gemma 2), as the engine runs it
+                q, k.transpose(0, 1), v.transpose(0, 1), mask=mask, scale=c.attn_scale, softcap=c.attn_logit_softcapping
+            )
             hidden = layer.block_output(hidden, attended.reshape(len(positions), -1), linear=F.linear)
         logits = F.linear(self.norm(hidden), self.embed_tokens[: self.other_token])
         cap = c.final_logit_softcapping

@@ -126,7 +126,7 @@ def spiece_vocab(*, architecture: str = "gemma3") -> TinyVocab:
     """A Gemma-like vocabulary: control tokens, user-defined newline/space/tab runs (spaces stored as
     real spaces, as llama.cpp writes Gemma files), 256 byte-fallback tokens, then BPE pieces.
     For architecture "llama": the same without user-defined tokens and with a dummy space prefix."""
-    gemma = architecture == "gemma3"
+    gemma = architecture.startswith("gemma")
     head = [("<pad>", CONTROL), ("<eos>", CONTROL), ("<bos>", CONTROL), ("<unk>", CONTROL)]
     head += [("<mask>", CONTROL), ("[multimodal]", USER_DEFINED)]
     head += [("<start_of_turn>", CONTROL), ("<end_of_turn>", CONTROL)]
@@ -204,6 +204,7 @@ def byte_level_vocab(*, pre: str) -> TinyVocab:
 # --------------------------------------------------------------------------------------------------
 
 _GGUF_ARCH = {
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "llama": gguf.MODEL_ARCH.LLAMA,
     "phi3": gguf.MODEL_ARCH.PHI3,
@@ -238,6 +239,21 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
             **common,
         )
         model_class = transformers.Gemma3ForCausalLM
+    elif architecture == "gemma2":
+        # 4 layers, sliding and global in turn; caps small enough for random scores and logits to
+        # reach them (a lost cap shows); queries scaled by head_dim, as llama.cpp reads Gemma 2
+        config = transformers.Gemma2Config(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=4,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=2.0,
+            **common,
+        )
+        model_class = transformers.Gemma2ForCausalLM
     elif architecture == "llama":
         rope = {"rope_type": "default", "rope_theta": 10000.0} | (rope_scaling or {})
         config = transformers.LlamaConfig(
@@ -321,6 +337,10 @@ def _write_hparams(writer: gguf.GGUFWriter, *, architecture: str, config) -> Non
     writer.add_value_length(head_dim)
     if architecture == "gemma3":
         writer.add_sliding_window(config.sliding_window)
+    if architecture == "gemma2":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if architecture == "phi3":  # as llama.cpp's converter writes Phi-3 (no key length, factors as tensors)
         rope = config.rope_parameters
         writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
@@ -379,7 +399,7 @@ def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, q
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
         weights = tensor.float().numpy().copy()  # (out, in) torch order
-        if architecture == "gemma3" and gguf_name.endswith("norm.weight"):
+        if architecture in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             weights = weights + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
         if architecture == "llama" and ".attn_q." in gguf_name:
             weights = _llama_permute(weights, n_head=config.num_attention_heads)
@@ -436,6 +456,7 @@ VARIANTS = {
     # like the real Gemma 3 270M Q4_K_M file: a mix of block types, norms in F32
     "gemma3-mixed": Variant("gemma3", {"token_embd": QType.Q8_0, "attn": QType.Q5_0, "ffn": QType.Q4_0}, "spiece"),
     "gemma3-f32": Variant("gemma3", {}, "spiece"),
+    "gemma2-mixed": Variant("gemma2", {"token_embd": QType.Q8_0, "attn": QType.Q8_0, "ffn": QType.Q4_0}, "spiece"),
     "llama-q8_0": Variant("llama", {"": QType.Q8_0}, "llama-bpe"),
     "llama-linear-rope": Variant("llama", {}, "llama-bpe", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "llama-llama3-rope": Variant("llama", {"": QType.Q8_0}, "llama-bpe", rope_scaling=LLAMA3_ROPE),

@@ -31,7 +31,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("quantized_ggufs")
     return {
         name: build_tiny_gguf(directory, name).path
-        for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0")
+        for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0", "gemma2-mixed")
     }
 
 
@@ -96,7 +96,7 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "phi3-q8_0"])
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "phi3-q8_0", "gemma2-mixed"])
 def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name, kv_dtype):
     model, config = load(tiny_gguf_paths[name], "gguf")
     prefix, rest = PROMPT[:12], PROMPT[12:]
@@ -293,7 +293,7 @@ def _set_fused(model, fused: bool) -> None:
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
-@pytest.mark.parametrize("name", ["llama-q8_0", "gemma3-mixed", "phi3-q8_0"])
+@pytest.mark.parametrize("name", ["llama-q8_0", "gemma3-mixed", "phi3-q8_0", "gemma2-mixed"])
 def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
     """The C++ layer computes what DecoderLayer's torch code computes, to rounding.  Rounding
     differences of ~1e-7 can flip an int8 activation quant (a ~1% step) now and then, and later
@@ -352,7 +352,7 @@ def test_one_call_layer_follows_a_replaced_weight_or_norm(tiny_gguf_paths):
     assert not torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
 
 
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0"])
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "gemma2-mixed"])
 def test_every_layer_in_one_call_is_the_layer_by_layer_forward(tiny_gguf_paths, name, monkeypatch):
     """The decoder's stack in one C++ call (FusedStack) computes what the loop over the one-call
     layers does, bit for bit: logits, captured layers, and a forward stopped early (end_layer),

@@ -43,7 +43,7 @@ inline int64_t heads_for(int64_t group, int64_t rows_times_kv_heads, int64_t thr
 }
 
 inline void attend(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
-                   int64_t D, const bool* visible, float scale, float* scores, float* out) {
+                   int64_t D, const bool* visible, AttentionScale scale, float* scores, float* out) {
   qd_attention_avx2::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 #else
@@ -60,7 +60,7 @@ inline int64_t heads_for(int64_t group, int64_t rows_times_kv_heads, int64_t thr
 }
 
 inline void attend(int64_t G, const float* q, const float* k, const float* v, const int64_t* rows, int64_t S,
-                   int64_t D, const bool* visible, float scale, float* scores, float* out) {
+                   int64_t D, const bool* visible, AttentionScale scale, float* scores, float* out) {
   attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 #endif
@@ -68,7 +68,7 @@ inline void attend(int64_t G, const float* q, const float* k, const float* v, co
 // q [T, H, D]; k, v [Hkv, S, D] with unit stride over D and D between keys (a cache slot's
 // range); mask [T, S] bool or None (every key visible).  Returns [T, H, D] float32.
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& mask_opt, double scale) {
+                     const c10::optional<at::Tensor>& mask_opt, double scale, double softcap) {
   TORCH_CHECK(cpu_supported(), "attention: this CPU lacks the instructions of the ", kIsa, " build");
   TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attention: q [T, H, D], k and v [Hkv, S, D]");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -94,7 +94,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   const float* vp = v.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t head_stride = k.stride(0), group = H / Hkv;
-  const float fscale = static_cast<float>(scale);
+  const AttentionScale fscale{static_cast<float>(scale), static_cast<float>(softcap)};
   // G query heads of a key head per call (they share its key and value reads).
   const int64_t G = heads_for(group, T * Hkv, at::get_num_threads()), calls = H / G;
   // Small problems (one decode token over a short context) stay on one thread.
@@ -117,7 +117,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("attention", &qd_attention::attention, "batch-invariant attention: q [T, H, D], k/v [Hkv, S, D]",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scale"),
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scale"), py::arg("softcap") = 0.0,
         py::call_guard<py::gil_scoped_release>());
   m.attr("isa") = qd_attention::kIsa;
   m.def("cpu_supported", &qd_attention::cpu_supported);

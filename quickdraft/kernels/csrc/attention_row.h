@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "attention_scale.h"
+
 namespace qd_attention {
 
 #pragma GCC push_options

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "attention_scale.h"
+
 namespace qd_attention_avx2 {
 
 #pragma GCC push_options

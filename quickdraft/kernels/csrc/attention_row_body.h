@@ -87,7 +87,7 @@ inline void weighted_columns(const KV* v, const int64_t* rows, int64_t S, int64_
 // One query row of one head against S keys (scores: a scratch row of S).
 template <typename KV>
 inline void attend_row(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
-                       const bool* visible, float scale, float* scores, float* out) {
+                       const bool* visible, AttentionScale scale, float* scores, float* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float max_score = neg_inf;
   for (int64_t s = 0; s < S; ++s) {
@@ -95,7 +95,7 @@ inline void attend_row(const float* q, const KV* k, const KV* v, const int64_t* 
       scores[s] = neg_inf;
       continue;
     }
-    scores[s] = dot(q, k + rows[s], D) * scale;
+    scores[s] = scale.apply(dot(q, k + rows[s], D));
     max_score = std::max(max_score, scores[s]);
   }
   if (max_score == neg_inf) {  // sees nothing: zeros
@@ -107,10 +107,10 @@ inline void attend_row(const float* q, const KV* k, const KV* v, const int64_t* 
 }
 
 // The G heads' scores of keys s .. s + P - 1 (scores[g * S + key]): per (head, key) a dot
-// product over D in lane-wide steps from zero, then the lanes' fixed sum, times the scale.
+// product over D in lane-wide steps from zero, then the lanes' fixed sum, then scaled (and capped).
 // The P keys only share the loads of q.
 template <int G, int P, typename KV>
-inline void score_keys(const float* q, const KV* k, const int64_t* rows, int64_t s, int64_t D, float scale,
+inline void score_keys(const float* q, const KV* k, const int64_t* rows, int64_t s, int64_t D, AttentionScale scale,
                        int64_t S, float* scores) {
   Vec::F acc[P][G];
   for (int p = 0; p < P; ++p)
@@ -124,11 +124,11 @@ inline void score_keys(const float* q, const KV* k, const int64_t* rows, int64_t
     }
   }
   for (int p = 0; p < P; ++p)
-    for (int g = 0; g < G; ++g) scores[g * S + s + p] = Vec::sum(acc[p][g]) * scale;
+    for (int g = 0; g < G; ++g) scores[g * S + s + p] = scale.apply(Vec::sum(acc[p][g]));
 }
 
 template <int G, typename KV>
-inline void score_key_or_unseen(const float* q, const KV* k, const int64_t* rows, int64_t s, int64_t D, float scale,
+inline void score_key_or_unseen(const float* q, const KV* k, const int64_t* rows, int64_t s, int64_t D, AttentionScale scale,
                                 int64_t S, float* scores, bool seen) {
   if (seen) return score_keys<G, 1>(q, k, rows, s, D, scale, S, scores);
   for (int g = 0; g < G; ++g) scores[g * S + s] = -std::numeric_limits<float>::infinity();
@@ -143,7 +143,7 @@ inline void score_key_or_unseen(const float* q, const KV* k, const int64_t* rows
 // == 0.  `parallel(begin, end, grain, f)` runs f(b, e) over [begin, end), as at::parallel_for.
 template <int G, typename KV, typename Parallel>
 inline void attend_heads_shared(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
-                                const bool* visible, float scale, float* scores, float* out,
+                                const bool* visible, AttentionScale scale, float* scores, float* out,
                                 const Parallel& parallel) {
   constexpr int L = Vec::kLanes;
   constexpr int W = Vec::kAccumulators / G;
@@ -209,7 +209,7 @@ inline void attend_heads_shared(const float* q, const KV* k, const KV* v, const 
 // of D floats, one after the other; scores: G * S scratch.  (attend_heads_shared on this thread.)
 template <int G, typename KV>
 inline void attend_heads(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
-                         const bool* visible, float scale, float* scores, float* out) {
+                         const bool* visible, AttentionScale scale, float* scores, float* out) {
   if (D % (Vec::kLanes * (Vec::kAccumulators / G)) != 0) {
     for (int g = 0; g < G; ++g) attend_row(q + g * D, k, v, rows, S, D, visible, scale, scores + g * S, out + g * D);
     return;
@@ -228,7 +228,7 @@ inline int64_t shared_heads(int64_t group, int64_t D) {
 
 template <typename KV, typename Parallel>
 inline void attend_heads_shared_n(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
-                                  int64_t D, const bool* visible, float scale, float* scores, float* out,
+                                  int64_t D, const bool* visible, AttentionScale scale, float* scores, float* out,
                                   const Parallel& parallel) {
   switch (G) {
     case 4: attend_heads_shared<4>(q, k, v, rows, S, D, visible, scale, scores, out, parallel); return;
@@ -240,7 +240,7 @@ inline void attend_heads_shared_n(int64_t G, const float* q, const KV* k, const 
 // attend_heads for a run-time G (from the build's heads_per_call).
 template <typename KV>
 inline void attend_heads_n(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
-                           int64_t D, const bool* visible, float scale, float* scores, float* out) {
+                           int64_t D, const bool* visible, AttentionScale scale, float* scores, float* out) {
   switch (G) {
     case 4: attend_heads<4>(q, k, v, rows, S, D, visible, scale, scores, out); return;
     case 2: attend_heads<2>(q, k, v, rows, S, D, visible, scale, scores, out); return;

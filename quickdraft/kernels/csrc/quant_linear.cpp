@@ -1041,7 +1041,7 @@ using KvHalf = qd_attention_avx2::Float16;  // a float16 cache's element, as the
 
 template <typename KV>
 inline void attend_rows(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
-                        int64_t D, const bool* visible, float scale, float* scores, float* out) {
+                        int64_t D, const bool* visible, AttentionScale scale, float* scores, float* out) {
   qd_attention_avx2::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 
@@ -1096,7 +1096,7 @@ using KvHalf = qd_attention::Float16;  // a float16 cache's element, as the atte
 
 template <typename KV>
 inline void attend_rows(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
-                        int64_t D, const bool* visible, float scale, float* scores, float* out) {
+                        int64_t D, const bool* visible, AttentionScale scale, float* scores, float* out) {
   qd_attention::attend_heads_n(G, q, k, v, rows, S, D, visible, scale, scores, out);
 }
 
@@ -1107,7 +1107,7 @@ inline int64_t shared_row_heads(int64_t group, int64_t D) { return qd_attention_
 
 template <typename KV>
 inline void attend_row_shared(int64_t G, const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S,
-                              int64_t D, const bool* visible, float scale, float* scores, float* out) {
+                              int64_t D, const bool* visible, AttentionScale scale, float* scores, float* out) {
   const auto parallel = [](int64_t b, int64_t e, int64_t grain, const auto& f) { at::parallel_for(b, e, grain, f); };
   qd_attention_isa::attend_heads_shared_n(G, q, k, v, rows, S, D, visible, scale, scores, out, parallel);
 }
@@ -1175,7 +1175,7 @@ struct AttentionItem {
 template <typename KV, typename Offset>
 void attend_rows_shared(const float* qkv, const KV* kc, const KV* vc, const std::vector<int64_t>& seqs,
                         const std::vector<c10::optional<at::Tensor>>& masks, const Offset& offset, int64_t H,
-                        int64_t Hkv, int64_t hd, int64_t QKV, float scale, int64_t G, float* attended) {
+                        int64_t Hkv, int64_t hd, int64_t QKV, AttentionScale scale, int64_t G, float* attended) {
   const int64_t group = H / Hkv;
   for (int64_t b = 0; b < static_cast<int64_t>(masks.size()); ++b) {
     const int64_t ts = seqs[5 * b], r0 = seqs[5 * b + 1], r1 = seqs[5 * b + 2];
@@ -1203,7 +1203,7 @@ void attend_rows_shared(const float* qkv, const KV* kc, const KV* vc, const std:
 template <typename KV, typename Offset>
 void attend_sequences(const float* qkv, const KV* kc, const KV* vc, const std::vector<int64_t>& seqs,
                       const std::vector<c10::optional<at::Tensor>>& masks,
-                      const Offset& offset, int64_t N, int64_t H, int64_t Hkv, int64_t hd, int64_t QKV, float scale,
+                      const Offset& offset, int64_t N, int64_t H, int64_t Hkv, int64_t hd, int64_t QKV, AttentionScale scale,
                       float* attended) {
   const int64_t num_seqs = static_cast<int64_t>(masks.size()), group = H / Hkv;
   const int64_t threads = at::get_num_threads();
@@ -1431,8 +1431,8 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
                          const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks,
-                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, int64_t amx_min_rows,
-                         const LoraRows* lora) {
+                         int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap,
+                         int64_t amx_min_rows, const LoraRows* lora) {
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor hidden = hidden_in.contiguous();
   const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
@@ -1493,7 +1493,8 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
           store_kv_row(vc + at, qkv_out.data() + n * QKV + (H + Hkv + g) * hd, hd);
         }
     }
-    attend_sequences(qkv_out.data(), kc, vc, seqs, masks, offset, N, H, Hkv, hd, QKV, static_cast<float>(scale),
+    attend_sequences(qkv_out.data(), kc, vc, seqs, masks, offset, N, H, Hkv, hd, QKV,
+                     AttentionScale{static_cast<float>(scale), static_cast<float>(softcap)},
                      attended.data());
   };
   if (cache_k.scalar_type() == at::kHalf)
@@ -1569,10 +1570,10 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const std::vector<Part>& qkv,
                          const at::Tensor& sin, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks, int64_t H, int64_t Hkv, int64_t hd,
-                         int64_t I, double scale, int64_t amx_min_rows) {
+                         int64_t I, double scale, double softcap, int64_t amx_min_rows) {
   return decoder_layer_impl(hidden, qkv, o_proj, gate_up, down, input_norm, post_attention_norm, pre_ff_norm,
                             post_ff_norm, qk_norm, eps, gelu, cos, sin, cache_k, cache_v, seqs, tables, masks, H, Hkv,
-                            hd, I, scale, amx_min_rows, nullptr);
+                            hd, I, scale, softcap, amx_min_rows, nullptr);
 }
 
 // The layers of a decoder, one forward in one call: decoder_layer for each layer in turn.  A
@@ -1590,17 +1591,17 @@ class DecoderStack {
     double eps;
     bool gelu;
     int64_t H, Hkv, hd, I;
-    double scale;
+    double scale, softcap;
     std::vector<LoraSites> lora;  // by adapter slot
   };
 
   void add_layer(std::vector<Part> qkv, std::vector<Part> o_proj, std::vector<Part> gate_up, std::vector<Part> down,
                  at::Tensor input_norm, at::Tensor post_attention_norm, c10::optional<at::Tensor> pre_ff_norm,
                  c10::optional<at::Tensor> post_ff_norm, c10::optional<at::Tensor> qk_norm, double eps, bool gelu,
-                 int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale) {
+                 int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap) {
     layers_.push_back({std::move(qkv), std::move(o_proj), std::move(gate_up), std::move(down), std::move(input_norm),
                        std::move(post_attention_norm), std::move(pre_ff_norm), std::move(post_ff_norm),
-                       std::move(qk_norm), eps, gelu, H, Hkv, hd, I, scale});
+                       std::move(qk_norm), eps, gelu, H, Hkv, hd, I, scale, softcap});
   }
 
   // Adapter slot `slot`'s parts at one site of one layer, (a_t [K, r], b_t [r, n], col0) each,
@@ -1668,7 +1669,7 @@ class DecoderStack {
       const LoraRows lora{&l.lora, row_slots.data()};
       h = decoder_layer_impl(h, l.qkv, l.o_proj, l.gate_up, l.down, l.input_norm, l.post_attention_norm, l.pre_ff_norm,
                         l.post_ff_norm, l.qk_norm, l.eps, l.gelu, cos[r], sin[r], cache_keys[i], cache_values[i],
-                        seqs[q], tables[q], masks[q], l.H, l.Hkv, l.hd, l.I, l.scale, amx_min_rows,
+                        seqs[q], tables[q], masks[q], l.H, l.Hkv, l.hd, l.I, l.scale, l.softcap, amx_min_rows,
                         row_slots.empty() ? nullptr : &lora);
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == i) captured[c] = h;
@@ -1763,7 +1764,7 @@ std::vector<at::Tensor> draft_chain(
       hidden = decoder_layer(x, qkv, o_proj, gate_up, down, attn_norm, mlp_norm, c10::nullopt, c10::nullopt,
                              c10::nullopt, block_eps, gelu, cos_table.narrow(0, position, 1),
                              sin_table.narrow(0, position, 1), cache_k, cache_v, {0, 0, 1, first_true, entry + 1},
-                             table, {c10::nullopt}, H, Hkv, hd, I, scale, amx_min_rows);
+                             table, {c10::nullopt}, H, Hkv, hd, I, scale, 0.0, amx_min_rows);
     }
     const at::Tensor logits = norm_matmul(hidden, final_norm, D, final_eps, lm_rows, Vd, amx_min_rows);
     in.features = hidden.const_data_ptr<float>();
