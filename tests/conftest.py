@@ -95,6 +95,8 @@ def tiny_hf_config(arch: str):
                 "long_factor": [1.0, 2.0, 4.0, 8.0],
             },
         )
+    if arch == "smollm3":  # its 4th layer without rotary embeddings (NoPE)
+        return transformers.SmolLM3Config(**TINY, head_dim=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "qwen2":
         return transformers.Qwen2Config(**TINY, bos_token_id=1, eos_token_id=2)
     if arch == "qwen3":
@@ -102,8 +104,10 @@ def tiny_hf_config(arch: str):
     raise ValueError(arch)
 
 
-def build_tiny_checkpoint(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
-    """A random HF model saved to out_dir (config.json + model.safetensors)."""
+def build_tiny_checkpoint(arch: str, out_dir: Path, *, seed: int = 0, qk_scale: float = 1.0) -> Path:
+    """A random HF model saved to out_dir (config.json + model.safetensors).  qk_scale multiplies
+    the query and key projections: at transformers' init scale a tiny model's attention scores
+    are so small that its attention is nearly uniform, and position handling barely shows."""
     import transformers
 
     torch.manual_seed(seed)
@@ -114,6 +118,11 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.normal_(0.0, 0.3)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(qk_scale)
+            if name.endswith("qkv_proj.weight"):  # Phi-3: the query and key rows, not the values
+                head_dim = config.hidden_size // config.num_attention_heads
+                param[: (config.num_attention_heads + config.num_key_value_heads) * head_dim].mul_(qk_scale)
     model.save_pretrained(out_dir)
     write_tiny_tokenizer(
         out_dir,
@@ -154,7 +163,7 @@ def write_tiny_tokenizer(out_dir: Path, *, bos: str, eos: str, chat: bool) -> No
 
 ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 # Architectures tested in tests/models/test_architectures.py only (ARCHS runs through every suite).
-MORE_ARCHS = ("gemma2", "mistral", "phi3")
+MORE_ARCHS = ("gemma2", "mistral", "phi3", "smollm3")
 
 
 @pytest.fixture(scope="session")

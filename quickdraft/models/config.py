@@ -12,17 +12,19 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
 
 # Llama-shaped models whose `sliding_window` (when set) applies to every layer, as transformers
 # reads them; Qwen2/3 gate theirs behind `use_sliding_window`.
 _WINDOW_WHEN_SET = ("mistral", "phi3")
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "none")
 
 # A checkpoint tensor holding query/key rows: `hf_row_order` may reorder them.
 _HEAD_ROWS = re.compile(r"layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>q|k|qkv)_proj\.(?:weight|bias)$")
 
 FULL_ATTENTION = "full_attention"
+# The rotary kind of a layer that does not rotate (SmolLM3's NoPE layers): frequency 0, an identity.
+NO_ROPE = "no_rope"
 SLIDING_ATTENTION = "sliding_attention"
 
 
@@ -110,6 +112,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by c * tanh(score / c)
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (our fused layout already).
     fused_projections: bool = False
+    no_rope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary embedding (SmolLM3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -134,6 +137,8 @@ class ModelConfig:
                 )
         if self.qk_norm and any(r.rotary_dim(self.head_dim) < self.head_dim for r in self.rope_by_layer_type.values()):
             raise ValueError("q/k norms with partial rotary embeddings are not supported")
+        if any(not 0 <= layer < self.num_layers for layer in self.no_rope_layers):
+            raise ValueError(f"no_rope_layers {self.no_rope_layers} name layers the model lacks ({self.num_layers})")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if self.activation not in ("gelu_tanh", "silu"):
@@ -166,6 +171,18 @@ class ModelConfig:
         if match["proj"] == "qkv":  # the value rows keep their place
             rows += range(len(rows), len(rows) + self.kv_size)
         return rows
+
+    def rotary_key(self, layer: int) -> str:
+        """Which rotary table layer `layer` reads: its attention type's, or NO_ROPE's."""
+        return NO_ROPE if layer in self.no_rope_layers else self.layer_types[layer]
+
+    @property
+    def rotary_keys(self) -> list[str]:
+        """The rotary tables the layers read, in first-use order."""
+        return list(dict.fromkeys(self.rotary_key(layer) for layer in range(self.num_layers)))
+
+    def rope_for(self, rotary_key: str) -> RopeConfig:
+        return RopeConfig(theta=1.0, rope_type="none") if rotary_key == NO_ROPE else self.rope_by_layer_type[rotary_key]
 
     @property
     def layer_windows(self) -> list[int | None]:
@@ -327,7 +344,20 @@ def _llama_family_fields(hf: dict, model_type: str) -> dict:
         qk_norm=model_type == "qwen3",
         sliding_window=hf.get("sliding_window") if windowed else None,
         fused_projections=model_type == "phi3",
+        no_rope_layers=_no_rope_layers(hf, num_layers) if model_type == "smollm3" else (),
     )
+
+
+def _no_rope_layers(hf: dict, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary embeddings: `no_rope_layers` flags (0 = no rope), else
+    every `no_rope_layer_interval`-th layer (4), as transformers and llama.cpp derive them."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = int(hf.get("no_rope_layer_interval", 4))
+        flags = [int((layer + 1) % interval != 0) for layer in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} flags for {num_layers} layers")
+    return tuple(layer for layer, uses_rope in enumerate(flags) if not uses_rope)
 
 
 def _longrope_resolved(rope: RopeConfig, hf: dict, *, factor_given: bool) -> RopeConfig:

@@ -25,7 +25,7 @@ from quickdraft.kernels.quant_linear import (
 )
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.attention import AttentionBatch
-from quickdraft.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from quickdraft.models.config import SLIDING_ATTENTION, ModelConfig
 from quickdraft.models.layers import LinearFn, RMSNorm, RotaryTable, apply_rotary
 from quickdraft.models.lora import LoRABatch
 from quickdraft.models.quantized import QuantizedWeight, embedding_rows
@@ -102,6 +102,7 @@ class DecoderLayer(torch.nn.Module):
         c = config
         self.layer_index = layer_index
         self.is_sliding = c.layer_types[layer_index] == SLIDING_ATTENTION
+        self.rotary_key = c.rotary_key(layer_index)  # which of the decoder's rotary tables it reads
         self.q_size, self.kv_size = c.q_size, c.kv_size
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.attn_scale = c.attn_scale
@@ -329,9 +330,8 @@ class Decoder(torch.nn.Module):
         self.lm_head = None if c.tie_word_embeddings else _weight(c.vocab_size, c.hidden_size, dtype)
         self.rotary = torch.nn.ModuleDict(
             {
-                layer_type: RotaryTable(rope, head_dim=c.head_dim, max_len=max_len, dtype=dtype)
-                for layer_type, rope in c.rope_by_layer_type.items()
-                if layer_type in c.layer_types
+                key: RotaryTable(c.rope_for(key), head_dim=c.head_dim, max_len=max_len, dtype=dtype)
+                for key in c.rotary_keys
             }
         )
         # The reference rounds the embedding scale to the model dtype first.
@@ -407,7 +407,7 @@ class Decoder(torch.nn.Module):
         stack: FusedStack,
         hidden: torch.Tensor,  # [N, D]
         *,
-        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],  # per attention type: cos, sin [N, 1, hd]
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],  # per rotary key: cos, sin [N, 1, hd]
         attn: AttentionBatch,
         cache: KVCache,
         layers: range,
@@ -416,7 +416,7 @@ class Decoder(torch.nn.Module):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """`layers` of the stack in one call: what the loop over DecoderLayer.forward computes."""
         names = list(rotary)
-        rotary_kind = [names.index(SLIDING_ATTENTION if layer.is_sliding else FULL_ATTENTION) for layer in self.layers]
+        rotary_kind = [names.index(layer.rotary_key) for layer in self.layers]
         keys = [(cache.group_of_layer[i], layer.is_sliding) for i, layer in enumerate(self.layers)]
         distinct = list(dict.fromkeys(keys))  # (cache group, sliding) kinds, first layer of each first
         capture = [i for i in capture_layers if i in layers]
@@ -477,7 +477,7 @@ class Decoder(torch.nn.Module):
         else:
             for index in range(start_layer, end_layer):
                 layer = self.layers[index]
-                layer_rotary = rotary[SLIDING_ATTENTION if layer.is_sliding else FULL_ATTENTION]
+                layer_rotary = rotary[layer.rotary_key]
                 hidden = layer(
                     hidden,
                     rotary=layer_rotary,

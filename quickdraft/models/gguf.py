@@ -29,7 +29,10 @@ from typing import Any
 import gguf
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "smollm3")
+
+# Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
+PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
 
 # Bumped whenever the output of the conversion changes, so old caches get rebuilt.
 CONVERTER_VERSION = 1
@@ -73,6 +76,7 @@ _ARCH_BLOCK_NAMES = {
     "phi3": {"ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen2": {"ffn_norm": "post_attention_layernorm"},
     "qwen3": {"ffn_norm": "post_attention_layernorm"},
+    "smollm3": {"ffn_norm": "post_attention_layernorm"},
 }
 
 # Tensors llama.cpp adds that have no HF parameter: `rope_freqs` holds Llama 3.1's per-dimension
@@ -87,6 +91,7 @@ _HF_CLASSES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>\w+)\.(?P<kind>weight|bias)$")
@@ -191,9 +196,9 @@ def dequantize_tensor(
     if architecture in ("gemma2", "gemma3") and tensor.name.endswith("norm.weight"):
         # Gemma's RMSNorm scales by (1 + w); llama.cpp stores (1 + w) so subtract the 1 back.
         weights = weights - 1.0
-    if architecture == "llama" and ".attn_q." in tensor.name:
+    if architecture in PERMUTED_QK_ARCHITECTURES and ".attn_q." in tensor.name:
         weights = _unpermute_rows(weights, n_head=n_head)
-    if architecture == "llama" and ".attn_k." in tensor.name:
+    if architecture in PERMUTED_QK_ARCHITECTURES and ".attn_k." in tensor.name:
         weights = _unpermute_rows(weights, n_head=n_head_kv)
     return np.ascontiguousarray(weights, dtype=np.float32)
 
@@ -386,12 +391,14 @@ def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: s
         "rope_scaling": scaling,
         "rope_parameters": _rope_parameters(theta, scaling),
     }
-    if architecture in ("llama", "qwen3"):
+    if architecture in ("llama", "qwen3", "smollm3"):
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if architecture == "llama":
         extra["mlp_bias"] = False
-    if architecture in ("qwen2", "qwen3"):
+    if architecture in ("qwen2", "qwen3", "smollm3"):
         extra["use_sliding_window"] = False
+    if architecture == "smollm3":  # llama.cpp: every 4th layer without rotary embeddings
+        extra |= {"mlp_bias": False, "no_rope_layer_interval": 4}
     if architecture == "phi3":
         extra |= _phi3_config(reader, config)
     return config | extra

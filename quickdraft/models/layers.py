@@ -78,6 +78,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, *, long_context: bool = False
     sin 0, an exact identity; `RopeConfig.dim_order` lays the pass-through dimensions there.
     long_context: LongRoPE's long factors (the context runs past the original length).
     """
+    if rope.rope_type == "none":
+        return torch.zeros(head_dim // 2, device="cpu")
     rotary_dim = rope.rotary_dim(head_dim)
     # On the CPU even under a meta-device context: a meta arange imports torch's symbolic-shape
     # machinery (sympy and ~800 modules, 68 MB resident) for a table that is rebuilt anyway.

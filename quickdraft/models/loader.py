@@ -315,10 +315,9 @@ def build_decoder(
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
         own[name].copy_(tensor)
     # Rotary tables are buffers computed from the config, not weights: rebuild them for real.
-    for layer_type in decoder.rotary:
-        rope = config.rope_by_layer_type[layer_type]
-        decoder.rotary[layer_type] = RotaryTable(
-            rope, head_dim=config.head_dim, max_len=max_len, dtype=dtype, context_len=context_len
+    for key in decoder.rotary:
+        decoder.rotary[key] = RotaryTable(
+            config.rope_for(key), head_dim=config.head_dim, max_len=max_len, dtype=dtype, context_len=context_len
         ).to(device)
     decoder.linear = default_linear_fn(device)
     decoder.eval()

@@ -264,6 +264,7 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
         _ARCH_BLOCK_NAMES,
         _BLOCK_NAMES,
         _HF_CLASSES,
+        PERMUTED_QK_ARCHITECTURES,
         _torch_shape,
         _unpermute_rows,
         open_gguf,
@@ -306,7 +307,7 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
         except Exception as err:
             raise LoRAError(f"LoRA adapter {name!r}: cannot read tensor {tensor.name!r} ({err})") from err
         values = np.asarray(values, dtype=np.float32).reshape(_torch_shape(tensor))
-        if architecture == "llama" and match["ab"] == "b" and proj in ("q_proj", "k_proj"):
+        if architecture in PERMUTED_QK_ARCHITECTURES and match["ab"] == "b" and proj in ("q_proj", "k_proj"):
             values = _unpermute_rows(values, n_head=config.num_heads if proj == "q_proj" else config.num_kv_heads)
         found.setdefault((layer, proj), {})[match["ab"].upper()] = torch.from_numpy(np.ascontiguousarray(values))
     modules = [_paired(name, layer, proj, pair, alpha=alpha) for (layer, proj), pair in sorted(found.items())]

@@ -140,7 +140,7 @@ def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
 def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantParts]:
     """HF tensor name -> decoded parts, for every 2-D tensor the file stores in a supported
     quantized format (everything else is read from the converted float directory)."""
-    from quickdraft.models.gguf import SUPPORTED_ARCHITECTURES, hf_tensor_name
+    from quickdraft.models.gguf import PERMUTED_QK_ARCHITECTURES, SUPPORTED_ARCHITECTURES, hf_tensor_name
 
     architecture, tensors = read_gguf_tensors(gguf_path)
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -157,9 +157,9 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
             decoded = decode_gguf(fmt, tensor.data, rows=shape[0], cols=shape[1])
         except ValueError as err:
             raise ValueError(f"{gguf_path}: tensor {tensor.name!r}: {err}") from err
-        if architecture == "llama" and ".attn_q." in tensor.name:
+        if architecture in PERMUTED_QK_ARCHITECTURES and ".attn_q." in tensor.name:
             decoded = _permuted(decoded, _unpermute_order(shape[0], config.num_heads))
-        if architecture == "llama" and ".attn_k." in tensor.name:
+        if architecture in PERMUTED_QK_ARCHITECTURES and ".attn_k." in tensor.name:
             decoded = _permuted(decoded, _unpermute_order(shape[0], config.num_kv_heads))
         parts[name] = decoded
     return parts

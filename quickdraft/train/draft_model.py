@@ -53,15 +53,15 @@ class DraftLM(torch.nn.Module):
             vocab_size=draft_vocab_size + 1,
             tie_word_embeddings=True,
             layer_types=tuple(target_config.layer_types[i] for i in self.sources),
+            no_rope_layers=tuple(j for j, i in enumerate(self.sources) if i in target_config.no_rope_layers),
         )
         self.embed_tokens = torch.nn.Parameter(torch.zeros(c.vocab_size, c.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(DecoderLayer(c, layer_index=i, dtype=dtype) for i in range(num_layers))
         self.norm = RMSNorm((c.hidden_size,), eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
         self.rotary = torch.nn.ModuleDict(
             {
-                kind: RotaryTable(rope, head_dim=c.head_dim, max_len=max_len, dtype=dtype)
-                for kind, rope in c.rope_by_layer_type.items()
-                if kind in c.layer_types
+                key: RotaryTable(c.rope_for(key), head_dim=c.head_dim, max_len=max_len, dtype=dtype)
+                for key in c.rotary_keys
             }
         )
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))  # [Vd] target ids
@@ -103,7 +103,7 @@ class DraftLM(torch.nn.Module):
         for layer in self.layers:
             sliding = layer.is_sliding
             mask = causal & (positions[:, None] - positions[None, :] < c.sliding_window) if sliding else causal
-            rotary = self.rotary[c.layer_types[layer.layer_index]].lookup(positions)
+            rotary = self.rotary[layer.rotary_key].lookup(positions)
             q, k, v = layer.attention_inputs(hidden, rotary=rotary, linear=F.linear)
             attended = sdpa_rows(  # differentiable; with the target's score cap (Gemma 2), as the engine runs it
                 q, k.transpose(0, 1), v.transpose(0, 1), mask=mask, scale=c.attn_scale, softcap=c.attn_logit_softcapping

@@ -35,7 +35,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("more_archs")
-    return {arch: build_tiny_checkpoint(arch, root / arch) for arch in MORE_ARCHS}
+    return {arch: build_tiny_checkpoint(arch, root / arch, qk_scale=6.0) for arch in MORE_ARCHS}
 
 
 @functools.cache

@@ -210,6 +210,7 @@ _GGUF_ARCH = {
     "phi3": gguf.MODEL_ARCH.PHI3,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "smollm3": gguf.MODEL_ARCH.SMOLLM3,
 }
 
 
@@ -279,6 +280,11 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
             **common,
         )
         model_class = transformers.Phi3ForCausalLM
+    elif architecture == "smollm3":  # 4 layers: the last one without rotary embeddings (NoPE)
+        config = transformers.SmolLM3Config(
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common
+        )
+        model_class = transformers.SmolLM3ForCausalLM
     elif architecture == "qwen2":
         config = transformers.Qwen2Config(
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common
@@ -401,9 +407,9 @@ def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, q
         weights = tensor.float().numpy().copy()  # (out, in) torch order
         if architecture in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             weights = weights + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
-        if architecture == "llama" and ".attn_q." in gguf_name:
+        if architecture in ("llama", "smollm3") and ".attn_q." in gguf_name:
             weights = _llama_permute(weights, n_head=config.num_attention_heads)
-        if architecture == "llama" and ".attn_k." in gguf_name:
+        if architecture in ("llama", "smollm3") and ".attn_k." in gguf_name:
             weights = _llama_permute(weights, n_head=config.num_key_value_heads)
         qtype = QType.F32  # norms, biases and 1-D tensors stay F32, as llama.cpp keeps them
         if weights.ndim == 2:
@@ -462,6 +468,7 @@ VARIANTS = {
     "llama-llama3-rope": Variant("llama", {"": QType.Q8_0}, "llama-bpe", rope_scaling=LLAMA3_ROPE),
     "phi3-q8_0": Variant("phi3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen2-f16": Variant("qwen2", {"": QType.F16}, "qwen2"),
+    "smollm3-q8_0": Variant("smollm3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen3-bf16": Variant("qwen3", {"ffn": QType.BF16, "attn": QType.Q8_0}, "qwen2"),
 }
 

@@ -31,7 +31,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("quantized_ggufs")
     return {
         name: build_tiny_gguf(directory, name).path
-        for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0", "gemma2-mixed")
+        for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0", "gemma2-mixed", "smollm3-q8_0")
     }
 
 
@@ -48,7 +48,7 @@ def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
     )
 
 
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0"])
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0", "smollm3-q8_0"])
 def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
     floats, _ = load(tiny_gguf_paths[name], None)
     quantized, _ = load(tiny_gguf_paths[name], "gguf")
@@ -352,7 +352,7 @@ def test_one_call_layer_follows_a_replaced_weight_or_norm(tiny_gguf_paths):
     assert not torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
 
 
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "gemma2-mixed"])
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "gemma2-mixed", "smollm3-q8_0"])
 def test_every_layer_in_one_call_is_the_layer_by_layer_forward(tiny_gguf_paths, name, monkeypatch):
     """The decoder's stack in one C++ call (FusedStack) computes what the loop over the one-call
     layers does, bit for bit: logits, captured layers, and a forward stopped early (end_layer),
