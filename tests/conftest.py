@@ -97,6 +97,26 @@ def tiny_hf_config(arch: str):
         )
     if arch == "smollm3":  # its 4th layer without rotary embeddings (NoPE)
         return transformers.SmolLM3Config(**TINY, head_dim=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen3_moe":  # 4 experts, 2 per token; layer 1 a dense MLP (mlp_only_layers)
+        return transformers.Qwen3MoeConfig(
+            **TINY,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    if arch == "mixtral":  # 4 experts of intermediate_size, 2 per token, in every layer
+        return transformers.MixtralConfig(
+            **{**TINY, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     if arch == "qwen2":
         return transformers.Qwen2Config(**TINY, bos_token_id=1, eos_token_id=2)
     if arch == "qwen3":
@@ -163,7 +183,7 @@ def write_tiny_tokenizer(out_dir: Path, *, bos: str, eos: str, chat: bool) -> No
 
 ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 # Architectures tested in tests/models/test_architectures.py only (ARCHS runs through every suite).
-MORE_ARCHS = ("gemma2", "mistral", "phi3", "smollm3")
+MORE_ARCHS = ("gemma2", "mistral", "phi3", "smollm3", "qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,11 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """ValueError naming the field when `config` cannot be split over `size` ranks."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    if size > 1 and config.moe_layers:
+        raise ValueError(
+            f"tensor_parallel_size {size}: a mixture-of-experts model ({config.model_type}) runs in one "
+            "process; its experts are not split over ranks"
+        )
     if config.num_heads % size:
         raise ValueError(
             f"tensor_parallel_size {size} must divide num_attention_heads ({config.num_heads}): "

@@ -12,11 +12,23 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = (
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "llama",
+    "mistral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "smollm3",
+)
 
 # Llama-shaped models whose `sliding_window` (when set) applies to every layer, as transformers
 # reads them; Qwen2/3 gate theirs behind `use_sliding_window`.
-_WINDOW_WHEN_SET = ("mistral", "phi3")
+_WINDOW_WHEN_SET = ("mistral", "mixtral", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "none")
 
 # A checkpoint tensor holding query/key rows: `hf_row_order` may reorder them.
@@ -113,6 +125,14 @@ class ModelConfig:
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (our fused layout already).
     fused_projections: bool = False
     no_rope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary embedding (SmolLM3)
+    # Mixture of experts (Qwen3-MoE, Mixtral): in `moe_layers` the MLP is `num_experts` experts of
+    # width `moe_intermediate_size`, a router picking `experts_per_token` of them per token, their
+    # weights renormalised to sum to 1 where `moe_renormalize` (Mixtral; Qwen3-MoE's norm_topk_prob).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    moe_renormalize: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -139,6 +159,16 @@ class ModelConfig:
             raise ValueError("q/k norms with partial rotary embeddings are not supported")
         if any(not 0 <= layer < self.num_layers for layer in self.no_rope_layers):
             raise ValueError(f"no_rope_layers {self.no_rope_layers} name layers the model lacks ({self.num_layers})")
+        if self.moe_layers:
+            if not 1 <= self.experts_per_token <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    f"a mixture of experts needs 1 <= experts per token ({self.experts_per_token}) <= experts "
+                    f"({self.num_experts}) and a positive expert width ({self.moe_intermediate_size})"
+                )
+            if any(not 0 <= layer < self.num_layers for layer in self.moe_layers):
+                raise ValueError(f"moe_layers {self.moe_layers} name layers the model lacks ({self.num_layers})")
+            if self.mlp_bias:
+                raise ValueError("MLP biases with a mixture of experts are not supported")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if self.activation not in ("gelu_tanh", "silu"):
@@ -341,10 +371,39 @@ def _llama_family_fields(hf: dict, model_type: str) -> dict:
         qkv_bias=True if model_type == "qwen2" else attention_bias,
         o_bias=False if model_type == "qwen2" else attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=hf.get("sliding_window") if windowed else None,
         fused_projections=model_type == "phi3",
         no_rope_layers=_no_rope_layers(hf, num_layers) if model_type == "smollm3" else (),
+        **_moe_fields(hf, model_type, num_layers),
+    )
+
+
+def _moe_fields(hf: dict, model_type: str, num_layers: int) -> dict:
+    """The mixture-of-experts switches: Mixtral's experts in every layer (intermediate_size wide,
+    weights renormalised); Qwen3-MoE's every decoder_sparse_step-th layer but mlp_only_layers."""
+    if model_type == "mixtral":
+        experts, width, layers, renormalize = (
+            int(_require(hf, "num_local_experts")),
+            hf["intermediate_size"],
+            range(num_layers),
+            True,
+        )
+    elif model_type == "qwen3_moe":
+        # published configs say num_experts; transformers >= 5 writes num_local_experts
+        experts = int(hf.get("num_experts") or _require(hf, "num_local_experts"))
+        width = _require(hf, "moe_intermediate_size")
+        step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
+        layers = [i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+        renormalize = bool(hf.get("norm_topk_prob", False))
+    else:
+        return {}
+    return dict(
+        num_experts=experts,
+        experts_per_token=int(_require(hf, "num_experts_per_tok")),
+        moe_intermediate_size=int(width),
+        moe_layers=tuple(layers),
+        moe_renormalize=renormalize,
     )
 
 

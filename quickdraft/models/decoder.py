@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.attention import attention
+from quickdraft.kernels.fixed_rows import fixed_rows_linear
 from quickdraft.kernels.quant_linear import (
     FusedLayerWeights,
     FusedStack,
@@ -96,6 +97,24 @@ def _bias(rows: int, enabled: bool, dtype: torch.dtype) -> torch.nn.Parameter | 
     return torch.nn.Parameter(torch.zeros(rows, dtype=dtype), requires_grad=False)
 
 
+def gated_activation(gate_up: torch.Tensor, *, gelu: bool) -> torch.Tensor:  # [N, 2 I] -> [N, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+
+
+class Expert(torch.nn.Module):
+    """One expert of a mixture-of-experts layer: the dense MLP's two matmuls at the experts' width
+    (gate and up fused as there, so a quantized expert runs the same kernels)."""
+
+    def __init__(self, *, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = _weight(2 * intermediate_size, hidden_size, dtype)
+        self.down_proj = _weight(hidden_size, intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor, *, linear: LinearFn, gelu: bool) -> torch.Tensor:  # [n, D] -> [n, D]
+        return linear(gated_activation(linear(x, self.gate_up_proj, None), gelu=gelu), self.down_proj, None)
+
+
 class DecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, *, layer_index: int, dtype: torch.dtype):
         super().__init__()
@@ -121,10 +140,22 @@ class DecoderLayer(torch.nn.Module):
         self.qkv_bias = _bias(c.q_size + 2 * c.kv_size, c.qkv_bias, dtype)
         self.o_proj = _weight(c.hidden_size, c.q_size, dtype)
         self.o_bias = _bias(c.hidden_size, c.o_bias, dtype)
-        self.gate_up_proj = _weight(2 * c.intermediate_size, c.hidden_size, dtype)
+        # A mixture-of-experts layer has a router and experts instead of the dense MLP's weights.
+        moe = layer_index in c.moe_layers
+        self.gate_up_proj = None if moe else _weight(2 * c.intermediate_size, c.hidden_size, dtype)
         self.gate_up_bias = _bias(2 * c.intermediate_size, c.mlp_bias, dtype)
-        self.down_proj = _weight(c.hidden_size, c.intermediate_size, dtype)
+        self.down_proj = None if moe else _weight(c.hidden_size, c.intermediate_size, dtype)
         self.down_bias = _bias(c.hidden_size, c.mlp_bias, dtype)
+        self.router = _weight(c.num_experts, c.hidden_size, dtype) if moe else None
+        self.experts = (
+            torch.nn.ModuleList(
+                Expert(hidden_size=c.hidden_size, intermediate_size=c.moe_intermediate_size, dtype=dtype)
+                for _ in range(c.num_experts)
+            )
+            if moe
+            else None
+        )
+        self.experts_per_token, self.moe_renormalize = c.experts_per_token, c.moe_renormalize
 
         def norm(*shape: int) -> RMSNorm:
             return RMSNorm(shape, eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
@@ -274,13 +305,38 @@ class DecoderLayer(torch.nn.Module):
     def _mlp(
         self, x: torch.Tensor, linear: LinearFn, lora: LoRABatch | None = None
     ) -> torch.Tensor:  # [N, D] -> [N, D]
+        if self.experts is not None:
+            return self._mixture(x, linear)
         gate_up = self._with_adapters(linear(x, self.gate_up_proj, self.gate_up_bias), x, "gate_up_proj", linear, lora)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        hidden = act * up
+        hidden = gated_activation(gate_up, gelu=self.gelu)
         return self._with_adapters(
             self._output_linear(hidden, self.down_proj, self.down_bias, linear), hidden, "down_proj", linear, lora
         )
+
+    def _mixture(self, x: torch.Tensor, linear: LinearFn) -> torch.Tensor:  # [N, D] -> [N, D]
+        """Each row through its top-k experts by router probability, their outputs weighted and
+        added in rank order: a row's sum runs in one order whatever rows share the forward, and
+        an expert's matmuls, run once for the rows that chose it, compute each row alone."""
+        assert self.experts is not None and self.router is not None
+        k = self.experts_per_token
+        # The router stays a float matrix (as llama.cpp keeps it), run in fixed 64-row calls: a float
+        # GEMM's summation order follows its shape, so each row's logits are its own whatever the batch.
+        probs = torch.softmax(fixed_rows_linear(x, self.router, None).float(), dim=-1)  # [N, E]
+        weights, chosen = probs.topk(k, dim=-1)  # [N, k], largest first
+        if self.moe_renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        by_rank = x.new_zeros(k, x.shape[0], x.shape[1])  # [k, N, D]
+        for expert in chosen.unique().tolist():
+            picked = chosen == expert  # [N, k]: a row picks an expert at most once
+            rows = picked.any(dim=-1).nonzero().squeeze(1)  # [n]
+            rank = picked.index_select(0, rows).int().argmax(dim=-1)  # [n]
+            out = self.experts[expert](x.index_select(0, rows), linear=linear, gelu=self.gelu)  # [n, D]
+            by_rank[rank, rows] = out * weights[rows, rank][:, None]
+        total = by_rank[0]
+        for rank in range(1, k):
+            total = total + by_rank[rank]
+        return total
 
     def _with_adapters(
         self, out: torch.Tensor, x: torch.Tensor, site: str, linear: LinearFn, lora: LoRABatch | None

@@ -29,7 +29,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3")
 
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
@@ -77,7 +77,32 @@ _ARCH_BLOCK_NAMES = {
     "qwen2": {"ffn_norm": "post_attention_layernorm"},
     "qwen3": {"ffn_norm": "post_attention_layernorm"},
     "smollm3": {"ffn_norm": "post_attention_layernorm"},
+    "qwen3moe": {"ffn_norm": "post_attention_layernorm"},
 }
+
+# Mixture-of-experts layers: a router (`ffn_gate_inp`) and the experts' matrices stacked in 3-D
+# tensors [experts, rows, cols] that HF checkpoints hold one expert at a time, under Mixtral's
+# names for `llama` files (llama.cpp converts Mixtral as llama) and Qwen3-MoE's otherwise.
+_EXPERT_LEAVES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def _moe_names(architecture: str) -> tuple[str, tuple[str, str, str]]:
+    """(the MLP block's HF name, the experts' gate/up/down names)."""
+    if architecture == "llama":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_tensor_names(gguf_name: str, *, architecture: str, num_experts: int) -> list[str] | None:
+    """The HF names of the experts stacked in a GGUF `ffn_*_exps` tensor (expert e's at index e);
+    None for any other tensor."""
+    match = _BLOCK_TENSOR.match(gguf_name)
+    if match is None or match["leaf"] not in _EXPERT_LEAVES:
+        return None
+    block, leaves = _moe_names(architecture)
+    leaf = leaves[_EXPERT_LEAVES.index(match["leaf"])]
+    return [f"model.layers.{match['layer']}.{block}.experts.{e}.{leaf}.{match['kind']}" for e in range(num_experts)]
+
 
 # Tensors llama.cpp adds that have no HF parameter: `rope_freqs` holds Llama 3.1's per-dimension
 # RoPE factors, turned back into config parameters by `llama3_rope_scaling`.
@@ -91,6 +116,7 @@ _HF_CLASSES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
 
@@ -166,7 +192,11 @@ def hf_tensor_name(gguf_name: str, *, architecture: str) -> str | None:
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{kind}"
     match = _BLOCK_TENSOR.match(gguf_name)
-    leaf_names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES[architecture]
+    if match is not None and match["leaf"] in _EXPERT_LEAVES:
+        return None  # one tensor for several HF ones: expert_tensor_names
+    leaf_names = (
+        _BLOCK_NAMES | _ARCH_BLOCK_NAMES[architecture] | {"ffn_gate_inp": f"{_moe_names(architecture)[0]}.gate"}
+    )
     if match is None or match["leaf"] not in leaf_names:
         raise ValueError(f"Unexpected tensor {gguf_name!r} in a GGUF file of architecture {architecture!r}")
     return f"model.layers.{match['layer']}.{leaf_names[match['leaf']]}.{match['kind']}"
@@ -184,12 +214,20 @@ def _unpermute_rows(weights: np.ndarray, *, n_head: int) -> np.ndarray:
 
 
 def dequantize_tensor(
-    tensor: gguf.ReaderTensor, *, architecture: str, n_head: int, n_head_kv: int, source: Path
+    tensor: gguf.ReaderTensor,
+    *,
+    architecture: str,
+    n_head: int,
+    n_head_kv: int,
+    source: Path,
+    expert: int | None = None,
 ) -> np.ndarray:
-    """One GGUF tensor as float32 in torch layout, with llama.cpp's value transforms undone."""
-    shape = _torch_shape(tensor)
+    """One GGUF tensor as float32 in torch layout, with llama.cpp's value transforms undone;
+    `expert`: that expert's matrix of a stacked experts tensor."""
+    shape = _torch_shape(tensor) if expert is None else _torch_shape(tensor)[1:]
     try:
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        data = tensor.data if expert is None else tensor.data[expert]
+        weights = gguf.quants.dequantize(data, tensor.tensor_type)
         weights = np.asarray(weights, dtype=np.float32).reshape(shape)
     except Exception as error:
         raise ValueError(f"{source}: cannot dequantize tensor {tensor.name!r}: {error}") from error
@@ -391,17 +429,42 @@ def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: s
         "rope_scaling": scaling,
         "rope_parameters": _rope_parameters(theta, scaling),
     }
-    if architecture in ("llama", "qwen3", "smollm3"):
+    if architecture in ("llama", "qwen3", "qwen3moe", "smollm3"):
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if architecture == "llama":
         extra["mlp_bias"] = False
-    if architecture in ("qwen2", "qwen3", "smollm3"):
+    if architecture in ("qwen2", "qwen3", "qwen3moe", "smollm3"):
         extra["use_sliding_window"] = False
+    experts = read_field(reader, f"{architecture}.expert_count")
+    if experts:
+        extra |= _moe_config(reader, architecture=architecture, num_experts=int(experts))
     if architecture == "smollm3":  # llama.cpp: every 4th layer without rotary embeddings
         extra |= {"mlp_bias": False, "no_rope_layer_interval": 4}
     if architecture == "phi3":
         extra |= _phi3_config(reader, config)
     return config | extra
+
+
+def _moe_config(reader: gguf.GGUFReader, *, architecture: str, num_experts: int) -> dict:  # -> keys to add
+    """A mixture of experts as llama.cpp runs it: every layer, weights renormalised (its norm_w).
+    A `llama` file with experts is Mixtral, whose experts are feed_forward_length wide."""
+    used = int(arch_field(reader, architecture, "expert_used_count"))
+    if architecture == "llama":
+        return {
+            "model_type": "mixtral",
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": num_experts,
+            "num_experts_per_tok": used,
+            "sliding_window": None,
+        }
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(arch_field(reader, architecture, "expert_feed_forward_length")),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 def _phi3_config(reader: gguf.GGUFReader, config: dict) -> dict:  # -> keys to add to `config`
@@ -563,16 +626,24 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
     config = hf_config(
         reader, architecture=architecture, tensor_shapes={name: _torch_shape(t) for name, t in tensors.items()}
     )
-    hf_names = {hf_tensor_name(name, architecture=architecture): name for name in tensors}
-    hf_names.pop(None, None)
+    hf_names: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert index or None)
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    for name in tensors:
+        experts = expert_tensor_names(name, architecture=architecture, num_experts=num_experts)
+        if experts is not None:
+            hf_names.update({hf_name: (name, expert) for expert, hf_name in enumerate(experts)})
+        elif (hf_name := hf_tensor_name(name, architecture=architecture)) is not None:
+            hf_names[hf_name] = (name, None)
 
     def produce(hf_name: str) -> np.ndarray:
+        name, expert = hf_names[hf_name]
         return dequantize_tensor(
-            tensors[hf_names[hf_name]],
+            tensors[name],
             architecture=architecture,
             n_head=config["num_attention_heads"],
             n_head_kv=config["num_key_value_heads"],
             source=gguf_path,
+            expert=expert,
         )
 
     tokenizer = tokenizer_from_gguf(reader)
@@ -585,7 +656,10 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
 
     with _staging_dir(out_dir) as staging:
         _write_json(staging / "config.json", config)
-        shapes = {hf_name: _torch_shape(tensors[name]) for hf_name, name in hf_names.items()}
+        shapes = {
+            hf_name: _torch_shape(tensors[name])[0 if expert is None else 1 :]
+            for hf_name, (name, expert) in hf_names.items()
+        }
         write_safetensors_streaming(staging / "model.safetensors", shapes=shapes, produce=produce)
         _fsync_write(staging / "tokenizer.json", tokenizer.to_str(pretty=False).encode("utf-8"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config)

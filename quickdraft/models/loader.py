@@ -204,9 +204,27 @@ def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
         names["down_bias"] = [p + "mlp.down_proj.bias"]
     if config.qk_norm:
         names["qk_norm.weight"] = [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if index in config.moe_layers:
+        del names["gate_up_proj"], names["down_proj"]
+        names.update(_expert_tensors(config, p))
     if config.sandwich_norms:
         names["pre_feedforward_layernorm.weight"] = [p + "pre_feedforward_layernorm.weight"]
         names["post_feedforward_layernorm.weight"] = [p + "post_feedforward_layernorm.weight"]
+    return names
+
+
+def _expert_tensors(config: ModelConfig, prefix: str) -> dict[str, list[str]]:
+    """A mixture-of-experts layer's router and experts (Mixtral's w1/w3/w2, Qwen3-MoE's names)."""
+    block, gate, up, down = (
+        ("block_sparse_moe", "w1", "w3", "w2")
+        if config.model_type == "mixtral"
+        else ("mlp", "gate_proj", "up_proj", "down_proj")
+    )
+    names = {"router": [prefix + f"{block}.gate.weight"]}
+    for expert in range(config.num_experts):
+        at = prefix + f"{block}.experts.{expert}."
+        names[f"experts.{expert}.gate_up_proj"] = [at + f"{gate}.weight", at + f"{up}.weight"]
+        names[f"experts.{expert}.down_proj"] = [at + f"{down}.weight"]
     return names
 
 
@@ -271,7 +289,7 @@ def hf_tensors_from_state(
         if ours.endswith("qk_norm.weight"):
             pieces = [tensor[0], tensor[c.num_heads]]
         elif len(theirs) > 1:
-            sizes = {3: [c.q_size, c.kv_size, c.kv_size], 2: [c.intermediate_size] * 2}[len(theirs)]
+            sizes = {3: [c.q_size, c.kv_size, c.kv_size], 2: [tensor.shape[0] // 2] * 2}[len(theirs)]  # gate, up
             pieces = list(tensor.split(sizes))
         else:
             pieces = [tensor]

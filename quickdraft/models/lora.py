@@ -273,6 +273,7 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
 
     # the target's model_type (as its config.json or the GGUF conversion names it) -> GGUF architecture
     architectures = {arch: arch for arch in _HF_CLASSES} | {hf[0]: arch for arch, hf in _HF_CLASSES.items()}
+    architectures["mixtral"] = "llama"  # llama.cpp converts Mixtral as llama
 
     try:
         reader = open_gguf(path)
@@ -333,6 +334,10 @@ def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: in
         if module.proj not in shapes:
             raise LoRAError(f"{where}: this target has no {module.proj} (its projections: {', '.join(shapes)})")
         width_in, width_out, col0 = shapes[module.proj]
+        if module.layer in config.moe_layers and _MODULE_SITES[module.proj] in ("gate_up_proj", "down_proj"):
+            raise LoRAError(
+                f"{where}: layer {module.layer} is a mixture of experts; adapters on experts are not supported"
+            )
         if (
             a.dim() != 2
             or b.dim() != 2

@@ -59,7 +59,9 @@ class MtpHead(FeatureHead):
         c = target_config
         self.target_config = c
         # The block is a decoder layer of the target's own architecture, with one full-attention layer.
-        self.layer_config = dataclasses.replace(c, num_layers=1, layer_types=(FULL_ATTENTION,), no_rope_layers=())
+        self.layer_config = dataclasses.replace(
+            c, num_layers=1, layer_types=(FULL_ATTENTION,), no_rope_layers=(), moe_layers=()
+        )
         self.layer = DecoderLayer(self.layer_config, layer_index=0, dtype=dtype)
 
         def norm() -> RMSNorm:

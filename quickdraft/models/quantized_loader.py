@@ -140,7 +140,12 @@ def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
 def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantParts]:
     """HF tensor name -> decoded parts, for every 2-D tensor the file stores in a supported
     quantized format (everything else is read from the converted float directory)."""
-    from quickdraft.models.gguf import PERMUTED_QK_ARCHITECTURES, SUPPORTED_ARCHITECTURES, hf_tensor_name
+    from quickdraft.models.gguf import (
+        PERMUTED_QK_ARCHITECTURES,
+        SUPPORTED_ARCHITECTURES,
+        expert_tensor_names,
+        hf_tensor_name,
+    )
 
     architecture, tensors = read_gguf_tensors(gguf_path)
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -148,6 +153,17 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
     parts: dict[str, QuantParts] = {}
     for tensor in tensors:
         fmt, shape = tensor.format, tensor.shape
+        experts = expert_tensor_names(tensor.name, architecture=architecture, num_experts=shape[0])
+        if experts is not None and fmt in SUPPORTED_FORMATS and len(shape) == 3:
+            # the experts' matrices lie one after the other: each is whole rows of its own
+            per_expert = tensor.data.size // shape[0]
+            for expert, name in enumerate(experts):
+                data = tensor.data[expert * per_expert : (expert + 1) * per_expert]
+                try:
+                    parts[name] = decode_gguf(fmt, data, rows=shape[1], cols=shape[2])
+                except ValueError as err:
+                    raise ValueError(f"{gguf_path}: tensor {tensor.name!r}, expert {expert}: {err}") from err
+            continue
         if fmt not in SUPPORTED_FORMATS or len(shape) != 2:
             continue
         name = hf_tensor_name(tensor.name, architecture=architecture)

@@ -54,6 +54,7 @@ class DraftLM(torch.nn.Module):
             tie_word_embeddings=True,
             layer_types=tuple(target_config.layer_types[i] for i in self.sources),
             no_rope_layers=tuple(j for j, i in enumerate(self.sources) if i in target_config.no_rope_layers),
+            moe_layers=tuple(j for j, i in enumerate(self.sources) if i in target_config.moe_layers),
         )
         self.embed_tokens = torch.nn.Parameter(torch.zeros(c.vocab_size, c.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(DecoderLayer(c, layer_index=i, dtype=dtype) for i in range(num_layers))

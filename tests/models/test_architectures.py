@@ -22,7 +22,7 @@ from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.config import ModelConfig, RopeConfig
 from quickdraft.models.loader import load_decoder
-from quickdraft.models.lora import LoRARequest
+from quickdraft.models.lora import LoRARequest, write_random_adapter
 from quickdraft.verify.tree import Tree
 from tests.conftest import MORE_ARCHS, PHI3_ORIGINAL_CONTEXT, build_tiny_checkpoint
 from tests.engine.test_speculative import GREEDY, GarbageDrafter, repetitive_prompts
@@ -329,3 +329,91 @@ def _gemma3_dict() -> dict:
         "head_dim": 256,
         "sliding_window": 512,
     }
+
+
+def test_published_moe_configs_parse():
+    """Qwen3-30B-A3B (128 experts of 768, 8 a token, renormalised) and Mixtral 8x7B (8 experts of
+    14336, 2 a token) as their config.json spell them; mixtures cannot be split over ranks."""
+    from quickdraft.distributed.sharding import check_tensor_parallel
+
+    common = {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "rms_norm_eps": 1e-6}
+    qwen = ModelConfig.from_hf_dict(
+        common
+        | {
+            "model_type": "qwen3_moe",
+            "vocab_size": 151936,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 48,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "rope_theta": 1000000.0,
+        }
+    )
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.moe_intermediate_size) == (128, 8, 768)
+    assert qwen.moe_layers == tuple(range(48)) and qwen.moe_renormalize and qwen.qk_norm
+    mixtral = ModelConfig.from_hf_dict(
+        common
+        | {
+            "model_type": "mixtral",
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+            "rope_theta": 1000000.0,
+        }
+    )
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, len(mixtral.moe_layers)) == (8, 14336, 32)
+    assert set(mixtral.layer_types) == {"full_attention"}
+    with pytest.raises(ValueError, match=r"mixture-of-experts model .* runs in one process"):
+        check_tensor_parallel(mixtral, 2)
+    with pytest.raises(ValueError, match="experts per token"):
+        ModelConfig.from_hf_dict(
+            {
+                **common,
+                "model_type": "mixtral",
+                "vocab_size": 10,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_local_experts": 2,
+                "num_experts_per_tok": 3,
+            }
+        )
+
+
+def test_moe_dense_layers_and_lora_on_attention_only(checkpoints, tmp_path):
+    """Qwen3-MoE's mlp_only_layers keep a dense MLP (the checkpoint's mlp.gate_proj is read); an
+    adapter on the attention projections runs as PEFT's, one on a layer's experts is refused."""
+    base = checkpoints["qwen3_moe"]
+    config = ModelConfig.from_hf_dict(json.loads((base / "config.json").read_text()))
+    assert config.moe_layers == (0, 2, 3)
+    model, _ = load_decoder(base, dtype=torch.float32, device=CPU, max_len=64)
+    assert model.layers[1].experts is None and model.layers[1].gate_up_proj is not None
+    assert model.layers[0].experts is not None and model.layers[0].gate_up_proj is None
+    adapter = write_peft_adapter(base, tmp_path / "attention", seed=3, target_modules=["q_proj", "v_proj", "o_proj"])
+    prompt_ids = prompt(12, seed=6)
+    expected = peft_greedy(base, adapter, prompt_ids, 10)
+    assert expected != peft_greedy(base, None, prompt_ids, 10)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_model_len=64)
+    out = llm.generate(
+        [prompt_ids], SamplingParams(max_tokens=10, **GREEDY), lora_request=LoRARequest("a", 1, str(adapter))
+    )
+    assert out[0].outputs[0].token_ids == expected
+    dense_mlp = write_peft_adapter(
+        base, tmp_path / "dense", seed=4, target_modules=["gate_proj", "up_proj", "down_proj"]
+    )
+    # PEFT adapts the experts' fused parameters (transformers >= 5 holds them so) by target_parameters
+    with pytest.raises(ValueError, match="target_parameters"):
+        llm.generate([prompt_ids], SamplingParams(max_tokens=2), lora_request=LoRARequest("d", 2, str(dense_mlp)))
+    # an adapter written with gate/up/down modules in every layer names the experts' layers
+    every_layer = write_random_adapter(tmp_path / "every", config=config, rank=4, b_std=0.1, seed=0)
+    with pytest.raises(ValueError, match="layer 0 is a mixture of experts; adapters on experts are not supported"):
+        llm.generate([prompt_ids], SamplingParams(max_tokens=2), lora_request=LoRARequest("e", 3, str(every_layer)))

@@ -210,6 +210,8 @@ _GGUF_ARCH = {
     "phi3": gguf.MODEL_ARCH.PHI3,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp writes Mixtral as llama with experts
     "smollm3": gguf.MODEL_ARCH.SMOLLM3,
 }
 
@@ -280,6 +282,31 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
             **common,
         )
         model_class = transformers.Phi3ForCausalLM
+    elif architecture == "qwen3moe":  # 4 experts of 32, 2 a token
+        config = transformers.Qwen3MoeConfig(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            **common,
+        )
+        model_class = transformers.Qwen3MoeForCausalLM
+    elif architecture == "mixtral":
+        config = transformers.MixtralConfig(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            **{**common, "intermediate_size": 32},
+        )
+        model_class = transformers.MixtralForCausalLM
     elif architecture == "smollm3":  # 4 layers: the last one without rotary embeddings (NoPE)
         config = transformers.SmolLM3Config(
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common
@@ -347,6 +374,12 @@ def _write_hparams(writer: gguf.GGUFWriter, *, architecture: str, config) -> Non
         writer.add_sliding_window(config.sliding_window)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if architecture == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if architecture == "phi3":  # as llama.cpp's converter writes Phi-3 (no key length, factors as tensors)
         rope = config.rope_parameters
         writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
@@ -387,6 +420,19 @@ def llama_cpp_rope_factors(rope: dict, *, head_dim: int) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def _split_experts(state: dict) -> dict:
+    """transformers (>= 5) holds a mixture's experts fused, gate_up_proj [E, 2I, D]; llama.cpp's
+    names take gate and up apart (each its own [E, I, D] tensor)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            out[name] = tensor
+    return out
+
+
 def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, qtypes: dict[str, QType]) -> dict:
     """Write `model` + `vocab` as a GGUF file like llama.cpp; return the state dict the file encodes.
 
@@ -394,25 +440,27 @@ def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, q
     The returned state dict holds each weight after its storage round trip (quantize + dequantize).
     """
     config = model.config
-    writer = gguf.GGUFWriter(path, architecture)
+    writer = gguf.GGUFWriter(path, "llama" if architecture == "mixtral" else architecture)
     _write_hparams(writer, architecture=architecture, config=config)
     vocab.write(writer)
     name_map = gguf.get_tensor_name_map(_GGUF_ARCH[architecture], config.num_hidden_layers)
     expected = {}
-    for hf_name, tensor in model.state_dict().items():
+    for hf_name, tensor in _split_experts(model.state_dict()).items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
+        if not gguf_name.endswith((".weight", ".bias")):  # experts [E, out, in], named without a suffix
+            gguf_name += ".weight"
         weights = tensor.float().numpy().copy()  # (out, in) torch order
         if architecture in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             weights = weights + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
-        if architecture in ("llama", "smollm3") and ".attn_q." in gguf_name:
+        if architecture in ("llama", "mixtral", "smollm3") and ".attn_q." in gguf_name:
             weights = _llama_permute(weights, n_head=config.num_attention_heads)
-        if architecture in ("llama", "smollm3") and ".attn_k." in gguf_name:
+        if architecture in ("llama", "mixtral", "smollm3") and ".attn_k." in gguf_name:
             weights = _llama_permute(weights, n_head=config.num_key_value_heads)
         qtype = QType.F32  # norms, biases and 1-D tensors stay F32, as llama.cpp keeps them
-        if weights.ndim == 2:
+        if weights.ndim >= 2 and "ffn_gate_inp" not in gguf_name:  # llama.cpp keeps the router F32
             qtype = next((q for key, q in qtypes.items() if key in gguf_name), QType.F32)
         if qtype == QType.F32:
             writer.add_tensor(gguf_name, weights)
@@ -426,6 +474,11 @@ def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, q
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    for name in [
+        name for name in expected if name.endswith("experts.gate_proj")
+    ]:  # fused again, as the model holds them
+        up = expected.pop(name.replace("gate_proj", "up_proj"))
+        expected[name.replace("gate_proj", "gate_up_proj")] = torch.cat([expected.pop(name), up], dim=1)
     return expected
 
 
@@ -468,6 +521,8 @@ VARIANTS = {
     "llama-llama3-rope": Variant("llama", {"": QType.Q8_0}, "llama-bpe", rope_scaling=LLAMA3_ROPE),
     "phi3-q8_0": Variant("phi3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen2-f16": Variant("qwen2", {"": QType.F16}, "qwen2"),
+    "qwen3moe-q8_0": Variant("qwen3moe", {"": QType.Q8_0}, "qwen2"),
+    "mixtral-mixed": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0, "output": QType.Q8_0}, "llama-bpe"),
     "smollm3-q8_0": Variant("smollm3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen3-bf16": Variant("qwen3", {"ffn": QType.BF16, "attn": QType.Q8_0}, "qwen2"),
 }

@@ -31,7 +31,16 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("quantized_ggufs")
     return {
         name: build_tiny_gguf(directory, name).path
-        for name in ("gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0", "gemma2-mixed", "smollm3-q8_0")
+        for name in (
+            "gemma3-mixed",
+            "llama-q8_0",
+            "qwen3-bf16",
+            "phi3-q8_0",
+            "gemma2-mixed",
+            "smollm3-q8_0",
+            "qwen3moe-q8_0",
+            "mixtral-mixed",
+        )
     }
 
 
@@ -48,7 +57,9 @@ def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
     )
 
 
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0", "smollm3-q8_0"])
+@pytest.mark.parametrize(
+    "name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0", "smollm3-q8_0", "qwen3moe-q8_0", "mixtral-mixed"]
+)
 def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
     floats, _ = load(tiny_gguf_paths[name], None)
     quantized, _ = load(tiny_gguf_paths[name], "gguf")
@@ -96,7 +107,7 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "phi3-q8_0", "gemma2-mixed"])
+@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "phi3-q8_0", "gemma2-mixed", "mixtral-mixed"])
 def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name, kv_dtype):
     model, config = load(tiny_gguf_paths[name], "gguf")
     prefix, rest = PROMPT[:12], PROMPT[12:]
