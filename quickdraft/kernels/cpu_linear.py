@@ -1,7 +1,8 @@
 """Fast CPU linear layer for small batches (decoding, speculative verification).
 
 ``skinny_linear(x, weight, bias)`` computes ``F.linear(x, weight, bias)`` with
-an AVX-512 C++ kernel (``csrc/skinny_linear.cpp``) that streams every weight
+an AVX-512 C++ kernel (``csrc/skinny_linear.cpp``; float32 also on CPUs with only AVX2
+and FMA, by an 8-lane build of the same contract) that streams every weight
 row once per call, keeps the x rows in cache, accumulates in float32 and
 software-prefetches the weights.  For the skinny shapes of batch-1 decoding
 (M = 1..64 rows) it runs close to the memory read bandwidth, several times
@@ -15,7 +16,7 @@ kernel computes every row with the same operations whatever M is, and above the 
 it beats PyTorch's GEMM it runs over chunks of rows rather than handing over to that GEMM,
 whose rounding depends on the shape.  Whenever the kernel cannot be used -- tensors not on
 the CPU, dtype other than float32/bfloat16 or mismatched, non-contiguous weight, autograd
-needed, CPU without AVX-512, build failure -- the call falls back to
+needed, CPU without AVX-512 (for bfloat16) or AVX2, build failure -- the call falls back to
 ``torch.nn.functional.linear`` (not batch-invariant).  A failed
 build or an unsupported CPU is logged once (``logging``, this module's logger).
 
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "skinny_linear.cpp"
 # Bump v1 when the C++ interface changes (build_name adds the torch and ninja that build it).
-_EXT_NAME = "skinny_linear_v1"
+_EXT_NAME = "skinny_linear_v2"
 
 # Rows of x per kernel call; above, the kernel runs over chunks of this many rows.  PyTorch's
 # GEMM (MKL / oneDNN) would be about as fast or faster there, but not batch-invariant.
@@ -53,22 +54,26 @@ _EXT_NAME = "skinny_linear_v1"
 _MAX_ROWS = {torch.float32: 128, torch.bfloat16: 96}
 
 _REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"})
+_AVX2_CPU_FLAGS = frozenset({"avx2", "fma"})  # the float32-only build
 
 # functools.cache alone would let two threads build at the same time.
 _LOAD_LOCK = threading.Lock()
 
 
-def _cpu_supports_avx512() -> bool:
+def _cpu_supports_avx512(flags: frozenset[str] = _REQUIRED_CPU_FLAGS) -> bool:
+    """Whether the CPU has `flags` (the AVX-512 build's by default)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return _REQUIRED_CPU_FLAGS <= set(line.split(":", 1)[1].split())
+                    return flags <= set(line.split(":", 1)[1].split())
     except OSError:
         pass
     # No /proc/cpuinfo: ask what PyTorch itself dispatches to.
     try:
-        return torch.backends.cpu.get_cpu_capability() == "AVX512"
+        return torch.backends.cpu.get_cpu_capability() in (
+            ("AVX512",) if flags == _REQUIRED_CPU_FLAGS else ("AVX512", "AVX2")
+        )
     except Exception:  # pragma: no cover - very old torch
         return False
 
@@ -82,8 +87,8 @@ def _load_extension() -> ModuleType | None:
     if os.environ.get("QUICKDRAFT_DISABLE_CPU_KERNEL", "0") not in ("", "0"):
         logger.info("skinny_linear: disabled by QUICKDRAFT_DISABLE_CPU_KERNEL, using F.linear")
         return None
-    if not _cpu_supports_avx512():
-        logger.warning("skinny_linear: CPU lacks AVX-512, using torch.nn.functional.linear")
+    if not (_cpu_supports_avx512() or _cpu_supports_avx512(_AVX2_CPU_FLAGS)):
+        logger.warning("skinny_linear: CPU lacks AVX-512 and AVX2, using torch.nn.functional.linear")
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -101,9 +106,11 @@ def _load_extension() -> ModuleType | None:
     except Exception as exc:  # no compiler, build error, import error, ...
         logger.warning("skinny_linear: building the C++ kernel failed, using F.linear: %s", exc)
         return None
-    if not module.cpu_has_avx512():
-        logger.warning("skinny_linear: CPUID reports no AVX-512, using torch.nn.functional.linear")
+    if not (module.cpu_has_avx512() or module.cpu_has_avx2_fma()):
+        logger.warning("skinny_linear: CPUID reports neither AVX-512 nor AVX2, using torch.nn.functional.linear")
         return None
+    if not module.cpu_has_avx512():
+        logger.info("skinny_linear: no AVX-512 here: the AVX2 build for float32, F.linear for bfloat16")
     return module
 
 
@@ -112,9 +119,24 @@ def _extension() -> ModuleType | None:
         return _load_extension()
 
 
-def kernel_available() -> bool:
-    """True when the compiled AVX-512 kernel is loaded (builds it on first call)."""
-    return _extension() is not None
+def kernel_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when a compiled kernel for `dtype` is loaded (builds it on first call): float32 on
+    AVX-512 or AVX2 CPUs, bfloat16 on AVX-512 ones."""
+    return _rows_limit(dtype) is not None
+
+
+def _rows_limit(dtype: torch.dtype) -> int | None:
+    """Rows per kernel call for `dtype`, or None where no loaded kernel takes it."""
+    ext = _extension()
+    if ext is None or dtype not in _kernel_dtypes(ext):
+        return None
+    return _MAX_ROWS.get(dtype)
+
+
+@functools.cache
+def _kernel_dtypes(ext: ModuleType) -> frozenset[torch.dtype]:
+    """What a loaded build takes: bfloat16 too on AVX-512, float32 alone on AVX2."""
+    return frozenset({torch.float32, torch.bfloat16}) if ext.cpu_has_avx512() else frozenset({torch.float32})
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -133,7 +155,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     and a tensor requiring grad, F.linear is used.
     """
     dtype = weight.dtype
-    max_m = _MAX_ROWS.get(dtype)
+    max_m = _MAX_ROWS.get(dtype)  # (None: a dtype no build takes; the loaded build is checked below)
     if (
         max_m is None
         or x.dtype is not dtype
@@ -158,7 +180,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ):
         return F.linear(x, weight, bias)
     ext = _extension()
-    if ext is None:
+    if ext is None or dtype not in _kernel_dtypes(ext):
         return F.linear(x, weight, bias)
     if M <= max_m:
         return ext.skinny_linear(x, weight, bias)

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.attention import attention
-from quickdraft.kernels.fixed_rows import fixed_rows_linear
 from quickdraft.kernels.quant_linear import (
     FusedLayerWeights,
     FusedStack,
@@ -319,9 +318,8 @@ class DecoderLayer(torch.nn.Module):
         an expert's matmuls, run once for the rows that chose it, compute each row alone."""
         assert self.experts is not None and self.router is not None
         k = self.experts_per_token
-        # The router stays a float matrix (as llama.cpp keeps it), run in fixed 64-row calls: a float
-        # GEMM's summation order follows its shape, so each row's logits are its own whatever the batch.
-        probs = torch.softmax(fixed_rows_linear(x, self.router, None).float(), dim=-1)  # [N, E]
+        # the router stays a float matrix (as llama.cpp keeps it): the float path's invariant kernel
+        probs = torch.softmax(linear(x, self.router, None).float(), dim=-1)  # [N, E]
         weights, chosen = probs.topk(k, dim=-1)  # [N, k], largest first
         if self.moe_renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

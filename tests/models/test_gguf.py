@@ -522,7 +522,7 @@ VARIANTS = {
     "phi3-q8_0": Variant("phi3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen2-f16": Variant("qwen2", {"": QType.F16}, "qwen2"),
     "qwen3moe-q8_0": Variant("qwen3moe", {"": QType.Q8_0}, "qwen2"),
-    "mixtral-mixed": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0, "output": QType.Q8_0}, "llama-bpe"),
+    "mixtral-mixed": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0}, "llama-bpe"),  # a float LM head
     "smollm3-q8_0": Variant("smollm3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen3-bf16": Variant("qwen3", {"ffn": QType.BF16, "attn": QType.Q8_0}, "qwen2"),
 }

@@ -403,6 +403,101 @@ inline std::vector<float> split_bf16_rows(const bf16_t* x, int64_t M, int64_t K,
   return xs;
 }
 
+
+// --------------------------------------------------------------------------
+// AVX2 + FMA, float32 only (AMD Zen 2/3, older Intel): the same contract, batch invariance
+// included.  Every output (m, n) is one 8-lane accumulator over K in steps of 8 (a masked tail),
+// then hsum8's one fixed lane order, whatever tile holds it: so a row's bits do not depend on
+// how many rows share the call (the tile shapes below only decide which loads are shared).
+// --------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+
+__attribute__((always_inline)) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// sums[m * NB + n] = dot(x[m * ldx : +K], w[n * ldw : +K]) for m < MB, n < NB.
+template <int MB, int NB>
+void tile_f32(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw, int64_t K,
+              float* __restrict sums) {
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  if (k < K) {  // the tail: lanes past K load zeros
+    alignas(32) int32_t lanes[8];
+    for (int i = 0; i < 8; ++i) lanes[i] = k + i < K ? -1 : 0;
+    const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+    __m256 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = _mm256_maskload_ps(w + n * ldw + k, mask);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_maskload_ps(x + m * ldx + k, mask);
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) sums[m * NB + n] = hsum8(acc[m][n]);
+}
+
+using Tile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+
+// 16 ymm registers: MB * NB accumulators, NB weight vectors and one x vector must fit.
+inline Tile tile_for(int mb, int nb) {
+  if (nb == 6 && mb == 1) return tile_f32<1, 6>;
+  if (nb == 4 && mb == 1) return tile_f32<1, 4>;
+  if (nb == 4 && mb == 2) return tile_f32<2, 4>;
+  if (nb == 3) {
+    if (mb == 1) return tile_f32<1, 3>;
+    if (mb == 2) return tile_f32<2, 3>;
+    if (mb == 3) return tile_f32<3, 3>;
+    if (mb == 4) return tile_f32<4, 3>;
+  }
+  if (mb == 1) return tile_f32<1, 1>;
+  if (mb == 2) return tile_f32<2, 1>;
+  if (mb == 3) return tile_f32<3, 1>;
+  return tile_f32<4, 1>;
+}
+
+// W rows [b0 * NB, min(b1 * NB, N)) for all M rows of x; out [M, N] row-major, bias may be null.
+inline void run_blocks(const float* x, int64_t M, const float* w, int64_t N, int64_t K, const float* bias,
+                       float* out, int MB, int NB, int64_t b0, int64_t b1) {
+  float sums[16];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
+    const int nb = nrows == NB ? NB : 1;
+    for (int64_t j = 0; j < nrows; j += nb) {
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int mb = static_cast<int>(std::min<int64_t>(MB, M - m0));
+        tile_for(mb, nb)(x + m0 * K, K, w + (n0 + j) * K, K, K, sums);
+        for (int i = 0; i < mb; ++i)
+          for (int c = 0; c < nb; ++c)
+            out[(m0 + i) * N + n0 + j + c] = bias ? sums[i * nb + c] + bias[n0 + j + c] : sums[i * nb + c];
+      }
+    }
+  }
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+inline bool cpu_has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
 inline bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -442,13 +537,25 @@ void run_parallel(const typename Tiles<KIND>::X* x, int64_t ldx, int64_t M,
   });
 }
 
+// The AVX2 build's blocking: a decode row reads 6 weight rows a pass, a few rows 4, more 3 per
+// tile of 4 rows of x (every choice gives each output the same bits).
+inline void run_avx2(const float* x, int64_t M, const float* w, int64_t N, int64_t K, const float* bias, float* out) {
+  const int MB = M == 1 ? 1 : (M == 2 ? 2 : 4), NB = M == 1 ? 6 : (M == 2 ? 4 : 3);
+  const int64_t nblocks = (N + NB - 1) / NB;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, NB * K * 4));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    avx2::run_blocks(x, M, w, N, K, bias, out, MB, NB, b0, b1);
+  });
+}
+
 // bf16_mode: 0 = auto (vdpbf16ps when the CPU has AVX512_BF16, whatever M),
 //            1 = vdpbf16ps, 2 = widen to fp32 + FMA.
 // prefetch_bytes < 0: default distance; 0: no software prefetch.
 at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias_opt, int64_t bf16_mode,
                          int64_t prefetch_bytes) {
-  TORCH_CHECK(cpu_has_avx512(), "skinny_linear: this CPU lacks AVX-512");
+  TORCH_CHECK(cpu_has_avx512() || (cpu_has_avx2_fma() && weight.scalar_type() == at::kFloat),
+              "skinny_linear: this CPU lacks AVX-512 (the AVX2 build takes float32 only)");
   TORCH_CHECK(x_in.device().is_cpu() && weight.device().is_cpu(),
               "skinny_linear: CPU tensors only");
   TORCH_CHECK(x_in.dim() >= 1 && weight.dim() == 2,
@@ -477,6 +584,11 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight,
   if (M == 0 || N == 0) return out;
   const at::Tensor x = x_in.contiguous();  // row-major [M, K] in memory
 
+  if (weight.scalar_type() == at::kFloat && !cpu_has_avx512()) {
+    run_avx2(x.const_data_ptr<float>(), M, weight.const_data_ptr<float>(), N, K,
+             has_bias ? bias.const_data_ptr<float>() : nullptr, out.mutable_data_ptr<float>());
+    return out;
+  }
   if (weight.scalar_type() == at::kFloat) {
     run_parallel<Kind::F32, float, float>(x.const_data_ptr<float>(), K, M,
                                           weight.const_data_ptr<float>(), N, K,
@@ -517,5 +629,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("prefetch_bytes") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("cpu_has_avx512", &qd_skinny::cpu_has_avx512);
   m.def("cpu_has_avx512_bf16", &qd_skinny::cpu_has_avx512_bf16);
+  m.def("cpu_has_avx2_fma", &qd_skinny::cpu_has_avx2_fma);
 }
 #endif  // QD_KERNELS_ONLY
