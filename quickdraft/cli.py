@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_train_head_parser(commands)
     _add_serve_parser(commands)
+    _add_run_batch_parser(commands)
     return parser
 
 
@@ -211,6 +212,35 @@ def _add_serve_parser(commands) -> None:
         epilog=SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_server_arguments(serve)
+    _add_replica_arguments(serve)
+
+
+def _add_run_batch_parser(commands) -> None:
+    batch = commands.add_parser(
+        "run-batch",
+        help="run an OpenAI Batch file (JSONL) through the server's API, offline (vLLM's run-batch)",
+        description="Read requests in the OpenAI Batch format (one JSON object a line: custom_id, method "
+        "POST, url /v1/chat/completions, /v1/completions or /v1/responses, body) and write one result a "
+        "line, in the input's order: {id, custom_id, response: {status_code, request_id, body}, error}. "
+        "The requests run together through the same handlers as `serve` (continuous batching, "
+        "speculation); a line that cannot be sent gets an `error`, the others still run. "
+        "Takes serve's model and engine options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL), or - for stdin")
+    batch.add_argument("-o", "--output-file", required=True, help="where the results go (JSONL), or - for stdout")
+    batch.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at once (default: the engine's --max-num-seqs times 4)",
+    )
+    _add_server_arguments(batch)
+
+
+def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
+    """The model, engine and API options `serve` and `run-batch` share."""
     serve.add_argument(
         "model_path",
         nargs="?",
@@ -384,6 +414,9 @@ def _add_serve_parser(commands) -> None:
         help="vLLM's flag, accepted for its command lines: --tool-call-parser alone enables tool_choice auto",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_replica_arguments(serve: argparse.ArgumentParser) -> None:
     replicas = serve.add_argument_group(
         "replicas (Ray Serve; needs the ray extra: pip install 'quickdraft[ray]')",
         "N engine replicas behind this one endpoint, with cache-aware routing (docs/serving.md)",
@@ -995,9 +1028,51 @@ def run_train_head(args) -> int:
     return 0
 
 
+def run_batch_command(args) -> int:
+    from quickdraft.server.batch import run_batch_file
+
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    config = _server_config(args, api_key=None)  # in process: no key to check
+    summary = run_batch_file(
+        config, input_file=args.input_file, output_file=args.output_file, max_concurrency=args.max_concurrency
+    )
+    print(summary, file=sys.stderr)
+    return 0
+
+
 def run_serve(args) -> int:
-    from quickdraft.server import ServerConfig, run_server
     from quickdraft.server.config import API_KEY_ENV
+
+    config = _server_config(args, api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV))
+    if args.replicas is None:
+        for flag, value, default in (
+            ("--routing", args.routing, "cache_aware"),
+            ("--cpus-per-replica", args.cpus_per_replica, None),
+            ("--ray-address", args.ray_address, None),
+        ):
+            if value != default:
+                raise ValueError(f"{flag} applies to replicas: give --replicas N with it")
+        from quickdraft.server import run_server
+
+        run_server(config)
+        return 0
+    if config.enable_lora:
+        raise ValueError("--enable-lora with --replicas is not built: serve adapters from one engine")
+    try:
+        from quickdraft.server.replicas import ReplicaOptions, run_replicated_server
+    except ImportError as err:
+        raise ValueError(
+            f"--replicas needs Ray Serve, which is not installed ({err}): pip install 'quickdraft[ray]'"
+        ) from err
+    options = ReplicaOptions(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica, routing=args.routing)
+    run_replicated_server(config, options, ray_address=args.ray_address)
+    return 0
+
+
+def _server_config(args, *, api_key: str | None):
+    """The ServerConfig of serve's (and run-batch's) options."""
+    from quickdraft.server import ServerConfig
 
     if args.model_path is not None and args.model is not None and args.model_path != args.model:
         raise ValueError(f"give the model once: MODEL {args.model_path!r} and --model {args.model!r} differ")
@@ -1005,7 +1080,7 @@ def run_serve(args) -> int:
     optional = {
         "max_request_bytes": args.max_request_bytes,
         "request_read_timeout_seconds": args.request_read_timeout,
-        "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        "api_key": api_key or None,
     }
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_CALL_PARSERS)})")
@@ -1047,27 +1122,7 @@ def run_serve(args) -> int:
         override_generation_config=_parse_json_option(args.override_generation_config, "--override-generation-config"),
         **{name: value for name, value in optional.items() if value is not None},
     )
-    if args.replicas is None:
-        for flag, value, default in (
-            ("--routing", args.routing, "cache_aware"),
-            ("--cpus-per-replica", args.cpus_per_replica, None),
-            ("--ray-address", args.ray_address, None),
-        ):
-            if value != default:
-                raise ValueError(f"{flag} applies to replicas: give --replicas N with it")
-        run_server(config)
-        return 0
-    if config.enable_lora:
-        raise ValueError("--enable-lora with --replicas is not built: serve adapters from one engine")
-    try:
-        from quickdraft.server.replicas import ReplicaOptions, run_replicated_server
-    except ImportError as err:
-        raise ValueError(
-            f"--replicas needs Ray Serve, which is not installed ({err}): pip install 'quickdraft[ray]'"
-        ) from err
-    options = ReplicaOptions(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica, routing=args.routing)
-    run_replicated_server(config, options, ray_address=args.ray_address)
-    return 0
+    return config
 
 
 def _warmup_params():
@@ -1140,9 +1195,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"generate": run_generate, "bench": run_bench, "train-head": run_train_head, "serve": run_serve}[
-            args.command
-        ](args)
+        commands = {
+            "generate": run_generate,
+            "bench": run_bench,
+            "train-head": run_train_head,
+            "serve": run_serve,
+            "run-batch": run_batch_command,
+        }
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"quickdraft: error: {err}", file=sys.stderr)
         return 2
