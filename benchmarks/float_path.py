@@ -1,8 +1,8 @@
-"""The float32 path (dtype="float32": the embedded model dequantized) with the skinny_linear kernel
-vs torch's GEMM (F.linear), plain and with suffix speculation, in one process.
+"""The float path (dtype="float32" or "bfloat16": the embedded model dequantized) with the
+skinny_linear kernel vs torch's GEMM (F.linear), plain and with suffix speculation, in one process.
 
 The kernel is switched off by making cpu_linear's extension lookup return None, which is what a CPU
-without a build gets; on an AVX2-only CPU that was every CPU float32 run before the kernel's AVX2
+without a build gets; on an AVX2-only CPU that was every CPU float run before the kernel's AVX2
 build. Spec-Bench first turns (`--per-task` of each task of questions.dev.jsonl), greedy, the four
 configurations interleaved per question, prefix cache reset before each. Each speculative output
 is compared with the plain output of the same linear path (exactness); the two plain paths round
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--questions", type=Path, default=Path("../shared/data/specbench/questions.dev.jsonl"))
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from quickdraft import LLM, SamplingParams
@@ -32,7 +33,7 @@ def main() -> None:
     from quickdraft.kernels import cpu_linear
 
     kernel_lookup = cpu_linear._extension
-    llm = LLM(dtype="float32", max_model_len=4096)
+    llm = LLM(dtype=args.dtype, max_model_len=4096)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(["Warm up"], SamplingParams(max_tokens=4, temperature=0.0))
     rows: dict[str, list[dict]] = {config: [] for config in CONFIGS}
@@ -54,7 +55,7 @@ def main() -> None:
             )
             print(f"{question.question_id:4d} {config:18s} {rows[config][-1]['seconds']:6.2f} s", flush=True)
     cpu_linear._extension = kernel_lookup
-    report = summary(rows) + f"\n{len(rows[CONFIGS[0]])} questions, {args.max_tokens} tokens, greedy, float32.\n"
+    report = summary(rows) + f"\n{len(rows[CONFIGS[0]])} questions, {args.max_tokens} tokens, greedy, {args.dtype}.\n"
     print(report)
     save_results(args.out, rows=rows, report=report)
 

@@ -1,8 +1,8 @@
 """Fast CPU linear layer for small batches (decoding, speculative verification).
 
 ``skinny_linear(x, weight, bias)`` computes ``F.linear(x, weight, bias)`` with
-an AVX-512 C++ kernel (``csrc/skinny_linear.cpp``; float32 also on CPUs with only AVX2
-and FMA, by an 8-lane build of the same contract) that streams every weight
+an AVX-512 C++ kernel (``csrc/skinny_linear.cpp``; on CPUs with only AVX2 and FMA an 8-lane
+build of the same contract) that streams every weight
 row once per call, keeps the x rows in cache, accumulates in float32 and
 software-prefetches the weights.  For the skinny shapes of batch-1 decoding
 (M = 1..64 rows) it runs close to the memory read bandwidth, several times
@@ -16,7 +16,7 @@ kernel computes every row with the same operations whatever M is, and above the 
 it beats PyTorch's GEMM it runs over chunks of rows rather than handing over to that GEMM,
 whose rounding depends on the shape.  Whenever the kernel cannot be used -- tensors not on
 the CPU, dtype other than float32/bfloat16 or mismatched, non-contiguous weight, autograd
-needed, CPU without AVX-512 (for bfloat16) or AVX2, build failure -- the call falls back to
+needed, CPU without AVX-512 or AVX2, build failure -- the call falls back to
 ``torch.nn.functional.linear`` (not batch-invariant).  A failed
 build or an unsupported CPU is logged once (``logging``, this module's logger).
 
@@ -109,8 +109,6 @@ def _load_extension() -> ModuleType | None:
     if not (module.cpu_has_avx512() or module.cpu_has_avx2_fma()):
         logger.warning("skinny_linear: CPUID reports neither AVX-512 nor AVX2, using torch.nn.functional.linear")
         return None
-    if not module.cpu_has_avx512():
-        logger.info("skinny_linear: no AVX-512 here: the AVX2 build for float32, F.linear for bfloat16")
     return module
 
 
@@ -120,23 +118,8 @@ def _extension() -> ModuleType | None:
 
 
 def kernel_available(dtype: torch.dtype = torch.float32) -> bool:
-    """True when a compiled kernel for `dtype` is loaded (builds it on first call): float32 on
-    AVX-512 or AVX2 CPUs, bfloat16 on AVX-512 ones."""
-    return _rows_limit(dtype) is not None
-
-
-def _rows_limit(dtype: torch.dtype) -> int | None:
-    """Rows per kernel call for `dtype`, or None where no loaded kernel takes it."""
-    ext = _extension()
-    if ext is None or dtype not in _kernel_dtypes(ext):
-        return None
-    return _MAX_ROWS.get(dtype)
-
-
-@functools.cache
-def _kernel_dtypes(ext: ModuleType) -> frozenset[torch.dtype]:
-    """What a loaded build takes: bfloat16 too on AVX-512, float32 alone on AVX2."""
-    return frozenset({torch.float32, torch.bfloat16}) if ext.cpu_has_avx512() else frozenset({torch.float32})
+    """True when a compiled kernel is loaded (builds it on first call) and takes `dtype`."""
+    return _extension() is not None and dtype in _MAX_ROWS
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -155,7 +138,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     and a tensor requiring grad, F.linear is used.
     """
     dtype = weight.dtype
-    max_m = _MAX_ROWS.get(dtype)  # (None: a dtype no build takes; the loaded build is checked below)
+    max_m = _MAX_ROWS.get(dtype)
     if (
         max_m is None
         or x.dtype is not dtype
@@ -180,7 +163,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ):
         return F.linear(x, weight, bias)
     ext = _extension()
-    if ext is None or dtype not in _kernel_dtypes(ext):
+    if ext is None:
         return F.linear(x, weight, bias)
     if M <= max_m:
         return ext.skinny_linear(x, weight, bias)

@@ -27,7 +27,7 @@ def _cpu_flags() -> set[str]:
 
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= _cpu_flags()
 HAS_AVX512_BF16 = HAS_AVX512 and "avx512_bf16" in _cpu_flags()
-HAS_AVX2 = {"avx2", "fma"} <= _cpu_flags()  # the float32 build
+HAS_AVX2 = {"avx2", "fma"} <= _cpu_flags()  # the 8-lane build
 
 # Tolerances are relative to the magnitude |x| @ |W|^T + |b| of each output.
 # fp32: the kernel and F.linear only differ in summation order.
@@ -69,21 +69,11 @@ def _assert_close(got, x, w, b, expected=None):
 needs_kernel = pytest.mark.skipif(not (HAS_AVX512 or HAS_AVX2), reason="CPU lacks AVX-512 and AVX2")
 
 
-def _kernel_dtypes() -> list:
-    """The dtypes this CPU's build takes, as pytest params (the others: skipped, not faked)."""
-    return [
-        pytest.param(
-            torch.float32, id="fp32", marks=pytest.mark.skipif(not (HAS_AVX512 or HAS_AVX2), reason="no build")
-        ),
-        pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(not HAS_AVX512, reason="bf16 needs AVX-512")),
-    ]
-
-
 def test_kernel_available():
     if not (HAS_AVX512 or HAS_AVX2):
         pytest.skip("CPU lacks AVX-512 and AVX2")
     assert kernel_available()
-    assert kernel_available(torch.bfloat16) == HAS_AVX512
+    assert kernel_available(torch.bfloat16)
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -189,7 +179,8 @@ def test_prefetch_setting_does_not_change_results():
         torch.testing.assert_close(ext.skinny_linear(x, w, b, 0, pf), ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", _kernel_dtypes())
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("n", "k"), [(640, 640), (2048, 640), (640, 2048), (333, 77)])
 def test_a_rows_bits_do_not_depend_on_the_other_rows(dtype, n, k):
     """Batch invariance: a row computed alone, among M rows (past the kernel's row chunk too) or

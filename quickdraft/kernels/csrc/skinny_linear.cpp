@@ -405,10 +405,12 @@ inline std::vector<float> split_bf16_rows(const bf16_t* x, int64_t M, int64_t K,
 
 
 // --------------------------------------------------------------------------
-// AVX2 + FMA, float32 only (AMD Zen 2/3, older Intel): the same contract, batch invariance
-// included.  Every output (m, n) is one 8-lane accumulator over K in steps of 8 (a masked tail),
-// then hsum8's one fixed lane order, whatever tile holds it: so a row's bits do not depend on
-// how many rows share the call (the tile shapes below only decide which loads are shared).
+// AVX2 + FMA (AMD Zen 2/3, older Intel): the same contract, batch invariance included.  Every
+// output (m, n) is one 8-lane accumulator over K in steps of 8 (the tail zero-padded), then
+// hsum8's one fixed lane order, whatever tile holds it: a row's bits do not depend on how many
+// rows share the call (the tile shapes below only decide which loads are shared).  x is float32
+// (bfloat16 rows are widened first, exactly); bfloat16 weights widen in registers, so every
+// product is an exact float32 FMA, as the AVX-512 build's widening path computes them.
 // --------------------------------------------------------------------------
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -421,30 +423,41 @@ __attribute__((always_inline)) inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+__attribute__((always_inline)) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((always_inline)) inline __m256 load8(const bf16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// The last n < 8 values, zero-padded.
+template <typename T>
+inline __m256 load_tail(const T* p, int64_t n) {
+  alignas(32) float values[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t i = 0; i < n; ++i) values[i] = load_scalar(p + i);
+  return _mm256_load_ps(values);
+}
+
 // sums[m * NB + n] = dot(x[m * ldx : +K], w[n * ldw : +K]) for m < MB, n < NB.
-template <int MB, int NB>
-void tile_f32(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw, int64_t K,
-              float* __restrict sums) {
+template <int MB, int NB, typename WT>
+void tile(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t ldw, int64_t K,
+          float* __restrict sums) {
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * ldw + k);
+    for (int n = 0; n < NB; ++n) wv[n] = load8(w + n * ldw + k);
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
       for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
     }
   }
-  if (k < K) {  // the tail: lanes past K load zeros
-    alignas(32) int32_t lanes[8];
-    for (int i = 0; i < 8; ++i) lanes[i] = k + i < K ? -1 : 0;
-    const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  if (k < K) {
     __m256 wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = _mm256_maskload_ps(w + n * ldw + k, mask);
+    for (int n = 0; n < NB; ++n) wv[n] = load_tail(w + n * ldw + k, K - k);
     for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_maskload_ps(x + m * ldx + k, mask);
+      const __m256 xv = load_tail(x + m * ldx + k, K - k);
       for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
     }
   }
@@ -452,28 +465,31 @@ void tile_f32(const float* __restrict x, int64_t ldx, const float* __restrict w,
     for (int n = 0; n < NB; ++n) sums[m * NB + n] = hsum8(acc[m][n]);
 }
 
-using Tile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+template <typename WT>
+using Tile = void (*)(const float*, int64_t, const WT*, int64_t, int64_t, float*);
 
 // 16 ymm registers: MB * NB accumulators, NB weight vectors and one x vector must fit.
-inline Tile tile_for(int mb, int nb) {
-  if (nb == 6 && mb == 1) return tile_f32<1, 6>;
-  if (nb == 4 && mb == 1) return tile_f32<1, 4>;
-  if (nb == 4 && mb == 2) return tile_f32<2, 4>;
+template <typename WT>
+inline Tile<WT> tile_for(int mb, int nb) {
+  if (nb == 6 && mb == 1) return tile<1, 6, WT>;
+  if (nb == 4 && mb == 2) return tile<2, 4, WT>;
   if (nb == 3) {
-    if (mb == 1) return tile_f32<1, 3>;
-    if (mb == 2) return tile_f32<2, 3>;
-    if (mb == 3) return tile_f32<3, 3>;
-    if (mb == 4) return tile_f32<4, 3>;
+    if (mb == 1) return tile<1, 3, WT>;
+    if (mb == 2) return tile<2, 3, WT>;
+    if (mb == 3) return tile<3, 3, WT>;
+    if (mb == 4) return tile<4, 3, WT>;
   }
-  if (mb == 1) return tile_f32<1, 1>;
-  if (mb == 2) return tile_f32<2, 1>;
-  if (mb == 3) return tile_f32<3, 1>;
-  return tile_f32<4, 1>;
+  if (mb == 1) return tile<1, 1, WT>;
+  if (mb == 2) return tile<2, 1, WT>;
+  if (mb == 3) return tile<3, 1, WT>;
+  return tile<4, 1, WT>;
 }
 
-// W rows [b0 * NB, min(b1 * NB, N)) for all M rows of x; out [M, N] row-major, bias may be null.
-inline void run_blocks(const float* x, int64_t M, const float* w, int64_t N, int64_t K, const float* bias,
-                       float* out, int MB, int NB, int64_t b0, int64_t b1) {
+// W rows [b0 * NB, min(b1 * NB, N)) for all M rows of x; out [M, N] row-major, bias may be null:
+// the float32 sum plus the bias, rounded once to the output type.
+template <typename WT>
+inline void run_blocks(const float* x, int64_t M, const WT* w, int64_t N, int64_t K, const WT* bias, WT* out,
+                       int MB, int NB, int64_t b0, int64_t b1) {
   float sums[16];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NB, nrows = std::min<int64_t>(NB, N - n0);
@@ -481,10 +497,12 @@ inline void run_blocks(const float* x, int64_t M, const float* w, int64_t N, int
     for (int64_t j = 0; j < nrows; j += nb) {
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int mb = static_cast<int>(std::min<int64_t>(MB, M - m0));
-        tile_for(mb, nb)(x + m0 * K, K, w + (n0 + j) * K, K, K, sums);
+        tile_for<WT>(mb, nb)(x + m0 * K, K, w + (n0 + j) * K, K, K, sums);
         for (int i = 0; i < mb; ++i)
-          for (int c = 0; c < nb; ++c)
-            out[(m0 + i) * N + n0 + j + c] = bias ? sums[i * nb + c] + bias[n0 + j + c] : sums[i * nb + c];
+          for (int c = 0; c < nb; ++c) {
+            const float sum = sums[i * nb + c];
+            store_scalar(out + (m0 + i) * N + n0 + j + c, bias ? sum + load_scalar(bias + n0 + j + c) : sum);
+          }
       }
     }
   }
@@ -537,14 +555,15 @@ void run_parallel(const typename Tiles<KIND>::X* x, int64_t ldx, int64_t M,
   });
 }
 
-// The AVX2 build's blocking: a decode row reads 6 weight rows a pass, a few rows 4, more 3 per
+// The AVX2 build's blocking: a decode row reads 6 weight rows a pass, two rows 4, more 3 per
 // tile of 4 rows of x (every choice gives each output the same bits).
-inline void run_avx2(const float* x, int64_t M, const float* w, int64_t N, int64_t K, const float* bias, float* out) {
+template <typename WT>
+inline void run_avx2(const float* x, int64_t M, const WT* w, int64_t N, int64_t K, const WT* bias, WT* out) {
   const int MB = M == 1 ? 1 : (M == 2 ? 2 : 4), NB = M == 1 ? 6 : (M == 2 ? 4 : 3);
   const int64_t nblocks = (N + NB - 1) / NB;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, NB * K * 4));
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, NB * K * static_cast<int64_t>(sizeof(WT))));
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    avx2::run_blocks(x, M, w, N, K, bias, out, MB, NB, b0, b1);
+    avx2::run_blocks<WT>(x, M, w, N, K, bias, out, MB, NB, b0, b1);
   });
 }
 
@@ -554,8 +573,7 @@ inline void run_avx2(const float* x, int64_t M, const float* w, int64_t N, int64
 at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias_opt, int64_t bf16_mode,
                          int64_t prefetch_bytes) {
-  TORCH_CHECK(cpu_has_avx512() || (cpu_has_avx2_fma() && weight.scalar_type() == at::kFloat),
-              "skinny_linear: this CPU lacks AVX-512 (the AVX2 build takes float32 only)");
+  TORCH_CHECK(cpu_has_avx512() || cpu_has_avx2_fma(), "skinny_linear: this CPU lacks AVX-512 and AVX2");
   TORCH_CHECK(x_in.device().is_cpu() && weight.device().is_cpu(),
               "skinny_linear: CPU tensors only");
   TORCH_CHECK(x_in.dim() >= 1 && weight.dim() == 2,
@@ -584,9 +602,18 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight,
   if (M == 0 || N == 0) return out;
   const at::Tensor x = x_in.contiguous();  // row-major [M, K] in memory
 
-  if (weight.scalar_type() == at::kFloat && !cpu_has_avx512()) {
-    run_avx2(x.const_data_ptr<float>(), M, weight.const_data_ptr<float>(), N, K,
-             has_bias ? bias.const_data_ptr<float>() : nullptr, out.mutable_data_ptr<float>());
+  if (!cpu_has_avx512()) {
+    if (weight.scalar_type() == at::kFloat) {
+      run_avx2<float>(x.const_data_ptr<float>(), M, weight.const_data_ptr<float>(), N, K,
+                      has_bias ? bias.const_data_ptr<float>() : nullptr, out.mutable_data_ptr<float>());
+      return out;
+    }
+    const auto* xb = static_cast<const bf16_t*>(x.const_data_ptr());
+    std::vector<float> widened(static_cast<size_t>(M * K));  // exact: a bfloat16 is a float's top half
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = bf16_to_float(xb[i]);
+    run_avx2<bf16_t>(widened.data(), M, static_cast<const bf16_t*>(weight.const_data_ptr()), N, K,
+                     has_bias ? static_cast<const bf16_t*>(bias.const_data_ptr()) : nullptr,
+                     static_cast<bf16_t*>(out.mutable_data_ptr()));
     return out;
   }
   if (weight.scalar_type() == at::kFloat) {
