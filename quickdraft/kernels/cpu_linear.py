@@ -53,15 +53,15 @@ _EXT_NAME = "skinny_linear_v2"
 # bf16 is 1.1-1.3x ahead of oneDNN at M=64, ~1.1x at 96, about even at 128.
 _MAX_ROWS = {torch.float32: 128, torch.bfloat16: 96}
 
-_REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"})
-_AVX2_CPU_FLAGS = frozenset({"avx2", "fma"})  # the float32-only build
+_AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"})
+_AVX2_CPU_FLAGS = frozenset({"avx2", "fma"})  # the 8-lane build
 
 # functools.cache alone would let two threads build at the same time.
 _LOAD_LOCK = threading.Lock()
 
 
-def _cpu_supports_avx512(flags: frozenset[str] = _REQUIRED_CPU_FLAGS) -> bool:
-    """Whether the CPU has `flags` (the AVX-512 build's by default)."""
+def _cpu_has(flags: frozenset[str]) -> bool:
+    """Whether the CPU has every one of `flags`."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -71,9 +71,8 @@ def _cpu_supports_avx512(flags: frozenset[str] = _REQUIRED_CPU_FLAGS) -> bool:
         pass
     # No /proc/cpuinfo: ask what PyTorch itself dispatches to.
     try:
-        return torch.backends.cpu.get_cpu_capability() in (
-            ("AVX512",) if flags == _REQUIRED_CPU_FLAGS else ("AVX512", "AVX2")
-        )
+        capabilities = ("AVX512",) if "avx512f" in flags else ("AVX512", "AVX2")
+        return torch.backends.cpu.get_cpu_capability() in capabilities
     except Exception:  # pragma: no cover - very old torch
         return False
 
@@ -87,7 +86,7 @@ def _load_extension() -> ModuleType | None:
     if os.environ.get("QUICKDRAFT_DISABLE_CPU_KERNEL", "0") not in ("", "0"):
         logger.info("skinny_linear: disabled by QUICKDRAFT_DISABLE_CPU_KERNEL, using F.linear")
         return None
-    if not (_cpu_supports_avx512() or _cpu_supports_avx512(_AVX2_CPU_FLAGS)):
+    if not (_cpu_has(_AVX512_CPU_FLAGS) or _cpu_has(_AVX2_CPU_FLAGS)):
         logger.warning("skinny_linear: CPU lacks AVX-512 and AVX2, using torch.nn.functional.linear")
         return None
     try:

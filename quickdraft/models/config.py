@@ -31,6 +31,15 @@ SUPPORTED_MODEL_TYPES = (
 _WINDOW_WHEN_SET = ("mistral", "mixtral", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "none")
 
+
+def moe_hf_names(model_type: str) -> tuple[str, tuple[str, str, str]]:
+    """A mixture-of-experts checkpoint's names: (the MLP block, its experts' gate/up/down), Mixtral's
+    (block_sparse_moe, w1/w3/w2) or Qwen3-MoE's (mlp, gate_proj/up_proj/down_proj)."""
+    if model_type == "mixtral":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
+
+
 # A checkpoint tensor holding query/key rows: `hf_row_order` may reorder them.
 _HEAD_ROWS = re.compile(r"layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>q|k|qkv)_proj\.(?:weight|bias)$")
 

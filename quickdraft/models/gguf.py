@@ -29,6 +29,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from quickdraft.models.config import moe_hf_names
+
 SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3")
 
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
@@ -87,10 +89,8 @@ _EXPERT_LEAVES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def _moe_names(architecture: str) -> tuple[str, tuple[str, str, str]]:
-    """(the MLP block's HF name, the experts' gate/up/down names)."""
-    if architecture == "llama":
-        return "block_sparse_moe", ("w1", "w3", "w2")
-    return "mlp", ("gate_proj", "up_proj", "down_proj")
+    """(the MLP block's HF name, the experts' gate/up/down names) of a GGUF architecture's mixture."""
+    return moe_hf_names("mixtral" if architecture == "llama" else _HF_CLASSES[architecture][0])
 
 
 def expert_tensor_names(gguf_name: str, *, architecture: str, num_experts: int) -> list[str] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.models.config import ModelConfig
+from quickdraft.models.config import ModelConfig, moe_hf_names
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.heap import return_free_heap
 from quickdraft.models.layers import RotaryTable, default_linear_fn
@@ -214,12 +214,8 @@ def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
 
 
 def _expert_tensors(config: ModelConfig, prefix: str) -> dict[str, list[str]]:
-    """A mixture-of-experts layer's router and experts (Mixtral's w1/w3/w2, Qwen3-MoE's names)."""
-    block, gate, up, down = (
-        ("block_sparse_moe", "w1", "w3", "w2")
-        if config.model_type == "mixtral"
-        else ("mlp", "gate_proj", "up_proj", "down_proj")
-    )
+    """A mixture-of-experts layer's router and experts, under its checkpoint's names."""
+    block, (gate, up, down) = moe_hf_names(config.model_type)
     names = {"router": [prefix + f"{block}.gate.weight"]}
     for expert in range(config.num_experts):
         at = prefix + f"{block}.experts.{expert}."

@@ -148,13 +148,9 @@ def _write_results(output_file: str, results: list[dict]) -> None:
 def _summary(results: list[dict], *, seconds: float) -> str:
     sent = [r["response"] for r in results if r["response"] is not None]
     completed = [r for r in sent if 200 <= r["status_code"] < 300]
-    tokens = sum(
-        (r["body"].get("usage") or {}).get("completion_tokens")
-        or (r["body"].get("usage") or {}).get("output_tokens")
-        or 0
-        for r in completed
-        if isinstance(r["body"], dict)
-    )
+    usages = [r["body"].get("usage") or {} for r in completed if isinstance(r["body"], dict)]
+    # completions and chat count completion_tokens, the Responses API output_tokens
+    tokens = sum(usage.get("completion_tokens") or usage.get("output_tokens") or 0 for usage in usages)
     return (
         f"run-batch: {len(results)} lines: {len(completed)} completed, {len(sent) - len(completed)} refused by "
         f"the API, {len(results) - len(sent)} not sent; {tokens} tokens generated in {seconds:.1f} s "

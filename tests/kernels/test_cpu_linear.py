@@ -246,7 +246,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
     w, b = _weights(64, 32, torch.float32)
     x = _x(2, 32, torch.float32)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
-    monkeypatch.setattr(cpu_linear, "_cpu_supports_avx512", lambda *flags: True)
+    monkeypatch.setattr(cpu_linear, "_cpu_has", lambda flags: True)
     cpu_linear._load_extension.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_linear.__name__):
