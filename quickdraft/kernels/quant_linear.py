@@ -30,7 +30,16 @@ import torch
 from quickdraft.kernels.build import LazyKernel
 from quickdraft.models.lora import SITES as LORA_SITES
 from quickdraft.models.lora import LoRABatch
-from quickdraft.models.quantized import FORMAT_IDS, OFFSETS, PackedPart, QuantizedWeight, unpack_rows
+from quickdraft.models.quantized import (
+    BLOCK_MINS,
+    FORMAT_IDS,
+    IQ4_VALUES,
+    OFFSETS,
+    SCALES_OF_16,
+    PackedPart,
+    QuantizedWeight,
+    unpack_rows,
+)
 
 __all__ = [
     "AMX_ENV",
@@ -163,7 +172,9 @@ def _part_reference(
     part: PackedPart, q: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor, cols: int
 ) -> torch.Tensor:  # -> [M, rows]
     parts = unpack_rows(part.format, part.packed.numpy(), rows=np.arange(part.rows), cols=cols)
-    wq = torch.from_numpy(parts.q.astype(np.float64))  # [N, K], exact small integers
+    # [N, K], exact small integers (IQ4_XS: its indices' signed levels, offset-free)
+    levels = part.format in ("IQ4_XS", "IQ4_NL")
+    wq = torch.from_numpy((IQ4_VALUES[parts.q] if levels else parts.q).astype(np.float64))
     xq = q.to(torch.float64)
     m, n = q.shape[0], part.rows
 
@@ -175,13 +186,37 @@ def _part_reference(
     for b in range(cols // 32):
         bsum32 = (bsum64[:, 2 * b] + bsum64[:, 2 * b + 1])[:, None]  # [M, 1]
         dxb = dx[:, b][:, None]  # [M, 1]
-        if part.format == "Q6_K":
+        if part.format in SCALES_OF_16:
             d = torch.from_numpy(parts.d[:, b // 8].astype(np.float32))[None, :]
             sc = torch.from_numpy(parts.sc.astype(np.int64))
-            lo = block_dot(32 * b, 16) - 32 * bsum64[:, 2 * b][:, None]
-            hi = block_dot(32 * b + 16, 16) - 32 * bsum64[:, 2 * b + 1][:, None]
+            offset = OFFSETS[part.format]
+            lo = block_dot(32 * b, 16) - offset * bsum64[:, 2 * b][:, None]
+            hi = block_dot(32 * b + 16, 16) - offset * bsum64[:, 2 * b + 1][:, None]
             idot = sc[:, 2 * b][None, :] * lo + sc[:, 2 * b + 1][None, :] * hi
             term = (d * dxb) * idot.to(torch.float32)
+        elif part.format == "IQ4_XS":
+            d = torch.from_numpy(parts.d[:, b // 8].astype(np.float32))[None, :]
+            sc = torch.from_numpy(parts.sc[:, b].astype(np.int64))[None, :]
+            term = (d * dxb) * (sc * block_dot(32 * b, 32)).to(torch.float32)
+        elif part.format == "Q2_K":
+            d = torch.from_numpy(parts.d[:, b // 8].astype(np.float32))[None, :]
+            dm = torch.from_numpy(parts.dmin[:, b // 8].astype(np.float32))[None, :]
+            sc, mins = (torch.from_numpy(v.astype(np.int64)) for v in (parts.sc, parts.m))
+            idot = sc[:, 2 * b][None, :] * block_dot(32 * b, 16) + sc[:, 2 * b + 1][None, :] * block_dot(
+                32 * b + 16, 16
+            )
+            low = (
+                mins[:, 2 * b][None, :] * bsum64[:, 2 * b][:, None]
+                + mins[:, 2 * b + 1][None, :] * bsum64[:, 2 * b + 1][:, None]
+            )
+            term = (d * dxb) * idot.to(torch.float32) - (dm * dxb) * low.to(torch.float32)
+        elif part.format in BLOCK_MINS:
+            d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
+            dm = torch.from_numpy(parts.dmin[:, b].astype(np.float32))[None, :]
+            term = (d * dxb) * block_dot(32 * b, 32).to(torch.float32) - (dm * dxb) * bsum32.to(torch.float32)
+        elif part.format == "IQ4_NL":
+            d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
+            term = (d * dxb) * block_dot(32 * b, 32).to(torch.float32)
         elif part.format in OFFSETS:
             d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
             idot = block_dot(32 * b, 32) - OFFSETS[part.format] * bsum32

@@ -19,6 +19,16 @@ bytes, lane j (bytes 4j..4j+3) for row j: the vpdpbusd operand layout.
   sub-block's nibbles (320 each): 2880.
 - Q6_K: d [16] fp16, sc [16 sub-blocks of 16][16] int8 (288), then 8 sub-blocks of 32: nibbles,
   bit-4 masks, bit-5 masks (384 each): 3360.
+- IQ4_XS (256 k a tile): d [16] fp16, sc [8 sub-blocks of 32][16] int8 (160), then 8 sub-blocks of
+  nibbles (256 each), each an index into the 16-value table IQ4_VALUES: 2208.
+- IQ4_NL: nibbles (indices into IQ4_VALUES), d: 288 (Q4_0's layout).
+- Q4_1: nibbles, d, dmin [16] fp16 (minus each block's min): 320.  Q5_1: nibbles, bit-4 masks,
+  d, dmin: 384.
+- Q2_K (256 k a tile): d, dmin [16] fp16, per 16-wide sub-block a byte sc | m << 4 [16][16] (320),
+  then 8 sub-blocks of 32 as 2-bit "crumbs" (128 each: step s's 64 bytes at bits 2 * (s % 4) of
+  the vector s // 4): 1344 (2.625 bits a weight, as stored).
+- Q3_K: d [16] fp16, sc [16 sub-blocks of 16][16] int8 (288), then 8 sub-blocks of 32: the low
+  two bits as crumbs (below), bit-2 masks (192 each): 1824 (3.56 bits a weight; the file's 3.44).
 """
 
 from __future__ import annotations
@@ -30,9 +40,48 @@ import numpy as np
 import torch
 
 # Format ids shared with the C++ kernel (enum Format in quant_linear.cpp).
-FORMAT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q5_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
-TILE_K = {"Q8_0": 32, "Q4_0": 32, "Q5_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
-TILE_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q5_0": 352, "Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}
+FORMAT_IDS = {
+    "Q8_0": 0,
+    "Q4_0": 1,
+    "Q5_0": 2,
+    "Q4_K": 3,
+    "Q5_K": 4,
+    "Q6_K": 5,
+    "IQ4_XS": 6,
+    "IQ4_NL": 7,
+    "Q3_K": 8,
+    "Q4_1": 9,
+    "Q5_1": 10,
+    "Q2_K": 11,
+}
+TILE_K = {
+    "Q8_0": 32,
+    "Q4_0": 32,
+    "Q5_0": 32,
+    "Q4_K": 256,
+    "Q5_K": 256,
+    "Q6_K": 256,
+    "IQ4_XS": 256,
+    "IQ4_NL": 32,
+    "Q3_K": 256,
+    "Q4_1": 32,
+    "Q5_1": 32,
+    "Q2_K": 256,
+}
+TILE_BYTES = {
+    "Q8_0": 544,
+    "Q4_0": 288,
+    "Q5_0": 352,
+    "Q4_K": 2368,
+    "Q5_K": 2880,
+    "Q6_K": 3360,
+    "IQ4_XS": 2208,
+    "IQ4_NL": 288,
+    "Q3_K": 1824,
+    "Q4_1": 320,
+    "Q5_1": 384,
+    "Q2_K": 1344,
+}
 # Bytes of one GGUF block and the values it holds.
 GGUF_BLOCK = {
     "Q8_0": (34, 32),
@@ -41,11 +90,36 @@ GGUF_BLOCK = {
     "Q4_K": (144, 256),
     "Q5_K": (176, 256),
     "Q6_K": (210, 256),
+    "IQ4_XS": (136, 256),
+    "IQ4_NL": (18, 32),
+    "Q3_K": (110, 256),
+    "Q4_1": (20, 32),
+    "Q5_1": (24, 32),
+    "Q2_K": (84, 256),
 }
+# ggml's non-linear 4-bit levels (kvalues_iq4nl), shared by IQ4_NL and IQ4_XS.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
 # Added to the signed quants so that the kernel multiplies unsigned weights (and subtracts
 # offset * sum(activation quants) instead).
-OFFSETS = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
-QUANT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q5_0": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+OFFSETS = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}
+# Formats with one int8 scale per 16 values (the rest: one scale per 32).
+SCALES_OF_16 = ("Q6_K", "Q3_K")
+QUANT_BITS = {
+    "Q8_0": 8,
+    "Q4_0": 4,
+    "Q5_0": 5,
+    "Q4_K": 4,
+    "Q5_K": 5,
+    "Q6_K": 6,
+    "IQ4_XS": 4,
+    "IQ4_NL": 4,
+    "Q3_K": 3,
+    "Q4_1": 4,
+    "Q5_1": 5,
+    "Q2_K": 2,
+}
+# Formats with a scale and a min per 32-block (w = d * q - dmin; dmin is minus the stored min).
+BLOCK_MINS = ("Q4_1", "Q5_1")
 SUPPORTED_FORMATS = tuple(FORMAT_IDS)
 ROWS_PER_GROUP = 16
 
@@ -53,14 +127,18 @@ ROWS_PER_GROUP = 16
 @dataclass
 class QuantParts:
     """One weight's decoded parts: w = d * (q - offset) (Q8_0/Q4_0/Q5_0),
-    d * sc * q - dmin * m (Q4_K/Q5_K, per 32-wide sub-block), d * sc * (q - 32) (Q6_K, per 16)."""
+    d * sc * q - dmin * m (Q4_K/Q5_K, per 32-wide sub-block), d * sc * (q - offset) (Q6_K: 32,
+    Q3_K: 4; per 16), d * sc * IQ4_VALUES[q] (IQ4_XS, per 32), d * IQ4_VALUES[q] (IQ4_NL),
+    d * q - dmin (Q4_1/Q5_1: ggml's d * q + m, stored as dmin = -m, exact), d * sc * q - dmin * m
+    (Q2_K, per 16)."""
 
     format: str
     q: np.ndarray  # [N, K] uint8, unsigned quants
     d: np.ndarray  # [N, K/32] (32-block formats) or [N, K/256] float16
-    dmin: np.ndarray | None = None  # [N, K/256] float16 (Q4_K, Q5_K)
-    sc: np.ndarray | None = None  # [N, K/32] uint8 (Q4_K, Q5_K) or [N, K/16] int8 (Q6_K)
-    m: np.ndarray | None = None  # [N, K/32] uint8 (Q4_K, Q5_K)
+    dmin: np.ndarray | None = None  # [N, K/256] float16 (Q4_K, Q5_K), [N, K/32] (Q4_1, Q5_1)
+    # [N, K/32] uint8 (Q4_K, Q5_K), [N, K/16] int8 (Q6_K, Q3_K), [N, K/32] int8 (IQ4_XS), [N, K/16] uint8 (Q2_K)
+    sc: np.ndarray | None = None
+    m: np.ndarray | None = None  # [N, K/32] uint8 (Q4_K, Q5_K), [N, K/16] uint8 (Q2_K)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -69,12 +147,26 @@ class QuantParts:
     def dequantize(self) -> np.ndarray:  # -> [N, K] float32, the same values as ggml / gguf-py
         n, k = self.q.shape
         q = self.q.astype(np.float32)
-        if self.format in OFFSETS and self.format != "Q6_K":
+        if self.format in SCALES_OF_16:
+            scale = np.repeat(self.d.astype(np.float32), 16, axis=1) * self.sc.astype(np.float32)  # [N, K/16]
+            return (scale[:, :, None] * (q - OFFSETS[self.format]).reshape(n, k // 16, 16)).reshape(n, k)
+        if self.format in OFFSETS:
             blocks = (q - OFFSETS[self.format]).reshape(n, k // 32, 32)
             return (self.d.astype(np.float32)[:, :, None] * blocks).reshape(n, k)
-        if self.format == "Q6_K":
+        if self.format == "Q2_K":
             scale = np.repeat(self.d.astype(np.float32), 16, axis=1) * self.sc.astype(np.float32)  # [N, K/16]
-            return (scale[:, :, None] * (q - 32).reshape(n, k // 16, 16)).reshape(n, k)
+            low = np.repeat(self.dmin.astype(np.float32), 16, axis=1) * self.m.astype(np.float32)
+            return (scale[:, :, None] * q.reshape(n, k // 16, 16) - low[:, :, None]).reshape(n, k)
+        if self.format in BLOCK_MINS:
+            blocks = self.d.astype(np.float32)[:, :, None] * q.reshape(n, k // 32, 32)
+            return (blocks - self.dmin.astype(np.float32)[:, :, None]).reshape(n, k)
+        if self.format == "IQ4_NL":
+            levels = IQ4_VALUES[self.q].astype(np.float32).reshape(n, k // 32, 32)
+            return (self.d.astype(np.float32)[:, :, None] * levels).reshape(n, k)
+        if self.format == "IQ4_XS":
+            scale = np.repeat(self.d.astype(np.float32), 8, axis=1) * self.sc.astype(np.float32)  # [N, K/32]
+            levels = IQ4_VALUES[self.q].astype(np.float32)
+            return (scale[:, :, None] * levels.reshape(n, k // 32, 32)).reshape(n, k)
         ds = np.repeat(self.d.astype(np.float32), 8, axis=1) * self.sc.astype(np.float32)  # [N, K/32]
         dm = np.repeat(self.dmin.astype(np.float32), 8, axis=1) * self.m.astype(np.float32)
         return (ds[:, :, None] * q.reshape(n, k // 32, 32) - dm[:, :, None]).reshape(n, k)
@@ -176,7 +268,64 @@ def _decode_q6_k(blocks: np.ndarray) -> dict:
     return {"sc": blocks[:, 192:208].view(np.int8), "d": _half(blocks[:, 208:210]), "q": q}
 
 
+def _decode_q2_k(blocks: np.ndarray) -> dict:
+    scales, qs = blocks[:, :16], blocks[:, 16:80]
+    # value 128c + 32s + l: bits 2s..2s+1 of qs byte 32c + l (as Q3_K's low bits)
+    q = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    return {
+        "d": _half(blocks[:, 80:82]),
+        "dmin": _half(blocks[:, 82:84]),
+        "sc": scales & 0x0F,
+        "m": scales >> 4,
+        "q": q.reshape(-1, 256),
+    }
+
+
+def _decode_q3_k(blocks: np.ndarray) -> dict:
+    # ggml's w = d * (sc6 - 32) * (q2 - 4 * (1 - hbit)) per 16 values: sc = sc6 - 32, q = q2 + 4 * hbit
+    # (0..7, offset 4).
+    hmask, qs, scales, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], blocks[:, 108:110]
+    low = (scales[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)) & 0x0F
+    high = (scales[:, 8:].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 0x03
+    sc = (low.reshape(-1, 16) | (high.reshape(-1, 16) << 4)).astype(np.int16) - 32
+    # value 128c + 32s + l: bits 2s..2s+1 of qs byte 32c + l; its high bit: bit (4c + s) of hmask byte l
+    q2 = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    hbit = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = q2.reshape(-1, 256) + 4 * hbit.reshape(-1, 256)
+    return {"sc": sc.astype(np.int8), "d": _half(d), "q": q.astype(np.uint8)}
+
+
+def _decode_q4_1(blocks: np.ndarray) -> dict:
+    return {"d": _half(blocks[:, :2]), "dmin": -_half(blocks[:, 2:4]), "q": _nibble_halves(blocks[:, 4:])}
+
+
+def _decode_q5_1(blocks: np.ndarray) -> dict:
+    parts = _decode_q5_0(np.concatenate([blocks[:, :2], blocks[:, 4:]], axis=1))  # Q5_0's layout after d
+    return parts | {"dmin": -_half(blocks[:, 2:4])}
+
+
+def _decode_iq4_nl(blocks: np.ndarray) -> dict:
+    return {"d": _half(blocks[:, :2]), "q": _nibble_halves(blocks[:, 2:])}
+
+
+def _decode_iq4_xs(blocks: np.ndarray) -> dict:
+    # d fp16, scales_h (2 bytes: 2 high bits per sub-block), scales_l (4 bytes: 4 low bits), 128
+    # bytes of indices: sub-block j's 32 values are the low then the high nibbles of bytes 16j..16j+15.
+    scales_h = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16)  # [n, 1]
+    low = (blocks[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)) & 0x0F
+    high = (scales_h >> (2 * np.arange(8, dtype=np.uint16)).reshape(1, 8)) & 0x03
+    sc = (low.reshape(-1, 8).astype(np.int16) | (high.astype(np.int16) << 4)) - 32
+    q = _nibble_halves(blocks[:, 8:].reshape(-1, 8, 16)).reshape(-1, 256)
+    return {"d": _half(blocks[:, :2]), "sc": sc.astype(np.int8), "q": q}
+
+
 _DECODERS = {
+    "Q3_K": _decode_q3_k,
+    "IQ4_NL": _decode_iq4_nl,
+    "Q4_1": _decode_q4_1,
+    "Q5_1": _decode_q5_1,
+    "Q2_K": _decode_q2_k,
+    "IQ4_XS": _decode_iq4_xs,
     "Q8_0": _decode_q8_0,
     "Q4_0": _decode_q4_0,
     "Q5_0": _decode_q5_0,
@@ -253,9 +402,14 @@ def _pack_quants(steps: np.ndarray, bits: int) -> np.ndarray:
     g, b = steps.shape[:2]
     if bits == 8:
         return steps.reshape(g, b, 512)
-    nibbles = (steps[:, :, :4] & 0x0F) | ((steps[:, :, 4:] & 0x0F) << 4)
-    sections = [nibbles.reshape(g, b, 256)]
-    for bit in range(4, bits):
+    if bits <= 3:  # crumbs: the low two bits of step 4v + r at bits 2r of vector v
+        shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)
+        crumbs = (steps.reshape(g, b, 2, 4, 64) & 0x03) << shifts
+        sections, low_bits = [np.bitwise_or.reduce(crumbs, axis=3).reshape(g, b, 128)], 2
+    else:
+        nibbles = (steps[:, :, :4] & 0x0F) | ((steps[:, :, 4:] & 0x0F) << 4)
+        sections, low_bits = [nibbles.reshape(g, b, 256)], 4
+    for bit in range(low_bits, bits):
         flags = ((steps >> bit) & 1).reshape(g, b, 8, 64)
         sections.append(np.packbits(flags, axis=-1, bitorder="little").reshape(g, b, 64))
     return np.concatenate(sections, axis=-1)
@@ -266,10 +420,16 @@ def _unpack_quants(section: np.ndarray, bits: int) -> np.ndarray:
     r, b = section.shape[:2]
     if bits == 8:
         return section[:, :, :512].reshape(r, b, 8, 16, 4)
-    nibbles = section[:, :, :256].reshape(r, b, 4, 16, 4)
-    steps = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
-    for index, bit in enumerate(range(4, bits)):
-        masks = section[:, :, 256 + 64 * index : 320 + 64 * index].reshape(r, b, 8, 8)
+    if bits <= 3:
+        vectors = section[:, :, :128].reshape(r, b, 2, 1, 64)
+        steps = ((vectors >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)) & 0x03).reshape(r, b, 8, 16, 4)
+        low_bits, low_bytes = 2, 128
+    else:
+        nibbles = section[:, :, :256].reshape(r, b, 4, 16, 4)
+        steps = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
+        low_bits, low_bytes = 4, 256
+    for index, bit in enumerate(range(low_bits, bits)):
+        masks = section[:, :, low_bytes + 64 * index : low_bytes + 64 + 64 * index].reshape(r, b, 8, 8)
         flags = np.unpackbits(masks, axis=-1, bitorder="little").reshape(r, b, 8, 16, 4)
         steps = steps | (flags << bit)
     return steps
@@ -296,12 +456,16 @@ def pack(parts: QuantParts) -> np.ndarray:
         return lane_values.view(np.uint8).reshape(groups, lane_values.shape[1], -1)
 
     if TILE_K[fmt] == 32:
-        tiles = np.concatenate([quants, lanes(parts.d)], axis=-1)
+        scales = [lanes(parts.d)] + ([lanes(parts.dmin)] if fmt in BLOCK_MINS else [])
+        tiles = np.concatenate([quants, *scales], axis=-1)
     else:
         supers = k // 256
         subs = quants.reshape(groups, supers, -1)
-        if fmt == "Q6_K":
+        if fmt in ("Q6_K", "Q3_K", "IQ4_XS"):
             header = [lanes(parts.d), lanes(parts.sc).reshape(groups, supers, -1)]
+        elif fmt == "Q2_K":
+            scales_mins = lanes(parts.sc | (parts.m << 4)).reshape(groups, supers, -1)
+            header = [lanes(parts.d), lanes(parts.dmin), scales_mins]
         else:
             header = [
                 lanes(parts.d),
@@ -330,18 +494,28 @@ def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int)
         return values[pick, :, lane]
 
     if TILE_K[format] == 32:
-        quant_bytes = TILE_BYTES[format] - 32
+        quant_bytes = TILE_BYTES[format] - (64 if format in BLOCK_MINS else 32)
         steps = _unpack_quants(chosen[:, :, :quant_bytes], QUANT_BITS[format])  # [R, T, 8, 16, 4]
         q = steps[pick, :, :, lane, :].reshape(r, cols)
-        return QuantParts(format=format, q=q, d=lane_values(chosen[:, :, quant_bytes:], np.float16, 1))
-    header = 288 if format == "Q6_K" else 320
+        d = lane_values(chosen[:, :, quant_bytes : quant_bytes + 32], np.float16, 1)
+        if format in BLOCK_MINS:
+            dmin = lane_values(chosen[:, :, quant_bytes + 32 :], np.float16, 1)
+            return QuantParts(format=format, q=q, d=d, dmin=dmin)
+        return QuantParts(format=format, q=q, d=d)
+    header = {"Q6_K": 288, "Q3_K": 288, "IQ4_XS": 160}.get(format, 320)  # Q2_K, Q4_K, Q5_K: 320
     sub_bytes = (TILE_BYTES[format] - header) // 8
     subs = chosen[:, :, header:].reshape(r, tiles_per_group * 8, sub_bytes)
     steps = _unpack_quants(subs, QUANT_BITS[format])
     q = steps[pick, :, :, lane, :].reshape(r, cols)
     d = lane_values(chosen[:, :, 0:32], np.float16, 1)
-    if format == "Q6_K":
-        return QuantParts(format=format, q=q, d=d, sc=lane_values(chosen[:, :, 32:288], np.int8, 16))
+    if format == "Q2_K":
+        scales_mins = lane_values(chosen[:, :, 64:320], np.uint8, 16)
+        dmin = lane_values(chosen[:, :, 32:64], np.float16, 1)
+        return QuantParts(format=format, q=q, d=d, dmin=dmin, sc=scales_mins & 0x0F, m=scales_mins >> 4)
+    if format in ("Q6_K", "Q3_K", "IQ4_XS"):
+        return QuantParts(
+            format=format, q=q, d=d, sc=lane_values(chosen[:, :, 32:header], np.int8, (header - 32) // 16)
+        )
     return QuantParts(
         format=format,
         q=q,

@@ -137,6 +137,9 @@ def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
     return str(fields.get("general.architecture")), tensors
 
 
+FLOAT_FORMATS = ("F32", "F16", "BF16", "F64")
+
+
 def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantParts]:
     """HF tensor name -> decoded parts, for every 2-D tensor the file stores in a supported
     quantized format (everything else is read from the converted float directory)."""
@@ -151,8 +154,11 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{gguf_path}: unsupported GGUF architecture {architecture!r}")
     parts: dict[str, QuantParts] = {}
+    as_floats: dict[str, int] = {}  # quantized formats without kernels -> float32 bytes they take
     for tensor in tensors:
         fmt, shape = tensor.format, tensor.shape
+        if fmt not in SUPPORTED_FORMATS and fmt not in FLOAT_FORMATS and len(shape) >= 2:
+            as_floats[fmt] = as_floats.get(fmt, 0) + 4 * int(np.prod(shape))
         experts = expert_tensor_names(tensor.name, architecture=architecture, num_experts=shape[0])
         if experts is not None and fmt in SUPPORTED_FORMATS and len(shape) == 3:
             # the experts' matrices lie one after the other: each is whole rows of its own
@@ -178,6 +184,13 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
         if architecture in PERMUTED_QK_ARCHITECTURES and ".attn_k." in tensor.name:
             decoded = _permuted(decoded, _unpermute_order(shape[0], config.num_kv_heads))
         parts[name] = decoded
+    if as_floats:
+        logger.warning(
+            "%s: no quantized kernel for %s; those tensors are dequantized to float32 (%s MB)",
+            gguf_path,
+            ", ".join(sorted(as_floats)),
+            " + ".join(f"{fmt} {nbytes / 1e6:.0f}" for fmt, nbytes in sorted(as_floats.items())),
+        )
     return parts
 
 
@@ -246,7 +259,10 @@ def save_packed(path: Path, quantized: dict[str, QuantizedWeight]) -> None:
     }
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(temporary), metadata={"layout": json.dumps(layout)})
+        # The formats this version keeps as stored: a file written by one that knew fewer left
+        # the others as floats, so a later version rebuilds it (load_packed).
+        metadata = {"layout": json.dumps(layout), "formats": json.dumps(list(SUPPORTED_FORMATS))}
+        save_file(tensors, str(temporary), metadata=metadata)
         os.replace(temporary, path)
     except OSError as err:
         logger.warning("could not cache the packed weights in %s: %s", path, err)
@@ -265,6 +281,11 @@ def load_packed(path: Path, *, huge_pages: bool = False) -> dict[str, QuantizedW
     if not path.is_file():
         return None
     try:
+        with safe_open(str(path), "pt") as file:
+            formats = json.loads(file.metadata().get("formats", "[]"))
+        if formats != list(SUPPORTED_FORMATS):
+            logger.info("rebuilding the packed-weight cache %s: written for the formats %s", path, formats)
+            return None
         read = _read_packed_into_huge_pages(path) if huge_pages else None
         if read is not None:
             layout, packed = read

@@ -29,6 +29,7 @@ from quickdraft.models.quantized import (
     FORMAT_IDS,
     GGUF_BLOCK,
     SUPPORTED_FORMATS,
+    TILE_K,
     QuantizedWeight,
     decode_gguf,
     pack,
@@ -38,7 +39,21 @@ from quickdraft.models.quantized import (
 )
 
 # Byte offsets of the fp16 scale fields in a GGUF block (d, and dmin for Q4_K / Q5_K).
-_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+_HALF_FIELDS = {
+    "Q8_0": [0],
+    "Q4_0": [0],
+    "Q5_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+    "IQ4_XS": [0],
+    "Q3_K": [108],
+    "IQ4_NL": [0],
+    "Q4_1": [0, 2],
+    "Q5_1": [0, 2],
+    "Q2_K": [80, 82],
+    "IQ2_XXS": [0],  # no kernel: loaded as floats
+}
 
 
 @pytest.fixture(params=ISAS)
@@ -50,13 +65,14 @@ def isa(request, monkeypatch) -> str:
     return request.param
 
 
-def random_gguf(fmt: str, rows: int, cols: int, *, seed: int) -> np.ndarray:
-    """Random blocks of `fmt` (every quant and sub-scale bit pattern is valid), finite scales."""
+def random_gguf(fmt: str, rows: int, cols: int, *, seed: int, scale: float = 0.01) -> np.ndarray:
+    """Random blocks of `fmt` (every quant and sub-scale bit pattern is valid), finite fp16 scales
+    within a factor 5 of `scale`."""
     rng = np.random.default_rng(seed)
-    block_bytes, block_values = GGUF_BLOCK[fmt]
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[QType[fmt]]
     raw = rng.integers(0, 256, size=(rows * cols // block_values, block_bytes), dtype=np.uint8)
     for at in _HALF_FIELDS[fmt]:
-        scales = rng.uniform(0.002, 0.02, size=raw.shape[0]).astype(np.float16)
+        scales = rng.uniform(0.2 * scale, 2 * scale, size=raw.shape[0]).astype(np.float16)
         raw[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
 
@@ -68,11 +84,12 @@ def weight(fmt: str, rows: int, cols: int, *, seed: int = 0) -> tuple[QuantizedW
 
 
 def cols_for(fmt: str) -> int:
-    return 512 if fmt.endswith("_K") else 96
+    return 512 if GGUF_BLOCK[fmt][1] == 256 else 96
 
 
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
 def test_decoded_parts_dequantize_like_gguf_py(fmt):
+    """Random blocks reach every quant and sub-scale bit pattern: gguf-py's values bit for bit."""
     raw = random_gguf(fmt, 5, cols_for(fmt), seed=1)
     parts = decode_gguf(fmt, raw, rows=5, cols=cols_for(fmt))
     expected = gguf.quants.dequantize(raw, QType[fmt]).reshape(5, -1)
@@ -161,7 +178,7 @@ def test_row_and_column_slices_stay_quantized(fmt):
     sliced_out = quant_linear(x, rows)
     assert torch.equal(sliced_out[:, :-3], torch.cat([full_out[:, a:b] for a, b in ranges], dim=1))
     assert torch.equal(sliced_out[:, -3:], torch.zeros(5, 3))
-    width = 256 if fmt.endswith("_K") else 32
+    width = TILE_K[fmt]
     half = whole.take_columns(cols // 2, cols)  # a multiple of every part's tile width
     assert torch.equal(half.dequantize(), expected[:, cols // 2 :])
     assert torch.equal(quant_linear(x[:, cols // 2 :], half), reference_quant_linear(x[:, cols // 2 :], half))
@@ -370,7 +387,7 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="needs 34 bytes"):
         decode_gguf("Q8_0", np.zeros(30, np.uint8), rows=1, cols=32)
     with pytest.raises(ValueError, match="unsupported GGUF format"):
-        decode_gguf("Q2_K", np.zeros(84, np.uint8), rows=1, cols=256)
+        decode_gguf("IQ2_XXS", np.zeros(66, np.uint8), rows=1, cols=256)
     w, _ = weight("Q8_0", 16, 64)
     with pytest.raises(ValueError, match="features"):
         quant_linear(torch.randn(2, 32), w)

@@ -27,6 +27,7 @@ from tokenizers.models import BPE
 
 import quickdraft.models.gguf as qgguf
 from quickdraft.models.gguf import SOURCE_MARKER, convert_gguf_to_hf_dir, default_model_dir
+from tests.kernels.test_quant_linear import random_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -466,6 +467,13 @@ def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, q
             writer.add_tensor(gguf_name, weights)
         elif qtype == QType.F16:
             writer.add_tensor(gguf_name, weights.astype(np.float16))
+        elif qtype.name in RANDOM_BLOCK_SCALES:  # gguf-py cannot quantize to it: random blocks
+            assert architecture not in ("llama", "mixtral", "smollm3"), "random blocks skip the Q/K permutation"
+            raw = random_gguf(qtype.name, *weights.shape, seed=len(expected), scale=RANDOM_BLOCK_SCALES[qtype.name])
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            values = gguf.quants.dequantize(raw, qtype).reshape(weights.shape)
+            expected[hf_name] = torch.from_numpy(np.ascontiguousarray(values))
+            continue
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
         # Row permutation and per-row block quantization commute: round-trip the HF tensor.
@@ -503,6 +511,11 @@ PHI3_ROPE = {
 }
 
 
+# Formats gguf-py reads but cannot write, filled with random blocks: the typical fp16 scale that
+# gives weights of ~0.02-0.1 (Q3_K: |sc| ~ 16, |q| ~ 2; the IQ4 levels ~ 60, IQ4_XS's |sc| ~ 16).
+RANDOM_BLOCK_SCALES = {"Q3_K": 1e-3, "IQ4_XS": 1e-4, "IQ4_NL": 1e-3, "Q2_K": 3e-3, "IQ2_XXS": 1e-3}
+
+
 @dataclass
 class Variant:
     architecture: str
@@ -515,6 +528,22 @@ VARIANTS = {
     # like the real Gemma 3 270M Q4_K_M file: a mix of block types, norms in F32
     "gemma3-mixed": Variant("gemma3", {"token_embd": QType.Q8_0, "attn": QType.Q5_0, "ffn": QType.Q4_0}, "spiece"),
     "gemma3-f32": Variant("gemma3", {}, "spiece"),
+    "gemma3-iq2": Variant("gemma3", {"attn_output": QType.IQ2_XXS, "": QType.Q8_0}, "spiece"),  # no IQ2 kernel
+    # the other formats of llama.cpp's mixes (Q2_K, Q3_K_M, IQ4_XS; IQ4_NL, Q4_1, Q5_1 where rows
+    # are not whole 256-blocks): only attn_output has rows of 256 here
+    "gemma3-lowbit": Variant(
+        "gemma3",
+        {
+            "blk.0.attn_output": QType.Q3_K,
+            "blk.1.attn_output": QType.Q2_K,
+            "attn_output": QType.IQ4_XS,
+            "token_embd": QType.IQ4_NL,
+            "attn": QType.IQ4_NL,
+            "ffn_down": QType.Q5_1,
+            "ffn": QType.Q4_1,
+        },
+        "spiece",
+    ),
     "gemma2-mixed": Variant("gemma2", {"token_embd": QType.Q8_0, "attn": QType.Q8_0, "ffn": QType.Q4_0}, "spiece"),
     "llama-q8_0": Variant("llama", {"": QType.Q8_0}, "llama-bpe"),
     "llama-linear-rope": Variant("llama", {}, "llama-bpe", rope_scaling={"rope_type": "linear", "factor": 2.0}),

@@ -17,7 +17,7 @@ from quickdraft.engine.runner import ModelRunner, SequenceWork
 from quickdraft.kernels.quant_linear import fused_layer_available, kernel_available
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder, resolve_gguf_path, resolve_model_dir, resolve_quantization
-from quickdraft.models.quantized import QuantizedWeight
+from quickdraft.models.quantized import FORMAT_IDS, QuantizedWeight
 from quickdraft.verify.tree import Tree
 from tests.engine.test_speculative import GREEDY, GarbageDrafter, repetitive_prompts
 from tests.models.test_gguf import build_tiny_gguf
@@ -33,6 +33,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
         name: build_tiny_gguf(directory, name).path
         for name in (
             "gemma3-mixed",
+            "gemma3-lowbit",
             "llama-q8_0",
             "qwen3-bf16",
             "phi3-q8_0",
@@ -58,7 +59,17 @@ def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma3-mixed", "llama-q8_0", "qwen3-bf16", "phi3-q8_0", "smollm3-q8_0", "qwen3moe-q8_0", "mixtral-mixed"]
+    "name",
+    [
+        "gemma3-mixed",
+        "gemma3-lowbit",
+        "llama-q8_0",
+        "qwen3-bf16",
+        "phi3-q8_0",
+        "smollm3-q8_0",
+        "qwen3moe-q8_0",
+        "mixtral-mixed",
+    ],
 )
 def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
     floats, _ = load(tiny_gguf_paths[name], None)
@@ -69,6 +80,9 @@ def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
     for param_name, weight in held.items():
         # the same values as the dequantized float model, fused q/k/v and llama's Q/K order included
         assert torch.equal(weight.dequantize(), float_state[param_name]), param_name
+    if name == "gemma3-lowbit":  # each of its formats runs on its own kernel tiles
+        formats = {part.format for weight in held.values() for part in weight.parts}
+        assert formats == {"Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "Q4_1", "Q5_1"}, formats
     if name == "qwen3-bf16":  # its ffn weights are BF16 in the file: they stay floats
         assert not any("gate_up" in n for n in held)
         assert "layers.0.gate_up_proj" in float_state
@@ -107,7 +121,9 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "phi3-q8_0", "gemma2-mixed", "mixtral-mixed"])
+@pytest.mark.parametrize(
+    "name", ["gemma3-mixed", "gemma3-lowbit", "llama-q8_0", "phi3-q8_0", "gemma2-mixed", "mixtral-mixed"]
+)
 def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name, kv_dtype):
     model, config = load(tiny_gguf_paths[name], "gguf")
     prefix, rest = PROMPT[:12], PROMPT[12:]
@@ -226,10 +242,18 @@ def test_quantized_logits_close_to_float(tiny_gguf_paths):
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
-@pytest.mark.parametrize("tree", [False, True])
-def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, tree, kv_cache_dtype):
-    path = str(tiny_gguf_paths["gemma3-mixed"])
+@pytest.mark.parametrize(
+    ("name", "kv_cache_dtype", "tree"),
+    [
+        ("gemma3-mixed", "auto", False),
+        ("gemma3-mixed", "auto", True),
+        ("gemma3-mixed", "float16", False),
+        ("gemma3-mixed", "float16", True),
+        ("gemma3-lowbit", "auto", True),
+    ],
+)
+def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, name, tree, kv_cache_dtype):
+    path = str(tiny_gguf_paths[name])
     params = SamplingParams(max_tokens=24, **GREEDY)
     prompts = [p[:12] for p in repetitive_prompts()]
     plain = LLM(path, max_model_len=128, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
@@ -304,7 +328,7 @@ def _set_fused(model, fused: bool) -> None:
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
-@pytest.mark.parametrize("name", ["llama-q8_0", "gemma3-mixed", "phi3-q8_0", "gemma2-mixed"])
+@pytest.mark.parametrize("name", ["llama-q8_0", "gemma3-mixed", "gemma3-lowbit", "phi3-q8_0", "gemma2-mixed"])
 def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
     """The C++ layer computes what DecoderLayer's torch code computes, to rounding.  Rounding
     differences of ~1e-7 can flip an int8 activation quant (a ~1% step) now and then, and later
@@ -415,6 +439,43 @@ def test_packed_weights_are_cached_beside_the_conversion(tiny_gguf_paths):
         _quantized_weights(first)["layers.0.qkv_proj"].dequantize(),
     )
     assert cache_file.stat().st_size > 1000
+
+
+def test_formats_without_a_kernel_load_as_floats_with_a_warning(tmp_path, caplog):
+    path = build_tiny_gguf(tmp_path, "gemma3-iq2").path
+    floats, _ = load(path, None)
+    with caplog.at_level("WARNING"):
+        quantized, _ = load(path, "gguf")
+    assert "no quantized kernel for IQ2_XXS" in caplog.text
+    held = _quantized_weights(quantized)
+    assert "layers.0.o_proj" not in held and "layers.0.qkv_proj" in held
+    assert torch.equal(quantized.state_dict()["layers.0.o_proj"], floats.state_dict()["layers.0.o_proj"])
+
+
+def test_a_cache_written_for_fewer_formats_is_rebuilt(tiny_gguf_paths):
+    """A packed cache from a version that kept fewer formats as stored (it left the others as
+    floats) is rebuilt, so the file's Q2_K / Q3_K / IQ4 / Q4_1 / Q5_1 tensors reach their kernels."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
+
+    path = tiny_gguf_paths["gemma3-lowbit"]
+    load(path, "gguf")
+    cache_file = resolve_model_dir(path) / PACKED_CACHE_FILE
+    older = ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
+    with safe_open(str(cache_file), "pt") as file:
+        layout = {k: v for k, v in json.loads(file.metadata()["layout"]).items() if "layers.0" not in k}
+        tensors = {key: file.get_tensor(key).clone() for key in file.keys() if key.split("#")[0] in layout}
+    stale = cache_file.with_name("stale.tmp")
+    save_file(tensors, str(stale), metadata={"layout": json.dumps(layout), "formats": json.dumps(older)})
+    os.replace(stale, cache_file)
+    model, _ = load(path, "gguf")
+    assert "layers.0.o_proj" in _quantized_weights(model)  # rebuilt: layer 0 quantized again
+    with safe_open(str(cache_file), "pt") as file:
+        assert json.loads(file.metadata()["formats"]) == list(FORMAT_IDS)
 
 
 def _mapped_ranges(path) -> list[tuple[int, int]]:

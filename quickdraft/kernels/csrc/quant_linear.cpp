@@ -1,7 +1,7 @@
 // Batch-invariant linear layers on GGUF-quantized weights (CPU: AVX-512 VNNI, or AVX2).
 //
 // y[M, N] = x[M, K] @ W[N, K]^T where W is stored quantized (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K,
-// Q6_K), repacked at load time by quickdraft/models/quantized.py into tiles of 16 weight
+// Q6_K, IQ4_XS, IQ4_NL, Q3_K, Q4_1, Q5_1, Q2_K), repacked at load time by quickdraft/models/quantized.py into tiles of 16 weight
 // rows (the packed layouts are documented there; this file only reads them).
 //
 // Numerics (the same for every M, so a row's result never depends on the other rows):
@@ -59,11 +59,19 @@ namespace qd_quant {
 // their same-named functions must never bind to each other's code.
 namespace {
 
-enum Format : int { Q8_0 = 0, Q4_0 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+enum Format : int {
+  Q8_0 = 0, Q4_0 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, IQ4_XS = 6, IQ4_NL = 7, Q3_K = 8, Q4_1 = 9, Q5_1 = 10,
+  Q2_K = 11
+};
+constexpr int kLastFormat = Q2_K;
 
 // Weight quants covered by one tile (per 16 rows) and the tile's size in bytes.
-constexpr int kTileK[] = {32, 32, 32, 256, 256, 256};
-constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360};
+constexpr int kTileK[] = {32, 32, 32, 256, 256, 256, 256, 32, 256, 32, 32, 256};
+constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360, 2208, 288, 1824, 320, 384, 1344};
+// The AMX path covers the first six formats; the others run on VNNI whatever the row count.
+constexpr bool amx_format(int64_t format) { return format <= Q6_K; }
+// IQ4_XS's and IQ4_NL's 16 levels (ggml's kvalues_iq4nl)
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr int64_t kPrefetchBytes = 4096;
 
 #if defined(QD_ISA_AVX2)
@@ -231,6 +239,13 @@ QD_INLINE void nibbles(const uint8_t* p, int s, VecB& lo, VecB& hi) {
   hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
 }
 
+// Steps s (k 4s..4s+3) and s + 4 (k 16 + 4s..) of a section of 2-bit quants: vectors 0 and 1, bits 2s.
+QD_INLINE void crumbs(const uint8_t* p, int s, VecB& lo, VecB& hi) {
+  const __m512i m2 = _mm512_set1_epi8(0x03);
+  lo = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p), 2 * s), m2);
+  hi = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64), 2 * s), m2);
+}
+
 // Adds `bit` to the quants whose bit is set in the 64-bit mask of step s.
 QD_INLINE VecB high_bits(VecB w, const uint8_t* masks, int s, char bit) {
   uint64_t bits;
@@ -347,10 +362,48 @@ QD_INLINE void add_scaled(VecF* acc, VecF scale, const VecI* idot, const float* 
     acc[m] = vf_add(acc[m], vf_mul(vf_mul(scale, vf_set1(dx[m][b])), vf_from_i(idot[m])));
 }
 
+// acc = acc + ((ds * dx) * float(idot) - (dm * dx) * float(bsum32)): the epilogue of the formats
+// with mins (Q4_K, Q5_K per sub-block; Q4_1, Q5_1 per block).
+template <int MB>
+QD_INLINE void add_scaled_min(VecF* acc, VecF ds, VecF dm, const VecI* idot, const float* const* dx,
+                              const int32_t* const* bsum, int64_t b) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    const VecF dxv = vf_set1(dx[m][b]);
+    const VecF bs = vf_set1(static_cast<float>(bsum[m][2 * b] + bsum[m][2 * b + 1]));
+    const VecF term = vf_sub(vf_mul(vf_mul(ds, dxv), vf_from_i(idot[m])), vf_mul(vf_mul(dm, dxv), bs));
+    acc[m] = vf_add(acc[m], term);
+  }
+}
+
 template <int MB>
 QD_INLINE void init_offset(VecI* idot, const int32_t* const* bsum, int64_t b, int32_t offset) {
   QD_UNROLL
   for (int m = 0; m < MB; ++m) idot[m] = vi_set1(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
+}
+
+// The IQ4 levels + 128 in every 128-bit lane: vpshufb maps each 4-bit index to its unsigned level.
+QD_INLINE VecB iq4_table() {
+  alignas(16) uint8_t levels[16];
+  for (int i = 0; i < 16; ++i) levels[i] = static_cast<uint8_t>(kIq4Levels[i] + 128);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
+}
+
+// idot += the 32 k of a section of IQ4 indices from k0, as unsigned levels (the caller's offset:
+// -128 * bsum, as Q8_0's).
+template <int MB>
+QD_INLINE void iq4_block(const uint8_t* section, VecB table, const int8_t* const* xq, int64_t k0, VecI* idot) {
+  QD_UNROLL
+  for (int s = 0; s < 4; ++s) {
+    VecB lo, hi;
+    nibbles(section, s, lo, hi);
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) idot[m] = dp_bcast(idot[m], lo, xq[m] + k0 + 4 * s);
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) idot[m] = dp_bcast(idot[m], hi, xq[m] + k0 + 16 + 4 * s);
+  }
 }
 
 // Step s of a nibble section as unsigned quants: low nibbles k 4s..4s+3, high nibbles k 16 + 4s..,
@@ -400,6 +453,10 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
     init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
     nibble_block<MB, FMT == Q5_0>(t, r.xq, k0, idot);
     add_scaled<MB>(acc, half16(t + (FMT == Q4_0 ? 256 : 320)), idot, r.dx, b);
+  } else if constexpr (FMT == IQ4_NL) {
+    init_offset<MB>(idot, r.bsum, b, 128);
+    iq4_block<MB>(t, iq4_table(), r.xq, k0, idot);
+    add_scaled<MB>(acc, half16(t + 256), idot, r.dx, b);
   } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
     const VecF d = half16(t), dmin = half16(t + 32);
     constexpr int sub_bytes = FMT == Q4_K ? 256 : 320;
@@ -410,31 +467,72 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
       nibble_block<MB, FMT == Q5_K>(sub, r.xq, k0 + 32 * j, idot);
       const VecF ds = vf_mul(d, u8x16_to_f32(t + 64 + 16 * j));
       const VecF dm = vf_mul(dmin, u8x16_to_f32(t + 192 + 16 * j));
+      add_scaled_min<MB>(acc, ds, dm, idot, r.dx, r.bsum, b + j);
+    }
+  } else if constexpr (FMT == Q4_1 || FMT == Q5_1) {
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) idot[m] = vi_set1(0);
+    nibble_block<MB, FMT == Q5_1>(t, r.xq, k0, idot);
+    constexpr int quant_bytes = FMT == Q4_1 ? 256 : 320;
+    add_scaled_min<MB>(acc, half16(t + quant_bytes), half16(t + quant_bytes + 32), idot, r.dx, r.bsum, b);
+  } else if constexpr (FMT == Q2_K) {
+    // 16-wide sub-blocks, each with a 4-bit scale and a 4-bit min (one byte); quants 0..3:
+    // acc += (d * dx) * float(sc_lo * dot_lo + sc_hi * dot_hi) - (dmin * dx) * float(m_lo * bsum_lo + m_hi * bsum_hi)
+    const VecF d = half16(t), dmin = half16(t + 32);
+    const VecI low4 = vi_set1(0x0F);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = t + 320 + 128 * j;
       const int64_t bj = b + j;
+      VecI hi_dot[MB];
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) idot[m] = hi_dot[m] = vi_set1(0);
+      QD_UNROLL
+      for (int s = 0; s < 4; ++s) {
+        VecB lo, hi;
+        crumbs(sub, s, lo, hi);
+        QD_UNROLL
+        for (int m = 0; m < MB; ++m) idot[m] = dp_bcast(idot[m], lo, r.xq[m] + k0 + 32 * j + 4 * s);
+        QD_UNROLL
+        for (int m = 0; m < MB; ++m) hi_dot[m] = dp_bcast(hi_dot[m], hi, r.xq[m] + k0 + 32 * j + 16 + 4 * s);
+      }
+      const VecI sm_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 + 32 * j)));
+      const VecI sm_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 80 + 32 * j)));
+      const VecI sc_lo = _mm512_and_si512(sm_lo, low4), sc_hi = _mm512_and_si512(sm_hi, low4);
+      const VecI m_lo = _mm512_srli_epi32(sm_lo, 4), m_hi = _mm512_srli_epi32(sm_hi, 4);
       QD_UNROLL
       for (int m = 0; m < MB; ++m) {
+        const VecI dots = vi_add(vi_mullo(sc_lo, idot[m]), vi_mullo(sc_hi, hi_dot[m]));
+        const VecI mins = vi_add(vi_mullo(m_lo, vi_set1(r.bsum[m][2 * bj])), vi_mullo(m_hi, vi_set1(r.bsum[m][2 * bj + 1])));
         const VecF dxv = vf_set1(r.dx[m][bj]);
-        const VecF bs = vf_set1(static_cast<float>(r.bsum[m][2 * bj] + r.bsum[m][2 * bj + 1]));
-        const VecF term = vf_sub(vf_mul(vf_mul(ds, dxv), vf_from_i(idot[m])), vf_mul(vf_mul(dm, dxv), bs));
+        const VecF term = vf_sub(vf_mul(vf_mul(d, dxv), vf_from_i(dots)), vf_mul(vf_mul(dmin, dxv), vf_from_i(mins)));
         acc[m] = vf_add(acc[m], term);
       }
     }
-  } else {  // Q6_K: 16-wide sub-blocks with int8 scales, quants 0..63 offset by 32
+  } else if constexpr (FMT == Q6_K || FMT == Q3_K) {
+    // 16-wide sub-blocks with int8 scales; quants 0..63 offset by 32 (Q6_K), 0..7 offset by 4 (Q3_K)
+    constexpr bool six = FMT == Q6_K;
+    constexpr int32_t offset = six ? 32 : 4;
     const VecF d = half16(t);
     for (int j = 0; j < 8; ++j) {
-      const uint8_t* sub = t + 288 + 384 * j;
+      const uint8_t* sub = t + 288 + (six ? 384 : 192) * j;
       const int64_t bj = b + j;
       VecI hi_dot[MB];
       QD_UNROLL
       for (int m = 0; m < MB; ++m) {
-        idot[m] = vi_set1(-32 * r.bsum[m][2 * bj]);
-        hi_dot[m] = vi_set1(-32 * r.bsum[m][2 * bj + 1]);
+        idot[m] = vi_set1(-offset * r.bsum[m][2 * bj]);
+        hi_dot[m] = vi_set1(-offset * r.bsum[m][2 * bj + 1]);
       }
-      SmallDots<MB, 63> lo_dots(idot), hi_dots(hi_dot);
+      SmallDots<MB, six ? 63 : 7> lo_dots(idot), hi_dots(hi_dot);
       QD_UNROLL
       for (int s = 0; s < 4; ++s) {
         VecB lo, hi;
-        section_step<true, true>(sub, s, lo, hi);
+        if constexpr (six) {
+          section_step<true, true>(sub, s, lo, hi);
+        } else {  // crumbs, then bit 2 from its masks (at +128)
+          crumbs(sub, s, lo, hi);
+          lo = high_bits(lo, sub + 128, s, 0x04);
+          hi = high_bits(hi, sub + 128, s + 4, 0x04);
+        }
         lo_dots.step(lo, r.xq, k0 + 32 * j + 4 * s);
         hi_dots.step(hi, r.xq, k0 + 32 * j + 16 + 4 * s);
       }
@@ -444,6 +542,18 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
       const VecI sc_hi = i8x16_to_i32(t + 32 + 16 * (2 * j + 1));
       QD_UNROLL
       for (int m = 0; m < MB; ++m) idot[m] = vi_add(vi_mullo(sc_lo, idot[m]), vi_mullo(sc_hi, hi_dot[m]));
+      add_scaled<MB>(acc, d, idot, r.dx, bj);
+    }
+  } else {  // IQ4_XS: 4-bit indices into 16 levels, int8 scales per 32, d per 256
+    const VecF d = half16(t);
+    const VecB table = iq4_table();
+    for (int j = 0; j < 8; ++j) {
+      const int64_t bj = b + j;
+      init_offset<MB>(idot, r.bsum, bj, 128);
+      iq4_block<MB>(t + 160 + 256 * j, table, r.xq, k0 + 32 * j, idot);
+      const VecI sc = i8x16_to_i32(t + 32 + 16 * j);
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) idot[m] = vi_mullo(sc, idot[m]);
       add_scaled<MB>(acc, d, idot, r.dx, bj);
     }
   }
@@ -498,7 +608,7 @@ void remaining_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_
 template <int FMT>
 void run_group(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t M, float* out, int64_t ldo,
                int64_t n0, int64_t nvalid, int64_t m_begin = 0) {
-  constexpr int kRows = FMT >= Q4_K ? kRowsSuper : kRowsBlock32;
+  constexpr int kRows = kTileK[FMT] == 256 ? kRowsSuper : kRowsBlock32;
   int64_t m0 = m_begin;
   for (; m0 + kRows <= M; m0 += kRows) group_rows<FMT, kRows>(group, ntiles, x, m0, out, ldo, n0, nvalid);
   remaining_rows<FMT, kRows - 1>(group, ntiles, x, M, m0, out, ldo, n0, nvalid);
@@ -840,14 +950,14 @@ inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t
                        float* out, int64_t ldo, int64_t col0, int64_t amx_min_rows) {
 #if !defined(QD_ISA_AVX2)
   const int64_t tail = M % kAmxRows, amx_rows = tail >= amx_min_rows ? M : M - tail;
-  if (amx_min_rows > 0 && amx_min_rows <= kAmxRows && amx_rows > 0 && amx_usable()) {
+  if (amx_format(format) && amx_min_rows > 0 && amx_min_rows <= kAmxRows && amx_rows > 0 && amx_usable()) {
     switch (format) {
       case Q8_0: return amx_run_all<Q8_0>(packed, N, K, x, M, amx_rows, out, ldo, col0);
       case Q4_0: return amx_run_all<Q4_0>(packed, N, K, x, M, amx_rows, out, ldo, col0);
       case Q5_0: return amx_run_all<Q5_0>(packed, N, K, x, M, amx_rows, out, ldo, col0);
       case Q4_K: return amx_run_all<Q4_K>(packed, N, K, x, M, amx_rows, out, ldo, col0);
       case Q5_K: return amx_run_all<Q5_K>(packed, N, K, x, M, amx_rows, out, ldo, col0);
-      default: return amx_run_all<Q6_K>(packed, N, K, x, M, amx_rows, out, ldo, col0);
+      default: return amx_run_all<Q6_K>(packed, N, K, x, M, amx_rows, out, ldo, col0);  // Q6_K
     }
   }
 #endif
@@ -857,7 +967,13 @@ inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t
     case Q5_0: run_all<Q5_0>(packed, N, K, x, M, out, ldo, col0); break;
     case Q4_K: run_all<Q4_K>(packed, N, K, x, M, out, ldo, col0); break;
     case Q5_K: run_all<Q5_K>(packed, N, K, x, M, out, ldo, col0); break;
-    default: run_all<Q6_K>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q6_K: run_all<Q6_K>(packed, N, K, x, M, out, ldo, col0); break;
+    case IQ4_XS: run_all<IQ4_XS>(packed, N, K, x, M, out, ldo, col0); break;
+    case IQ4_NL: run_all<IQ4_NL>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q3_K: run_all<Q3_K>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q4_1: run_all<Q4_1>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q5_1: run_all<Q5_1>(packed, N, K, x, M, out, ldo, col0); break;
+    default: run_all<Q2_K>(packed, N, K, x, M, out, ldo, col0); break;
   }
 }
 
@@ -890,7 +1006,7 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in) {
 void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
                   int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0, int64_t amx_min_rows) {
   TORCH_CHECK(cpu_supported(), "quant_matmul: this CPU lacks the instructions of the ", kIsa, " build");
-  TORCH_CHECK(format >= 0 && format <= Q6_K, "quant_matmul: unknown format ", format);
+  TORCH_CHECK(format >= 0 && format <= kLastFormat, "quant_matmul: unknown format ", format);
   TORCH_CHECK(q.is_contiguous() && dx.is_contiguous() && bsum.is_contiguous() && packed.is_contiguous() &&
                   out.is_contiguous(), "quant_matmul: tensors must be contiguous");
   TORCH_CHECK(q.dim() == 2 && q.size(1) == K, "quant_matmul: activations do not match K");

@@ -21,6 +21,25 @@ QD_INLINE __m256i bcast4(const int8_t* p) {
 
 QD_INLINE __m256i widen16(__m256i sum) { return _mm256_madd_epi16(sum, _mm256_set1_epi16(1)); }
 
+// w with `bit` added to the bytes of half h whose bit is set in step `step`'s mask: byte i of
+// the result gets it where bit i of the half's 32 mask bits is set (vpshufb spreads mask byte
+// i / 8 to byte i within each 128-bit lane).
+QD_INLINE __m256i half_add_bits(__m256i w, const uint8_t* masks, int step, int h, char bit) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      bcast4(reinterpret_cast<const int8_t*>(masks + 8 * step + 4 * h)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(bit)));
+}
+
+// Half h of steps s and s + 4 of a section of 2-bit crumbs (vectors 0 and 1, bits 2s).
+QD_INLINE void half_crumbs(const uint8_t* section, int s, int h, __m256i& lo, __m256i& hi) {
+  const __m256i m2 = _mm256_set1_epi8(0x03);
+  lo = _mm256_and_si256(_mm256_srli_epi16(load32(section + 32 * h), 2 * s), m2);
+  hi = _mm256_and_si256(_mm256_srli_epi16(load32(section + 64 + 32 * h), 2 * s), m2);
+}
+
 // Half h of step s of a nibble section, with bit 4 / bit 5 added from their masks.
 template <bool FIVE_BITS, bool SIX_BITS>
 QD_INLINE void half_section_step(const uint8_t* section, int s, int h, __m256i& lo, __m256i& hi) {
@@ -28,16 +47,8 @@ QD_INLINE void half_section_step(const uint8_t* section, int s, int h, __m256i& 
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   lo = _mm256_and_si256(v, m4);
   hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-  // Byte i of the result gets `bit` where bit i of the half's 32 mask bits is set (vpshufb
-  // spreads mask byte i / 8 to byte i within each 128-bit lane).
   auto add_bits = [&](__m256i w, const uint8_t* masks, int step, char bit) {
-    const __m256i spread = _mm256_shuffle_epi8(
-        bcast4(reinterpret_cast<const int8_t*>(masks + 8 * step + 4 * h)),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3,
-                         3));
-    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-    return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(bit)));
+    return half_add_bits(w, masks, step, h, bit);
   };
   if constexpr (FIVE_BITS) {
     lo = add_bits(lo, section + 256, s, 0x10);
@@ -99,6 +110,20 @@ QD_INLINE void half_add_scaled(__m256* acc, __m256 scale, const __m256i* idot, c
                            _mm256_mul_ps(_mm256_mul_ps(scale, _mm256_set1_ps(dx[m][b])), _mm256_cvtepi32_ps(idot[m])));
 }
 
+// acc = acc + ((ds * dx) * float(idot) - (dm * dx) * float(bsum32)) (add_scaled_min for 8 lanes)
+template <int MB>
+QD_INLINE void half_add_scaled_min(__m256* acc, __m256 ds, __m256 dm, const __m256i* idot, const float* const* dx,
+                                   const int32_t* const* bsum, int64_t b) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    const __m256 dxv = _mm256_set1_ps(dx[m][b]);
+    const __m256 bs = _mm256_set1_ps(static_cast<float>(bsum[m][2 * b] + bsum[m][2 * b + 1]));
+    const __m256 term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(ds, dxv), _mm256_cvtepi32_ps(idot[m])),
+                                      _mm256_mul_ps(_mm256_mul_ps(dm, dxv), bs));
+    acc[m] = _mm256_add_ps(acc[m], term);
+  }
+}
+
 template <int MB>
 QD_INLINE void half_init_offset(__m256i* idot, const int32_t* const* bsum, int64_t b, int32_t offset) {
   QD_UNROLL
@@ -115,6 +140,31 @@ QD_INLINE void q8_0_half_step(const uint8_t* t, int s, int h, int64_t k0, const 
   for (int m = 0; m < MB; ++m) {
     const __m256i x = _mm256_sign_epi8(bcast4(r.xq[m] + k0 + 4 * s), w);
     idot[m] = _mm256_add_epi32(idot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), _mm256_set1_epi16(1)));
+  }
+}
+
+// idot[m] += half h of a section of IQ4 indices (32 k from k0) . x_m: the signed levels as |w|
+// times x with w's sign, as Q8_0's (|w| <= 127).
+template <int MB>
+QD_INLINE void iq4_half_block(const uint8_t* section, int h, const int8_t* const* xq, int64_t k0, __m256i* idot) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  QD_UNROLL
+  for (int s = 0; s < 4; ++s) {
+    const __m256i v = load32(section + 64 * s + 32 * h);
+    const __m256i w[2] = {_mm256_shuffle_epi8(table, _mm256_and_si256(v, m4)),
+                          _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4))};
+    QD_UNROLL
+    for (int part = 0; part < 2; ++part) {
+      const __m256i mag = _mm256_abs_epi8(w[part]);
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m256i x = _mm256_sign_epi8(bcast4(xq[m] + k0 + 16 * part + 4 * s), w[part]);
+        idot[m] = _mm256_add_epi32(idot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), _mm256_set1_epi16(1)));
+      }
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) __asm__("" : "+x"(idot[m]));  // as in half_dots
+    }
   }
 }
 
@@ -137,6 +187,11 @@ QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m
     half_init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
     half_nibble_block<MB, FMT == Q5_0>(t, h, r.xq, k0, idot);
     half_add_scaled<MB>(acc, half_f16(t + (FMT == Q4_0 ? 256 : 320), h), idot, r.dx, b);
+  } else if constexpr (FMT == IQ4_NL) {
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) idot[m] = _mm256_setzero_si256();
+    iq4_half_block<MB>(t, h, r.xq, k0, idot);
+    half_add_scaled<MB>(acc, half_f16(t + 256, h), idot, r.dx, b);
   } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
     const __m256 d = half_f16(t, h), dmin = half_f16(t + 32, h);
     constexpr int sub_bytes = FMT == Q4_K ? 256 : 320;
@@ -147,34 +202,77 @@ QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m
       half_nibble_block<MB, FMT == Q5_K>(sub, h, r.xq, k0 + 32 * j, idot);
       const __m256 ds = _mm256_mul_ps(d, half_u8_f32(t + 64 + 16 * j, h));
       const __m256 dm = _mm256_mul_ps(dmin, half_u8_f32(t + 192 + 16 * j, h));
+      half_add_scaled_min<MB>(acc, ds, dm, idot, r.dx, r.bsum, b + j);
+    }
+  } else if constexpr (FMT == Q2_K) {  // tile<>'s Q2_K for 8 lanes: quants 0..3 as 2-bit crumbs
+    static_assert(partial_steps(3) >= 4);
+    const __m256 d = half_f16(t, h), dmin = half_f16(t + 32, h);
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = t + 320 + 128 * j;
       const int64_t bj = b + j;
+      const int64_t k = k0 + 32 * j;
+      __m256i lo_sum[MB], hi_sum[MB];
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
+      QD_UNROLL
+      for (int s = 0; s < 4; ++s) {  // 4 steps per int16 sum: at most 4 * 2 * 3 * 127 < 2^15
+        __m256i lo, hi;
+        half_crumbs(sub, s, h, lo, hi);
+        half_dots<MB>(lo_sum, lo, r.xq, k + 4 * s);
+        half_dots<MB>(hi_sum, hi, r.xq, k + 16 + 4 * s);
+      }
+      const __m256i sm_lo = _mm256_cvtepu8_epi32(load8(t + 64 + 32 * j + 8 * h));
+      const __m256i sm_hi = _mm256_cvtepu8_epi32(load8(t + 80 + 32 * j + 8 * h));
+      const __m256i sc_lo = _mm256_and_si256(sm_lo, low4), sc_hi = _mm256_and_si256(sm_hi, low4);
+      const __m256i m_lo = _mm256_srli_epi32(sm_lo, 4), m_hi = _mm256_srli_epi32(sm_hi, 4);
       QD_UNROLL
       for (int m = 0; m < MB; ++m) {
+        const __m256i dots = _mm256_add_epi32(_mm256_mullo_epi32(sc_lo, widen16(lo_sum[m])),
+                                              _mm256_mullo_epi32(sc_hi, widen16(hi_sum[m])));
+        const __m256i mins = _mm256_add_epi32(_mm256_mullo_epi32(m_lo, _mm256_set1_epi32(r.bsum[m][2 * bj])),
+                                              _mm256_mullo_epi32(m_hi, _mm256_set1_epi32(r.bsum[m][2 * bj + 1])));
         const __m256 dxv = _mm256_set1_ps(r.dx[m][bj]);
-        const __m256 bs = _mm256_set1_ps(static_cast<float>(r.bsum[m][2 * bj] + r.bsum[m][2 * bj + 1]));
-        const __m256 term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(ds, dxv), _mm256_cvtepi32_ps(idot[m])),
-                                          _mm256_mul_ps(_mm256_mul_ps(dm, dxv), bs));
+        const __m256 term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(d, dxv), _mm256_cvtepi32_ps(dots)),
+                                          _mm256_mul_ps(_mm256_mul_ps(dmin, dxv), _mm256_cvtepi32_ps(mins)));
         acc[m] = _mm256_add_ps(acc[m], term);
       }
     }
-  } else {  // Q6_K: 16-wide sub-blocks with int8 scales, quants 0..63 offset by 32
+  } else if constexpr (FMT == Q4_1 || FMT == Q5_1) {
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) idot[m] = _mm256_setzero_si256();
+    half_nibble_block<MB, FMT == Q5_1>(t, h, r.xq, k0, idot);
+    constexpr int quant_bytes = FMT == Q4_1 ? 256 : 320;
+    half_add_scaled_min<MB>(acc, half_f16(t + quant_bytes, h), half_f16(t + quant_bytes + 32, h), idot, r.dx, r.bsum,
+                            b);
+  } else if constexpr (FMT == Q6_K || FMT == Q3_K) {
+    // 16-wide sub-blocks with int8 scales; quants 0..63 offset by 32 (Q6_K), 0..7 offset by 4 (Q3_K)
     static_assert(partial_steps(63) == 2);
+    constexpr bool six = FMT == Q6_K;
+    constexpr int32_t offset = six ? 32 : 4;
     const __m256 d = half_f16(t, h);
     for (int j = 0; j < 8; ++j) {
-      const uint8_t* sub = t + 288 + 384 * j;
+      const uint8_t* sub = t + 288 + (six ? 384 : 192) * j;
       const int64_t bj = b + j;
       const int64_t k = k0 + 32 * j;
       __m256i hi_dot[MB];
       QD_UNROLL
       for (int m = 0; m < MB; ++m) {
-        idot[m] = _mm256_set1_epi32(-32 * r.bsum[m][2 * bj]);
-        hi_dot[m] = _mm256_set1_epi32(-32 * r.bsum[m][2 * bj + 1]);
+        idot[m] = _mm256_set1_epi32(-offset * r.bsum[m][2 * bj]);
+        hi_dot[m] = _mm256_set1_epi32(-offset * r.bsum[m][2 * bj + 1]);
       }
       QD_UNROLL
-      for (int s0 = 0; s0 < 4; s0 += 2) {  // two steps per int16 sum
+      for (int s0 = 0; s0 < 4; s0 += 2) {  // two steps per int16 sum (Q6_K's bound; Q3_K's is higher)
         __m256i lo[2], hi[2];
-        half_section_step<true, true>(sub, s0, h, lo[0], hi[0]);
-        half_section_step<true, true>(sub, s0 + 1, h, lo[1], hi[1]);
+        for (int i = 0; i < 2; ++i) {
+          if constexpr (six) {
+            half_section_step<true, true>(sub, s0 + i, h, lo[i], hi[i]);
+          } else {  // crumbs, then bit 2 from its masks (at +128)
+            half_crumbs(sub, s0 + i, h, lo[i], hi[i]);
+            lo[i] = half_add_bits(lo[i], sub + 128, s0 + i, h, 0x04);
+            hi[i] = half_add_bits(hi[i], sub + 128, s0 + i + 4, h, 0x04);
+          }
+        }
         __m256i sum[MB];
         QD_UNROLL
         for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
@@ -195,6 +293,18 @@ QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m
       QD_UNROLL
       for (int m = 0; m < MB; ++m)
         idot[m] = _mm256_add_epi32(_mm256_mullo_epi32(sc_lo, idot[m]), _mm256_mullo_epi32(sc_hi, hi_dot[m]));
+      half_add_scaled<MB>(acc, d, idot, r.dx, bj);
+    }
+  } else {  // IQ4_XS: 4-bit indices into 16 levels, int8 scales per 32, d per 256
+    const __m256 d = half_f16(t, h);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t bj = b + j;
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) idot[m] = _mm256_setzero_si256();
+      iq4_half_block<MB>(t + 160 + 256 * j, h, r.xq, k0 + 32 * j, idot);
+      const __m256i sc = half_i8_i32(t + 32 + 16 * j, h);
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) idot[m] = _mm256_mullo_epi32(sc, idot[m]);
       half_add_scaled<MB>(acc, d, idot, r.dx, bj);
     }
   }
