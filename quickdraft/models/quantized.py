@@ -3,15 +3,16 @@
 A weight [N, K] in one of the GGUF block formats is decoded once at load time into its parts
 (unsigned quants and per-block scales, `QuantParts`) and repacked into tiles of 16 weight rows,
 the layout `kernels/csrc/quant_linear.cpp` reads.  Nothing is expanded to floats: the packed
-bytes per weight equal the stored ones for Q8_0, Q4_0, Q5_0 and Q6_K, and are 3% more for
-Q4_K / Q5_K (their 6-bit sub-block scales are kept one per byte).
+bytes per weight equal the stored ones for the 32-block formats, Q2_K and Q6_K, and are 1.5-3.5%
+more for Q3_K, Q4_K, Q5_K and IQ4_XS (their 6-bit sub-block scales are kept one per byte).
 
 Packed layout, per group of 16 weight rows (rows padded with zeros to a multiple of 16), tiles
 in K order, groups one after the other.  A "step" s holds k = 4s..4s+3 of the 16 rows as 64
 bytes, lane j (bytes 4j..4j+3) for row j: the vpdpbusd operand layout.
 - 8-bit quants: 8 steps (512 bytes).  4-bit: 4 x 64 bytes, the low nibble of step s < 4 and
-  the high nibble for step s + 4 (k = 16 + 4s..).  A high bit: per step a little-endian
-  uint64 whose bit 4j + t belongs to row j, k = 4s + t (8 x 8 bytes).
+  the high nibble for step s + 4 (k = 16 + 4s..).  2-bit ("crumbs"): 2 x 64 bytes, step s at
+  bits 2 (s % 4) of vector s // 4.  A high bit: per step a little-endian uint64 whose bit
+  4j + t belongs to row j, k = 4s + t (8 x 8 bytes).
 - Q8_0 (32 k a tile): quants + 128 as uint8 (512), d fp16 [16] (32): 544 bytes.
 - Q4_0: nibbles (256), d [16]: 288.  Q5_0: nibbles, bit-4 masks (64), d: 352.
 - Q4_K (256 k a tile): d [16], dmin [16] fp16, sc [8 sub-blocks][16] u8, m [8][16] u8 (320),
@@ -25,8 +26,7 @@ bytes, lane j (bytes 4j..4j+3) for row j: the vpdpbusd operand layout.
 - Q4_1: nibbles, d, dmin [16] fp16 (minus each block's min): 320.  Q5_1: nibbles, bit-4 masks,
   d, dmin: 384.
 - Q2_K (256 k a tile): d, dmin [16] fp16, per 16-wide sub-block a byte sc | m << 4 [16][16] (320),
-  then 8 sub-blocks of 32 as 2-bit "crumbs" (128 each: step s's 64 bytes at bits 2 * (s % 4) of
-  the vector s // 4): 1344 (2.625 bits a weight, as stored).
+  then 8 sub-blocks of 32 crumbs (128 each): 1344 (2.625 bits a weight, as stored).
 - Q3_K: d [16] fp16, sc [16 sub-blocks of 16][16] int8 (288), then 8 sub-blocks of 32: the low
   two bits as crumbs (below), bit-2 masks (192 each): 1824 (3.56 bits a weight; the file's 3.44).
 """
