@@ -323,14 +323,21 @@ class DecoderLayer(torch.nn.Module):
         weights, chosen = probs.topk(k, dim=-1)  # [N, k], largest first
         if self.moe_renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        weights = weights.to(x.dtype).reshape(-1)  # [N * k]: entry i is row i // k's rank i % k
+        # The entries grouped by expert (a stable sort: rows ascending within each) and each
+        # expert's count, read to the host once: a few tensor ops per expert, not one per test.
+        order = torch.argsort(chosen.reshape(-1), stable=True)  # [N * k]
+        counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts)).tolist()
+        rows_of, ranks_of = order // k, order % k  # [N * k] each
         by_rank = x.new_zeros(k, x.shape[0], x.shape[1])  # [k, N, D]
-        for expert in chosen.unique().tolist():
-            picked = chosen == expert  # [N, k]: a row picks an expert at most once
-            rows = picked.any(dim=-1).nonzero().squeeze(1)  # [n]
-            rank = picked.index_select(0, rows).int().argmax(dim=-1)  # [n]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            entries, rows, ranks = (t[start : start + count] for t in (order, rows_of, ranks_of))  # [n] each
+            start += count
             out = self.experts[expert](x.index_select(0, rows), linear=linear, gelu=self.gelu)  # [n, D]
-            by_rank[rank, rows] = out * weights[rows, rank][:, None]
+            by_rank[ranks, rows] = out * weights.index_select(0, entries)[:, None]
         total = by_rank[0]
         for rank in range(1, k):
             total = total + by_rank[rank]
