@@ -172,7 +172,7 @@ def _part_reference(
     part: PackedPart, q: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor, cols: int
 ) -> torch.Tensor:  # -> [M, rows]
     parts = unpack_rows(part.format, part.packed.numpy(), rows=np.arange(part.rows), cols=cols)
-    # [N, K], exact small integers (IQ4_XS: its indices' signed levels, offset-free)
+    # [N, K], exact small integers (IQ4_XS / IQ4_NL: their indices' signed levels, offset-free)
     levels = part.format in ("IQ4_XS", "IQ4_NL")
     wq = torch.from_numpy((IQ4_VALUES[parts.q] if levels else parts.q).astype(np.float64))
     xq = q.to(torch.float64)
