@@ -385,6 +385,10 @@ def quantize_legacy(weight: torch.Tensor, format: str) -> QuantParts:
 # --------------------------------------------------------------------------------------------------
 
 
+# 256-wide tiles whose header is d then int8 sub-block scales -> the header's bytes.
+_INT8_SCALE_HEADERS = {"Q6_K": 288, "Q3_K": 288, "IQ4_XS": 160}
+
+
 def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
     if array.shape[0] == rows:
         return array
@@ -461,7 +465,7 @@ def pack(parts: QuantParts) -> np.ndarray:
     else:
         supers = k // 256
         subs = quants.reshape(groups, supers, -1)
-        if fmt in ("Q6_K", "Q3_K", "IQ4_XS"):
+        if fmt in _INT8_SCALE_HEADERS:
             header = [lanes(parts.d), lanes(parts.sc).reshape(groups, supers, -1)]
         elif fmt == "Q2_K":
             scales_mins = lanes(parts.sc | (parts.m << 4)).reshape(groups, supers, -1)
@@ -502,7 +506,7 @@ def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int)
             dmin = lane_values(chosen[:, :, quant_bytes + 32 :], np.float16, 1)
             return QuantParts(format=format, q=q, d=d, dmin=dmin)
         return QuantParts(format=format, q=q, d=d)
-    header = {"Q6_K": 288, "Q3_K": 288, "IQ4_XS": 160}.get(format, 320)  # Q2_K, Q4_K, Q5_K: 320
+    header = _INT8_SCALE_HEADERS.get(format, 320)  # Q2_K, Q4_K, Q5_K: d, dmin, scales and mins
     sub_bytes = (TILE_BYTES[format] - header) // 8
     subs = chosen[:, :, header:].reshape(r, tiles_per_group * 8, sub_bytes)
     steps = _unpack_quants(subs, QUANT_BITS[format])
@@ -512,7 +516,7 @@ def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int)
         scales_mins = lane_values(chosen[:, :, 64:320], np.uint8, 16)
         dmin = lane_values(chosen[:, :, 32:64], np.float16, 1)
         return QuantParts(format=format, q=q, d=d, dmin=dmin, sc=scales_mins & 0x0F, m=scales_mins >> 4)
-    if format in ("Q6_K", "Q3_K", "IQ4_XS"):
+    if format in _INT8_SCALE_HEADERS:
         return QuantParts(
             format=format, q=q, d=d, sc=lane_values(chosen[:, :, 32:header], np.int8, (header - 32) // 16)
         )

@@ -47,16 +47,13 @@ QD_INLINE void half_section_step(const uint8_t* section, int s, int h, __m256i& 
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   lo = _mm256_and_si256(v, m4);
   hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-  auto add_bits = [&](__m256i w, const uint8_t* masks, int step, char bit) {
-    return half_add_bits(w, masks, step, h, bit);
-  };
   if constexpr (FIVE_BITS) {
-    lo = add_bits(lo, section + 256, s, 0x10);
-    hi = add_bits(hi, section + 256, s + 4, 0x10);
+    lo = half_add_bits(lo, section + 256, s, h, 0x10);
+    hi = half_add_bits(hi, section + 256, s + 4, h, 0x10);
   }
   if constexpr (SIX_BITS) {
-    lo = add_bits(lo, section + 320, s, 0x20);
-    hi = add_bits(hi, section + 320, s + 4, 0x20);
+    lo = half_add_bits(lo, section + 320, s, h, 0x20);
+    hi = half_add_bits(hi, section + 320, s + 4, h, 0x20);
   }
 }
 
@@ -130,21 +127,28 @@ QD_INLINE void half_init_offset(__m256i* idot, const int32_t* const* bsum, int64
   for (int m = 0; m < MB; ++m) idot[m] = _mm256_set1_epi32(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
 }
 
-// idot[m] += step s of half h of a Q8_0 tile (its 4 k from k0 + 4s) . x_m: the signed quants
-// (stored + 128) as |w| times x with w's sign.
+// idot[m] += w . x_m's 4 quants at k, for signed weight bytes w (|w| <= 127 or w = -128, so no
+// pair sum saturates): |w| times x with w's sign.
 template <int MB>
-QD_INLINE void q8_0_half_step(const uint8_t* t, int s, int h, int64_t k0, const Rows& r, __m256i* idot) {
-  const __m256i w = _mm256_xor_si256(load32(t + 64 * s + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)));
+QD_INLINE void signed_half_dots(__m256i* idot, __m256i w, const int8_t* const* xq, int64_t k) {
   const __m256i mag = _mm256_abs_epi8(w);
   QD_UNROLL
   for (int m = 0; m < MB; ++m) {
-    const __m256i x = _mm256_sign_epi8(bcast4(r.xq[m] + k0 + 4 * s), w);
+    const __m256i x = _mm256_sign_epi8(bcast4(xq[m] + k), w);
     idot[m] = _mm256_add_epi32(idot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), _mm256_set1_epi16(1)));
   }
 }
 
-// idot[m] += half h of a section of IQ4 indices (32 k from k0) . x_m: the signed levels as |w|
-// times x with w's sign, as Q8_0's (|w| <= 127).
+// idot[m] += step s of half h of a Q8_0 tile (its 4 k from k0 + 4s) . x_m: the signed quants
+// (stored + 128).
+template <int MB>
+QD_INLINE void q8_0_half_step(const uint8_t* t, int s, int h, int64_t k0, const Rows& r, __m256i* idot) {
+  const __m256i w = _mm256_xor_si256(load32(t + 64 * s + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)));
+  signed_half_dots<MB>(idot, w, r.xq, k0 + 4 * s);
+}
+
+// idot[m] += half h of a section of IQ4 indices (32 k from k0) . x_m: the signed levels, as Q8_0's
+// quants (|w| <= 127).
 template <int MB>
 QD_INLINE void iq4_half_block(const uint8_t* section, int h, const int8_t* const* xq, int64_t k0, __m256i* idot) {
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
@@ -156,12 +160,7 @@ QD_INLINE void iq4_half_block(const uint8_t* section, int h, const int8_t* const
                           _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4))};
     QD_UNROLL
     for (int part = 0; part < 2; ++part) {
-      const __m256i mag = _mm256_abs_epi8(w[part]);
-      QD_UNROLL
-      for (int m = 0; m < MB; ++m) {
-        const __m256i x = _mm256_sign_epi8(bcast4(xq[m] + k0 + 16 * part + 4 * s), w[part]);
-        idot[m] = _mm256_add_epi32(idot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), _mm256_set1_epi16(1)));
-      }
+      signed_half_dots<MB>(idot, w[part], xq, k0 + 16 * part + 4 * s);
       QD_UNROLL
       for (int m = 0; m < MB; ++m) __asm__("" : "+x"(idot[m]));  // as in half_dots
     }
