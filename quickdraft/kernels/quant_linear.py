@@ -302,6 +302,26 @@ def norm_matmul(
 
 
 @dataclass(frozen=True)
+class MixtureWeights:
+    """A mixture-of-experts layer's MLP as the one-call layer takes it (``Mixture`` in
+    csrc/quant_linear.cpp): the float router and each expert's quantized matmuls."""
+
+    router: torch.Tensor  # [E, D] float32
+    experts: list[tuple[QuantizedWeight, QuantizedWeight]]  # per expert: gate_up [2 I, D], down [D, I]
+    experts_per_token: int
+    renormalize: bool
+
+    def kernel_object(self) -> object:
+        return _extension().Mixture(
+            self.router.contiguous(),
+            [_parts(gate_up) for gate_up, _ in self.experts],
+            [_parts(down) for _, down in self.experts],
+            self.experts_per_token,
+            self.renormalize,
+        )
+
+
+@dataclass(frozen=True)
 class FusedLayerWeights:
     """What a fused decoder layer hands the kernel unchanged from one call to the next, gathered
     once (`FusedLayerWeights.of`): rebuilding the part lists and norm lookups at every call cost
@@ -325,6 +345,7 @@ class FusedLayerWeights:
     intermediate_size: int
     scale: float
     softcap: float = 0.0  # Gemma 2's attention score cap (0: none)
+    mixture: object | None = None  # the kernel's Mixture where experts replace the dense MLP
 
     def weight_args(self) -> tuple:
         """The kernels' layer arguments before the per-call ones (decoder_layer, DecoderStack)."""
@@ -346,6 +367,10 @@ class FusedLayerWeights:
         """The kernels' head and width arguments (after the per-call ones in decoder_layer)."""
         return (self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.scale, self.softcap)
 
+    def mlp_args(self) -> tuple:
+        """The kernels' last argument: the mixture, or None for the dense MLP."""
+        return (self.mixture,)
+
     @classmethod
     def of(
         cls,
@@ -359,12 +384,15 @@ class FusedLayerWeights:
         head_dim: int,
         scale: float,
         softcap: float | None = None,
+        mixture: MixtureWeights | None = None,
     ) -> FusedLayerWeights:
+        """`weights`: qkv_proj, o_proj, and gate_up_proj, down_proj unless `mixture` replaces them."""
+        dense = mixture is None
         return cls(
             qkv=_parts(weights["qkv_proj"]),
             o_proj=_parts(weights["o_proj"]),
-            gate_up=_parts(weights["gate_up_proj"]),
-            down=_parts(weights["down_proj"]),
+            gate_up=_parts(weights["gate_up_proj"]) if dense else [],
+            down=_parts(weights["down_proj"]) if dense else [],
             input_norm=norms["input"],
             post_attention_norm=norms["post_attention"],
             pre_feedforward_norm=norms["pre_feedforward"],
@@ -375,9 +403,10 @@ class FusedLayerWeights:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            intermediate_size=weights["down_proj"].shape[1],
+            intermediate_size=(weights["down_proj"] if dense else mixture.experts[0][1]).shape[1],
             scale=scale,
             softcap=softcap or 0.0,
+            mixture=None if dense else mixture.kernel_object(),
         )
 
 
@@ -419,7 +448,7 @@ class FusedStack:
         self._ext = _extension()
         self._stack = self._ext.DecoderStack()
         for layer in layers:
-            self._stack.add_layer(*layer.weight_args(), *layer.size_args())
+            self._stack.add_layer(*layer.weight_args(), *layer.size_args(), *layer.mlp_args())
         self._lora_keys: dict[int, str] = {}  # slot -> the key of the adapter the kernel holds there
 
     def built_from(self, layers: list[FusedLayerWeights]) -> bool:
@@ -511,6 +540,7 @@ def fused_decoder_layer(
         sequences.masks,
         *layer.size_args(),
         _amx_min_rows(ext),
+        *layer.mlp_args(),
     )
 
 

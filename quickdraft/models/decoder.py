@@ -19,6 +19,7 @@ from quickdraft.kernels.attention import attention
 from quickdraft.kernels.quant_linear import (
     FusedLayerWeights,
     FusedStack,
+    MixtureWeights,
     fused_decoder_layer,
     fused_layer_available,
     quant_linear,
@@ -223,14 +224,30 @@ class DecoderLayer(torch.nn.Module):
             )
         )
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)  # None: plain attributes
-        sources = weights + norms + biases
+        experts = self._expert_weights()  # () for a dense layer
+        sources = weights + norms + biases + experts
         cached = self._fused_cache
-        if cached is not None and all(a is b for a, b in zip(sources, cached[0])):
+        if cached is not None and len(sources) == len(cached[0]) and all(a is b for a, b in zip(sources, cached[0])):
             return cached[1]
-        usable = all(isinstance(w, QuantizedWeight) for w in weights) and all(b is None for b in biases)
+        dense = weights if not experts else weights[:2]  # a mixture's layer has no dense MLP weights
+        usable = (
+            all(isinstance(w, QuantizedWeight) for w in dense + experts[1:])
+            and all(b is None for b in biases)
+            and (not experts or (isinstance(experts[0], torch.Tensor) and experts[0].dtype == torch.float32))
+        )
         layer = (
             FusedLayerWeights.of(
                 weights=dict(zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), weights)),
+                mixture=(
+                    MixtureWeights(
+                        router=experts[0],
+                        experts=list(zip(experts[1::2], experts[2::2])),
+                        experts_per_token=self.experts_per_token,
+                        renormalize=self.moe_renormalize,
+                    )
+                    if experts
+                    else None
+                ),
                 norms=dict(zip(("input", "post_attention", "pre_feedforward", "post_feedforward", "qk"), norms)),
                 eps=self.input_layernorm.eps,
                 gelu=self.gelu,
@@ -245,6 +262,20 @@ class DecoderLayer(torch.nn.Module):
         )
         self._fused_cache = (sources, layer)  # the sources kept alive: their ids stay theirs
         return layer
+
+    def _expert_weights(self) -> tuple:
+        """(router, gate_up of expert 0, down of expert 0, ...) of a mixture's layer, () for a dense
+        one.  Read from the modules' dicts: with 128 experts, torch's Module.__getattr__ would cost
+        a quarter of a millisecond a layer on every forward."""
+        experts = self._modules.get("experts")
+        if experts is None:
+            return ()
+        weights: list = [self._parameters.get("router", self.__dict__.get("router"))]
+        for expert in experts._modules.values():
+            for name in ("gate_up_proj", "down_proj"):
+                value = expert.__dict__.get(name)
+                weights.append(expert._parameters.get(name) if value is None else value)
+        return tuple(weights)
 
     def _fused_forward(
         self,

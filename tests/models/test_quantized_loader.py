@@ -250,6 +250,8 @@ def test_quantized_logits_close_to_float(tiny_gguf_paths):
         ("gemma3-mixed", "float16", False),
         ("gemma3-mixed", "float16", True),
         ("gemma3-lowbit", "auto", True),
+        ("mixtral-mixed", "auto", True),  # the mixture of experts in the one-call layer
+        ("qwen3moe-q8_0", "float16", False),
     ],
 )
 def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, name, tree, kv_cache_dtype):
@@ -328,7 +330,10 @@ def _set_fused(model, fused: bool) -> None:
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
-@pytest.mark.parametrize("name", ["llama-q8_0", "gemma3-mixed", "gemma3-lowbit", "phi3-q8_0", "gemma2-mixed"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama-q8_0", "gemma3-mixed", "gemma3-lowbit", "phi3-q8_0", "gemma2-mixed", "qwen3moe-q8_0", "mixtral-mixed"],
+)
 def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
     """The C++ layer computes what DecoderLayer's torch code computes, to rounding.  Rounding
     differences of ~1e-7 can flip an int8 activation quant (a ~1% step) now and then, and later
@@ -387,7 +392,27 @@ def test_one_call_layer_follows_a_replaced_weight_or_norm(tiny_gguf_paths):
     assert not torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
 
 
-@pytest.mark.parametrize("name", ["gemma3-mixed", "llama-q8_0", "gemma2-mixed", "smollm3-q8_0"])
+@pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
+def test_one_call_mixture_follows_a_replaced_expert_or_router(tiny_gguf_paths):
+    """A mixture's layer runs in the one call (the stack is built) and reads an expert's weight
+    or the router put in place after a forward, as a freshly loaded model would."""
+    model, config = load(tiny_gguf_paths["mixtral-mixed"], "gguf")
+    other, _ = load(tiny_gguf_paths["mixtral-mixed"], "gguf")
+    assert model._stack_for(torch.zeros(1, config.hidden_size)) is not None or not fused_layer_available()
+    other.layers[0].experts[1].gate_up_proj = model.layers[0].experts[0].gate_up_proj  # same shape, other values
+    other.layers[1].router = torch.nn.Parameter(model.layers[1].router.flip(0), requires_grad=False)
+    work = [[SequenceWork(slot=0, cache_len=1, token_ids=PROMPT[1:], logits_nodes=list(range(len(PROMPT) - 1)))]]
+    before = torch.cat(_logits(model, config, work, prefix=[2]))
+    expected = torch.cat(_logits(other, config, work, prefix=[2]))
+    assert not torch.equal(before, expected)
+    model.layers[0].experts[1].gate_up_proj = other.layers[0].experts[1].gate_up_proj
+    model.layers[1].router = other.layers[1].router
+    assert torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
+
+
+@pytest.mark.parametrize(
+    "name", ["gemma3-mixed", "llama-q8_0", "gemma2-mixed", "smollm3-q8_0", "qwen3moe-q8_0", "mixtral-mixed"]
+)
 def test_every_layer_in_one_call_is_the_layer_by_layer_forward(tiny_gguf_paths, name, monkeypatch):
     """The decoder's stack in one C++ call (FusedStack) computes what the loop over the one-call
     layers does, bit for bit: logits, captured layers, and a forward stopped early (end_layer),

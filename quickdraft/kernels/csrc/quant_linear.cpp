@@ -1126,6 +1126,16 @@ inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, f
   }
 }
 
+// sum_i a[i] * b[i] over n values (n % 8 == 0), lane by lane and then a fixed sum of the lanes:
+// a mixture's router logits, the same bits for a row whatever rows share the call.
+inline float dot_row(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 0x55)));
+}
+
 // act(gate) * up over n values (n % 8 == 0): GELU with the tanh approximation, or SiLU.
 inline void gated_activation(const float* gate, const float* up, int64_t n, bool gelu, float* out) {
   const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), two = _mm256_set1_ps(2.0f);
@@ -1180,6 +1190,14 @@ inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, f
     if (w) v = _mm512_mul_ps(v, _mm512_loadu_ps(w + i));
     _mm512_storeu_ps(y + i, v);
   }
+}
+
+// sum_i a[i] * b[i] over n values (n % 16 == 0), lane by lane and then a fixed sum of the lanes:
+// a mixture's router logits, the same bits for a row whatever rows share the call.
+inline float dot_row(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  return _mm512_reduce_add_ps(acc);
 }
 
 // act(gate) * up over n values (n % 16 == 0): GELU with the tanh approximation, or SiLU.
@@ -1534,6 +1552,104 @@ void add_lora(const LoraRows* lora, int site, const float* x, int64_t N, int64_t
   });
 }
 
+// A mixture-of-experts MLP (Qwen3-MoE, Mixtral) in the layer's call.  The Python layer spent
+// ~1 ms a layer around its experts at one row (sorting entries, slicing, two quant_linear calls,
+// an activation and a scatter per expert), as much as the experts' weight reads.  Per row: the
+// router's float logits (dot_row), their softmax, the k most probable experts (ties to the lower
+// index) and their probabilities, renormalised to sum to 1 where `renormalize`; each expert's two
+// matmuls then run once for the rows that chose it, and a row's weighted outputs are added in
+// rank order.  Every value of a row comes from that row's operations alone, in one order, so the
+// mixture is batch-invariant like the kernels it calls.  Its bits are this build's (std::exp,
+// dot_row, the layer's gated_activation), not the torch layer's: every forward of a model whose
+// layers run here takes this path.
+struct Mixture {
+  at::Tensor router;                             // [E, D] float32
+  std::vector<std::vector<Part>> gate_up, down;  // per expert: [2 I, D] and [D, I]
+  int64_t k;
+  bool renormalize;
+};
+
+Mixture make_mixture(const at::Tensor& router, std::vector<std::vector<Part>> gate_up,
+                     std::vector<std::vector<Part>> down, int64_t k, bool renormalize) {
+  TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous(),
+              "Mixture: the router must be a contiguous [experts, hidden] float32 matrix");
+  const int64_t E = router.size(0);
+  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == E && static_cast<int64_t>(down.size()) == E,
+              "Mixture: one gate_up and one down weight per expert (", E, " experts)");
+  TORCH_CHECK(1 <= k && k <= E, "Mixture: experts per token must be in [1, ", E, "], got ", k);
+  return Mixture{router, std::move(gate_up), std::move(down), k, renormalize};
+}
+
+// x [N, D] (the normed MLP input) -> out [N, D]; I: the experts' width.
+void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64_t I, bool gelu, float* out,
+                 std::vector<int8_t>& q8, std::vector<float>& dx, std::vector<int32_t>& bsum, int64_t amx_min_rows) {
+  const int64_t E = mix.router.size(0), k = mix.k;
+  TORCH_CHECK(mix.router.size(1) == D, "Mixture: the router is [", E, ", ", mix.router.size(1), "], the layer's width ", D);
+  const float* router = mix.router.const_data_ptr<float>();
+  std::vector<int64_t> chosen(N * k);  // entry n * k + r: row n's rank-r expert
+  std::vector<float> weights(N * k);
+  for_rows(N, [&](int64_t n) {
+    std::vector<float> probs(E);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < E; ++e) {
+      probs[e] = dot_row(x + n * D, router + e * D, D);
+      top = std::max(top, probs[e]);
+    }
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) {
+      probs[e] = std::exp(probs[e] - top);
+      sum = sum + probs[e];
+    }
+    for (int64_t e = 0; e < E; ++e) probs[e] = probs[e] / sum;
+    float picked = 0.0f;
+    for (int64_t r = 0; r < k; ++r) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (probs[e] >= 0.0f && (best < 0 || probs[e] > probs[best])) best = e;
+      chosen[n * k + r] = best;
+      weights[n * k + r] = probs[best];
+      picked = picked + probs[best];
+      probs[best] = -1.0f;  // taken
+    }
+    if (mix.renormalize)
+      for (int64_t r = 0; r < k; ++r) weights[n * k + r] = weights[n * k + r] / picked;
+  });
+  // The entries grouped by expert, rows ascending within each (a counting sort).
+  std::vector<int64_t> first(E + 1, 0), order(N * k);
+  for (int64_t i = 0; i < N * k; ++i) ++first[chosen[i] + 1];
+  for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (int64_t i = 0; i < N * k; ++i) order[next[chosen[i]]++] = i;
+  // A row picks an expert at most once: an expert's rows fit N.
+  Scratch by_rank(k * N * D), rows_in(N * D), gate_up(N * 2 * I), act(N * I), rows_out(N * D);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t count = first[e + 1] - first[e];
+    if (count == 0) continue;
+    const int64_t* entries = order.data() + first[e];
+    for (int64_t j = 0; j < count; ++j) std::memcpy(rows_in.data() + j * D, x + (entries[j] / k) * D, D * sizeof(float));
+    matmul_parts(mix.gate_up[e], rows_in.data(), count, D, gate_up.data(), 2 * I, q8, dx, bsum, amx_min_rows);
+    for_rows(count, [&](int64_t j) {
+      gated_activation(gate_up.data() + j * 2 * I, gate_up.data() + j * 2 * I + I, I, gelu, act.data() + j * I);
+    });
+    matmul_parts(mix.down[e], act.data(), count, I, rows_out.data(), D, q8, dx, bsum, amx_min_rows);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t entry = entries[j], row = entry / k, rank = entry % k;
+      const float w = weights[entry];
+      const float* src = rows_out.data() + j * D;
+      float* dst = by_rank.data() + (rank * N + row) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * w;
+    }
+  }
+  for_rows(N, [&](int64_t n) {
+    float* o = out + n * D;
+    std::memcpy(o, by_rank.data() + n * D, D * sizeof(float));
+    for (int64_t r = 1; r < k; ++r) {
+      const float* add = by_rank.data() + (r * N + n) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = o[d] + add[d];
+    }
+  });
+}
+
 // hidden [N, D] -> the layer's output [N, D].  cache_k / cache_v [num_blocks, Hkv, block_size, hd]: a
 // paged cache (a slot cache is one block per slot).  seqs: per sequence (table_start, row_start,
 // row_end, kv_start, kv_end) of this layer's attention type, its block table at
@@ -1548,7 +1664,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks,
                          int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap,
-                         int64_t amx_min_rows, const LoraRows* lora) {
+                         int64_t amx_min_rows, const Mixture* mixture, const LoraRows* lora) {
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor hidden = hidden_in.contiguous();
   const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
@@ -1633,13 +1749,17 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
       rms_norm_row(yn, w_post, D, eps, x.data() + n * D);
     }
   });
-  matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum, amx_min_rows);
-  add_lora(lora, 2, x.data(), N, D, gu.data(), 2 * I);
-  for_rows(N, [&](int64_t n) {
-    gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu, x.data() + n * I);
-  });
-  matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum, amx_min_rows);
-  add_lora(lora, 3, x.data(), N, I, proj.data(), D);
+  if (mixture != nullptr) {  // experts instead of the dense MLP (no adapters on experts)
+    mixture_mlp(*mixture, x.data(), N, D, I, gelu, proj.data(), q8, dx, bsum, amx_min_rows);
+  } else {
+    matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum, amx_min_rows);
+    add_lora(lora, 2, x.data(), N, D, gu.data(), 2 * I);
+    for_rows(N, [&](int64_t n) {
+      gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu, x.data() + n * I);
+    });
+    matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum, amx_min_rows);
+    add_lora(lora, 3, x.data(), N, I, proj.data(), D);
+  }
   const float* w_post_ff = opt_ptr(post_ff_norm);
   for_rows(N, [&](int64_t n) {
     std::vector<float> row(D);
@@ -1686,10 +1806,10 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const std::vector<Part>& qkv,
                          const at::Tensor& sin, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks, int64_t H, int64_t Hkv, int64_t hd,
-                         int64_t I, double scale, double softcap, int64_t amx_min_rows) {
+                         int64_t I, double scale, double softcap, int64_t amx_min_rows, const Mixture* mixture) {
   return decoder_layer_impl(hidden, qkv, o_proj, gate_up, down, input_norm, post_attention_norm, pre_ff_norm,
                             post_ff_norm, qk_norm, eps, gelu, cos, sin, cache_k, cache_v, seqs, tables, masks, H, Hkv,
-                            hd, I, scale, softcap, amx_min_rows, nullptr);
+                            hd, I, scale, softcap, amx_min_rows, mixture, nullptr);
 }
 
 // The layers of a decoder, one forward in one call: decoder_layer for each layer in turn.  A
@@ -1708,16 +1828,18 @@ class DecoderStack {
     bool gelu;
     int64_t H, Hkv, hd, I;
     double scale, softcap;
+    std::shared_ptr<const Mixture> mixture;  // null: the dense MLP
     std::vector<LoraSites> lora;  // by adapter slot
   };
 
   void add_layer(std::vector<Part> qkv, std::vector<Part> o_proj, std::vector<Part> gate_up, std::vector<Part> down,
                  at::Tensor input_norm, at::Tensor post_attention_norm, c10::optional<at::Tensor> pre_ff_norm,
                  c10::optional<at::Tensor> post_ff_norm, c10::optional<at::Tensor> qk_norm, double eps, bool gelu,
-                 int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap) {
+                 int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap, const Mixture* mixture) {
     layers_.push_back({std::move(qkv), std::move(o_proj), std::move(gate_up), std::move(down), std::move(input_norm),
                        std::move(post_attention_norm), std::move(pre_ff_norm), std::move(post_ff_norm),
-                       std::move(qk_norm), eps, gelu, H, Hkv, hd, I, scale, softcap});
+                       std::move(qk_norm), eps, gelu, H, Hkv, hd, I, scale, softcap,
+                       mixture == nullptr ? nullptr : std::make_shared<const Mixture>(*mixture)});
   }
 
   // Adapter slot `slot`'s parts at one site of one layer, (a_t [K, r], b_t [r, n], col0) each,
@@ -1786,7 +1908,7 @@ class DecoderStack {
       h = decoder_layer_impl(h, l.qkv, l.o_proj, l.gate_up, l.down, l.input_norm, l.post_attention_norm, l.pre_ff_norm,
                         l.post_ff_norm, l.qk_norm, l.eps, l.gelu, cos[r], sin[r], cache_keys[i], cache_values[i],
                         seqs[q], tables[q], masks[q], l.H, l.Hkv, l.hd, l.I, l.scale, l.softcap, amx_min_rows,
-                        row_slots.empty() ? nullptr : &lora);
+                        l.mixture.get(), row_slots.empty() ? nullptr : &lora);
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == i) captured[c] = h;
     }
@@ -1880,7 +2002,7 @@ std::vector<at::Tensor> draft_chain(
       hidden = decoder_layer(x, qkv, o_proj, gate_up, down, attn_norm, mlp_norm, c10::nullopt, c10::nullopt,
                              c10::nullopt, block_eps, gelu, cos_table.narrow(0, position, 1),
                              sin_table.narrow(0, position, 1), cache_k, cache_v, {0, 0, 1, first_true, entry + 1},
-                             table, {c10::nullopt}, H, Hkv, hd, I, scale, 0.0, amx_min_rows);
+                             table, {c10::nullopt}, H, Hkv, hd, I, scale, 0.0, amx_min_rows, nullptr);
     }
     const at::Tensor logits = norm_matmul(hidden, final_norm, D, final_eps, lm_rows, Vd, amx_min_rows);
     in.features = hidden.const_data_ptr<float>();
@@ -1914,6 +2036,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("norm_matmul", &qd_quant::norm_matmul, "rms_norm(x) per segment, then x @ W^T on quantized weights",
         py::call_guard<py::gil_scoped_release>());
+  py::class_<qd_quant::Mixture>(m, "Mixture")
+      .def(py::init(&qd_quant::make_mixture), py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("k"),
+           py::arg("renormalize"));
   py::class_<qd_quant::DecoderStack>(m, "DecoderStack")
       .def(py::init<>())
       .def("add_layer", &qd_quant::DecoderStack::add_layer)
