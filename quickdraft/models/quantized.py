@@ -39,87 +39,52 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Format ids shared with the C++ kernel (enum Format in quant_linear.cpp).
-FORMAT_IDS = {
-    "Q8_0": 0,
-    "Q4_0": 1,
-    "Q5_0": 2,
-    "Q4_K": 3,
-    "Q5_K": 4,
-    "Q6_K": 5,
-    "IQ4_XS": 6,
-    "IQ4_NL": 7,
-    "Q3_K": 8,
-    "Q4_1": 9,
-    "Q5_1": 10,
-    "Q2_K": 11,
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One GGUF type as the kernels keep it (the packed layouts above)."""
+
+    kernel_id: int  # enum Format in quant_linear.cpp
+    bits: int  # bits of one quant as packed
+    tile_k: int  # values of a row one tile holds: a GGUF block's (32) or super-block's (256)
+    tile_bytes: int  # one packed tile: 16 rows x tile_k values with their scales
+    gguf_block: tuple[int, int]  # bytes of one GGUF block and the values it holds
+    # Added to the signed quants so that the kernel multiplies unsigned weights (and subtracts
+    # offset * sum(activation quants) instead); None: stored unsigned with a min, or as level indices.
+    offset: int | None = None
+    scales_of_16: bool = False  # one int8 scale per 16 values (the rest: one scale per 32)
+    block_mins: bool = False  # a scale and a min per 32-block (w = d * q - dmin; dmin is minus the stored min)
+
+
+FORMATS = {
+    "Q8_0": QuantFormat(kernel_id=0, bits=8, tile_k=32, tile_bytes=544, gguf_block=(34, 32), offset=128),
+    "Q4_0": QuantFormat(kernel_id=1, bits=4, tile_k=32, tile_bytes=288, gguf_block=(18, 32), offset=8),
+    "Q5_0": QuantFormat(kernel_id=2, bits=5, tile_k=32, tile_bytes=352, gguf_block=(22, 32), offset=16),
+    "Q4_K": QuantFormat(kernel_id=3, bits=4, tile_k=256, tile_bytes=2368, gguf_block=(144, 256)),
+    "Q5_K": QuantFormat(kernel_id=4, bits=5, tile_k=256, tile_bytes=2880, gguf_block=(176, 256)),
+    "Q6_K": QuantFormat(
+        kernel_id=5, bits=6, tile_k=256, tile_bytes=3360, gguf_block=(210, 256), offset=32, scales_of_16=True
+    ),
+    "IQ4_XS": QuantFormat(kernel_id=6, bits=4, tile_k=256, tile_bytes=2208, gguf_block=(136, 256)),
+    "IQ4_NL": QuantFormat(kernel_id=7, bits=4, tile_k=32, tile_bytes=288, gguf_block=(18, 32)),
+    "Q3_K": QuantFormat(
+        kernel_id=8, bits=3, tile_k=256, tile_bytes=1824, gguf_block=(110, 256), offset=4, scales_of_16=True
+    ),
+    "Q4_1": QuantFormat(kernel_id=9, bits=4, tile_k=32, tile_bytes=320, gguf_block=(20, 32), block_mins=True),
+    "Q5_1": QuantFormat(kernel_id=10, bits=5, tile_k=32, tile_bytes=384, gguf_block=(24, 32), block_mins=True),
+    "Q2_K": QuantFormat(kernel_id=11, bits=2, tile_k=256, tile_bytes=1344, gguf_block=(84, 256)),
 }
-TILE_K = {
-    "Q8_0": 32,
-    "Q4_0": 32,
-    "Q5_0": 32,
-    "Q4_K": 256,
-    "Q5_K": 256,
-    "Q6_K": 256,
-    "IQ4_XS": 256,
-    "IQ4_NL": 32,
-    "Q3_K": 256,
-    "Q4_1": 32,
-    "Q5_1": 32,
-    "Q2_K": 256,
-}
-TILE_BYTES = {
-    "Q8_0": 544,
-    "Q4_0": 288,
-    "Q5_0": 352,
-    "Q4_K": 2368,
-    "Q5_K": 2880,
-    "Q6_K": 3360,
-    "IQ4_XS": 2208,
-    "IQ4_NL": 288,
-    "Q3_K": 1824,
-    "Q4_1": 320,
-    "Q5_1": 384,
-    "Q2_K": 1344,
-}
-# Bytes of one GGUF block and the values it holds.
-GGUF_BLOCK = {
-    "Q8_0": (34, 32),
-    "Q4_0": (18, 32),
-    "Q5_0": (22, 32),
-    "Q4_K": (144, 256),
-    "Q5_K": (176, 256),
-    "Q6_K": (210, 256),
-    "IQ4_XS": (136, 256),
-    "IQ4_NL": (18, 32),
-    "Q3_K": (110, 256),
-    "Q4_1": (20, 32),
-    "Q5_1": (24, 32),
-    "Q2_K": (84, 256),
-}
+# Views of FORMATS by field, as the loaders, kernels and tests index them.
+FORMAT_IDS = {name: f.kernel_id for name, f in FORMATS.items()}
+TILE_K = {name: f.tile_k for name, f in FORMATS.items()}
+TILE_BYTES = {name: f.tile_bytes for name, f in FORMATS.items()}
+GGUF_BLOCK = {name: f.gguf_block for name, f in FORMATS.items()}
+QUANT_BITS = {name: f.bits for name, f in FORMATS.items()}
+OFFSETS = {name: f.offset for name, f in FORMATS.items() if f.offset is not None}
+SCALES_OF_16 = tuple(name for name, f in FORMATS.items() if f.scales_of_16)
+BLOCK_MINS = tuple(name for name, f in FORMATS.items() if f.block_mins)
 # ggml's non-linear 4-bit levels (kvalues_iq4nl), shared by IQ4_NL and IQ4_XS.
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
-# Added to the signed quants so that the kernel multiplies unsigned weights (and subtracts
-# offset * sum(activation quants) instead).
-OFFSETS = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}
-# Formats with one int8 scale per 16 values (the rest: one scale per 32).
-SCALES_OF_16 = ("Q6_K", "Q3_K")
-QUANT_BITS = {
-    "Q8_0": 8,
-    "Q4_0": 4,
-    "Q5_0": 5,
-    "Q4_K": 4,
-    "Q5_K": 5,
-    "Q6_K": 6,
-    "IQ4_XS": 4,
-    "IQ4_NL": 4,
-    "Q3_K": 3,
-    "Q4_1": 4,
-    "Q5_1": 5,
-    "Q2_K": 2,
-}
-# Formats with a scale and a min per 32-block (w = d * q - dmin; dmin is minus the stored min).
-BLOCK_MINS = ("Q4_1", "Q5_1")
 SUPPORTED_FORMATS = tuple(FORMAT_IDS)
 ROWS_PER_GROUP = 16
 
