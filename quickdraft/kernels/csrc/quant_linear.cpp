@@ -1580,9 +1580,13 @@ Mixture make_mixture(const at::Tensor& router, std::vector<std::vector<Part>> ga
   return Mixture{router, std::move(gate_up), std::move(down), k, renormalize};
 }
 
+// Up to this many rows a mixture splits its experts between the threads; more rows split each
+// expert's matmuls (an expert then has enough output groups for every thread).
+constexpr int64_t kExpertsAcrossThreadsRows = 4;
+
 // x [N, D] (the normed MLP input) -> out [N, D]; I: the experts' width.
 void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64_t I, bool gelu, float* out,
-                 std::vector<int8_t>& q8, std::vector<float>& dx, std::vector<int32_t>& bsum, int64_t amx_min_rows) {
+                 int64_t amx_min_rows) {
   const int64_t E = mix.router.size(0), k = mix.k;
   TORCH_CHECK(mix.router.size(1) == D, "Mixture: the router is [", E, ", ", mix.router.size(1), "], the layer's width ", D);
   const float* router = mix.router.const_data_ptr<float>();
@@ -1620,25 +1624,48 @@ void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64
   for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
   std::vector<int64_t> next(first.begin(), first.end() - 1);
   for (int64_t i = 0; i < N * k; ++i) order[next[chosen[i]]++] = i;
-  // A row picks an expert at most once: an expert's rows fit N.
-  Scratch by_rank(k * N * D), rows_in(N * D), gate_up(N * 2 * I), act(N * I), rows_out(N * D);
-  for (int64_t e = 0; e < E; ++e) {
+  Scratch by_rank(k * N * D);
+  // One expert's rows through its two matmuls into by_rank (each (rank, row) written once).  A
+  // row picks an expert at most once: an expert's rows fit N.
+  struct ExpertScratch {
+    Scratch rows_in, gate_up, act, rows_out;
+    std::vector<int8_t> q8;
+    std::vector<float> dx;
+    std::vector<int32_t> bsum;
+    ExpertScratch(int64_t N, int64_t D, int64_t I) : rows_in(N * D), gate_up(N * 2 * I), act(N * I), rows_out(N * D) {}
+  };
+  auto run_expert = [&](int64_t e, ExpertScratch& t) {
     const int64_t count = first[e + 1] - first[e];
-    if (count == 0) continue;
     const int64_t* entries = order.data() + first[e];
-    for (int64_t j = 0; j < count; ++j) std::memcpy(rows_in.data() + j * D, x + (entries[j] / k) * D, D * sizeof(float));
-    matmul_parts(mix.gate_up[e], rows_in.data(), count, D, gate_up.data(), 2 * I, q8, dx, bsum, amx_min_rows);
+    for (int64_t j = 0; j < count; ++j)
+      std::memcpy(t.rows_in.data() + j * D, x + (entries[j] / k) * D, D * sizeof(float));
+    matmul_parts(mix.gate_up[e], t.rows_in.data(), count, D, t.gate_up.data(), 2 * I, t.q8, t.dx, t.bsum, amx_min_rows);
     for_rows(count, [&](int64_t j) {
-      gated_activation(gate_up.data() + j * 2 * I, gate_up.data() + j * 2 * I + I, I, gelu, act.data() + j * I);
+      gated_activation(t.gate_up.data() + j * 2 * I, t.gate_up.data() + j * 2 * I + I, I, gelu, t.act.data() + j * I);
     });
-    matmul_parts(mix.down[e], act.data(), count, I, rows_out.data(), D, q8, dx, bsum, amx_min_rows);
+    matmul_parts(mix.down[e], t.act.data(), count, I, t.rows_out.data(), D, t.q8, t.dx, t.bsum, amx_min_rows);
     for (int64_t j = 0; j < count; ++j) {
       const int64_t entry = entries[j], row = entry / k, rank = entry % k;
       const float w = weights[entry];
-      const float* src = rows_out.data() + j * D;
+      const float* src = t.rows_out.data() + j * D;
       float* dst = by_rank.data() + (rank * N + row) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * w;
     }
+  };
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (first[e + 1] > first[e]) active.push_back(e);
+  if (N <= kExpertsAcrossThreadsRows) {
+    // A few rows: each thread streams whole experts (their matmuls run inside this region, on
+    // its thread), instead of a parallel region per matmul, 2k of them a layer at one row.
+    // Which thread computes an expert changes none of its bits.
+    at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t a0, int64_t a1) {
+      ExpertScratch t(N, D, I);
+      for (int64_t a = a0; a < a1; ++a) run_expert(active[a], t);
+    });
+  } else {
+    ExpertScratch t(N, D, I);
+    for (const int64_t e : active) run_expert(e, t);
   }
   for_rows(N, [&](int64_t n) {
     float* o = out + n * D;
@@ -1750,7 +1777,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
     }
   });
   if (mixture != nullptr) {  // experts instead of the dense MLP (no adapters on experts)
-    mixture_mlp(*mixture, x.data(), N, D, I, gelu, proj.data(), q8, dx, bsum, amx_min_rows);
+    mixture_mlp(*mixture, x.data(), N, D, I, gelu, proj.data(), amx_min_rows);
   } else {
     matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum, amx_min_rows);
     add_lora(lora, 2, x.data(), N, D, gu.data(), 2 * I);

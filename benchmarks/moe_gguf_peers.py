@@ -1,0 +1,141 @@
+"""A mixture-of-experts GGUF decoded plainly by quickdraft and by llama.cpp (llama-cpp-python) on
+the same file, one process: a random Qwen3-MoE model with Qwen3-30B-A3B's layer shapes (hidden
+2048, 32 query / 4 key heads of 128, experts of 768, 8 of `--experts` a token) but `--layers`
+layers and a small byte-level vocabulary, written as llama.cpp writes GGUF files (the tests'
+writer; the router F32, every other matrix `--qtype`).  Greedy decoding of `--tokens` tokens after
+a short prompt, end of sequence ignored; each engine runs in a process of its own (another
+engine's threads, spinning after their work, would take its cores), the two alternating for
+`--rounds` rounds, each a warm-up then the median of `--repeats` runs; the medians over rounds
+are printed (the model's text is noise: only the
+speed is compared).  With 4 of the real model's 48 layers, the per-token work outside the layers
+(the LM head call, sampling, the engine's step) weighs ~12x more than it would there.
+
+    python benchmarks/moe_gguf_peers.py --gguf /tmp/moe.gguf --layers 4 --experts 32 --qtype Q8_0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' GGUF writer (after PYTHONPATH: A/B runs)
+
+
+def write_model(path: Path, *, layers: int, experts: int, qtype: str) -> None:
+    import torch
+    import transformers
+    from gguf import GGMLQuantizationType as QType
+
+    from tests.models.test_gguf import byte_level_vocab, write_tiny_gguf
+
+    vocab = byte_level_vocab(pre="qwen2")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(vocab.tokens),
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=experts,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=vocab.bos_id,
+        eos_token_id=vocab.eos_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    write_tiny_gguf(path, architecture="qwen3moe", model=model, vocab=vocab, qtypes={"": QType[qtype]})
+
+
+def quickdraft_rate(llm, prompt: list[int], tokens: int) -> float:
+    """Decode tokens a second: a request of `tokens` tokens minus one of a single token (the prefill)."""
+    from quickdraft import SamplingParams
+
+    def seconds(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        assert len(out.outputs[0].token_ids) == max_tokens
+        return time.perf_counter() - start
+
+    return (tokens - 1) / (seconds(tokens) - seconds(1))
+
+
+def llama_cpp_rate(llm, prompt: list[int], tokens: int) -> float:
+    llm.reset()
+    llm.eval(prompt)
+    start = time.perf_counter()
+    for _ in range(tokens - 1):
+        token = llm.sample(temp=0.0)
+        llm.eval([token])
+    return (tokens - 1) / (time.perf_counter() - start)
+
+
+def engine_rate(engine: str, path: Path, *, tokens: int, threads: int, repeats: int) -> float:
+    """The median decode rate of `repeats` runs of one engine, after a warm-up (a kernel build
+    after a source change, first touches of the weights)."""
+    prompt = list(range(3, 35))
+    if engine == "quickdraft":
+        from quickdraft import LLM
+
+        llm = LLM(str(path), max_model_len=512, max_num_seqs=1)
+        rate = quickdraft_rate
+    else:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=threads, n_batch=512, verbose=False)
+        rate = llama_cpp_rate
+    rate(llm, prompt, 4)
+    return statistics.median(rate(llm, prompt, tokens) for _ in range(repeats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", type=Path, required=True, help="written here when missing")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--qtype", default="Q8_0")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per engine and round (median)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine", choices=["quickdraft", "llama.cpp"], help="(internal) one engine, one rate")
+    args = parser.parse_args()
+    if args.engine:  # a child: one engine in its own process (no other engine's threads beside it)
+        rate = engine_rate(args.engine, args.gguf, tokens=args.tokens, threads=args.threads, repeats=args.repeats)
+        print(json.dumps({"rate": rate}))
+        return
+    if not args.gguf.exists():
+        write_model(args.gguf, layers=args.layers, experts=args.experts, qtype=args.qtype)
+    rates: dict[str, list[float]] = {"quickdraft": [], "llama.cpp": []}
+    for _ in range(args.rounds):
+        for engine in rates:
+            child = [sys.executable, __file__, "--gguf", str(args.gguf), "--engine", engine]
+            child += ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+            output = subprocess.run(child, check=True, capture_output=True, text=True).stdout
+            rates[engine].append(json.loads(output.strip().splitlines()[-1])["rate"])
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    print(
+        json.dumps(
+            {
+                "file": str(args.gguf),
+                "size_mb": round(args.gguf.stat().st_size / 1e6, 1),
+                "decode_tok_s_median": {k: round(v, 1) for k, v in medians.items()},
+                "decode_tok_s_rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+                "quickdraft_vs_llama_cpp": round(medians["quickdraft"] / medians["llama.cpp"], 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
