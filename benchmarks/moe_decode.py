@@ -21,13 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest's tokenizer helper
 
 
-def build_checkpoint(path: Path, *, layers: int, experts: int) -> None:
+def qwen3_30b_a3b_layers(*, layers: int, experts: int, vocab_size: int, **extra):
+    """A Qwen3MoeConfig with Qwen3-30B-A3B's layer shapes, `layers` layers of `experts` experts."""
     import transformers
 
-    from tests.conftest import write_tiny_tokenizer
-
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=4096,
+    return transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size,
         hidden_size=2048,
         intermediate_size=6144,
         moe_intermediate_size=768,
@@ -40,7 +39,16 @@ def build_checkpoint(path: Path, *, layers: int, experts: int) -> None:
         norm_topk_prob=True,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
+        **extra,
     )
+
+
+def build_checkpoint(path: Path, *, layers: int, experts: int) -> None:
+    import transformers
+
+    from tests.conftest import write_tiny_tokenizer
+
+    config = qwen3_30b_a3b_layers(layers=layers, experts=experts, vocab_size=4096)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).float().eval().save_pretrained(path)
     write_tiny_tokenizer(path, bos="<s>", eos="</s>", chat=False)

@@ -30,24 +30,15 @@ def write_model(path: Path, *, layers: int, experts: int, qtype: str) -> None:
     import torch
     import transformers
     from gguf import GGMLQuantizationType as QType
+    from moe_decode import qwen3_30b_a3b_layers  # run from benchmarks/: its folder is on the path
 
     from tests.models.test_gguf import byte_level_vocab, write_tiny_gguf
 
     vocab = byte_level_vocab(pre="qwen2")
-    config = transformers.Qwen3MoeConfig(
+    config = qwen3_30b_a3b_layers(
+        layers=layers,
+        experts=experts,
         vocab_size=len(vocab.tokens),
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=experts,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
         bos_token_id=vocab.bos_id,
         eos_token_id=vocab.eos_id,
     )
