@@ -389,6 +389,38 @@ def test_published_moe_configs_parse():
         )
 
 
+def test_moe_on_quantized_weights_with_an_attention_adapter(checkpoints, tmp_path):
+    """Qwen3-MoE quantized at load: every layer, mixtures included, runs in the one-call C++
+    stack, an attention adapter's rows included; a request's tokens are the same decoded beside a
+    base request and under a garbage drafter's trees as decoded alone."""
+    from quickdraft.kernels.quant_linear import fused_layer_available
+
+    base = checkpoints["qwen3_moe"]
+    adapter = write_peft_adapter(base, tmp_path / "attention", seed=3, target_modules=["q_proj", "v_proj", "o_proj"])
+    lora = LoRARequest("a", 1, str(adapter))
+    prompts = [prompt(12, seed=6), prompt(9, seed=7)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    llm = LLM(str(base), quantization="q8_0", enable_lora=True, max_model_len=64, max_num_seqs=4)
+    hidden = llm.engine.model_config.hidden_size
+    assert llm.engine.model._stack_for(torch.zeros(1, hidden)) is not None or not fused_layer_available()
+    alone = [llm.generate([p], params, lora_request=lora)[0].outputs[0].token_ids for p in prompts]
+    base_only = llm.generate([prompts[0]], params)[0].outputs[0].token_ids
+    assert base_only != alone[0]  # the adapter is applied
+    together = llm.generate(prompts + prompts[:1], params, lora_request=[lora, lora, None])
+    assert [o.outputs[0].token_ids for o in together] == [*alone, base_only]
+    spec = LLM(
+        str(base),
+        quantization="q8_0",
+        enable_lora=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    spec.engine.speculator.drafter = GarbageDrafter(vocab_size=llm.engine.model_config.vocab_size, tree=True)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, lora_request=lora)] == alone
+    assert spec.get_metrics().num_draft_tokens > 10
+
+
 def test_moe_dense_layers_and_lora_on_attention_only(checkpoints, tmp_path):
     """Qwen3-MoE's mlp_only_layers keep a dense MLP (the checkpoint's mlp.gate_proj is read); an
     adapter on the attention projections runs as PEFT's, one on a layer's experts is refused."""
