@@ -283,14 +283,14 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
             **common,
         )
         model_class = transformers.Phi3ForCausalLM
-    elif architecture == "qwen3moe":  # 4 experts of 32, 2 a token
+    elif architecture == "qwen3moe":  # 8 experts of 32, 4 a token (enough for the threads to share out)
         config = transformers.Qwen3MoeConfig(
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
+            num_experts=8,
+            num_experts_per_tok=4,
             moe_intermediate_size=32,
             norm_topk_prob=True,
             tie_word_embeddings=False,

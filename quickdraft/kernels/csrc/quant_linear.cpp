@@ -1580,8 +1580,8 @@ Mixture make_mixture(const at::Tensor& router, std::vector<std::vector<Part>> ga
   return Mixture{router, std::move(gate_up), std::move(down), k, renormalize};
 }
 
-// Up to this many rows a mixture splits its experts between the threads; more rows split each
-// expert's matmuls (an expert then has enough output groups for every thread).
+// Up to this many rows a mixture splits its experts between the threads (where there are enough
+// of them); more rows split each expert's matmuls (each expert then has work for every thread).
 constexpr int64_t kExpertsAcrossThreadsRows = 4;
 
 // x [N, D] (the normed MLP input) -> out [N, D]; I: the experts' width.
@@ -1655,10 +1655,11 @@ void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64
   std::vector<int64_t> active;
   for (int64_t e = 0; e < E; ++e)
     if (first[e + 1] > first[e]) active.push_back(e);
-  if (N <= kExpertsAcrossThreadsRows) {
-    // A few rows: each thread streams whole experts (their matmuls run inside this region, on
-    // its thread), instead of a parallel region per matmul, 2k of them a layer at one row.
-    // Which thread computes an expert changes none of its bits.
+  if (N <= kExpertsAcrossThreadsRows && static_cast<int64_t>(active.size()) >= 2 * at::get_num_threads()) {
+    // A few rows and enough experts to share out evenly (Qwen3-MoE's 8 a token, not Mixtral's
+    // 2): each thread streams whole experts (their matmuls run inside this region, on its
+    // thread), instead of a parallel region per matmul, 2k of them a layer at one row.  Which
+    // thread computes an expert changes none of its bits.
     at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t a0, int64_t a1) {
       ExpertScratch t(N, D, I);
       for (int64_t a = a0; a < a1; ++a) run_expert(active[a], t);
