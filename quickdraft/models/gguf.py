@@ -93,6 +93,11 @@ def _moe_names(architecture: str) -> tuple[str, tuple[str, str, str]]:
     return moe_hf_names("mixtral" if architecture == "llama" else _HF_CLASSES[architecture][0])
 
 
+# Mixtral files converted before llama.cpp stacked the experts (spring 2024; llama.cpp still
+# reads them) hold one 2-D tensor per expert: blk.N.ffn_gate.E.weight.
+_SPLIT_EXPERT_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>ffn_gate|ffn_up|ffn_down)\.(?P<expert>\d+)\.weight$")
+
+
 def expert_tensor_names(gguf_name: str, *, architecture: str, num_experts: int) -> list[str] | None:
     """The HF names of the experts stacked in a GGUF `ffn_*_exps` tensor (expert e's at index e);
     None for any other tensor."""
@@ -194,6 +199,11 @@ def hf_tensor_name(gguf_name: str, *, architecture: str) -> str | None:
     match = _BLOCK_TENSOR.match(gguf_name)
     if match is not None and match["leaf"] in _EXPERT_LEAVES:
         return None  # one tensor for several HF ones: expert_tensor_names
+    split = _SPLIT_EXPERT_TENSOR.match(gguf_name)
+    if split is not None:
+        block, leaves = _moe_names(architecture)
+        leaf = leaves[("ffn_gate", "ffn_up", "ffn_down").index(split["leaf"])]
+        return f"model.layers.{split['layer']}.{block}.experts.{split['expert']}.{leaf}.weight"
     leaf_names = (
         _BLOCK_NAMES | _ARCH_BLOCK_NAMES[architecture] | {"ffn_gate_inp": f"{_moe_names(architecture)[0]}.gate"}
     )

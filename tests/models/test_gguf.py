@@ -434,10 +434,14 @@ def _split_experts(state: dict) -> dict:
     return out
 
 
-def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, qtypes: dict[str, QType]) -> dict:
+def write_tiny_gguf(
+    path: Path, *, architecture: str, model, vocab: TinyVocab, qtypes: dict[str, QType], split_experts: bool = False
+) -> dict:
     """Write `model` + `vocab` as a GGUF file like llama.cpp; return the state dict the file encodes.
 
     qtypes: substring of the GGUF tensor name -> storage type for 2-D weights (default F32).
+    split_experts: each expert's matrix a tensor of its own (blk.N.ffn_gate.E.weight), as Mixtral
+    files were written before llama.cpp stacked them.
     The returned state dict holds each weight after its storage round trip (quantize + dequantize).
     """
     config = model.config
@@ -474,6 +478,10 @@ def write_tiny_gguf(path: Path, *, architecture: str, model, vocab: TinyVocab, q
             values = gguf.quants.dequantize(raw, qtype).reshape(weights.shape)
             expected[hf_name] = torch.from_numpy(np.ascontiguousarray(values))
             continue
+        elif split_experts and gguf_name.endswith("_exps.weight"):
+            stem = gguf_name.removesuffix("_exps.weight")
+            for expert, matrix in enumerate(weights):
+                writer.add_tensor(f"{stem}.{expert}.weight", gguf.quants.quantize(matrix, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
         # Row permutation and per-row block quantization commute: round-trip the HF tensor.
@@ -522,6 +530,7 @@ class Variant:
     qtypes: dict[str, QType]
     vocab: str  # "spiece", "llama-bpe" or "qwen2"
     rope_scaling: dict | None = None
+    split_experts: bool = False  # see write_tiny_gguf
 
 
 VARIANTS = {
@@ -552,6 +561,7 @@ VARIANTS = {
     "qwen2-f16": Variant("qwen2", {"": QType.F16}, "qwen2"),
     "qwen3moe-q8_0": Variant("qwen3moe", {"": QType.Q8_0}, "qwen2"),
     "mixtral-mixed": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0}, "llama-bpe"),  # a float LM head
+    "mixtral-split": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0}, "llama-bpe", split_experts=True),
     "smollm3-q8_0": Variant("smollm3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen3-bf16": Variant("qwen3", {"ffn": QType.BF16, "attn": QType.Q8_0}, "qwen2"),
 }
@@ -574,7 +584,14 @@ def build_tiny_gguf(directory: Path, name: str) -> TinyGGUF:
     vocab = make_vocab(variant.vocab, architecture=variant.architecture)
     model = tiny_model(variant.architecture, vocab_size=len(vocab.tokens), rope_scaling=variant.rope_scaling)
     path = directory / f"{name}.gguf"
-    expected = write_tiny_gguf(path, architecture=variant.architecture, model=model, vocab=vocab, qtypes=variant.qtypes)
+    expected = write_tiny_gguf(
+        path,
+        architecture=variant.architecture,
+        model=model,
+        vocab=vocab,
+        qtypes=variant.qtypes,
+        split_experts=variant.split_experts,
+    )
     return TinyGGUF(path=path, model=model, expected=expected, vocab=vocab)
 
 

@@ -41,6 +41,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
             "smollm3-q8_0",
             "qwen3moe-q8_0",
             "mixtral-mixed",
+            "mixtral-split",
         )
     }
 
@@ -69,6 +70,7 @@ def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
         "smollm3-q8_0",
         "qwen3moe-q8_0",
         "mixtral-mixed",
+        "mixtral-split",  # one tensor per expert, as Mixtral files were written before spring 2024
     ],
 )
 def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
@@ -83,6 +85,11 @@ def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
     if name == "gemma3-lowbit":  # each of its formats runs on its own kernel tiles
         formats = {part.format for weight in held.values() for part in weight.parts}
         assert formats == {"Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "Q4_1", "Q5_1"}, formats
+    if name == "mixtral-split":  # the file's experts are tensors of their own, each kept as stored
+        assert "layers.0.experts.3.gate_up_proj" in held and "layers.1.experts.0.down_proj" in held
+        stacked, _ = load(tiny_gguf_paths["mixtral-mixed"], "gguf")  # the same model, experts stacked
+        for param_name, weight in _quantized_weights(stacked).items():
+            assert torch.equal(weight.dequantize(), held[param_name].dequantize()), param_name
     if name == "qwen3-bf16":  # its ffn weights are BF16 in the file: they stay floats
         assert not any("gate_up" in n for n in held)
         assert "layers.0.gate_up_proj" in float_state
