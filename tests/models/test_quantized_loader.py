@@ -420,6 +420,19 @@ def test_one_call_mixture_follows_a_replaced_expert_or_router(tiny_gguf_paths):
     assert torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
 
 
+@pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
+def test_one_call_mixture_with_a_nan_router_picks_experts_in_range(tiny_gguf_paths):
+    """Router logits that are NaN (an overflow upstream) still pick k distinct experts of the
+    layer (the first ones), so the NaN reaches the logits instead of an index past the experts."""
+    model, config = load(tiny_gguf_paths["qwen3moe-q8_0"], "gguf")
+    model.layers[0].router = torch.nn.Parameter(
+        torch.full_like(model.layers[0].router, float("nan")), requires_grad=False
+    )
+    work = [[SequenceWork(slot=0, cache_len=1, token_ids=PROMPT[1:6], logits_nodes=[0, 4])]]
+    (logits,) = _logits(model, config, work, prefix=[2])
+    assert logits.shape[0] == 2 and torch.isnan(logits).all()
+
+
 @pytest.mark.parametrize(
     "name", ["gemma3-mixed", "llama-q8_0", "gemma2-mixed", "smollm3-q8_0", "qwen3moe-q8_0", "mixtral-mixed"]
 )

@@ -1606,14 +1606,15 @@ void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64
     }
     for (int64_t e = 0; e < E; ++e) probs[e] = probs[e] / sum;
     float picked = 0.0f;
+    std::vector<char> taken(E, 0);
     for (int64_t r = 0; r < k; ++r) {
-      int64_t best = -1;
+      int64_t best = -1;  // the first untaken expert, then any larger (a NaN row keeps the first)
       for (int64_t e = 0; e < E; ++e)
-        if (probs[e] >= 0.0f && (best < 0 || probs[e] > probs[best])) best = e;
+        if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+      taken[best] = 1;
       chosen[n * k + r] = best;
       weights[n * k + r] = probs[best];
       picked = picked + probs[best];
-      probs[best] = -1.0f;  // taken
     }
     if (mix.renormalize)
       for (int64_t r = 0; r < k; ++r) weights[n * k + r] = weights[n * k + r] / picked;
