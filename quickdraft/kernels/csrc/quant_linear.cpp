@@ -1552,6 +1552,19 @@ void add_lora(const LoraRows* lora, int site, const float* x, int64_t N, int64_t
   });
 }
 
+// The gated MLP of rows x [N, D] -> out [N, D]: gate_up, the activation, down, each matmul
+// followed by the rows' adapters where `lora` is given (a dense layer's MLP; a mixture's experts
+// have none).  gate_up [N, 2I] and act [N, I] are scratch; act may be x (read before it is written).
+void gated_mlp(const std::vector<Part>& gate_up_w, const std::vector<Part>& down_w, const float* x, int64_t N,
+               int64_t D, int64_t I, bool gelu, float* gate_up, float* act, float* out, std::vector<int8_t>& q8,
+               std::vector<float>& dx, std::vector<int32_t>& bsum, int64_t amx_min_rows, const LoraRows* lora) {
+  matmul_parts(gate_up_w, x, N, D, gate_up, 2 * I, q8, dx, bsum, amx_min_rows);
+  add_lora(lora, 2, x, N, D, gate_up, 2 * I);
+  for_rows(N, [&](int64_t n) { gated_activation(gate_up + n * 2 * I, gate_up + n * 2 * I + I, I, gelu, act + n * I); });
+  matmul_parts(down_w, act, N, I, out, D, q8, dx, bsum, amx_min_rows);
+  add_lora(lora, 3, act, N, I, out, D);
+}
+
 // A mixture-of-experts MLP (Qwen3-MoE, Mixtral) in the layer's call.  The Python layer spent
 // ~1 ms a layer around its experts at one row (sorting entries, slicing, two quant_linear calls,
 // an activation and a scatter per expert), as much as the experts' weight reads.  Per row: the
@@ -1640,11 +1653,8 @@ void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64
     const int64_t* entries = order.data() + first[e];
     for (int64_t j = 0; j < count; ++j)
       std::memcpy(t.rows_in.data() + j * D, x + (entries[j] / k) * D, D * sizeof(float));
-    matmul_parts(mix.gate_up[e], t.rows_in.data(), count, D, t.gate_up.data(), 2 * I, t.q8, t.dx, t.bsum, amx_min_rows);
-    for_rows(count, [&](int64_t j) {
-      gated_activation(t.gate_up.data() + j * 2 * I, t.gate_up.data() + j * 2 * I + I, I, gelu, t.act.data() + j * I);
-    });
-    matmul_parts(mix.down[e], t.act.data(), count, I, t.rows_out.data(), D, t.q8, t.dx, t.bsum, amx_min_rows);
+    gated_mlp(mix.gate_up[e], mix.down[e], t.rows_in.data(), count, D, I, gelu, t.gate_up.data(), t.act.data(),
+              t.rows_out.data(), t.q8, t.dx, t.bsum, amx_min_rows, nullptr);
     for (int64_t j = 0; j < count; ++j) {
       const int64_t entry = entries[j], row = entry / k, rank = entry % k;
       const float w = weights[entry];
@@ -1781,13 +1791,8 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
   if (mixture != nullptr) {  // experts instead of the dense MLP (no adapters on experts)
     mixture_mlp(*mixture, x.data(), N, D, I, gelu, proj.data(), amx_min_rows);
   } else {
-    matmul_parts(gate_up, x.data(), N, D, gu.data(), 2 * I, q8, dx, bsum, amx_min_rows);
-    add_lora(lora, 2, x.data(), N, D, gu.data(), 2 * I);
-    for_rows(N, [&](int64_t n) {
-      gated_activation(gu.data() + n * 2 * I, gu.data() + n * 2 * I + I, I, gelu, x.data() + n * I);
-    });
-    matmul_parts(down, x.data(), N, I, proj.data(), D, q8, dx, bsum, amx_min_rows);
-    add_lora(lora, 3, x.data(), N, I, proj.data(), D);
+    gated_mlp(gate_up, down, x.data(), N, D, I, gelu, gu.data(), x.data(), proj.data(), q8, dx, bsum, amx_min_rows,
+              lora);
   }
   const float* w_post_ff = opt_ptr(post_ff_norm);
   for_rows(N, [&](int64_t n) {
