@@ -54,6 +54,12 @@ class QuantFormat:
     offset: int | None = None
     scales_of_16: bool = False  # one int8 scale per 16 values (the rest: one scale per 32)
     block_mins: bool = False  # a scale and a min per 32-block (w = d * q - dmin; dmin is minus the stored min)
+    int8_scales: bool = False  # 256-wide tiles whose header is d [16] then int8 sub-block scales
+
+    @property
+    def int8_scale_header(self) -> int:
+        """Bytes of such a header: d, then one int8 per sub-block (of 16 or 32) and row."""
+        return 32 + 16 * (self.tile_k // (16 if self.scales_of_16 else 32))
 
 
 FORMATS = {
@@ -63,12 +69,26 @@ FORMATS = {
     "Q4_K": QuantFormat(kernel_id=3, bits=4, tile_k=256, tile_bytes=2368, gguf_block=(144, 256)),
     "Q5_K": QuantFormat(kernel_id=4, bits=5, tile_k=256, tile_bytes=2880, gguf_block=(176, 256)),
     "Q6_K": QuantFormat(
-        kernel_id=5, bits=6, tile_k=256, tile_bytes=3360, gguf_block=(210, 256), offset=32, scales_of_16=True
+        kernel_id=5,
+        bits=6,
+        tile_k=256,
+        tile_bytes=3360,
+        gguf_block=(210, 256),
+        offset=32,
+        scales_of_16=True,
+        int8_scales=True,
     ),
-    "IQ4_XS": QuantFormat(kernel_id=6, bits=4, tile_k=256, tile_bytes=2208, gguf_block=(136, 256)),
+    "IQ4_XS": QuantFormat(kernel_id=6, bits=4, tile_k=256, tile_bytes=2208, gguf_block=(136, 256), int8_scales=True),
     "IQ4_NL": QuantFormat(kernel_id=7, bits=4, tile_k=32, tile_bytes=288, gguf_block=(18, 32)),
     "Q3_K": QuantFormat(
-        kernel_id=8, bits=3, tile_k=256, tile_bytes=1824, gguf_block=(110, 256), offset=4, scales_of_16=True
+        kernel_id=8,
+        bits=3,
+        tile_k=256,
+        tile_bytes=1824,
+        gguf_block=(110, 256),
+        offset=4,
+        scales_of_16=True,
+        int8_scales=True,
     ),
     "Q4_1": QuantFormat(kernel_id=9, bits=4, tile_k=32, tile_bytes=320, gguf_block=(20, 32), block_mins=True),
     "Q5_1": QuantFormat(kernel_id=10, bits=5, tile_k=32, tile_bytes=384, gguf_block=(24, 32), block_mins=True),
@@ -350,10 +370,6 @@ def quantize_legacy(weight: torch.Tensor, format: str) -> QuantParts:
 # --------------------------------------------------------------------------------------------------
 
 
-# 256-wide tiles whose header is d then int8 sub-block scales -> the header's bytes.
-_INT8_SCALE_HEADERS = {"Q6_K": 288, "Q3_K": 288, "IQ4_XS": 160}
-
-
 def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
     if array.shape[0] == rows:
         return array
@@ -430,7 +446,7 @@ def pack(parts: QuantParts) -> np.ndarray:
     else:
         supers = k // 256
         subs = quants.reshape(groups, supers, -1)
-        if fmt in _INT8_SCALE_HEADERS:
+        if FORMATS[fmt].int8_scales:
             header = [lanes(parts.d), lanes(parts.sc).reshape(groups, supers, -1)]
         elif fmt == "Q2_K":
             scales_mins = lanes(parts.sc | (parts.m << 4)).reshape(groups, supers, -1)
@@ -471,7 +487,9 @@ def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int)
             dmin = lane_values(chosen[:, :, quant_bytes + 32 :], np.float16, 1)
             return QuantParts(format=format, q=q, d=d, dmin=dmin)
         return QuantParts(format=format, q=q, d=d)
-    header = _INT8_SCALE_HEADERS.get(format, 320)  # Q2_K, Q4_K, Q5_K: d, dmin, scales and mins
+    spec = FORMATS[format]
+    # Q2_K, Q4_K, Q5_K: d, dmin, scales and mins in 320 bytes
+    header = spec.int8_scale_header if spec.int8_scales else 320
     sub_bytes = (TILE_BYTES[format] - header) // 8
     subs = chosen[:, :, header:].reshape(r, tiles_per_group * 8, sub_bytes)
     steps = _unpack_quants(subs, QUANT_BITS[format])
@@ -481,7 +499,7 @@ def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int)
         scales_mins = lane_values(chosen[:, :, 64:320], np.uint8, 16)
         dmin = lane_values(chosen[:, :, 32:64], np.float16, 1)
         return QuantParts(format=format, q=q, d=d, dmin=dmin, sc=scales_mins & 0x0F, m=scales_mins >> 4)
-    if format in _INT8_SCALE_HEADERS:
+    if spec.int8_scales:
         return QuantParts(
             format=format, q=q, d=d, sc=lane_values(chosen[:, :, 32:header], np.int8, (header - 32) // 16)
         )
