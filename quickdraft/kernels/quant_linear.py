@@ -214,12 +214,9 @@ def _part_reference(
             d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
             dm = torch.from_numpy(parts.dmin[:, b].astype(np.float32))[None, :]
             term = (d * dxb) * block_dot(32 * b, 32).to(torch.float32) - (dm * dxb) * bsum32.to(torch.float32)
-        elif part.format == "IQ4_NL":
+        elif part.format in OFFSETS or part.format == "IQ4_NL":  # IQ4_NL: signed levels, no offset
             d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
-            term = (d * dxb) * block_dot(32 * b, 32).to(torch.float32)
-        elif part.format in OFFSETS:
-            d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
-            idot = block_dot(32 * b, 32) - OFFSETS[part.format] * bsum32
+            idot = block_dot(32 * b, 32) - OFFSETS.get(part.format, 0) * bsum32
             term = (d * dxb) * idot.to(torch.float32)
         else:  # Q4_K, Q5_K
             ds = torch.from_numpy(parts.d[:, b // 8].astype(np.float32) * parts.sc[:, b].astype(np.float32))[None, :]
