@@ -12,6 +12,8 @@ import json
 import time
 from pathlib import Path
 
+from lazy_logits import first_turns  # run from benchmarks/: its folder is on the path
+
 from quickdraft import LLM, SamplingParams
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench" / "questions.dev.jsonl"
@@ -20,14 +22,6 @@ QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench
 def resident_mb() -> float:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS"))
-
-
-def first_turns(path: Path, per_task: int) -> list[str]:
-    by_task: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
-        question = json.loads(line)
-        by_task.setdefault(question["category"], []).append(question["turns"][0])
-    return [turn for turns in by_task.values() for turn in turns[:per_task]]
 
 
 def main() -> None:
