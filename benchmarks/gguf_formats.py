@@ -27,13 +27,9 @@ from quickdraft.models.quantized import GGUF_BLOCK, SUPPORTED_FORMATS, Quantized
 from tests.kernels.test_quant_linear import random_gguf
 
 
-def packed_bytes(weight: QuantizedWeight) -> int:
-    return sum(part.packed.numel() for part in weight.parts)
-
-
 def time_format(fmt: str, *, n: int, k: int, rows: list[int], cold_bytes: float, repeats: int) -> dict:
     first = QuantizedWeight.from_parts([decode_gguf(fmt, random_gguf(fmt, n, k, seed=0), rows=n, cols=k)])
-    copies = max(1, int(cold_bytes // packed_bytes(first)))
+    copies = max(1, int(cold_bytes // first.nbytes))
     weights = [first] + [
         QuantizedWeight.from_parts([decode_gguf(fmt, random_gguf(fmt, n, k, seed=i), rows=n, cols=k)])
         for i in range(1, copies)
@@ -41,7 +37,7 @@ def time_format(fmt: str, *, n: int, k: int, rows: list[int], cold_bytes: float,
     block_bytes, block_values = GGUF_BLOCK[fmt]
     result = {
         "stored_bits_per_weight": 8 * block_bytes / block_values,
-        "read_bits_per_weight": 8 * packed_bytes(first) / (n * k),
+        "read_bits_per_weight": 8 * first.nbytes / (n * k),
         "copies": copies,
         "ms": {},
         "read_gbs": {},
@@ -57,7 +53,7 @@ def time_format(fmt: str, *, n: int, k: int, rows: list[int], cold_bytes: float,
             times.append(time.perf_counter() - start)
         median = statistics.median(times)
         result["ms"][m] = round(median * 1e3, 4)
-        result["read_gbs"][m] = round(packed_bytes(first) / median / 1e9, 2)
+        result["read_gbs"][m] = round(first.nbytes / median / 1e9, 2)
     return result
 
 
