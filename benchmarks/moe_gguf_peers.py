@@ -1,14 +1,22 @@
-"""A mixture-of-experts GGUF decoded plainly by quickdraft and by llama.cpp (llama-cpp-python) on
-the same file, one process: a random Qwen3-MoE model with Qwen3-30B-A3B's layer shapes (hidden
-2048, 32 query / 4 key heads of 128, experts of 768, 8 of `--experts` a token) but `--layers`
-layers and a small byte-level vocabulary, written as llama.cpp writes GGUF files (the tests'
-writer; the router F32, every other matrix `--qtype`).  Greedy decoding of `--tokens` tokens after
-a short prompt, end of sequence ignored; each engine runs in a process of its own (another
-engine's threads, spinning after their work, would take its cores), the two alternating for
-`--rounds` rounds, each a warm-up then the median of `--repeats` runs; the medians over rounds
-are printed (the model's text is noise: only the
-speed is compared).  With 4 of the real model's 48 layers, the per-token work outside the layers
-(the LM head call, sampling, the engine's step) weighs ~12x more than it would there.
+"""A GGUF decoded plainly by quickdraft and by llama.cpp (llama-cpp-python) on the same file, one
+process per engine run: a random model with a real model's layer shapes but `--layers` layers and
+a small byte-level vocabulary, written as llama.cpp writes GGUF files (the tests' writer; routers
+and the shared-expert gate F32, every other matrix `--qtype`):
+
+- `qwen3moe`: Qwen3-30B-A3B's layers (hidden 2048, 32 query / 4 key heads of 128, experts of 768,
+  8 of `--experts` a token);
+- `qwen2moe`: Qwen1.5-MoE-A2.7B's (hidden 2048, 16 heads of 128 with q/k/v biases, experts of
+  1408, 4 of `--experts` a token, not renormalised, a gated shared expert of 5632);
+- `qwen2`: Qwen2.5-1.5B's dense layers (hidden 1536, 12 query / 2 key heads of 128 with q/k/v
+  biases, MLP 8960).
+
+Greedy decoding of `--tokens` tokens after a short prompt, end of sequence ignored; each engine
+runs in a process of its own (another engine's threads, spinning after their work, would take its
+cores), the engines alternating for `--rounds` rounds, each a warm-up then the median of
+`--repeats` runs; the medians over rounds are printed (the model's text is noise: only the speed
+is compared).  `--base DIR` adds quickdraft from another checkout (its own kernel build and
+cache) as a third engine.  With a few of the real model's layers, the per-token work outside the
+layers (the LM head call, sampling, the engine's step) weighs more than it would there.
 
     python benchmarks/moe_gguf_peers.py --gguf /tmp/moe.gguf --layers 4 --experts 32 --qtype Q8_0
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,16 +35,48 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' GGUF writer (after PYTHONPATH: A/B runs)
 
 
-def write_model(path: Path, *, layers: int, experts: int, qtype: str) -> None:
+def model_config(architecture: str, *, layers: int, experts: int, vocab_size: int, **extra):
+    """A transformers config with the layer shapes named in this module's docstring."""
+    import transformers
+    from moe_decode import qwen3_30b_a3b_layers  # run from benchmarks/: its folder is on the path
+
+    if architecture == "qwen3moe":
+        return qwen3_30b_a3b_layers(layers=layers, experts=experts, vocab_size=vocab_size, **extra)
+    common = dict(vocab_size=vocab_size, num_hidden_layers=layers, max_position_embeddings=4096, **extra)
+    if architecture == "qwen2moe":
+        return transformers.Qwen2MoeConfig(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=experts,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+            **common,
+        )
+    return transformers.Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        **common,
+    )
+
+
+def write_model(path: Path, *, architecture: str, layers: int, experts: int, qtype: str) -> None:
     import torch
     import transformers
     from gguf import GGMLQuantizationType as QType
-    from moe_decode import qwen3_30b_a3b_layers  # run from benchmarks/: its folder is on the path
 
     from tests.models.test_gguf import byte_level_vocab, write_tiny_gguf
 
     vocab = byte_level_vocab(pre="qwen2")
-    config = qwen3_30b_a3b_layers(
+    config = model_config(
+        architecture,
         layers=layers,
         experts=experts,
         vocab_size=len(vocab.tokens),
@@ -44,7 +85,11 @@ def write_model(path: Path, *, layers: int, experts: int, qtype: str) -> None:
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    write_tiny_gguf(path, architecture="qwen3moe", model=model, vocab=vocab, qtypes={"": QType[qtype]})
+    with torch.no_grad():  # biases as trained models have them, not transformers' zeros
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.5)
+    write_tiny_gguf(path, architecture=architecture, model=model, vocab=vocab, qtypes={"": QType[qtype]})
 
 
 def quickdraft_rate(llm, prompt: list[int], tokens: int) -> float:
@@ -75,7 +120,7 @@ def engine_rate(engine: str, path: Path, *, tokens: int, threads: int, repeats: 
     """The median decode rate of `repeats` runs of one engine, after a warm-up (a kernel build
     after a source change, first touches of the weights)."""
     prompt = list(range(3, 35))
-    if engine == "quickdraft":
+    if engine.startswith("quickdraft"):
         from quickdraft import LLM
 
         llm = LLM(str(path), max_model_len=512, max_num_seqs=1)
@@ -92,6 +137,8 @@ def engine_rate(engine: str, path: Path, *, tokens: int, threads: int, repeats: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, required=True, help="written here when missing")
+    parser.add_argument("--architecture", choices=["qwen3moe", "qwen2moe", "qwen2"], default="qwen3moe")
+    parser.add_argument("--base", type=Path, help="another quickdraft checkout, run as a third engine")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--qtype", default="Q8_0")
@@ -99,20 +146,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine and round (median)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--engine", choices=["quickdraft", "llama.cpp"], help="(internal) one engine, one rate")
+    parser.add_argument(
+        "--engine", choices=["quickdraft", "quickdraft@base", "llama.cpp"], help="(internal) one engine, one rate"
+    )
     args = parser.parse_args()
     if args.engine:  # a child: one engine in its own process (no other engine's threads beside it)
         rate = engine_rate(args.engine, args.gguf, tokens=args.tokens, threads=args.threads, repeats=args.repeats)
         print(json.dumps({"rate": rate}))
         return
     if not args.gguf.exists():
-        write_model(args.gguf, layers=args.layers, experts=args.experts, qtype=args.qtype)
+        write_model(
+            args.gguf, architecture=args.architecture, layers=args.layers, experts=args.experts, qtype=args.qtype
+        )
     rates: dict[str, list[float]] = {"quickdraft": [], "llama.cpp": []}
+    if args.base is not None:
+        rates["quickdraft@base"] = []
     for _ in range(args.rounds):
         for engine in rates:
             child = [sys.executable, __file__, "--gguf", str(args.gguf), "--engine", engine]
             child += ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
-            output = subprocess.run(child, check=True, capture_output=True, text=True).stdout
+            env = dict(os.environ)
+            if engine == "quickdraft@base":  # the other checkout with a kernel build and cache of its own
+                env |= {
+                    "PYTHONPATH": str(args.base),
+                    "TORCH_EXTENSIONS_DIR": f"{args.base}-ext",
+                    "QUICKDRAFT_CACHE": f"{args.base}-cache",
+                }
+            output = subprocess.run(child, check=True, capture_output=True, text=True, env=env).stdout
             rates[engine].append(json.loads(output.strip().splitlines()[-1])["rate"])
     medians = {name: statistics.median(r) for name, r in rates.items()}
     print(
@@ -124,6 +184,11 @@ def main() -> None:
                 "decode_tok_s_rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},
                 "quickdraft_vs_llama_cpp": round(medians["quickdraft"] / medians["llama.cpp"], 3),
             }
+            | (
+                {"quickdraft_vs_base": round(medians["quickdraft"] / medians["quickdraft@base"], 3)}
+                if args.base is not None
+                else {}
+            )
         )
     )
 

@@ -109,6 +109,18 @@ def tiny_hf_config(arch: str):
             bos_token_id=1,
             eos_token_id=2,
         )
+    if arch == "qwen2_moe":  # 4 experts, 2 per token, not renormalised; a gated shared expert; layer 1 dense
+        return transformers.Qwen2MoeConfig(
+            **TINY,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     if arch == "mixtral":  # 4 experts of intermediate_size, 2 per token, in every layer
         return transformers.MixtralConfig(
             **{**TINY, "intermediate_size": 32},
@@ -121,6 +133,19 @@ def tiny_hf_config(arch: str):
         return transformers.Qwen2Config(**TINY, bos_token_id=1, eos_token_id=2)
     if arch == "qwen3":
         return transformers.Qwen3Config(**TINY, head_dim=16, bos_token_id=1, eos_token_id=2)
+    if arch == "qwen3_yarn":  # YaRN past a 32-token original context, as Qwen3's long-context configs
+        return transformers.Qwen3Config(
+            **TINY,
+            head_dim=16,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
     raise ValueError(arch)
 
 
@@ -183,7 +208,7 @@ def write_tiny_tokenizer(out_dir: Path, *, bos: str, eos: str, chat: bool) -> No
 
 ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 # Architectures tested in tests/models/test_architectures.py only (ARCHS runs through every suite).
-MORE_ARCHS = ("gemma2", "mistral", "phi3", "smollm3", "qwen3_moe", "mixtral")
+MORE_ARCHS = ("gemma2", "mistral", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "qwen3_yarn")
 
 
 @pytest.fixture(scope="session")

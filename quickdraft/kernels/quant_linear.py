@@ -301,12 +301,15 @@ def norm_matmul(
 @dataclass(frozen=True)
 class MixtureWeights:
     """A mixture-of-experts layer's MLP as the one-call layer takes it (``Mixture`` in
-    csrc/quant_linear.cpp): the float router and each expert's quantized matmuls."""
+    csrc/quant_linear.cpp): the float router, each expert's quantized matmuls, and a shared
+    expert's where the architecture has one."""
 
     router: torch.Tensor  # [E, D] float32
     experts: list[tuple[QuantizedWeight, QuantizedWeight]]  # per expert: gate_up [2 I, D], down [D, I]
     experts_per_token: int
     renormalize: bool
+    shared: tuple[QuantizedWeight, QuantizedWeight] | None = None  # the shared expert: [2 S, D], [D, S]
+    shared_gate: torch.Tensor | None = None  # [1, D] float32: the shared expert's sigmoid gate
 
     def kernel_object(self) -> object:
         return _extension().Mixture(
@@ -315,6 +318,10 @@ class MixtureWeights:
             [_parts(down) for _, down in self.experts],
             self.experts_per_token,
             self.renormalize,
+            [] if self.shared is None else _parts(self.shared[0]),
+            [] if self.shared is None else _parts(self.shared[1]),
+            0 if self.shared is None else self.shared[1].shape[1],
+            self.shared_gate,
         )
 
 
@@ -343,6 +350,7 @@ class FusedLayerWeights:
     scale: float
     softcap: float = 0.0  # Gemma 2's attention score cap (0: none)
     mixture: object | None = None  # the kernel's Mixture where experts replace the dense MLP
+    biases: object | None = None  # the kernel's LayerBiases where a matmul has a bias
 
     def weight_args(self) -> tuple:
         """The kernels' layer arguments before the per-call ones (decoder_layer, DecoderStack)."""
@@ -364,9 +372,9 @@ class FusedLayerWeights:
         """The kernels' head and width arguments (after the per-call ones in decoder_layer)."""
         return (self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.scale, self.softcap)
 
-    def mlp_args(self) -> tuple:
-        """The kernels' last argument: the mixture, or None for the dense MLP."""
-        return (self.mixture,)
+    def tail_args(self) -> tuple:
+        """The kernels' last arguments: the mixture (None: the dense MLP), the biases (None: none)."""
+        return (self.mixture, self.biases)
 
     @classmethod
     def of(
@@ -382,9 +390,12 @@ class FusedLayerWeights:
         scale: float,
         softcap: float | None = None,
         mixture: MixtureWeights | None = None,
+        biases: dict[str, torch.Tensor | None] | None = None,
     ) -> FusedLayerWeights:
-        """`weights`: qkv_proj, o_proj, and gate_up_proj, down_proj unless `mixture` replaces them."""
+        """`weights`: qkv_proj, o_proj, and gate_up_proj, down_proj unless `mixture` replaces them;
+        `biases`: float32 [out] by the same names (None or absent: no bias there)."""
         dense = mixture is None
+        biases = {name: b for name, b in (biases or {}).items() if b is not None}
         return cls(
             qkv=_parts(weights["qkv_proj"]),
             o_proj=_parts(weights["o_proj"]),
@@ -404,6 +415,13 @@ class FusedLayerWeights:
             scale=scale,
             softcap=softcap or 0.0,
             mixture=None if dense else mixture.kernel_object(),
+            biases=(
+                _extension().LayerBiases(
+                    *(biases.get(site) for site in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+                )
+                if biases
+                else None
+            ),
         )
 
 
@@ -445,7 +463,7 @@ class FusedStack:
         self._ext = _extension()
         self._stack = self._ext.DecoderStack()
         for layer in layers:
-            self._stack.add_layer(*layer.weight_args(), *layer.size_args(), *layer.mlp_args())
+            self._stack.add_layer(*layer.weight_args(), *layer.size_args(), *layer.tail_args())
         self._lora_keys: dict[int, str] = {}  # slot -> the key of the adapter the kernel holds there
 
     def built_from(self, layers: list[FusedLayerWeights]) -> bool:
@@ -537,7 +555,7 @@ def fused_decoder_layer(
         sequences.masks,
         *layer.size_args(),
         _amx_min_rows(ext),
-        *layer.mlp_args(),
+        *layer.tail_args(),
     )
 
 

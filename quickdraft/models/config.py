@@ -21,6 +21,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3",
     "qwen2",
     "qwen3",
+    "qwen2_moe",
     "qwen3_moe",
     "mixtral",
     "smollm3",
@@ -29,12 +30,12 @@ SUPPORTED_MODEL_TYPES = (
 # Llama-shaped models whose `sliding_window` (when set) applies to every layer, as transformers
 # reads them; Qwen2/3 gate theirs behind `use_sliding_window`.
 _WINDOW_WHEN_SET = ("mistral", "mixtral", "phi3")
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "none")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "none")
 
 
 def moe_hf_names(model_type: str) -> tuple[str, tuple[str, str, str]]:
     """A mixture-of-experts checkpoint's names: (the MLP block, its experts' gate/up/down), Mixtral's
-    (block_sparse_moe, w1/w3/w2) or Qwen3-MoE's (mlp, gate_proj/up_proj/down_proj)."""
+    (block_sparse_moe, w1/w3/w2) or Qwen2/3-MoE's (mlp, gate_proj/up_proj/down_proj)."""
     if model_type == "mixtral":
         return "block_sparse_moe", ("w1", "w3", "w2")
     return "mlp", ("gate_proj", "up_proj", "down_proj")
@@ -64,6 +65,12 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float | None = None
+    # YaRN (Qwen2.5/Qwen3 long context, DeepSeek): frequencies past `beta_fast` rotations over the
+    # original context keep their speed, those under `beta_slow` are slowed by `factor`, a linear
+    # ramp between (its ends rounded outwards where `truncate`); cos and sin scaled by attention_factor.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -134,14 +141,18 @@ class ModelConfig:
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (our fused layout already).
     fused_projections: bool = False
     no_rope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary embedding (SmolLM3)
-    # Mixture of experts (Qwen3-MoE, Mixtral): in `moe_layers` the MLP is `num_experts` experts of
+    # Mixture of experts (Qwen2/3-MoE, Mixtral): in `moe_layers` the MLP is `num_experts` experts of
     # width `moe_intermediate_size`, a router picking `experts_per_token` of them per token, their
-    # weights renormalised to sum to 1 where `moe_renormalize` (Mixtral; Qwen3-MoE's norm_topk_prob).
+    # weights renormalised to sum to 1 where `moe_renormalize` (Mixtral; Qwen-MoE's norm_topk_prob).
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
     moe_renormalize: bool = True
+    # Qwen2-MoE: beside the routed experts, a shared expert of this width that every row takes,
+    # its output scaled by sigmoid(x . shared_expert_gate) where `shared_expert_gated` (0: none).
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -178,6 +189,10 @@ class ModelConfig:
                 raise ValueError(f"moe_layers {self.moe_layers} name layers the model lacks ({self.num_layers})")
             if self.mlp_bias:
                 raise ValueError("MLP biases with a mixture of experts are not supported")
+            if self.shared_expert_intermediate_size < 0:
+                raise ValueError(
+                    f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}"
+                )
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if self.activation not in ("gelu_tanh", "silu"):
@@ -279,7 +294,7 @@ def _rope_from_params(params: dict | None, default_theta: float) -> RopeConfig:
     if rope_type == "su":  # the first Phi-3 128k checkpoints' name for longrope
         rope_type = "longrope"
     kwargs = dict(theta=float(params.get("rope_theta", default_theta)), rope_type=rope_type)
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "partial_rotary_factor"):
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "partial_rotary_factor", "beta_fast", "beta_slow"):
         if params.get(key) is not None:
             kwargs[key] = float(params[key])
     if params.get("attention_factor") is not None:
@@ -287,6 +302,8 @@ def _rope_from_params(params: dict | None, default_theta: float) -> RopeConfig:
     for key in ("short_factor", "long_factor"):
         if params.get(key) is not None:
             kwargs[key] = tuple(float(value) for value in params[key])
+    if params.get("truncate") is not None:
+        kwargs["truncate"] = bool(params["truncate"])
     if "original_max_position_embeddings" in params:
         kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
     return RopeConfig(**kwargs)
@@ -362,6 +379,8 @@ def _llama_family_fields(hf: dict, model_type: str) -> dict:
     rope = _rope_from_params(rope_params, 10_000.0)
     if rope.rope_type == "longrope":
         rope = _longrope_resolved(rope, hf, factor_given=rope_params.get("factor") is not None)
+    if rope.rope_type == "yarn":
+        rope = _yarn_resolved(rope, rope_params, hf)
     windowed = hf.get("use_sliding_window", False) or (
         model_type in _WINDOW_WHEN_SET and bool(hf.get("sliding_window"))
     )
@@ -377,8 +396,8 @@ def _llama_family_fields(hf: dict, model_type: str) -> dict:
         rope_by_layer_type={FULL_ATTENTION: rope, SLIDING_ATTENTION: rope},
         attn_scale=head_dim**-0.5,
         # Qwen2 always has q/k/v biases and no o_proj bias; Llama/Qwen3 follow attention_bias.
-        qkv_bias=True if model_type == "qwen2" else attention_bias,
-        o_bias=False if model_type == "qwen2" else attention_bias,
+        qkv_bias=True if model_type in ("qwen2", "qwen2_moe") else attention_bias,
+        o_bias=False if model_type in ("qwen2", "qwen2_moe") else attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=hf.get("sliding_window") if windowed else None,
@@ -390,7 +409,8 @@ def _llama_family_fields(hf: dict, model_type: str) -> dict:
 
 def _moe_fields(hf: dict, model_type: str, num_layers: int) -> dict:
     """The mixture-of-experts switches: Mixtral's experts in every layer (intermediate_size wide,
-    weights renormalised); Qwen3-MoE's every decoder_sparse_step-th layer but mlp_only_layers."""
+    weights renormalised); Qwen2/3-MoE's every decoder_sparse_step-th layer but mlp_only_layers,
+    Qwen2-MoE's with a gated shared expert beside them."""
     if model_type == "mixtral":
         experts, width, layers, renormalize = (
             int(_require(hf, "num_local_experts")),
@@ -398,7 +418,7 @@ def _moe_fields(hf: dict, model_type: str, num_layers: int) -> dict:
             range(num_layers),
             True,
         )
-    elif model_type == "qwen3_moe":
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
         # published configs say num_experts; transformers >= 5 writes num_local_experts
         experts = int(hf.get("num_experts") or _require(hf, "num_local_experts"))
         width = _require(hf, "moe_intermediate_size")
@@ -407,7 +427,10 @@ def _moe_fields(hf: dict, model_type: str, num_layers: int) -> dict:
         renormalize = bool(hf.get("norm_topk_prob", False))
     else:
         return {}
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
     return dict(
+        shared_expert_intermediate_size=shared,
+        shared_expert_gated=shared > 0,
         num_experts=experts,
         experts_per_token=int(_require(hf, "num_experts_per_tok")),
         moe_intermediate_size=int(width),
@@ -426,6 +449,29 @@ def _no_rope_layers(hf: dict, num_layers: int) -> tuple[int, ...]:
     if len(flags) != num_layers:
         raise ValueError(f"no_rope_layers has {len(flags)} flags for {num_layers} layers")
     return tuple(layer for layer, uses_rope in enumerate(flags) if not uses_rope)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_resolved(rope: RopeConfig, params: dict, hf: dict) -> RopeConfig:
+    """YaRN's `factor` (where absent: the ratio of the context lengths, as DeepSeek-V3 has it) and
+    `attention_factor` (where absent: 0.1 ln(factor) + 1, or DeepSeek's ratio of two such terms
+    with `mscale` and `mscale_all_dim`), as transformers derives them."""
+    if "original_max_position_embeddings" not in params:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+    factor = rope.factor
+    if params.get("factor") is None:
+        factor = int(_require(hf, "max_position_embeddings")) / rope.original_max_position_embeddings
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return replace(rope, factor=factor, attention_factor=attention_factor)
 
 
 def _longrope_resolved(rope: RopeConfig, hf: dict, *, factor_given: bool) -> RopeConfig:

@@ -156,6 +156,14 @@ class DecoderLayer(torch.nn.Module):
             else None
         )
         self.experts_per_token, self.moe_renormalize = c.experts_per_token, c.moe_renormalize
+        shared = moe and c.shared_expert_intermediate_size > 0
+        self.shared_expert = (
+            Expert(hidden_size=c.hidden_size, intermediate_size=c.shared_expert_intermediate_size, dtype=dtype)
+            if shared
+            else None
+        )
+        gated = shared and c.shared_expert_gated
+        self.shared_expert_gate = _weight(1, c.hidden_size, dtype) if gated else None  # [1, D]
 
         def norm(*shape: int) -> RMSNorm:
             return RMSNorm(shape, eps=c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
@@ -192,7 +200,7 @@ class DecoderLayer(torch.nn.Module):
         return self.block_output(hidden, self._attend(q, attn, cache), linear=linear, lora=lora)
 
     def _fused_weights_for(self, hidden: torch.Tensor, *, kernel_ready: bool = False) -> FusedLayerWeights | None:
-        """The one-call C++ layer's arguments where it applies (quantized weights without biases,
+        """The one-call C++ layer's arguments where it applies (quantized weights, float32 biases,
         on the CPU, a compiled build), else None: the layer below, per matmul.  `kernel_ready`:
         the caller checked fused_layer_available() for this forward already."""
         if (
@@ -208,9 +216,9 @@ class DecoderLayer(torch.nn.Module):
 
     def _fused_weights(self) -> FusedLayerWeights | None:
         """The kernel's arguments that stay from call to call, gathered at the first fused call and
-        again whenever a weight, norm or bias is replaced; None where a weight is not quantized or
-        has a bias.  The check reads the module dicts directly: torch's Module.__getattr__ costs ~1 us
-        a lookup, and this runs for every layer of every forward."""
+        again whenever a weight, norm or bias is replaced; None where a weight is not quantized.
+        The check reads the module dicts directly: torch's Module.__getattr__ costs ~1 us a lookup,
+        and this runs for every layer of every forward."""
         modules = self._modules
         weights = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)  # plain attributes
         norms = tuple(
@@ -225,15 +233,16 @@ class DecoderLayer(torch.nn.Module):
         )
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)  # None: plain attributes
         experts = self._expert_weights()  # () for a dense layer
-        sources = weights + norms + biases + experts
+        shared = self._shared_expert_weights()  # (gate_up, down, gate or None) or ()
+        sources = weights + norms + biases + experts + shared
         cached = self._fused_cache
         if cached is not None and len(sources) == len(cached[0]) and all(a is b for a, b in zip(sources, cached[0])):
             return cached[1]
         dense = weights if not experts else weights[:2]  # a mixture's layer has no dense MLP weights
-        usable = (
-            all(isinstance(w, QuantizedWeight) for w in dense + experts[1:])
-            and all(b is None for b in biases)
-            and (not experts or (isinstance(experts[0], torch.Tensor) and experts[0].dtype == torch.float32))
+        usable = all(isinstance(w, QuantizedWeight) for w in dense + experts[1:] + shared[:2]) and all(
+            isinstance(w, torch.Tensor) and w.dtype == torch.float32
+            for w in biases + experts[:1] + shared[2:]
+            if w is not None
         )
         layer = (
             FusedLayerWeights.of(
@@ -244,11 +253,14 @@ class DecoderLayer(torch.nn.Module):
                         experts=list(zip(experts[1::2], experts[2::2])),
                         experts_per_token=self.experts_per_token,
                         renormalize=self.moe_renormalize,
+                        shared=(shared[0], shared[1]) if shared else None,
+                        shared_gate=shared[2] if shared else None,
                     )
                     if experts
                     else None
                 ),
                 norms=dict(zip(("input", "post_attention", "pre_feedforward", "post_feedforward", "qk"), norms)),
+                biases=dict(zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), biases)),
                 eps=self.input_layernorm.eps,
                 gelu=self.gelu,
                 num_heads=self.num_heads,
@@ -276,6 +288,18 @@ class DecoderLayer(torch.nn.Module):
                 value = expert.__dict__.get(name)
                 weights.append(expert._parameters.get(name) if value is None else value)
         return tuple(weights)
+
+    def _shared_expert_weights(self) -> tuple:
+        """(gate_up, down, the [1, D] gate or None) of a mixture's shared expert, () without one."""
+        expert = self._modules.get("shared_expert")
+        if expert is None:
+            return ()
+        gate = self._parameters.get("shared_expert_gate", self.__dict__.get("shared_expert_gate"))
+        weights = []
+        for name in ("gate_up_proj", "down_proj"):
+            value = expert.__dict__.get(name)
+            weights.append(expert._parameters.get(name) if value is None else value)
+        return (*weights, gate)
 
     def _fused_forward(
         self,
@@ -373,6 +397,12 @@ class DecoderLayer(torch.nn.Module):
         total = by_rank[0]
         for rank in range(1, k):
             total = total + by_rank[rank]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, linear=linear, gelu=self.gelu)  # [N, D]
+            if self.shared_expert_gate is not None:
+                gate = torch.sigmoid(linear(x, self.shared_expert_gate, None).float())  # [N, 1]
+                shared = shared * gate.to(x.dtype)
+            total = total + shared
         return total
 
     def _with_adapters(

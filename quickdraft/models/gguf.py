@@ -31,7 +31,7 @@ import numpy as np
 
 from quickdraft.models.config import moe_hf_names
 
-SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3")
+SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "smollm3")
 
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
@@ -80,6 +80,14 @@ _ARCH_BLOCK_NAMES = {
     "qwen3": {"ffn_norm": "post_attention_layernorm"},
     "smollm3": {"ffn_norm": "post_attention_layernorm"},
     "qwen3moe": {"ffn_norm": "post_attention_layernorm"},
+    # Qwen2-MoE's shared expert and its gate (a [hidden] vector; HF holds it as a [1, hidden] matrix)
+    "qwen2moe": {
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    },
 }
 
 # Mixture-of-experts layers: a router (`ffn_gate_inp`) and the experts' matrices stacked in 3-D
@@ -121,6 +129,7 @@ _HF_CLASSES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
@@ -223,6 +232,14 @@ def _unpermute_rows(weights: np.ndarray, *, n_head: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(weights.shape)
 
 
+def _hf_shape(tensor: gguf.ReaderTensor, *, expert: int | None = None) -> tuple[int, ...]:
+    """The HF parameter's shape of a GGUF tensor (of one expert's matrix of a stacked tensor)."""
+    shape = _torch_shape(tensor) if expert is None else _torch_shape(tensor)[1:]
+    if tensor.name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
+        return (1, *shape)  # llama.cpp's [hidden] shared-expert gate is HF's Linear(hidden, 1)
+    return shape
+
+
 def dequantize_tensor(
     tensor: gguf.ReaderTensor,
     *,
@@ -234,7 +251,7 @@ def dequantize_tensor(
 ) -> np.ndarray:
     """One GGUF tensor as float32 in torch layout, with llama.cpp's value transforms undone;
     `expert`: that expert's matrix of a stacked experts tensor."""
-    shape = _torch_shape(tensor) if expert is None else _torch_shape(tensor)[1:]
+    shape = _hf_shape(tensor, expert=expert)
     try:
         data = tensor.data if expert is None else tensor.data[expert]
         weights = gguf.quants.dequantize(data, tensor.tensor_type)
@@ -443,7 +460,7 @@ def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: s
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if architecture == "llama":
         extra["mlp_bias"] = False
-    if architecture in ("qwen2", "qwen3", "qwen3moe", "smollm3"):
+    if architecture in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "smollm3"):
         extra["use_sliding_window"] = False
     experts = read_field(reader, f"{architecture}.expert_count")
     if experts:
@@ -456,8 +473,10 @@ def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: s
 
 
 def _moe_config(reader: gguf.GGUFReader, *, architecture: str, num_experts: int) -> dict:  # -> keys to add
-    """A mixture of experts as llama.cpp runs it: every layer, weights renormalised (its norm_w).
-    A `llama` file with experts is Mixtral, whose experts are feed_forward_length wide."""
+    """A mixture of experts as llama.cpp runs it: every layer, weights renormalised (its norm_w)
+    except Qwen2-MoE's, whose shared expert is expert_shared_feed_forward_length wide (else
+    feed_forward_length).  A `llama` file with experts is Mixtral, whose experts are
+    feed_forward_length wide."""
     used = int(arch_field(reader, architecture, "expert_used_count"))
     if architecture == "llama":
         return {
@@ -471,10 +490,19 @@ def _moe_config(reader: gguf.GGUFReader, *, architecture: str, num_experts: int)
         "num_experts": num_experts,
         "num_experts_per_tok": used,
         "moe_intermediate_size": int(arch_field(reader, architecture, "expert_feed_forward_length")),
-        "norm_topk_prob": True,
+        "norm_topk_prob": architecture != "qwen2moe",
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-    }
+    } | (
+        {
+            "shared_expert_intermediate_size": int(
+                read_field(reader, f"{architecture}.expert_shared_feed_forward_length")
+                or arch_field(reader, architecture, "feed_forward_length")
+            )
+        }
+        if architecture == "qwen2moe"
+        else {}
+    )
 
 
 def _phi3_config(reader: gguf.GGUFReader, config: dict) -> dict:  # -> keys to add to `config`
@@ -666,10 +694,7 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
 
     with _staging_dir(out_dir) as staging:
         _write_json(staging / "config.json", config)
-        shapes = {
-            hf_name: _torch_shape(tensors[name])[0 if expert is None else 1 :]
-            for hf_name, (name, expert) in hf_names.items()
-        }
+        shapes = {hf_name: _hf_shape(tensors[name], expert=expert) for hf_name, (name, expert) in hf_names.items()}
         write_safetensors_streaming(staging / "model.safetensors", shapes=shapes, produce=produce)
         _fsync_write(staging / "tokenizer.json", tokenizer.to_str(pretty=False).encode("utf-8"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config)

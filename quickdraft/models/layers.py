@@ -95,7 +95,32 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, *, long_context: bool = False
         inv_freq = 1.0 / (
             torch.tensor(factors, dtype=torch.float32, device="cpu") * rope.theta ** (positions.float() / rotary_dim)
         )
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(rope, rotary_dim=rotary_dim)
     return torch.cat([inv_freq, inv_freq.new_zeros(head_dim // 2 - rotary_dim // 2)])
+
+
+def _yarn_inv_freq(rope: RopeConfig, *, rotary_dim: int) -> torch.Tensor:  # -> [rotary_dim // 2]
+    """YaRN: pair i keeps its frequency below the ramp, is slowed by `factor` above it (the pairs
+    whose wavelengths the original context did not fit `beta_slow` times), linearly between, with
+    the ramp's ends where `beta_fast` and `beta_slow` rotations fit the original context."""
+
+    def pair_of(rotations: float) -> float:  # the (fractional) pair index with this many rotations
+        wavelengths = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return rotary_dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low, high = pair_of(rope.beta_fast), pair_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    # the same two frequencies transformers blends: 1 / (factor * theta^(2i/d)) and 1 / theta^(2i/d)
+    pos_freqs = rope.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim)
+    interpolated, extrapolated = 1.0 / (rope.factor * pos_freqs), 1.0 / pos_freqs
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -131,7 +156,7 @@ class RotaryTable(torch.nn.Module):
         freqs = torch.arange(max_len, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, D]
         cos, sin = emb.cos(), emb.sin()
-        if rope.attention_factor is not None:  # LongRoPE scales the rotated dimensions' cos and sin
+        if rope.attention_factor is not None:  # LongRoPE and YaRN scale the rotated dimensions' cos and sin
             rotated = torch.cat([inv_freq, inv_freq]) > 0  # [D]
             cos = torch.where(rotated, cos * rope.attention_factor, cos)
             sin = torch.where(rotated, sin * rope.attention_factor, sin)

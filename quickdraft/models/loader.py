@@ -214,13 +214,19 @@ def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
 
 
 def _expert_tensors(config: ModelConfig, prefix: str) -> dict[str, list[str]]:
-    """A mixture-of-experts layer's router and experts, under its checkpoint's names."""
+    """A mixture-of-experts layer's router and experts (and shared expert), under its checkpoint's names."""
     block, (gate, up, down) = moe_hf_names(config.model_type)
     names = {"router": [prefix + f"{block}.gate.weight"]}
     for expert in range(config.num_experts):
         at = prefix + f"{block}.experts.{expert}."
         names[f"experts.{expert}.gate_up_proj"] = [at + f"{gate}.weight", at + f"{up}.weight"]
         names[f"experts.{expert}.down_proj"] = [at + f"{down}.weight"]
+    if config.shared_expert_intermediate_size:
+        at = prefix + f"{block}.shared_expert."
+        names["shared_expert.gate_up_proj"] = [at + "gate_proj.weight", at + "up_proj.weight"]
+        names["shared_expert.down_proj"] = [at + "down_proj.weight"]
+        if config.shared_expert_gated:
+            names["shared_expert_gate"] = [prefix + f"{block}.shared_expert_gate.weight"]
     return names
 
 

@@ -331,9 +331,57 @@ def _gemma3_dict() -> dict:
     }
 
 
+def test_yarn_configs_parse():
+    """Qwen2.5's long-context YaRN as its model card spells it (transformers 4.x `rope_scaling`,
+    `type`), DeepSeek's with mscale terms and no factor, and YaRN without its original context."""
+    qwen = ModelConfig.from_hf_dict(
+        {
+            "model_type": "qwen2",
+            "vocab_size": 152064,
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+        }
+    )
+    rope = qwen.rope_by_layer_type["full_attention"]
+    assert (rope.rope_type, rope.factor, rope.theta, rope.beta_fast, rope.beta_slow) == (
+        "yarn",
+        4.0,
+        1e6,
+        32.0,
+        1.0,
+    )
+    assert rope.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    common = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 128}
+    common |= {"num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 16384}
+    deepseek_style = ModelConfig.from_hf_dict(
+        common
+        | {
+            "rope_scaling": {
+                "type": "yarn",
+                "original_max_position_embeddings": 4096,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "beta_fast": 16,
+                "truncate": False,
+            }
+        }
+    )
+    rope = deepseek_style.rope_by_layer_type["full_attention"]
+    assert rope.factor == 4.0 and rope.attention_factor == 1.0 and rope.beta_fast == 16.0 and not rope.truncate
+    with pytest.raises(ValueError, match="yarn rope scaling needs original_max_position_embeddings"):
+        ModelConfig.from_hf_dict(common | {"rope_scaling": {"type": "yarn", "factor": 2.0}})
+
+
 def test_published_moe_configs_parse():
-    """Qwen3-30B-A3B (128 experts of 768, 8 a token, renormalised) and Mixtral 8x7B (8 experts of
-    14336, 2 a token) as their config.json spell them; mixtures cannot be split over ranks."""
+    """Qwen3-30B-A3B (128 experts of 768, 8 a token, renormalised), Qwen1.5-MoE-A2.7B and Mixtral
+    8x7B (8 experts of 14336, 2 a token) as their config.json spell them; mixtures cannot be split
+    over ranks."""
     from quickdraft.distributed.sharding import check_tensor_parallel
 
     common = {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "rms_norm_eps": 1e-6}
@@ -356,6 +404,34 @@ def test_published_moe_configs_parse():
     )
     assert (qwen.num_experts, qwen.experts_per_token, qwen.moe_intermediate_size) == (128, 8, 768)
     assert qwen.moe_layers == tuple(range(48)) and qwen.moe_renormalize and qwen.qk_norm
+    assert qwen.shared_expert_intermediate_size == 0
+    # Qwen1.5-MoE-A2.7B: 60 experts of 1408, 4 a token, not renormalised, a gated shared expert of
+    # 5632; q/k/v biases as every Qwen2
+    qwen2 = ModelConfig.from_hf_dict(
+        common
+        | {
+            "model_type": "qwen2_moe",
+            "vocab_size": 151936,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "use_sliding_window": False,
+            "sliding_window": 32768,
+            "rope_theta": 1000000.0,
+        }
+    )
+    assert (qwen2.num_experts, qwen2.experts_per_token, qwen2.moe_intermediate_size) == (60, 4, 1408)
+    assert qwen2.shared_expert_intermediate_size == 5632 and qwen2.shared_expert_gated
+    assert not qwen2.moe_renormalize and qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm
+    assert qwen2.moe_layers == tuple(range(24)) and set(qwen2.layer_types) == {"full_attention"}
     mixtral = ModelConfig.from_hf_dict(
         common
         | {

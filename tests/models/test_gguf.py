@@ -211,6 +211,7 @@ _GGUF_ARCH = {
     "phi3": gguf.MODEL_ARCH.PHI3,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp writes Mixtral as llama with experts
     "smollm3": gguf.MODEL_ARCH.SMOLLM3,
@@ -297,6 +298,20 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
             **common,
         )
         model_class = transformers.Qwen3MoeForCausalLM
+    elif architecture == "qwen2moe":  # 8 experts of 32, 4 a token, weights not renormalised; a shared expert
+        config = transformers.Qwen2MoeConfig(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+            **common,
+        )
+        model_class = transformers.Qwen2MoeForCausalLM
     elif architecture == "mixtral":
         config = transformers.MixtralConfig(
             num_hidden_layers=2,
@@ -314,8 +329,14 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
         )
         model_class = transformers.SmolLM3ForCausalLM
     elif architecture == "qwen2":
+        rope = {"rope_type": "default", "rope_theta": 10000.0} | (rope_scaling or {})
         config = transformers.Qwen2Config(
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters=rope,
+            **common,
         )
         model_class = transformers.Qwen2ForCausalLM
     else:  # qwen3, with head_dim != hidden / heads
@@ -379,8 +400,10 @@ def _write_hparams(writer: gguf.GGUFWriter, *, architecture: str, config) -> Non
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if architecture == "qwen3moe":
+        if architecture in ("qwen2moe", "qwen3moe"):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if architecture == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if architecture == "phi3":  # as llama.cpp's converter writes Phi-3 (no key length, factors as tensors)
         rope = config.rope_parameters
         writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
@@ -392,6 +415,10 @@ def _write_hparams(writer: gguf.GGUFWriter, *, architecture: str, config) -> Non
         )
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if config.rope_parameters.get("rope_type") == "yarn":  # as llama.cpp's converter writes YaRN
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
     if architecture == "llama":
         writer.add_rope_dimension_count(head_dim)
         rope = config.rope_parameters
@@ -458,6 +485,8 @@ def write_tiny_gguf(
         if not gguf_name.endswith((".weight", ".bias")):  # experts [E, out, in], named without a suffix
             gguf_name += ".weight"
         weights = tensor.float().numpy().copy()  # (out, in) torch order
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            weights = weights.reshape(-1)  # llama.cpp declares the shared-expert gate [hidden]
         if architecture in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             weights = weights + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
         if architecture in ("llama", "mixtral", "smollm3") and ".attn_q." in gguf_name:
@@ -507,6 +536,10 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+
+# YaRN past a 32-token original context (a Qwen2.5 long-context config, shrunk)
+QWEN2_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 
 PHI3_ROPE = {
@@ -559,7 +592,9 @@ VARIANTS = {
     "llama-llama3-rope": Variant("llama", {"": QType.Q8_0}, "llama-bpe", rope_scaling=LLAMA3_ROPE),
     "phi3-q8_0": Variant("phi3", {"": QType.Q8_0}, "llama-bpe"),
     "qwen2-f16": Variant("qwen2", {"": QType.F16}, "qwen2"),
+    "qwen2-yarn": Variant("qwen2", {"": QType.Q8_0}, "qwen2", rope_scaling=QWEN2_YARN),
     "qwen3moe-q8_0": Variant("qwen3moe", {"": QType.Q8_0}, "qwen2"),
+    "qwen2moe-mixed": Variant("qwen2moe", {"shexp": QType.Q8_0, "": QType.Q4_0}, "qwen2"),
     "mixtral-mixed": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0}, "llama-bpe"),  # a float LM head
     "mixtral-split": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0}, "llama-bpe", split_experts=True),
     "smollm3-q8_0": Variant("smollm3", {"": QType.Q8_0}, "llama-bpe"),
@@ -784,7 +819,7 @@ def test_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'phi2'.*gemma3, llama, phi3, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'phi2'.*gemma3, llama, phi3, qwen2, qwen2moe, qwen3"):
         convert_gguf_to_hf_dir(path, tmp_path / "out")
 
 

@@ -196,15 +196,18 @@ def test_a_prompt_prefilled_at_once_gives_each_tokens_decoded_bits(tiny_checkpoi
 
 
 @pytest.mark.skipif(not fused_layer_available(), reason="no compiled one-call layer on this CPU")
-def test_the_one_call_layer_adds_what_the_torch_layer_adds(tiny_checkpoints, adapters):
-    """The C++ deltas are the torch layer's, to rounding (summed in another order)."""
-    base = tiny_checkpoints["gemma3"]
-    first = _adapter(base, adapters["gemma3"], 1)
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_the_one_call_layer_adds_what_the_torch_layer_adds(tiny_checkpoints, adapters, arch):
+    """The C++ deltas are the torch layer's, to rounding (summed in another order); Qwen2's q/k/v
+    biases come before the adapters' deltas in both."""
+    base = tiny_checkpoints[arch]
+    first = _adapter(base, adapters[arch], 1)
     results = []
     for fused in (True, False):
         runner = _runner(base, quantization="q8_0", slots=1)
         for layer in runner.model.layers:
             layer.fused = fused
+        assert (runner.model._stack_for(torch.zeros(1, 64)) is not None) == fused  # which path runs
         (logits,) = _decode_logits(
             runner,
             [[SequenceWork(slot=0, cache_len=0, token_ids=PROMPT, logits_nodes=list(range(len(PROMPT))), lora=first)]],

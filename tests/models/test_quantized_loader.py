@@ -40,6 +40,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
             "gemma2-mixed",
             "smollm3-q8_0",
             "qwen3moe-q8_0",
+            "qwen2moe-mixed",
             "mixtral-mixed",
             "mixtral-split",
         )
@@ -69,6 +70,7 @@ def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
         "phi3-q8_0",
         "smollm3-q8_0",
         "qwen3moe-q8_0",
+        "qwen2moe-mixed",  # a shared expert (Q8_0) beside the routed ones (Q4_0)
         "mixtral-mixed",
         "mixtral-split",  # one tensor per expert, as Mixtral files were written before spring 2024
     ],
@@ -131,8 +133,18 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
 @pytest.mark.parametrize(
     "name",
     # qwen3moe: its 4 experts a token go to the threads whole at one row, each expert's matmuls
-    # are split between them in wider forwards; mixtral-mixed: 2 a token, split at every width
-    ["gemma3-mixed", "gemma3-lowbit", "llama-q8_0", "phi3-q8_0", "gemma2-mixed", "qwen3moe-q8_0", "mixtral-mixed"],
+    # are split between them in wider forwards; mixtral-mixed: 2 a token, split at every width;
+    # qwen2moe-mixed: a shared expert for every row beside 4 routed ones
+    [
+        "gemma3-mixed",
+        "gemma3-lowbit",
+        "llama-q8_0",
+        "phi3-q8_0",
+        "gemma2-mixed",
+        "qwen3moe-q8_0",
+        "qwen2moe-mixed",
+        "mixtral-mixed",
+    ],
 )
 def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name, kv_dtype):
     model, config = load(tiny_gguf_paths[name], "gguf")
@@ -262,6 +274,7 @@ def test_quantized_logits_close_to_float(tiny_gguf_paths):
         ("gemma3-lowbit", "auto", True),
         ("mixtral-mixed", "auto", True),  # the mixture of experts in the one-call layer
         ("qwen3moe-q8_0", "float16", False),
+        ("qwen2moe-mixed", "auto", True),
     ],
 )
 def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, name, tree, kv_cache_dtype):
@@ -282,6 +295,26 @@ def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, name, tree, kv
     llm.engine.speculator.drafter = GarbageDrafter(vocab_size=plain.engine.model_config.vocab_size, tree=tree)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.get_metrics().num_draft_tokens > 50
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_yarn_gguf_gives_transformers_logits(tmp_path, quantization):
+    """A Qwen2 GGUF with llama.cpp's YaRN keys (rope.scaling.type yarn, factor, original context):
+    the decoder rotates as transformers does with those parameters, past the original context."""
+    from tests.models.test_gguf import build_tiny_gguf
+
+    tiny = build_tiny_gguf(tmp_path, "qwen2-yarn")
+    model, config = load(tiny.path, quantization)
+    rope = config.rope_by_layer_type["full_attention"]
+    assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == ("yarn", 4.0, 32)
+    tiny.model.load_state_dict(tiny.expected, strict=False)
+    tokens = (PROMPT * 3)[:48]  # past the 32-position original context
+    with torch.no_grad():
+        expected = tiny.model(torch.tensor([tokens])).logits[0]
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))]
+    (got,) = _logits(model, config, [work], prefix=[], slots=1)
+    tolerance = 1e-4 if quantization is None else 5e-2  # the kernels' int8 activations
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_q8_0_at_load_speculative_equals_plain(tiny_checkpoints):
@@ -342,14 +375,33 @@ def _set_fused(model, fused: bool) -> None:
 @pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
 @pytest.mark.parametrize(
     "name",
-    ["llama-q8_0", "gemma3-mixed", "gemma3-lowbit", "phi3-q8_0", "gemma2-mixed", "qwen3moe-q8_0", "mixtral-mixed"],
+    [
+        "llama-q8_0",
+        "gemma3-mixed",
+        "gemma3-lowbit",
+        "phi3-q8_0",
+        "gemma2-mixed",
+        "qwen3moe-q8_0",
+        "qwen2moe-mixed",
+        "mixtral-mixed",
+        "llama-q8_0+biases",
+    ],
 )
 def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
     """The C++ layer computes what DecoderLayer's torch code computes, to rounding.  Rounding
     differences of ~1e-7 can flip an int8 activation quant (a ~1% step) now and then, and later
     layers carry such a flip along, so: one layer's output elementwise (flips rare), the whole
-    model's next-token choices (nearly all equal)."""
-    model, config = load(tiny_gguf_paths[name], "gguf")
+    model's next-token choices (nearly all equal).  "+biases": every matmul of every layer given
+    a bias (Qwen2 has q/k/v biases; other checkpoints o_proj or MLP ones)."""
+    model, config = load(tiny_gguf_paths[name.removesuffix("+biases")], "gguf")
+    if name.endswith("+biases"):
+        generator = torch.Generator().manual_seed(0)
+        for layer in model.layers:
+            for site, rows in (("qkv", layer.qkv_proj), ("o", layer.o_proj), ("gate_up", layer.gate_up_proj)):
+                bias = torch.randn(rows.shape[0], generator=generator) * 0.5
+                setattr(layer, f"{site}_bias", torch.nn.Parameter(bias, requires_grad=False))
+            layer.down_bias = torch.nn.Parameter(torch.randn(config.hidden_size, generator=generator) * 0.5)
+        assert model.layers[0]._fused_weights() is not None  # the biases run in the one call
     work = [
         [SequenceWork(slot=0, cache_len=1, token_ids=PROMPT[1:], logits_nodes=list(range(len(PROMPT) - 1)))],
         [
@@ -397,7 +449,7 @@ def test_one_call_layer_follows_a_replaced_weight_or_norm(tiny_gguf_paths):
     model.layers[0].input_layernorm.weight = other.layers[0].input_layernorm.weight  # a new Parameter
     model.layers[1].gate_up_proj = other.layers[1].gate_up_proj
     assert torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
-    # A bias set later takes the layer off the fused kernel (which has none): the outputs move.
+    # A bias set later is what the next forward adds: the outputs move.
     model.layers[1].qkv_bias = torch.nn.Parameter(torch.full((model.layers[1].qkv_proj.shape[0],), 0.5))
     assert not torch.equal(torch.cat(_logits(model, config, work, prefix=[2])), expected)
 
@@ -434,7 +486,8 @@ def test_one_call_mixture_with_a_nan_router_picks_experts_in_range(tiny_gguf_pat
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma3-mixed", "llama-q8_0", "gemma2-mixed", "smollm3-q8_0", "qwen3moe-q8_0", "mixtral-mixed"]
+    "name",
+    ["gemma3-mixed", "llama-q8_0", "gemma2-mixed", "smollm3-q8_0", "qwen3moe-q8_0", "qwen2moe-mixed", "mixtral-mixed"],
 )
 def test_every_layer_in_one_call_is_the_layer_by_layer_forward(tiny_gguf_paths, name, monkeypatch):
     """The decoder's stack in one C++ call (FusedStack) computes what the loop over the one-call

@@ -1552,16 +1552,51 @@ void add_lora(const LoraRows* lora, int site, const float* x, int64_t N, int64_t
   });
 }
 
+// The biases of a layer's matmuls where its checkpoint has them (Qwen2's q/k/v; o_proj or the MLP
+// in others), each [its output width] float32 or undefined.  As torch's linear does, a bias is
+// added to each row's product before the row's adapters: a row's value is its own whatever rows
+// share the call.
+struct LayerBiases {
+  at::Tensor qkv, o_proj, gate_up, down;
+};
+
+LayerBiases make_layer_biases(const c10::optional<at::Tensor>& qkv, const c10::optional<at::Tensor>& o_proj,
+                              const c10::optional<at::Tensor>& gate_up, const c10::optional<at::Tensor>& down) {
+  auto checked = [](const c10::optional<at::Tensor>& b, const char* site) {
+    if (!b.has_value() || !b->defined()) return at::Tensor();
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1, "LayerBiases: the ", site,
+                " bias must be a 1-d float32 tensor");
+    return b->contiguous();
+  };
+  return LayerBiases{checked(qkv, "qkv"), checked(o_proj, "o_proj"), checked(gate_up, "gate_up"),
+                     checked(down, "down")};
+}
+
+// out [N, M] += bias [M] on every row; nothing for an undefined bias.
+void add_bias(const at::Tensor& bias, float* out, int64_t N, int64_t M) {
+  if (!bias.defined()) return;
+  TORCH_CHECK(bias.numel() == M, "decoder_layer: a bias of ", bias.numel(), " values for a matmul of ", M);
+  const float* b = bias.const_data_ptr<float>();
+  for_rows(N, [&](int64_t n) {
+    float* o = out + n * M;
+    for (int64_t m = 0; m < M; ++m) o[m] = o[m] + b[m];
+  });
+}
+
 // The gated MLP of rows x [N, D] -> out [N, D]: gate_up, the activation, down, each matmul
-// followed by the rows' adapters where `lora` is given (a dense layer's MLP; a mixture's experts
-// have none).  gate_up [N, 2I] and act [N, I] are scratch; act may be x (read before it is written).
+// followed by its bias and the rows' adapters where given (a dense layer's MLP; a mixture's
+// experts have neither).  gate_up [N, 2I] and act [N, I] are scratch; act may be x (read before
+// it is written).
 void gated_mlp(const std::vector<Part>& gate_up_w, const std::vector<Part>& down_w, const float* x, int64_t N,
                int64_t D, int64_t I, bool gelu, float* gate_up, float* act, float* out, std::vector<int8_t>& q8,
-               std::vector<float>& dx, std::vector<int32_t>& bsum, int64_t amx_min_rows, const LoraRows* lora) {
+               std::vector<float>& dx, std::vector<int32_t>& bsum, int64_t amx_min_rows, const LoraRows* lora,
+               const LayerBiases* biases = nullptr) {
   matmul_parts(gate_up_w, x, N, D, gate_up, 2 * I, q8, dx, bsum, amx_min_rows);
+  if (biases != nullptr) add_bias(biases->gate_up, gate_up, N, 2 * I);
   add_lora(lora, 2, x, N, D, gate_up, 2 * I);
   for_rows(N, [&](int64_t n) { gated_activation(gate_up + n * 2 * I, gate_up + n * 2 * I + I, I, gelu, act + n * I); });
   matmul_parts(down_w, act, N, I, out, D, q8, dx, bsum, amx_min_rows);
+  if (biases != nullptr) add_bias(biases->down, out, N, D);
   add_lora(lora, 3, act, N, I, out, D);
 }
 
@@ -1574,23 +1609,41 @@ void gated_mlp(const std::vector<Part>& gate_up_w, const std::vector<Part>& down
 // rank order.  Every value of a row comes from that row's operations alone, in one order, so the
 // mixture is batch-invariant like the kernels it calls.  Its bits are this build's (std::exp,
 // dot_row, the layer's gated_activation), not the torch layer's: every forward of a model whose
-// layers run here takes this path.
+// layers run here takes this path.  A shared expert (Qwen2-MoE), where given, takes every row; its
+// output, times sigmoid(x . shared_gate) where a gate is given, is added after the ranks' sum.
 struct Mixture {
   at::Tensor router;                             // [E, D] float32
   std::vector<std::vector<Part>> gate_up, down;  // per expert: [2 I, D] and [D, I]
   int64_t k;
   bool renormalize;
+  std::vector<Part> shared_gate_up, shared_down;  // [2 S, D] and [D, S], or empty: no shared expert
+  int64_t shared_width;                           // S (0: none)
+  at::Tensor shared_gate;                         // [D] float32, or undefined: ungated
 };
 
 Mixture make_mixture(const at::Tensor& router, std::vector<std::vector<Part>> gate_up,
-                     std::vector<std::vector<Part>> down, int64_t k, bool renormalize) {
+                     std::vector<std::vector<Part>> down, int64_t k, bool renormalize,
+                     std::vector<Part> shared_gate_up, std::vector<Part> shared_down, int64_t shared_width,
+                     const c10::optional<at::Tensor>& shared_gate) {
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous(),
               "Mixture: the router must be a contiguous [experts, hidden] float32 matrix");
-  const int64_t E = router.size(0);
+  const int64_t E = router.size(0), D = router.size(1);
   TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == E && static_cast<int64_t>(down.size()) == E,
               "Mixture: one gate_up and one down weight per expert (", E, " experts)");
   TORCH_CHECK(1 <= k && k <= E, "Mixture: experts per token must be in [1, ", E, "], got ", k);
-  return Mixture{router, std::move(gate_up), std::move(down), k, renormalize};
+  TORCH_CHECK(shared_width >= 0 && shared_width % 32 == 0 && (shared_width == 0) == shared_gate_up.empty() &&
+                  shared_gate_up.empty() == shared_down.empty(),
+              "Mixture: a shared expert needs gate_up, down and a width that is a multiple of 32, got width ",
+              shared_width);
+  at::Tensor gate;
+  if (shared_gate.has_value() && shared_gate->defined()) {
+    TORCH_CHECK(shared_width > 0, "Mixture: a shared-expert gate without a shared expert");
+    TORCH_CHECK(shared_gate->scalar_type() == at::kFloat && shared_gate->numel() == D,
+                "Mixture: the shared-expert gate must be ", D, " float32 values");
+    gate = shared_gate->contiguous().reshape({D});
+  }
+  return Mixture{router, std::move(gate_up), std::move(down), k, renormalize,
+                 std::move(shared_gate_up), std::move(shared_down), shared_width, gate};
 }
 
 // Up to this many rows a mixture splits its experts between the threads (where there are enough
@@ -1679,12 +1732,32 @@ void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64
     ExpertScratch t(N, D, I);
     for (const int64_t e : active) run_expert(e, t);
   }
+  const int64_t S = mix.shared_width;
+  Scratch shared(S > 0 ? N * D : 0);
+  std::vector<float> shared_scale(N, 1.0f);
+  if (S > 0) {  // every row through the shared expert; its matmuls split between the threads
+    Scratch gate_up(N * 2 * S), act(N * S);
+    std::vector<int8_t> q8;
+    std::vector<float> dx;
+    std::vector<int32_t> bsum;
+    gated_mlp(mix.shared_gate_up, mix.shared_down, x, N, D, S, gelu, gate_up.data(), act.data(), shared.data(), q8,
+              dx, bsum, amx_min_rows, nullptr);
+    if (mix.shared_gate.defined()) {
+      const float* g = mix.shared_gate.const_data_ptr<float>();
+      for_rows(N, [&](int64_t n) { shared_scale[n] = 1.0f / (1.0f + std::exp(-dot_row(x + n * D, g, D))); });
+    }
+  }
   for_rows(N, [&](int64_t n) {
     float* o = out + n * D;
     std::memcpy(o, by_rank.data() + n * D, D * sizeof(float));
     for (int64_t r = 1; r < k; ++r) {
       const float* add = by_rank.data() + (r * N + n) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = o[d] + add[d];
+    }
+    if (S > 0) {
+      const float* add = shared.data() + n * D;
+      const float scale = shared_scale[n];
+      for (int64_t d = 0; d < D; ++d) o[d] = o[d] + add[d] * scale;
     }
   });
 }
@@ -1703,7 +1776,8 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks,
                          int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap,
-                         int64_t amx_min_rows, const Mixture* mixture, const LoraRows* lora) {
+                         int64_t amx_min_rows, const Mixture* mixture, const LayerBiases* biases,
+                         const LoraRows* lora) {
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor hidden = hidden_in.contiguous();
   const at::Tensor cosv = cos_in.contiguous(), sinv = sin_in.contiguous();
@@ -1725,6 +1799,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
   const float* w_in = input_norm.const_data_ptr<float>();
   for_rows(N, [&](int64_t n) { rms_norm_row(h + n * D, w_in, D, eps, x.data() + n * D); });
   matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum, amx_min_rows);
+  if (biases != nullptr) add_bias(biases->qkv, qkv_out.data(), N, QKV);
   add_lora(lora, 0, x.data(), N, D, qkv_out.data(), QKV);
   const float* w_qk = opt_ptr(qk_norm);
   const float* cp = cosv.const_data_ptr<float>();
@@ -1775,6 +1850,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
     write_and_attend(cache_k.mutable_data_ptr<float>(), cache_v.mutable_data_ptr<float>());
   // block output
   matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum, amx_min_rows);
+  if (biases != nullptr) add_bias(biases->o_proj, proj.data(), N, D);
   add_lora(lora, 1, attended.data(), N, H * hd, proj.data(), D);
   const float* w_post = post_attention_norm.const_data_ptr<float>();
   for_rows(N, [&](int64_t n) {
@@ -1792,7 +1868,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
     mixture_mlp(*mixture, x.data(), N, D, I, gelu, proj.data(), amx_min_rows);
   } else {
     gated_mlp(gate_up, down, x.data(), N, D, I, gelu, gu.data(), x.data(), proj.data(), q8, dx, bsum, amx_min_rows,
-              lora);
+              lora, biases);
   }
   const float* w_post_ff = opt_ptr(post_ff_norm);
   for_rows(N, [&](int64_t n) {
@@ -1840,10 +1916,11 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const std::vector<Part>& qkv,
                          const at::Tensor& sin, at::Tensor& cache_k, at::Tensor& cache_v,
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks, int64_t H, int64_t Hkv, int64_t hd,
-                         int64_t I, double scale, double softcap, int64_t amx_min_rows, const Mixture* mixture) {
+                         int64_t I, double scale, double softcap, int64_t amx_min_rows, const Mixture* mixture,
+                         const LayerBiases* biases) {
   return decoder_layer_impl(hidden, qkv, o_proj, gate_up, down, input_norm, post_attention_norm, pre_ff_norm,
                             post_ff_norm, qk_norm, eps, gelu, cos, sin, cache_k, cache_v, seqs, tables, masks, H, Hkv,
-                            hd, I, scale, softcap, amx_min_rows, mixture, nullptr);
+                            hd, I, scale, softcap, amx_min_rows, mixture, biases, nullptr);
 }
 
 // The layers of a decoder, one forward in one call: decoder_layer for each layer in turn.  A
@@ -1863,17 +1940,20 @@ class DecoderStack {
     int64_t H, Hkv, hd, I;
     double scale, softcap;
     std::shared_ptr<const Mixture> mixture;  // null: the dense MLP
+    std::shared_ptr<const LayerBiases> biases;  // null: none
     std::vector<LoraSites> lora;  // by adapter slot
   };
 
   void add_layer(std::vector<Part> qkv, std::vector<Part> o_proj, std::vector<Part> gate_up, std::vector<Part> down,
                  at::Tensor input_norm, at::Tensor post_attention_norm, c10::optional<at::Tensor> pre_ff_norm,
                  c10::optional<at::Tensor> post_ff_norm, c10::optional<at::Tensor> qk_norm, double eps, bool gelu,
-                 int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap, const Mixture* mixture) {
+                 int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap, const Mixture* mixture,
+                 const LayerBiases* biases) {
     layers_.push_back({std::move(qkv), std::move(o_proj), std::move(gate_up), std::move(down), std::move(input_norm),
                        std::move(post_attention_norm), std::move(pre_ff_norm), std::move(post_ff_norm),
                        std::move(qk_norm), eps, gelu, H, Hkv, hd, I, scale, softcap,
-                       mixture == nullptr ? nullptr : std::make_shared<const Mixture>(*mixture)});
+                       mixture == nullptr ? nullptr : std::make_shared<const Mixture>(*mixture),
+                       biases == nullptr ? nullptr : std::make_shared<const LayerBiases>(*biases)});
   }
 
   // Adapter slot `slot`'s parts at one site of one layer, (a_t [K, r], b_t [r, n], col0) each,
@@ -1942,7 +2022,7 @@ class DecoderStack {
       h = decoder_layer_impl(h, l.qkv, l.o_proj, l.gate_up, l.down, l.input_norm, l.post_attention_norm, l.pre_ff_norm,
                         l.post_ff_norm, l.qk_norm, l.eps, l.gelu, cos[r], sin[r], cache_keys[i], cache_values[i],
                         seqs[q], tables[q], masks[q], l.H, l.Hkv, l.hd, l.I, l.scale, l.softcap, amx_min_rows,
-                        l.mixture.get(), row_slots.empty() ? nullptr : &lora);
+                        l.mixture.get(), l.biases.get(), row_slots.empty() ? nullptr : &lora);
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == i) captured[c] = h;
     }
@@ -2036,7 +2116,7 @@ std::vector<at::Tensor> draft_chain(
       hidden = decoder_layer(x, qkv, o_proj, gate_up, down, attn_norm, mlp_norm, c10::nullopt, c10::nullopt,
                              c10::nullopt, block_eps, gelu, cos_table.narrow(0, position, 1),
                              sin_table.narrow(0, position, 1), cache_k, cache_v, {0, 0, 1, first_true, entry + 1},
-                             table, {c10::nullopt}, H, Hkv, hd, I, scale, 0.0, amx_min_rows, nullptr);
+                             table, {c10::nullopt}, H, Hkv, hd, I, scale, 0.0, amx_min_rows, nullptr, nullptr);
     }
     const at::Tensor logits = norm_matmul(hidden, final_norm, D, final_eps, lm_rows, Vd, amx_min_rows);
     in.features = hidden.const_data_ptr<float>();
@@ -2072,7 +2152,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   py::class_<qd_quant::Mixture>(m, "Mixture")
       .def(py::init(&qd_quant::make_mixture), py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("k"),
-           py::arg("renormalize"));
+           py::arg("renormalize"), py::arg("shared_gate_up"), py::arg("shared_down"), py::arg("shared_width"),
+           py::arg("shared_gate"));
+  py::class_<qd_quant::LayerBiases>(m, "LayerBiases")
+      .def(py::init(&qd_quant::make_layer_biases), py::arg("qkv"), py::arg("o_proj"), py::arg("gate_up"),
+           py::arg("down"));
   py::class_<qd_quant::DecoderStack>(m, "DecoderStack")
       .def(py::init<>())
       .def("add_layer", &qd_quant::DecoderStack::add_layer)
