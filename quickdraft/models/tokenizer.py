@@ -44,14 +44,40 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral's Tekken (Mistral Nemo, Mistral Small 3, Pixtral): words split before capitals, digits
+# one by one, "/" kept with a run of punctuation (the `pattern` of its tekken.json).
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# OpenAI's o200k (GPT-4o; Phi-4-mini, gpt-oss): Tekken's word rule with English contractions kept
+# on the word, and digits in threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp's `tokenizer.ggml.pre` names by the split their merges were learned on; the names it
+# gives GPT-2's own split (gpt2, mpt, olmo, jais, ...) take the byte-level default below.
 _PRE_TOKENIZER_SPLITS = {
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
     "llama-bpe": _LLAMA3_SPLIT,
     "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "chatglm-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "stablelm2": _QWEN2_SPLIT,
+    "hunyuan": _QWEN2_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT,
 }
+_GPT2_SPLIT_NAMES = ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion")
+# Vocabularies converted from tiktoken ranks (Llama 3, Tekken): a piece that is itself a token is
+# that token, whatever the merges would make of it (tiktoken's rule; llama.cpp's ignore_merges).
+_WHOLE_PIECE_NAMES = ("llama3", "llama-v3", "llama-bpe", "tekken")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,10 +235,18 @@ def _byte_level_bpe(vocab: GGUFVocab) -> tokenizers.Tokenizer:
     merges = [tuple(merge.split(" ")) for merge in vocab.merges]
     if any(len(merge) != 2 for merge in merges):
         raise ValueError("malformed tokenizer.ggml.merges entry (expected 'left right')")
-    tokenizer = tokenizers.Tokenizer(BPE(vocab=token_ids, merges=merges, dropout=None, fuse_unk=False))
+    tokenizer = tokenizers.Tokenizer(
+        BPE(
+            vocab=token_ids,
+            merges=merges,
+            dropout=None,
+            fuse_unk=False,
+            ignore_merges=vocab.pre in _WHOLE_PIECE_NAMES,
+        )
+    )
     split = _PRE_TOKENIZER_SPLITS.get(vocab.pre or "")
     if split is None:
-        if vocab.pre not in (None, "default", "gpt2"):
+        if vocab.pre is not None and vocab.pre not in _GPT2_SPLIT_NAMES:
             logger.warning("Unknown GGUF pre-tokenizer %r; using GPT-2's split", vocab.pre)
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
