@@ -89,7 +89,9 @@ def write_model(path: Path, *, architecture: str, layers: int, experts: int, qty
         for name, parameter in model.named_parameters():
             if name.endswith("bias"):
                 parameter.normal_(0.0, 0.5)
-    write_tiny_gguf(path, architecture=architecture, model=model, vocab=vocab, qtypes={"": QType[qtype]})
+    # MXFP4_MOE: llama.cpp's mix for MoE models (the experts MXFP4, random blocks here; the rest Q8_0)
+    qtypes = {"_exps": QType.MXFP4, "": QType.Q8_0} if qtype == "MXFP4_MOE" else {"": QType[qtype]}
+    write_tiny_gguf(path, architecture=architecture, model=model, vocab=vocab, qtypes=qtypes)
 
 
 def quickdraft_rate(llm, prompt: list[int], tokens: int) -> float:
@@ -141,7 +143,7 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="another quickdraft checkout, run as a third engine")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--qtype", default="Q8_0")
+    parser.add_argument("--qtype", default="Q8_0", help="a GGUF type, or MXFP4_MOE (experts MXFP4, the rest Q8_0)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine and round (median)")

@@ -33,7 +33,7 @@ from quickdraft.models.lora import LoRABatch
 from quickdraft.models.quantized import (
     BLOCK_MINS,
     FORMAT_IDS,
-    IQ4_VALUES,
+    LEVELS,
     OFFSETS,
     SCALES_OF_16,
     PackedPart,
@@ -172,9 +172,9 @@ def _part_reference(
     part: PackedPart, q: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor, cols: int
 ) -> torch.Tensor:  # -> [M, rows]
     parts = unpack_rows(part.format, part.packed.numpy(), rows=np.arange(part.rows), cols=cols)
-    # [N, K], exact small integers (IQ4_XS / IQ4_NL: their indices' signed levels, offset-free)
-    levels = part.format in ("IQ4_XS", "IQ4_NL")
-    wq = torch.from_numpy((IQ4_VALUES[parts.q] if levels else parts.q).astype(np.float64))
+    # [N, K], exact small integers (IQ4_XS / IQ4_NL / MXFP4: their indices' signed levels, offset-free)
+    levels = LEVELS.get(part.format)
+    wq = torch.from_numpy((parts.q if levels is None else levels[parts.q]).astype(np.float64))
     xq = q.to(torch.float64)
     m, n = q.shape[0], part.rows
 
@@ -214,7 +214,7 @@ def _part_reference(
             d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
             dm = torch.from_numpy(parts.dmin[:, b].astype(np.float32))[None, :]
             term = (d * dxb) * block_dot(32 * b, 32).to(torch.float32) - (dm * dxb) * bsum32.to(torch.float32)
-        elif part.format in OFFSETS or part.format == "IQ4_NL":  # IQ4_NL: signed levels, no offset
+        elif part.format in OFFSETS or part.format in LEVELS:  # IQ4_NL, MXFP4: signed levels, no offset
             d = torch.from_numpy(parts.d[:, b].astype(np.float32))[None, :]
             idot = block_dot(32 * b, 32) - OFFSETS.get(part.format, 0) * bsum32
             term = (d * dxb) * idot.to(torch.float32)

@@ -22,7 +22,9 @@ bytes, lane j (bytes 4j..4j+3) for row j: the vpdpbusd operand layout.
   bit-4 masks, bit-5 masks (384 each): 3360.
 - IQ4_XS (256 k a tile): d [16] fp16, sc [8 sub-blocks of 32][16] int8 (160), then 8 sub-blocks of
   nibbles (256 each), each an index into the 16-value table IQ4_VALUES: 2208.
-- IQ4_NL: nibbles (indices into IQ4_VALUES), d: 288 (Q4_0's layout).
+- IQ4_NL: nibbles (indices into IQ4_VALUES), d: 288 (Q4_0's layout).  MXFP4 (gpt-oss; llama.cpp's
+  MXFP4_MOE mixes): the same, indices into MXFP4_VALUES (OCP's FP4 E2M1 values, doubled) and d =
+  2^(e - 128) from the block's E8M0 exponent e, exact in float16 for e in 104..143.
 - Q4_1: nibbles, d, dmin [16] fp16 (minus each block's min): 320.  Q5_1: nibbles, bit-4 masks,
   d, dmin: 384.
 - Q2_K (256 k a tile): d, dmin [16] fp16, per 16-wide sub-block a byte sc | m << 4 [16][16] (320),
@@ -55,12 +57,20 @@ class QuantFormat:
     scales_of_16: bool = False  # one int8 scale per 16 values (the rest: one scale per 32)
     block_mins: bool = False  # a scale and a min per 32-block (w = d * q - dmin; dmin is minus the stored min)
     int8_scales: bool = False  # 256-wide tiles whose header is d [16] then int8 sub-block scales
+    # 4-bit indices into these signed levels (IQ4_NL, IQ4_XS, MXFP4) instead of quants
+    level_table: tuple[int, ...] | None = None
 
     @property
     def int8_scale_header(self) -> int:
         """Bytes of such a header: d, then one int8 per sub-block (of 16 or 32) and row."""
         return 32 + 16 * (self.tile_k // (16 if self.scales_of_16 else 32))
 
+
+# ggml's non-linear 4-bit levels (kvalues_iq4nl), shared by IQ4_NL and IQ4_XS.
+_IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# FP4 E2M1's values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) times 2, as ggml keeps them
+# (its scale is then half the block's E8M0 power of two).
+_MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 FORMATS = {
     "Q8_0": QuantFormat(kernel_id=0, bits=8, tile_k=32, tile_bytes=544, gguf_block=(34, 32), offset=128),
@@ -78,8 +88,16 @@ FORMATS = {
         scales_of_16=True,
         int8_scales=True,
     ),
-    "IQ4_XS": QuantFormat(kernel_id=6, bits=4, tile_k=256, tile_bytes=2208, gguf_block=(136, 256), int8_scales=True),
-    "IQ4_NL": QuantFormat(kernel_id=7, bits=4, tile_k=32, tile_bytes=288, gguf_block=(18, 32)),
+    "IQ4_XS": QuantFormat(
+        kernel_id=6,
+        bits=4,
+        tile_k=256,
+        tile_bytes=2208,
+        gguf_block=(136, 256),
+        int8_scales=True,
+        level_table=_IQ4_LEVELS,
+    ),
+    "IQ4_NL": QuantFormat(kernel_id=7, bits=4, tile_k=32, tile_bytes=288, gguf_block=(18, 32), level_table=_IQ4_LEVELS),
     "Q3_K": QuantFormat(
         kernel_id=8,
         bits=3,
@@ -93,6 +111,9 @@ FORMATS = {
     "Q4_1": QuantFormat(kernel_id=9, bits=4, tile_k=32, tile_bytes=320, gguf_block=(20, 32), block_mins=True),
     "Q5_1": QuantFormat(kernel_id=10, bits=5, tile_k=32, tile_bytes=384, gguf_block=(24, 32), block_mins=True),
     "Q2_K": QuantFormat(kernel_id=11, bits=2, tile_k=256, tile_bytes=1344, gguf_block=(84, 256)),
+    "MXFP4": QuantFormat(
+        kernel_id=12, bits=4, tile_k=32, tile_bytes=288, gguf_block=(17, 32), level_table=_MXFP4_LEVELS
+    ),
 }
 # Views of FORMATS by field, as the loaders, kernels and tests index them.
 FORMAT_IDS = {name: f.kernel_id for name, f in FORMATS.items()}
@@ -103,8 +124,9 @@ QUANT_BITS = {name: f.bits for name, f in FORMATS.items()}
 OFFSETS = {name: f.offset for name, f in FORMATS.items() if f.offset is not None}
 SCALES_OF_16 = tuple(name for name, f in FORMATS.items() if f.scales_of_16)
 BLOCK_MINS = tuple(name for name, f in FORMATS.items() if f.block_mins)
-# ggml's non-linear 4-bit levels (kvalues_iq4nl), shared by IQ4_NL and IQ4_XS.
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
+IQ4_VALUES = np.array(_IQ4_LEVELS, dtype=np.int16)
+# Per format with levels: index -> signed level.
+LEVELS = {name: np.array(f.level_table, dtype=np.int16) for name, f in FORMATS.items() if f.level_table}
 SUPPORTED_FORMATS = tuple(FORMAT_IDS)
 ROWS_PER_GROUP = 16
 
@@ -113,7 +135,7 @@ ROWS_PER_GROUP = 16
 class QuantParts:
     """One weight's decoded parts: w = d * (q - offset) (Q8_0/Q4_0/Q5_0),
     d * sc * q - dmin * m (Q4_K/Q5_K, per 32-wide sub-block), d * sc * (q - offset) (Q6_K: 32,
-    Q3_K: 4; per 16), d * sc * IQ4_VALUES[q] (IQ4_XS, per 32), d * IQ4_VALUES[q] (IQ4_NL),
+    Q3_K: 4; per 16), d * sc * IQ4_VALUES[q] (IQ4_XS, per 32), d * LEVELS[format][q] (IQ4_NL, MXFP4),
     d * q - dmin (Q4_1/Q5_1: ggml's d * q + m, stored as dmin = -m, exact), d * sc * q - dmin * m
     (Q2_K, per 16)."""
 
@@ -145,8 +167,8 @@ class QuantParts:
         if self.format in BLOCK_MINS:
             blocks = self.d.astype(np.float32)[:, :, None] * q.reshape(n, k // 32, 32)
             return (blocks - self.dmin.astype(np.float32)[:, :, None]).reshape(n, k)
-        if self.format == "IQ4_NL":
-            levels = IQ4_VALUES[self.q].astype(np.float32).reshape(n, k // 32, 32)
+        if self.format in ("IQ4_NL", "MXFP4"):
+            levels = LEVELS[self.format][self.q].astype(np.float32).reshape(n, k // 32, 32)
             return (self.d.astype(np.float32)[:, :, None] * levels).reshape(n, k)
         if self.format == "IQ4_XS":
             scale = np.repeat(self.d.astype(np.float32), 8, axis=1) * self.sc.astype(np.float32)  # [N, K/32]
@@ -293,6 +315,20 @@ def _decode_iq4_nl(blocks: np.ndarray) -> dict:
     return {"d": _half(blocks[:, :2]), "q": _nibble_halves(blocks[:, 2:])}
 
 
+class InexactBlocks(ValueError):
+    """Blocks the kernels' layout cannot hold exactly (the tensor is then loaded as floats)."""
+
+
+def _decode_mxfp4(blocks: np.ndarray) -> dict:
+    # e (E8M0), then 16 bytes of indices laid out as Q4_0's quants; w = 2^(e - 128) * level
+    exponents = blocks[:, :1].astype(np.int32) - 128
+    if exponents.size and (exponents.min() < -24 or exponents.max() > 15):
+        raise InexactBlocks(
+            f"MXFP4 block scales 2^{exponents.min()}..2^{exponents.max()} lie outside float16's exact powers of two"
+        )
+    return {"d": np.ldexp(np.float32(1), exponents).astype(np.float16), "q": _nibble_halves(blocks[:, 1:])}
+
+
 def _decode_iq4_xs(blocks: np.ndarray) -> dict:
     # d fp16, scales_h (2 bytes: 2 high bits per sub-block), scales_l (4 bytes: 4 low bits), 128
     # bytes of indices: sub-block j's 32 values are the low then the high nibbles of bytes 16j..16j+15.
@@ -307,6 +343,7 @@ def _decode_iq4_xs(blocks: np.ndarray) -> dict:
 _DECODERS = {
     "Q3_K": _decode_q3_k,
     "IQ4_NL": _decode_iq4_nl,
+    "MXFP4": _decode_mxfp4,
     "Q4_1": _decode_q4_1,
     "Q5_1": _decode_q5_1,
     "Q2_K": _decode_q2_k,

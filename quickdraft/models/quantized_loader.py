@@ -12,7 +12,14 @@ import numpy as np
 import torch
 
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.quantized import SUPPORTED_FORMATS, QuantizedWeight, QuantParts, decode_gguf, quantize_q8_0
+from quickdraft.models.quantized import (
+    SUPPORTED_FORMATS,
+    InexactBlocks,
+    QuantizedWeight,
+    QuantParts,
+    decode_gguf,
+    quantize_q8_0,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +147,12 @@ def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
 FLOAT_FORMATS = ("F32", "F16", "BF16", "F64")
 
 
+def _as_floats(as_floats: dict[str, int], fmt: str, shape: tuple, name: str, reason: Exception) -> None:
+    """Count a tensor whose blocks the kernels cannot hold exactly among those loaded as floats."""
+    logger.info("%s stays a float weight: %s", name, reason)
+    as_floats[fmt] = as_floats.get(fmt, 0) + 4 * int(np.prod(shape))
+
+
 def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantParts]:
     """HF tensor name -> decoded parts, for every 2-D tensor the file stores in a supported
     quantized format (everything else is read from the converted float directory)."""
@@ -163,12 +176,20 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
         if experts is not None and fmt in SUPPORTED_FORMATS and len(shape) == 3:
             # the experts' matrices lie one after the other: each is whole rows of its own
             per_expert = tensor.data.size // shape[0]
-            for expert, name in enumerate(experts):
-                data = tensor.data[expert * per_expert : (expert + 1) * per_expert]
-                try:
-                    parts[name] = decode_gguf(fmt, data, rows=shape[1], cols=shape[2])
-                except ValueError as err:
-                    raise ValueError(f"{gguf_path}: tensor {tensor.name!r}, expert {expert}: {err}") from err
+            decoded_experts = {}
+            try:
+                for expert, name in enumerate(experts):
+                    data = tensor.data[expert * per_expert : (expert + 1) * per_expert]
+                    try:
+                        decoded_experts[name] = decode_gguf(fmt, data, rows=shape[1], cols=shape[2])
+                    except InexactBlocks:
+                        raise
+                    except ValueError as err:
+                        raise ValueError(f"{gguf_path}: tensor {tensor.name!r}, expert {expert}: {err}") from err
+            except InexactBlocks as err:
+                _as_floats(as_floats, fmt, shape, tensor.name, err)
+                continue
+            parts.update(decoded_experts)
             continue
         if fmt not in SUPPORTED_FORMATS or len(shape) != 2:
             continue
@@ -177,6 +198,9 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
             continue
         try:
             decoded = decode_gguf(fmt, tensor.data, rows=shape[0], cols=shape[1])
+        except InexactBlocks as err:
+            _as_floats(as_floats, fmt, shape, tensor.name, err)
+            continue
         except ValueError as err:
             raise ValueError(f"{gguf_path}: tensor {tensor.name!r}: {err}") from err
         if architecture in PERMUTED_QK_ARCHITECTURES and ".attn_q." in tensor.name:
@@ -186,7 +210,8 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
         parts[name] = decoded
     if as_floats:
         logger.warning(
-            "%s: no quantized kernel for %s; those tensors are dequantized to float32 (%s MB)",
+            "%s: no quantized kernel for %s (or blocks it cannot hold exactly); those tensors are dequantized "
+            "to float32 (%s MB)",
             gguf_path,
             ", ".join(sorted(as_floats)),
             " + ".join(f"{fmt} {nbytes / 1e6:.0f}" for fmt, nbytes in sorted(as_floats.items())),

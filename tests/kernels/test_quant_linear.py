@@ -53,7 +53,10 @@ _HALF_FIELDS = {
     "Q5_1": [0, 2],
     "Q2_K": [80, 82],
     "IQ2_XXS": [0],  # no kernel: loaded as floats
+    "MXFP4": [],  # its scale is a power of two: _E8M0_FIELD
 }
+# Byte offset of an E8M0 exponent (a power-of-two scale) in a GGUF block.
+_E8M0_FIELD = {"MXFP4": 0}
 
 
 @pytest.fixture(params=ISAS)
@@ -74,6 +77,9 @@ def random_gguf(fmt: str, rows: int, cols: int, *, seed: int, scale: float = 0.0
     for at in _HALF_FIELDS[fmt]:
         scales = rng.uniform(0.2 * scale, 2 * scale, size=raw.shape[0]).astype(np.float16)
         raw[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if fmt in _E8M0_FIELD:  # 2^(e - 128) times levels up to 12: around `scale`, within a factor 4
+        center = 128 + round(np.log2(scale / 4))
+        raw[:, _E8M0_FIELD[fmt]] = rng.integers(center - 2, center + 3, size=raw.shape[0], dtype=np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -297,6 +303,8 @@ def test_kernel_exact_at_extreme_quants(isa, fmt):
     keep = np.zeros(raw.shape[1], dtype=bool)
     for at in _HALF_FIELDS[fmt]:
         keep[at : at + 2] = True
+    if fmt in _E8M0_FIELD:  # the scale stays a power of two the kernels hold
+        keep[_E8M0_FIELD[fmt]] = True
     if fmt == "Q8_0":  # rows 0..15 all -128 (0x80), rows 16..31 all +127
         extreme = np.where(np.arange(raw.shape[0])[:, None] < raw.shape[0] // 2, 0x80, 0x7F).astype(np.uint8)
         raw[:, ~keep] = np.broadcast_to(extreme, (raw.shape[0], int((~keep).sum())))

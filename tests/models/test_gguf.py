@@ -502,7 +502,10 @@ def write_tiny_gguf(
             writer.add_tensor(gguf_name, weights.astype(np.float16))
         elif qtype.name in RANDOM_BLOCK_SCALES:  # gguf-py cannot quantize to it: random blocks
             assert architecture not in ("llama", "mixtral", "smollm3"), "random blocks skip the Q/K permutation"
-            raw = random_gguf(qtype.name, *weights.shape, seed=len(expected), scale=RANDOM_BLOCK_SCALES[qtype.name])
+            rows = int(np.prod(weights.shape[:-1]))  # a stack of experts: their rows one after the other
+            scale = RANDOM_BLOCK_SCALES[qtype.name]
+            raw = random_gguf(qtype.name, rows, weights.shape[-1], seed=len(expected), scale=scale)
+            raw = raw.reshape(*weights.shape[:-1], -1)
             writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
             values = gguf.quants.dequantize(raw, qtype).reshape(weights.shape)
             expected[hf_name] = torch.from_numpy(np.ascontiguousarray(values))
@@ -554,7 +557,7 @@ PHI3_ROPE = {
 
 # Formats gguf-py reads but cannot write, filled with random blocks: the typical fp16 scale that
 # gives weights of ~0.02-0.1 (Q3_K: |sc| ~ 16, |q| ~ 2; the IQ4 levels ~ 60, IQ4_XS's |sc| ~ 16).
-RANDOM_BLOCK_SCALES = {"Q3_K": 1e-3, "IQ4_XS": 1e-4, "IQ4_NL": 1e-3, "Q2_K": 3e-3, "IQ2_XXS": 1e-3}
+RANDOM_BLOCK_SCALES = {"Q3_K": 1e-3, "IQ4_XS": 1e-4, "IQ4_NL": 1e-3, "Q2_K": 3e-3, "IQ2_XXS": 1e-3, "MXFP4": 0.05}
 
 
 @dataclass
@@ -595,6 +598,8 @@ VARIANTS = {
     "qwen2-yarn": Variant("qwen2", {"": QType.Q8_0}, "qwen2", rope_scaling=QWEN2_YARN),
     "qwen3moe-q8_0": Variant("qwen3moe", {"": QType.Q8_0}, "qwen2"),
     "qwen2moe-mixed": Variant("qwen2moe", {"shexp": QType.Q8_0, "": QType.Q4_0}, "qwen2"),
+    # llama.cpp's MXFP4_MOE mix: the experts MXFP4 (as gpt-oss files store them), the rest Q8_0
+    "qwen3moe-mxfp4": Variant("qwen3moe", {"_exps": QType.MXFP4, "": QType.Q8_0}, "qwen2"),
     "mixtral-mixed": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0}, "llama-bpe"),  # a float LM head
     "mixtral-split": Variant("mixtral", {"ffn": QType.Q4_0, "attn": QType.Q8_0}, "llama-bpe", split_experts=True),
     "smollm3-q8_0": Variant("smollm3", {"": QType.Q8_0}, "llama-bpe"),

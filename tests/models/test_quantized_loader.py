@@ -41,6 +41,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
             "smollm3-q8_0",
             "qwen3moe-q8_0",
             "qwen2moe-mixed",
+            "qwen3moe-mxfp4",
             "mixtral-mixed",
             "mixtral-split",
         )
@@ -71,6 +72,7 @@ def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
         "smollm3-q8_0",
         "qwen3moe-q8_0",
         "qwen2moe-mixed",  # a shared expert (Q8_0) beside the routed ones (Q4_0)
+        "qwen3moe-mxfp4",  # MXFP4 experts, as gpt-oss files and llama.cpp's MXFP4_MOE mixes store them
         "mixtral-mixed",
         "mixtral-split",  # one tensor per expert, as Mixtral files were written before spring 2024
     ],
@@ -92,6 +94,8 @@ def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
         stacked, _ = load(tiny_gguf_paths["mixtral-mixed"], "gguf")  # the same model, experts stacked
         for param_name, weight in _quantized_weights(stacked).items():
             assert torch.equal(weight.dequantize(), held[param_name].dequantize()), param_name
+    if name == "qwen3moe-mxfp4":
+        assert {p.format for p in held["layers.0.experts.0.gate_up_proj"].parts} == {"MXFP4"}
     if name == "qwen3-bf16":  # its ffn weights are BF16 in the file: they stay floats
         assert not any("gate_up" in n for n in held)
         assert "layers.0.gate_up_proj" in float_state
@@ -143,6 +147,7 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
         "gemma2-mixed",
         "qwen3moe-q8_0",
         "qwen2moe-mixed",
+        "qwen3moe-mxfp4",
         "mixtral-mixed",
     ],
 )
@@ -275,6 +280,7 @@ def test_quantized_logits_close_to_float(tiny_gguf_paths):
         ("mixtral-mixed", "auto", True),  # the mixture of experts in the one-call layer
         ("qwen3moe-q8_0", "float16", False),
         ("qwen2moe-mixed", "auto", True),
+        ("qwen3moe-mxfp4", "auto", True),
     ],
 )
 def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, name, tree, kv_cache_dtype):
@@ -551,6 +557,31 @@ def test_formats_without_a_kernel_load_as_floats_with_a_warning(tmp_path, caplog
     held = _quantized_weights(quantized)
     assert "layers.0.o_proj" not in held and "layers.0.qkv_proj" in held
     assert torch.equal(quantized.state_dict()["layers.0.o_proj"], floats.state_dict()["layers.0.o_proj"])
+
+
+def test_mxfp4_blocks_beyond_float16_scales_load_as_floats(tmp_path, caplog):
+    """An MXFP4 tensor with a block scale 2^(e - 128) that float16 cannot hold exactly (e = 200)
+    is loaded as floats, with its exact values; the other MXFP4 tensors stay as stored."""
+    import gguf
+
+    path = build_tiny_gguf(tmp_path, "qwen3moe-mxfp4").path
+    reader = gguf.GGUFReader(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
+    offset = int(tensor.data_offset)
+    del reader
+    with open(path, "r+b") as file:  # the first block's exponent byte
+        file.seek(offset)
+        file.write(bytes([200]))
+    floats, _ = load(path, None)
+    with caplog.at_level("WARNING"):
+        quantized, _ = load(path, "gguf")
+    assert "MXFP4 (or blocks it cannot hold exactly)" in caplog.text
+    held = _quantized_weights(quantized)
+    assert "layers.0.experts.0.down_proj" not in held and "layers.0.experts.0.gate_up_proj" in held
+    assert "layers.1.experts.0.down_proj" in held
+    state = quantized.state_dict()
+    assert torch.equal(state["layers.0.experts.0.down_proj"], floats.state_dict()["layers.0.experts.0.down_proj"])
+    assert state["layers.0.experts.0.down_proj"].abs().max() > 1e20  # 2^72 * level: kept as it is
 
 
 def test_a_cache_written_for_fewer_formats_is_rebuilt(tiny_gguf_paths):

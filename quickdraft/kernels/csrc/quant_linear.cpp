@@ -61,17 +61,24 @@ namespace {
 
 enum Format : int {
   Q8_0 = 0, Q4_0 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, IQ4_XS = 6, IQ4_NL = 7, Q3_K = 8, Q4_1 = 9, Q5_1 = 10,
-  Q2_K = 11
+  Q2_K = 11, MXFP4 = 12
 };
-constexpr int kLastFormat = Q2_K;
+constexpr int kLastFormat = MXFP4;
 
 // Weight quants covered by one tile (per 16 rows) and the tile's size in bytes.
-constexpr int kTileK[] = {32, 32, 32, 256, 256, 256, 256, 32, 256, 32, 32, 256};
-constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360, 2208, 288, 1824, 320, 384, 1344};
+constexpr int kTileK[] = {32, 32, 32, 256, 256, 256, 256, 32, 256, 32, 32, 256, 32};
+constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360, 2208, 288, 1824, 320, 384, 1344, 288};
 // The AMX path covers the first six formats; the others run on VNNI whatever the row count.
 constexpr bool amx_format(int64_t format) { return format <= Q6_K; }
 // IQ4_XS's and IQ4_NL's 16 levels (ggml's kvalues_iq4nl)
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's 16 levels: FP4 E2M1's values times 2 (its tiles' d is half the block's power of two)
+constexpr int8_t kMxfp4Levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// The levels of a format whose quants are indices (IQ4_NL, IQ4_XS, MXFP4).
+template <int FMT>
+constexpr const int8_t* level_table() {
+  return FMT == MXFP4 ? kMxfp4Levels : kIq4Levels;
+}
 constexpr int64_t kPrefetchBytes = 4096;
 
 #if defined(QD_ISA_AVX2)
@@ -382,10 +389,11 @@ QD_INLINE void init_offset(VecI* idot, const int32_t* const* bsum, int64_t b, in
   for (int m = 0; m < MB; ++m) idot[m] = vi_set1(-offset * (bsum[m][2 * b] + bsum[m][2 * b + 1]));
 }
 
-// The IQ4 levels + 128 in every 128-bit lane: vpshufb maps each 4-bit index to its unsigned level.
+// A format's levels + 128 in every 128-bit lane: vpshufb maps each 4-bit index to its unsigned level.
+template <int FMT>
 QD_INLINE VecB iq4_table() {
   alignas(16) uint8_t levels[16];
-  for (int i = 0; i < 16; ++i) levels[i] = static_cast<uint8_t>(kIq4Levels[i] + 128);
+  for (int i = 0; i < 16; ++i) levels[i] = static_cast<uint8_t>(level_table<FMT>()[i] + 128);
   return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(levels)));
 }
 
@@ -453,9 +461,9 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
     init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
     nibble_block<MB, FMT == Q5_0>(t, r.xq, k0, idot);
     add_scaled<MB>(acc, half16(t + (FMT == Q4_0 ? 256 : 320)), idot, r.dx, b);
-  } else if constexpr (FMT == IQ4_NL) {
+  } else if constexpr (FMT == IQ4_NL || FMT == MXFP4) {
     init_offset<MB>(idot, r.bsum, b, 128);
-    iq4_block<MB>(t, iq4_table(), r.xq, k0, idot);
+    iq4_block<MB>(t, iq4_table<FMT>(), r.xq, k0, idot);
     add_scaled<MB>(acc, half16(t + 256), idot, r.dx, b);
   } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
     const VecF d = half16(t), dmin = half16(t + 32);
@@ -546,7 +554,7 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
     }
   } else {  // IQ4_XS: 4-bit indices into 16 levels, int8 scales per 32, d per 256
     const VecF d = half16(t);
-    const VecB table = iq4_table();
+    const VecB table = iq4_table<IQ4_XS>();
     for (int j = 0; j < 8; ++j) {
       const int64_t bj = b + j;
       init_offset<MB>(idot, r.bsum, bj, 128);
@@ -970,6 +978,7 @@ inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t
     case Q6_K: run_all<Q6_K>(packed, N, K, x, M, out, ldo, col0); break;
     case IQ4_XS: run_all<IQ4_XS>(packed, N, K, x, M, out, ldo, col0); break;
     case IQ4_NL: run_all<IQ4_NL>(packed, N, K, x, M, out, ldo, col0); break;
+    case MXFP4: run_all<MXFP4>(packed, N, K, x, M, out, ldo, col0); break;
     case Q3_K: run_all<Q3_K>(packed, N, K, x, M, out, ldo, col0); break;
     case Q4_1: run_all<Q4_1>(packed, N, K, x, M, out, ldo, col0); break;
     case Q5_1: run_all<Q5_1>(packed, N, K, x, M, out, ldo, col0); break;

@@ -149,9 +149,10 @@ QD_INLINE void q8_0_half_step(const uint8_t* t, int s, int h, int64_t k0, const 
 
 // idot[m] += half h of a section of IQ4 indices (32 k from k0) . x_m: the signed levels, as Q8_0's
 // quants (|w| <= 127).
-template <int MB>
+template <int MB, int FMT>
 QD_INLINE void iq4_half_block(const uint8_t* section, int h, const int8_t* const* xq, int64_t k0, __m256i* idot) {
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(level_table<FMT>())));
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   QD_UNROLL
   for (int s = 0; s < 4; ++s) {
@@ -186,10 +187,10 @@ QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m
     half_init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
     half_nibble_block<MB, FMT == Q5_0>(t, h, r.xq, k0, idot);
     half_add_scaled<MB>(acc, half_f16(t + (FMT == Q4_0 ? 256 : 320), h), idot, r.dx, b);
-  } else if constexpr (FMT == IQ4_NL) {
+  } else if constexpr (FMT == IQ4_NL || FMT == MXFP4) {
     QD_UNROLL
     for (int m = 0; m < MB; ++m) idot[m] = _mm256_setzero_si256();
-    iq4_half_block<MB>(t, h, r.xq, k0, idot);
+    iq4_half_block<MB, FMT>(t, h, r.xq, k0, idot);
     half_add_scaled<MB>(acc, half_f16(t + 256, h), idot, r.dx, b);
   } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
     const __m256 d = half_f16(t, h), dmin = half_f16(t + 32, h);
@@ -300,7 +301,7 @@ QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m
       const int64_t bj = b + j;
       QD_UNROLL
       for (int m = 0; m < MB; ++m) idot[m] = _mm256_setzero_si256();
-      iq4_half_block<MB>(t + 160 + 256 * j, h, r.xq, k0 + 32 * j, idot);
+      iq4_half_block<MB, IQ4_XS>(t + 160 + 256 * j, h, r.xq, k0 + 32 * j, idot);
       const __m256i sc = half_i8_i32(t + 32 + 16 * j, h);
       QD_UNROLL
       for (int m = 0; m < MB; ++m) idot[m] = _mm256_mullo_epi32(sc, idot[m]);
