@@ -121,6 +121,25 @@ def tiny_hf_config(arch: str):
             bos_token_id=1,
             eos_token_id=2,
         )
+    if arch == "gpt_oss":  # sliding and full layers in turn, sinks, biased router and experts, YaRN untruncated
+        return transformers.GptOssConfig(
+            **{**TINY, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     if arch == "mixtral":  # 4 experts of intermediate_size, 2 per token, in every layer
         return transformers.MixtralConfig(
             **{**TINY, "intermediate_size": 32},
@@ -161,7 +180,7 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, *, seed: int = 0, qk_scale: 
     model = (model_cls(config) if arch == "gemma3" else model_cls.from_config(config)).float().eval()
     with torch.no_grad():  # random norm weights, so a norm convention bug cannot hide at 1.0
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "sinks")):  # gpt-oss's sinks: per-head logits
                 param.normal_(0.0, 0.3)
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(qk_scale)
@@ -208,7 +227,7 @@ def write_tiny_tokenizer(out_dir: Path, *, bos: str, eos: str, chat: bool) -> No
 
 ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 # Architectures tested in tests/models/test_architectures.py only (ARCHS runs through every suite).
-MORE_ARCHS = ("gemma2", "mistral", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "qwen3_yarn")
+MORE_ARCHS = ("gemma2", "mistral", "phi3", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "qwen3_yarn", "gpt_oss")
 
 
 @pytest.fixture(scope="session")

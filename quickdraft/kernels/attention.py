@@ -55,14 +55,22 @@ def attention(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:
     """q [T, H, D], keys / values [Hkv, S, D], mask [T, S] bool (True = may attend) or None
-    (all) -> [T, H, D].  softcap: scores become softcap * tanh(score / softcap) (Gemma 2)."""
+    (all) -> [T, H, D].  softcap: scores become softcap * tanh(score / softcap) (Gemma 2).
+    sinks: per head a logit joining each softmax's denominator, its weight going nowhere (gpt-oss)."""
     if q.is_cpu and q.dtype in _WIDENED and keys.dtype == q.dtype and q.shape[-1] % 16 == 0 and kernel_available():
         # bfloat16 / float16 layers on the CPU: widened exactly and run by the float32 kernel, so
         # they are batch-invariant too (torch's attention is not), and rounded once at the end.
         widened = attention(
-            q.float(), keys.float().contiguous(), values.float().contiguous(), mask=mask, scale=scale, softcap=softcap
+            q.float(),
+            keys.float().contiguous(),
+            values.float().contiguous(),
+            mask=mask,
+            scale=scale,
+            softcap=softcap,
+            sinks=None if sinks is None else sinks.float(),
         )
         return widened.to(q.dtype)
     usable = (
@@ -76,7 +84,7 @@ def attention(
     )
     ext = _extension() if usable else None
     if ext is not None:
-        return ext.attention(q, keys, values, mask, scale, softcap or 0.0)
+        return ext.attention(q, keys, values, mask, scale, softcap or 0.0, None if sinks is None else sinks.float())
     if q.is_cuda:  # SDPA picks its kernel by row count: fixed-size calls keep rows' bits
-        return fixed_rows_attention(q, keys, values, mask=mask, scale=scale, softcap=softcap)
-    return sdpa_rows(q, keys, values, mask=mask, scale=scale, softcap=softcap)
+        return fixed_rows_attention(q, keys, values, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
+    return sdpa_rows(q, keys, values, mask=mask, scale=scale, softcap=softcap, sinks=sinks)

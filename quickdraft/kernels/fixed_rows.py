@@ -47,20 +47,21 @@ def fixed_rows_attention(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:
     """q [T, H, D], keys / values [Hkv, S, D], mask [T, S] bool or None (all) -> [T, H, D]; in
     float32 every SDPA call over FIXED_ROWS query rows with a mask (padding rows attend to every
     key)."""
     count = q.shape[0]
     if q.dtype != torch.float32:
-        return sdpa_rows(q, keys, values, mask=mask, scale=scale, softcap=softcap)
+        return sdpa_rows(q, keys, values, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
     if mask is None:
         mask = torch.ones(count, keys.shape[1], dtype=torch.bool, device=q.device)
     padded_q = _padded(q)
     padded_mask = torch.cat([mask, mask.new_ones(len(padded_q) - count, mask.shape[1])])
 
     def attend(chunk: torch.Tensor, chunk_mask: torch.Tensor) -> torch.Tensor:
-        return sdpa_rows(chunk, keys, values, mask=chunk_mask, scale=scale, softcap=softcap)
+        return sdpa_rows(chunk, keys, values, mask=chunk_mask, scale=scale, softcap=softcap, sinks=sinks)
 
     return _by_chunks(attend, padded_q, padded_mask)[:count]
 
@@ -83,11 +84,12 @@ def sdpa_rows(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:  # q [T, H, D], keys / values [Hkv, S, D] -> [T, H, D]
     """torch's scaled_dot_product_attention in this layout (grouped query heads included); with a
-    soft cap (which SDPA cannot apply) the same steps written out."""
-    if softcap:
-        return _capped_attention(q, keys, values, mask=mask, scale=scale, softcap=softcap)
+    soft cap or sinks (which SDPA cannot apply) the same steps written out."""
+    if softcap or sinks is not None:
+        return _explicit_attention(q, keys, values, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys[None],
@@ -99,21 +101,27 @@ def sdpa_rows(
     return out[0].transpose(0, 1)
 
 
-def _capped_attention(
+def _explicit_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     *,
     mask: torch.Tensor | None,
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # [H]
 ) -> torch.Tensor:  # q [T, H, D], keys / values [Hkv, S, D] -> [T, H, D]
     group = q.shape[1] // keys.shape[0]
     k = keys.repeat_interleave(group, dim=0)  # [H, S, D]
     v = values.repeat_interleave(group, dim=0)
     scores = torch.matmul(q.transpose(0, 1).float(), k.transpose(1, 2).float()) * scale  # [H, T, S]
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask[None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    else:  # a sink column in each head's softmax, dropped after it
+        sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)  # [H, T, 1]
+        weights = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1].to(v.dtype)
     return torch.matmul(weights, v).transpose(0, 1)  # [T, H, D]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 SUPPORTED_MODEL_TYPES = (
     "gemma2",
+    "gpt_oss",
     "gemma3_text",
     "gemma3",
     "llama",
@@ -31,6 +32,11 @@ SUPPORTED_MODEL_TYPES = (
 # reads them; Qwen2/3 gate theirs behind `use_sliding_window`.
 _WINDOW_WHEN_SET = ("mistral", "mixtral", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "none")
+
+
+def moe_router_name(model_type: str) -> str:
+    """A mixture's router under its MLP block: gpt-oss's `router` (with a bias), the others' `gate`."""
+    return "router" if model_type == "gpt_oss" else "gate"
 
 
 def moe_hf_names(model_type: str) -> tuple[str, tuple[str, str, str]]:
@@ -122,7 +128,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    activation: str  # "gelu_tanh" | "silu"
+    activation: str  # "gelu_tanh" | "silu" | "swiglu_oai" (gpt-oss: clamped, gate * sigmoid(alpha gate) * (up + 1))
     layer_types: tuple[str, ...]
     rope_by_layer_type: dict[str, RopeConfig]
     attn_scale: float
@@ -153,6 +159,13 @@ class ModelConfig:
     # its output scaled by sigmoid(x . shared_expert_gate) where `shared_expert_gated` (0: none).
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = False
+    # gpt-oss: a bias on the router's logits and on every expert's gate_up and down; the "swiglu_oai"
+    # activation's clamp and sigmoid slope; a learned sink logit per query head in every softmax.
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -195,7 +208,7 @@ class ModelConfig:
                 )
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
-        if self.activation not in ("gelu_tanh", "silu"):
+        if self.activation not in ("gelu_tanh", "silu", "swiglu_oai"):
             raise ValueError(f"unsupported activation {self.activation!r}")
 
     @property
@@ -366,6 +379,8 @@ def _gemma3_fields(hf: dict, model_type: str) -> dict:
 
 def _llama_family_fields(hf: dict, model_type: str) -> dict:
     num_layers = int(hf["num_hidden_layers"])
+    if model_type == "gpt_oss":
+        return _gpt_oss_fields(hf, num_layers)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r} for {model_type}")
@@ -404,6 +419,43 @@ def _llama_family_fields(hf: dict, model_type: str) -> dict:
         fused_projections=model_type == "phi3",
         no_rope_layers=_no_rope_layers(hf, num_layers) if model_type == "smollm3" else (),
         **_moe_fields(hf, model_type, num_layers),
+    )
+
+
+def _gpt_oss_fields(hf: dict, num_layers: int) -> dict:
+    """gpt-oss: sliding-window and full layers in turn (its layer_types), q/k/v/o biases, a sink
+    logit per head, YaRN, and in every layer a mixture whose router and experts have biases, the
+    experts intermediate_size wide with the clamped "swiglu_oai" activation."""
+    rope = _rope_from_params(
+        hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 150000.0)},
+        150000.0,
+    )
+    if rope.rope_type == "yarn":
+        rope = _yarn_resolved(rope, hf.get("rope_parameters") or hf.get("rope_scaling") or {}, hf)
+    layer_types = hf.get("layer_types") or [
+        SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
+    ]
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    return dict(
+        model_type="gpt_oss",
+        activation="swiglu_oai",
+        layer_types=tuple(layer_types),
+        rope_by_layer_type={FULL_ATTENTION: rope, SLIDING_ATTENTION: rope},
+        attn_scale=head_dim**-0.5,
+        qkv_bias=bool(hf.get("attention_bias", True)),
+        o_bias=bool(hf.get("attention_bias", True)),
+        sliding_window=hf.get("sliding_window"),
+        num_experts=int(_require(hf, "num_local_experts")),
+        experts_per_token=int(_require(hf, "num_experts_per_tok")),
+        moe_intermediate_size=int(_require(hf, "intermediate_size")),
+        moe_layers=tuple(range(num_layers)),
+        # top-k of the logits then their softmax: the top-k of the softmax, renormalised
+        moe_renormalize=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        attention_sinks=True,
     )
 
 

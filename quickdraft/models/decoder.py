@@ -97,22 +97,39 @@ def _bias(rows: int, enabled: bool, dtype: torch.dtype) -> torch.nn.Parameter | 
     return torch.nn.Parameter(torch.zeros(rows, dtype=dtype), requires_grad=False)
 
 
-def gated_activation(gate_up: torch.Tensor, *, gelu: bool) -> torch.Tensor:  # [N, 2 I] -> [N, I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+@dataclass(frozen=True)
+class GatedActivation:
+    """An MLP's activation of its gate and up halves: gelu_tanh(gate) * up, silu(gate) * up, or
+    gpt-oss's "swiglu_oai": gate clamped to <= limit and up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    kind: str = "silu"
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2 I] -> [N, I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.kind == "swiglu_oai":
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return (F.gelu(gate, approximate="tanh") if self.kind == "gelu_tanh" else F.silu(gate)) * up
 
 
 class Expert(torch.nn.Module):
     """One expert of a mixture-of-experts layer: the dense MLP's two matmuls at the experts' width
-    (gate and up fused as there, so a quantized expert runs the same kernels)."""
+    (gate and up fused as there, so a quantized expert runs the same kernels), with biases where
+    the model has them (gpt-oss)."""
 
-    def __init__(self, *, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+    def __init__(self, *, hidden_size: int, intermediate_size: int, dtype: torch.dtype, bias: bool = False):
         super().__init__()
         self.gate_up_proj = _weight(2 * intermediate_size, hidden_size, dtype)
         self.down_proj = _weight(hidden_size, intermediate_size, dtype)
+        self.gate_up_bias = _bias(2 * intermediate_size, bias, dtype)
+        self.down_bias = _bias(hidden_size, bias, dtype)
 
-    def forward(self, x: torch.Tensor, *, linear: LinearFn, gelu: bool) -> torch.Tensor:  # [n, D] -> [n, D]
-        return linear(gated_activation(linear(x, self.gate_up_proj, None), gelu=gelu), self.down_proj, None)
+    def forward(self, x: torch.Tensor, *, linear: LinearFn, act: GatedActivation) -> torch.Tensor:  # [n, D] -> [n, D]
+        return linear(act(linear(x, self.gate_up_proj, self.gate_up_bias)), self.down_proj, self.down_bias)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -127,6 +144,10 @@ class DecoderLayer(torch.nn.Module):
         self.attn_scale = c.attn_scale
         self.attn_softcap = c.attn_logit_softcapping  # Gemma 2; None elsewhere
         self.gelu = c.activation == "gelu_tanh"
+        self.act = GatedActivation(kind=c.activation, limit=c.swiglu_limit, alpha=c.swiglu_alpha)
+        # The one-call C++ layer has no attention sinks, router or expert biases, nor gpt-oss's
+        # activation: such layers run the torch code (their attention on the C++ kernel with sinks).
+        self.fusable = not (c.attention_sinks or c.router_bias or c.expert_bias or c.activation == "swiglu_oai")
         # Quantized layers run as one C++ call (csrc/quant_linear.cpp) unless this is False.
         self.fused = True
         # (the weights, norms and biases it was built from, the fused kernel's arguments or None)
@@ -147,12 +168,24 @@ class DecoderLayer(torch.nn.Module):
         self.down_proj = None if moe else _weight(c.hidden_size, c.intermediate_size, dtype)
         self.down_bias = _bias(c.hidden_size, c.mlp_bias, dtype)
         self.router = _weight(c.num_experts, c.hidden_size, dtype) if moe else None
+        self.router_bias = _bias(c.num_experts, moe and c.router_bias, dtype)
         self.experts = (
             torch.nn.ModuleList(
-                Expert(hidden_size=c.hidden_size, intermediate_size=c.moe_intermediate_size, dtype=dtype)
+                Expert(
+                    hidden_size=c.hidden_size,
+                    intermediate_size=c.moe_intermediate_size,
+                    dtype=dtype,
+                    bias=c.expert_bias,
+                )
                 for _ in range(c.num_experts)
             )
             if moe
+            else None
+        )
+        # gpt-oss: one sink logit per query head, joining each softmax's denominator
+        self.sinks = (
+            torch.nn.Parameter(torch.zeros(c.num_heads, dtype=dtype), requires_grad=False)
+            if c.attention_sinks
             else None
         )
         self.experts_per_token, self.moe_renormalize = c.experts_per_token, c.moe_renormalize
@@ -205,6 +238,7 @@ class DecoderLayer(torch.nn.Module):
         the caller checked fused_layer_available() for this forward already."""
         if (
             not self.fused
+            or not self.fusable
             or self.reduce_output is not None
             or not hidden.is_cpu
             or hidden.dtype != torch.float32
@@ -362,7 +396,7 @@ class DecoderLayer(torch.nn.Module):
         if self.experts is not None:
             return self._mixture(x, linear)
         gate_up = self._with_adapters(linear(x, self.gate_up_proj, self.gate_up_bias), x, "gate_up_proj", linear, lora)
-        hidden = gated_activation(gate_up, gelu=self.gelu)
+        hidden = self.act(gate_up)
         return self._with_adapters(
             self._output_linear(hidden, self.down_proj, self.down_bias, linear), hidden, "down_proj", linear, lora
         )
@@ -374,7 +408,7 @@ class DecoderLayer(torch.nn.Module):
         assert self.experts is not None and self.router is not None
         k = self.experts_per_token
         # the router stays a float matrix (as llama.cpp keeps it): the float path's invariant kernel
-        probs = torch.softmax(linear(x, self.router, None).float(), dim=-1)  # [N, E]
+        probs = torch.softmax(linear(x, self.router, self.router_bias).float(), dim=-1)  # [N, E]
         weights, chosen = probs.topk(k, dim=-1)  # [N, k], largest first
         if self.moe_renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -392,13 +426,13 @@ class DecoderLayer(torch.nn.Module):
                 continue
             entries, rows, ranks = (t[start : start + count] for t in (order, rows_of, ranks_of))  # [n] each
             start += count
-            out = self.experts[expert](x.index_select(0, rows), linear=linear, gelu=self.gelu)  # [n, D]
+            out = self.experts[expert](x.index_select(0, rows), linear=linear, act=self.act)  # [n, D]
             by_rank[ranks, rows] = out * weights.index_select(0, entries)[:, None]
         total = by_rank[0]
         for rank in range(1, k):
             total = total + by_rank[rank]
         if self.shared_expert is not None:
-            shared = self.shared_expert(x, linear=linear, gelu=self.gelu)  # [N, D]
+            shared = self.shared_expert(x, linear=linear, act=self.act)  # [N, D]
             if self.shared_expert_gate is not None:
                 gate = torch.sigmoid(linear(x, self.shared_expert_gate, None).float())  # [N, 1]
                 shared = shared * gate.to(x.dtype)
@@ -437,6 +471,7 @@ class DecoderLayer(torch.nn.Module):
                 mask=mask,
                 scale=self.attn_scale,
                 softcap=self.attn_softcap,
+                sinks=self.sinks,
             )
         return out.view(num_tokens, self.q_size)
 

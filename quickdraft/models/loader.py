@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from quickdraft.models.config import ModelConfig, moe_hf_names
+from quickdraft.models.config import ModelConfig, moe_hf_names, moe_router_name
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.heap import return_free_heap
 from quickdraft.models.layers import RotaryTable, default_linear_fn
@@ -168,12 +169,70 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
         try:
             with safe_open(str(file), "pt") as f:
                 for name in f.keys():
+                    if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in f.keys():
+                        continue  # read with its blocks
+                    if name.endswith("_blocks"):  # gpt-oss's MXFP4 experts: to floats in the model's layout
+                        stacked = mxfp4_to_float(
+                            f.get_tensor(name), f.get_tensor(name.removesuffix("_blocks") + "_scales")
+                        )
+                        name = name.removesuffix("_blocks")
+                        for expert_name, tensor in _unstacked_experts(_normalised_name(name), stacked):
+                            if (names is None or expert_name in names) and expert_name.startswith(prefix):
+                                tensors[expert_name] = tensor
+                        continue
+                    if _STACKED_EXPERTS.search(name):  # gpt-oss: every expert in one tensor
+                        for expert_name, tensor in _unstacked_experts(_normalised_name(name), f.get_tensor(name)):
+                            if (names is None or expert_name in names) and expert_name.startswith(prefix):
+                                tensors[expert_name] = tensor
+                        continue
                     wanted = names is None or _normalised_name(name) in names
                     if wanted and _normalised_name(name).startswith(prefix):
                         tensors[_normalised_name(name)] = f.get_tensor(name)
         except Exception as err:  # safetensors raises several types for a corrupt file
             raise ValueError(f"cannot read weights from {file}: {err}") from err
     return tensors
+
+
+# gpt-oss's checkpoints hold a layer's experts stacked: gate_up_proj [E, D, 2I] with gate and up
+# in alternate columns, down_proj [E, I, D] (inputs first), and their biases [E, 2I] / [E, D].
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+
+
+# OCP FP4 E2M1's 16 values by code (gpt-oss's MXFP4 checkpoints)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's MXFP4 checkpoint tensors as the float tensor transformers makes of them.
+    blocks [E, rows, cols / 32, 16] uint8: two FP4 codes a byte, the low nibble first; scales
+    [E, rows, cols / 32] uint8, E8M0 (2^(s - 127)) -> [E, cols, rows] float32 (inputs first, as
+    the model's stacked experts are held)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match")
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-1], 32).long()
+    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)  # [E, rows, cols / 32, 32]
+    return values.reshape(*values.shape[:2], -1).transpose(1, 2).contiguous()
+
+
+def _unstacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A stacked experts tensor as the per-expert tensors of the usual layout (gate_proj, up_proj,
+    down_proj weights [out, in] and biases), under `...mlp.experts.{e}.{leaf}.{weight|bias}`."""
+    match = _STACKED_EXPERTS.search(name)
+    assert match is not None
+    stem = name[: match.start()] + ".mlp.experts."
+    kind = "bias" if match[2] else "weight"
+    out = []
+    for expert, matrix in enumerate(tensor):
+        if match[1] == "down_proj":
+            out.append((f"{stem}{expert}.down_proj.{kind}", matrix if kind == "bias" else matrix.t().contiguous()))
+            continue
+        for leaf, start in (("gate_proj", 0), ("up_proj", 1)):
+            half = matrix[..., start::2]  # bias [I]; weight [D, I] -> [I, D]
+            out.append(
+                (f"{stem}{expert}.{leaf}.{kind}", half.contiguous() if kind == "bias" else half.t().contiguous())
+            )
+    return out
 
 
 def _normalised_name(name: str) -> str:
@@ -204,6 +263,8 @@ def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
         names["down_bias"] = [p + "mlp.down_proj.bias"]
     if config.qk_norm:
         names["qk_norm.weight"] = [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if config.attention_sinks:
+        names["sinks"] = [p + "self_attn.sinks"]
     if index in config.moe_layers:
         del names["gate_up_proj"], names["down_proj"]
         names.update(_expert_tensors(config, p))
@@ -216,11 +277,17 @@ def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:
 def _expert_tensors(config: ModelConfig, prefix: str) -> dict[str, list[str]]:
     """A mixture-of-experts layer's router and experts (and shared expert), under its checkpoint's names."""
     block, (gate, up, down) = moe_hf_names(config.model_type)
-    names = {"router": [prefix + f"{block}.gate.weight"]}
+    router = prefix + f"{block}.{moe_router_name(config.model_type)}."
+    names = {"router": [router + "weight"]}
+    if config.router_bias:
+        names["router_bias"] = [router + "bias"]
     for expert in range(config.num_experts):
         at = prefix + f"{block}.experts.{expert}."
         names[f"experts.{expert}.gate_up_proj"] = [at + f"{gate}.weight", at + f"{up}.weight"]
         names[f"experts.{expert}.down_proj"] = [at + f"{down}.weight"]
+        if config.expert_bias:
+            names[f"experts.{expert}.gate_up_bias"] = [at + f"{gate}.bias", at + f"{up}.bias"]
+            names[f"experts.{expert}.down_bias"] = [at + f"{down}.bias"]
     if config.shared_expert_intermediate_size:
         at = prefix + f"{block}.shared_expert."
         names["shared_expert.gate_up_proj"] = [at + "gate_proj.weight", at + "up_proj.weight"]

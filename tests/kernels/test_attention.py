@@ -78,3 +78,28 @@ def test_heads_sharing_a_call_keep_their_bits(H, Hkv, D):
         for mine, theirs in zip(outs[0], other):
             assert torch.equal(mine, theirs)
     assert torch.equal(torch.cat(outs[0][:3]), outs[0][3])
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(4, 1, 256), (8, 2, 64), (3, 1, 32), (2, 2, 16)])
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_sinks_join_each_softmax_and_rows_stay_invariant(H, Hkv, D, T):
+    """gpt-oss's attention sinks: per head a logit in the softmax's denominator whose weight goes
+    nowhere, as transformers computes it; the rows keep their bits whatever the call, and a row
+    that sees no key is zero (the sink takes all the weight)."""
+    from quickdraft.kernels.fixed_rows import sdpa_rows
+
+    q, keys, values, mask = _inputs(T, H, Hkv, D, 37, seed=T * 7 + D)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(D)) * 2
+    out = attention(q, keys, values, mask=mask, scale=D**-0.5, sinks=sinks)
+    group = H // Hkv
+    scores = torch.einsum("thd,hsd->hts", q, keys.repeat_interleave(group, 0)) * D**-0.5  # [H, T, S]
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    with_sink = torch.cat([scores, sinks[:, None, None].expand(-1, T, 1)], dim=-1).softmax(-1)[..., :-1]
+    expected = torch.einsum("hts,hsd->thd", with_sink, values.repeat_interleave(group, 0))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, attention(q, keys, values, mask=mask, scale=D**-0.5), atol=1e-3)
+    torch.testing.assert_close(sdpa_rows(q, keys, values, mask=mask, scale=D**-0.5, sinks=sinks), expected)
+    alone = [attention(q[t : t + 1], keys, values, mask=mask[t : t + 1], scale=D**-0.5, sinks=sinks) for t in range(T)]
+    assert torch.equal(out, torch.cat(alone))
+    blind = torch.zeros(1, keys.shape[1], dtype=torch.bool)
+    assert torch.equal(attention(q[:1], keys, values, mask=blind, scale=D**-0.5, sinks=sinks), torch.zeros(1, H, D))

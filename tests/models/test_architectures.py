@@ -525,3 +525,81 @@ def test_moe_dense_layers_and_lora_on_attention_only(checkpoints, tmp_path):
     every_layer = write_random_adapter(tmp_path / "every", config=config, rank=4, b_std=0.1, seed=0)
     with pytest.raises(ValueError, match="layer 0 is a mixture of experts; adapters on experts are not supported"):
         llm.generate([prompt_ids], SamplingParams(max_tokens=2), lora_request=LoRARequest("e", 3, str(every_layer)))
+
+
+def test_gpt_oss_mxfp4_checkpoint_reads_as_transformers_dequantizes_it(checkpoints, tmp_path):
+    """gpt-oss as published: the experts' matrices as MXFP4 blocks and scales (`*_blocks`,
+    `*_scales`); read as transformers dequantizes them, the model gives its logits."""
+    import copy
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    source = checkpoints["gpt_oss"]
+    path = tmp_path / "gpt_oss_mxfp4"
+    shutil.copytree(source, path)
+    tensors = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    reference = copy.deepcopy(reference_model(source))
+    state = reference.state_dict()
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = tensors.pop(name).shape  # [E, in, out]
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(118, 126, (experts, rows, cols // 32), dtype=torch.uint8, generator=generator)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        state[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, path / "model.safetensors")
+    reference.load_state_dict(state)
+    tokens = prompt(40, seed=3)
+    runner = make_runner(path, context_len=128)
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))]
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(runner.forward(work).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_published_gpt_oss_config_parses():
+    """gpt-oss-20b's config.json as published (transformers 4.55 spelling, MXFP4 quantization
+    config beside it)."""
+    config = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "attention_bias": True,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "layer_types": ["sliding_attention", "full_attention"] * 12,
+            "max_position_embeddings": 131072,
+            "num_attention_heads": 64,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 24,
+            "num_key_value_heads": 8,
+            "num_local_experts": 32,
+            "quantization_config": {"quant_method": "mxfp4"},
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "rope_type": "yarn",
+                "truncate": False,
+            },
+            "rope_theta": 150000,
+            "sliding_window": 128,
+            "swiglu_limit": 7.0,
+            "tie_word_embeddings": False,
+            "vocab_size": 201088,
+            "eos_token_id": 200002,
+        }
+    )
+    assert (config.num_experts, config.experts_per_token, config.moe_intermediate_size) == (32, 4, 2880)
+    assert config.layer_types[:2] == ("sliding_attention", "full_attention") and config.sliding_window == 128
+    assert config.attention_sinks and config.router_bias and config.expert_bias and config.activation == "swiglu_oai"
+    rope = config.rope_by_layer_type["full_attention"]
+    assert (rope.rope_type, rope.factor, rope.truncate, rope.theta) == ("yarn", 32.0, False, 150000.0)
+    assert rope.attention_factor == pytest.approx(0.1 * math.log(32.0) + 1.0)
+    assert config.qkv_bias and config.o_bias and config.head_dim == 64

@@ -68,7 +68,8 @@ inline void attend(int64_t G, const float* q, const float* k, const float* v, co
 // q [T, H, D]; k, v [Hkv, S, D] with unit stride over D and D between keys (a cache slot's
 // range); mask [T, S] bool or None (every key visible).  Returns [T, H, D] float32.
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& mask_opt, double scale, double softcap) {
+                     const c10::optional<at::Tensor>& mask_opt, double scale, double softcap,
+                     const c10::optional<at::Tensor>& sinks_opt) {
   TORCH_CHECK(cpu_supported(), "attention: this CPU lacks the instructions of the ", kIsa, " build");
   TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attention: q [T, H, D], k and v [Hkv, S, D]");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -94,7 +95,14 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   const float* vp = v.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t head_stride = k.stride(0), group = H / Hkv;
-  const AttentionScale fscale{static_cast<float>(scale), static_cast<float>(softcap)};
+  at::Tensor sinks;
+  if (sinks_opt.has_value() && sinks_opt->defined()) {
+    sinks = sinks_opt->contiguous();
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.dim() == 1 && sinks.size(0) == H,
+                "attention: sinks must be float32 [H]");
+  }
+  const AttentionScale fscale{static_cast<float>(scale), static_cast<float>(softcap),
+                              sinks.defined() ? sinks.const_data_ptr<float>() : nullptr};
   // G query heads of a key head per call (they share its key and value reads).
   const int64_t G = heads_for(group, T * Hkv, at::get_num_threads()), calls = H / G;
   // Small problems (one decode token over a short context) stay on one thread.
@@ -106,7 +114,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / calls, h = (i % calls) * G, g = h / group;
       attend(G, qp + (t * H + h) * D, kp + g * head_stride, vp + g * head_stride, rows.data(), S, D,
-                     mask ? mask + t * S : nullptr, fscale, scores.data(), op + (t * H + h) * D);
+                     mask ? mask + t * S : nullptr, fscale.at_head(h), scores.data(), op + (t * H + h) * D);
     }
   });
   return out;
@@ -118,7 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("attention", &qd_attention::attention, "batch-invariant attention: q [T, H, D], k/v [Hkv, S, D]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scale"), py::arg("softcap") = 0.0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.attr("isa") = qd_attention::kIsa;
   m.def("cpu_supported", &qd_attention::cpu_supported);
 }

@@ -40,7 +40,7 @@ inline float dot(const float* a, const KV* b, int64_t D) {
 
 // scores[s] = exp(scores[s] - max_score) for the S keys; returns 1 / (the visible ones' sum, in
 // key order).  The tail goes through a padded copy: each lane's exp is the same function.
-inline float exp_scores(float* scores, int64_t S, float max_score, const bool* visible) {
+inline float exp_scores(float* scores, int64_t S, float max_score, const bool* visible, const float* sink = nullptr) {
   constexpr int L = Vec::kLanes;
   const Vec::F max_v = Vec::set1(max_score);
   int64_t s = 0;
@@ -54,6 +54,7 @@ inline float exp_scores(float* scores, int64_t S, float max_score, const bool* v
   float total = 0.0f;
   for (int64_t t = 0; t < S; ++t)
     if (visible == nullptr || visible[t]) total += scores[t];
+  if (sink != nullptr) total += std::exp(*sink - max_score);  // the sink's share, after the keys'
   return 1.0f / total;
 }
 
@@ -102,7 +103,8 @@ inline void attend_row(const float* q, const KV* k, const KV* v, const int64_t* 
     for (int64_t d = 0; d < D; d += Vec::kLanes) Vec::store(out + d, Vec::zero());
     return;
   }
-  const float inv_total = exp_scores(scores, S, max_score, visible);
+  if (scale.sinks != nullptr) max_score = std::max(max_score, scale.sinks[0]);
+  const float inv_total = exp_scores(scores, S, max_score, visible, scale.sinks);
   weighted_columns<Vec::kAccumulators>(v, rows, S, D, visible, scores, inv_total, 0, out);
 }
 
@@ -178,7 +180,11 @@ inline void attend_heads_shared(const float* q, const KV* k, const KV* v, const 
     for (int64_t d = 0; d < G * D; d += L) Vec::store(out + d, Vec::zero());
     return;
   }
-  for (int g = 0; g < G; ++g) inv_total[g] = exp_scores(scores + g * S, S, max_score[g], visible);
+  for (int g = 0; g < G; ++g) {
+    const float* sink = scale.sinks == nullptr ? nullptr : scale.sinks + g;
+    if (sink != nullptr) max_score[g] = std::max(max_score[g], *sink);
+    inv_total[g] = exp_scores(scores + g * S, S, max_score[g], visible, sink);
+  }
   parallel(0, D / (L * W), 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0 * L * W; c < c1 * L * W; c += L * W) {
       Vec::F acc[G][W];
@@ -211,7 +217,8 @@ template <int G, typename KV>
 inline void attend_heads(const float* q, const KV* k, const KV* v, const int64_t* rows, int64_t S, int64_t D,
                          const bool* visible, AttentionScale scale, float* scores, float* out) {
   if (D % (Vec::kLanes * (Vec::kAccumulators / G)) != 0) {
-    for (int g = 0; g < G; ++g) attend_row(q + g * D, k, v, rows, S, D, visible, scale, scores + g * S, out + g * D);
+    for (int g = 0; g < G; ++g)
+      attend_row(q + g * D, k, v, rows, S, D, visible, scale.at_head(g), scores + g * S, out + g * D);
     return;
   }
   const auto serial = [](int64_t begin, int64_t end, int64_t, const auto& f) { f(begin, end); };

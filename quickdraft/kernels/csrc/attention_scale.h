@@ -6,13 +6,20 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 struct AttentionScale {
   float scale;
   float softcap = 0.0f;
+  // gpt-oss's attention sinks: per query head a logit that joins every softmax's denominator (its
+  // share of the weight goes nowhere), for the call's heads from its first one; nullptr: none.
+  const float* sinks = nullptr;
 
   float apply(float dot) const {
     const float score = dot * scale;
     return softcap > 0.0f ? softcap * std::tanh(score / softcap) : score;
   }
+
+  // The same, for the heads from `head` on (a call's first head).
+  AttentionScale at_head(int64_t head) const { return {scale, softcap, sinks == nullptr ? nullptr : sinks + head}; }
 };

@@ -1331,7 +1331,7 @@ void attend_rows_shared(const float* qkv, const KV* kc, const KV* vc, const std:
       for (int64_t t = 0; t < r1 - r0; ++t)
         for (int64_t head = g * group; head < (g + 1) * group; head += G)
           attend_row_shared(G, qkv + (r0 + t) * QKV + head * hd, kc, vc, rows.data(), S, hd,
-                            mask ? mask + t * S : nullptr, scale, scores.data(), attended + (r0 + t) * H * hd + head * hd);
+                            mask ? mask + t * S : nullptr, scale.at_head(head), scores.data(), attended + (r0 + t) * H * hd + head * hd);
     }
   }
 }
@@ -1394,7 +1394,7 @@ void attend_sequences(const float* qkv, const KV* kc, const KV* vc, const std::v
         const int64_t r0 = seqs[5 * b + 1], S = seqs[5 * b + 4] - seqs[5 * b + 3], g = head / group;
         const bool* mask = mask_ptr(masks[b]);
         attend_rows(G, qkv + (r0 + t) * QKV + head * hd, kc, vc, rows.data() + rows_at[b] + g * S, S, hd,
-                    mask ? mask + t * S : nullptr, scale, scores.data(), attended + (r0 + t) * H * hd + head * hd);
+                    mask ? mask + t * S : nullptr, scale.at_head(head), scores.data(), attended + (r0 + t) * H * hd + head * hd);
       }
     }
   });
