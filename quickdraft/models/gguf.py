@@ -29,9 +29,20 @@ from typing import Any
 import gguf
 import numpy as np
 
-from quickdraft.models.config import moe_hf_names
+from quickdraft.models.config import moe_hf_names, moe_router_name
 
-SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "smollm3")
+SUPPORTED_ARCHITECTURES = (
+    "gemma2",
+    "gemma3",
+    "gpt-oss",
+    "llama",
+    "phi3",
+    "qwen2",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+    "smollm3",
+)
 
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
@@ -80,6 +91,8 @@ _ARCH_BLOCK_NAMES = {
     "qwen3": {"ffn_norm": "post_attention_layernorm"},
     "smollm3": {"ffn_norm": "post_attention_layernorm"},
     "qwen3moe": {"ffn_norm": "post_attention_layernorm"},
+    # gpt-oss: one norm before the experts, and a sink logit per query head (HF's self_attn.sinks)
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
     # Qwen2-MoE's shared expert and its gate (a [hidden] vector; HF holds it as a [1, hidden] matrix)
     "qwen2moe": {
         "ffn_norm": "post_attention_layernorm",
@@ -125,6 +138,7 @@ _IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_facto
 _HF_CLASSES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "llama": ("llama", "LlamaForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -213,11 +227,12 @@ def hf_tensor_name(gguf_name: str, *, architecture: str) -> str | None:
         block, leaves = _moe_names(architecture)
         leaf = leaves[("ffn_gate", "ffn_up", "ffn_down").index(split["leaf"])]
         return f"model.layers.{split['layer']}.{block}.experts.{split['expert']}.{leaf}.weight"
-    leaf_names = (
-        _BLOCK_NAMES | _ARCH_BLOCK_NAMES[architecture] | {"ffn_gate_inp": f"{_moe_names(architecture)[0]}.gate"}
-    )
+    router = f"{_moe_names(architecture)[0]}.{moe_router_name(_HF_CLASSES[architecture][0])}"
+    leaf_names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES[architecture] | {"ffn_gate_inp": router}
     if match is None or match["leaf"] not in leaf_names:
         raise ValueError(f"Unexpected tensor {gguf_name!r} in a GGUF file of architecture {architecture!r}")
+    if match["leaf"] == "attn_sinks":  # a bare parameter in HF, no .weight
+        return f"model.layers.{match['layer']}.{leaf_names['attn_sinks']}"
     return f"model.layers.{match['layer']}.{leaf_names[match['leaf']]}.{match['kind']}"
 
 
@@ -456,20 +471,41 @@ def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: s
         "rope_scaling": scaling,
         "rope_parameters": _rope_parameters(theta, scaling),
     }
-    if architecture in ("llama", "qwen3", "qwen3moe", "smollm3"):
+    if architecture in ("llama", "qwen3", "qwen3moe", "smollm3", "gpt-oss"):
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if architecture == "llama":
         extra["mlp_bias"] = False
     if architecture in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "smollm3"):
         extra["use_sliding_window"] = False
     experts = read_field(reader, f"{architecture}.expert_count")
-    if experts:
+    if experts and architecture != "gpt-oss":  # gpt-oss's in _gpt_oss_config
         extra |= _moe_config(reader, architecture=architecture, num_experts=int(experts))
     if architecture == "smollm3":  # llama.cpp: every 4th layer without rotary embeddings
         extra |= {"mlp_bias": False, "no_rope_layer_interval": 4}
     if architecture == "phi3":
         extra |= _phi3_config(reader, config)
+    if architecture == "gpt-oss":
+        extra |= _gpt_oss_config(reader, config, scaling=scaling, theta=theta)
     return config | extra
+
+
+def _gpt_oss_config(reader: gguf.GGUFReader, config: dict, *, scaling: dict | None, theta: float) -> dict:
+    """gpt-oss as llama.cpp runs it: sliding-window layers first and every other one (its swa
+    pattern of 2), experts expert_feed_forward_length wide; YaRN untruncated as the model's own
+    config has it, the clamp and slope of its activation as llama.cpp hardcodes them."""
+    n_layers = config["num_hidden_layers"]
+    rope = _rope_parameters(theta, scaling) | ({"truncate": False} if scaling else {})
+    return {
+        "num_local_experts": int(arch_field(reader, "gpt-oss", "expert_count")),
+        "num_experts_per_tok": int(arch_field(reader, "gpt-oss", "expert_used_count")),
+        "intermediate_size": int(arch_field(reader, "gpt-oss", "expert_feed_forward_length")),
+        "sliding_window": int(arch_field(reader, "gpt-oss", "attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)],
+        "rope_scaling": None if scaling is None else rope,
+        "rope_parameters": rope,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+    }
 
 
 def _moe_config(reader: gguf.GGUFReader, *, architecture: str, num_experts: int) -> dict:  # -> keys to add

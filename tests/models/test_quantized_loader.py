@@ -42,6 +42,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
             "qwen3moe-q8_0",
             "qwen2moe-mixed",
             "qwen3moe-mxfp4",
+            "gpt-oss-mxfp4",
             "mixtral-mixed",
             "mixtral-split",
         )
@@ -148,6 +149,7 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
         "qwen3moe-q8_0",
         "qwen2moe-mixed",
         "qwen3moe-mxfp4",
+        "gpt-oss-mxfp4",  # the torch layer around the kernels, sinks in the C++ attention
         "mixtral-mixed",
     ],
 )
@@ -281,6 +283,7 @@ def test_quantized_logits_close_to_float(tiny_gguf_paths):
         ("qwen3moe-q8_0", "float16", False),
         ("qwen2moe-mixed", "auto", True),
         ("qwen3moe-mxfp4", "auto", True),
+        ("gpt-oss-mxfp4", "float16", True),
     ],
 )
 def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, name, tree, kv_cache_dtype):
@@ -315,6 +318,28 @@ def test_yarn_gguf_gives_transformers_logits(tmp_path, quantization):
     assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == ("yarn", 4.0, 32)
     tiny.model.load_state_dict(tiny.expected, strict=False)
     tokens = (PROMPT * 3)[:48]  # past the 32-position original context
+    with torch.no_grad():
+        expected = tiny.model(torch.tensor([tokens])).logits[0]
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))]
+    (got,) = _logits(model, config, [work], prefix=[], slots=1)
+    tolerance = 1e-4 if quantization is None else 5e-2  # the kernels' int8 activations
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("name", "quantization"), [("gpt-oss-f32", None), ("gpt-oss-mxfp4", "gguf")])
+def test_gpt_oss_gguf_gives_transformers_logits(tmp_path, name, quantization):
+    """gpt-oss as llama.cpp writes it (sinks, biased router and experts, gate and up apart, YaRN,
+    sliding layers first and every other one): the decoder gives transformers' logits on the
+    weights the file stores, its MXFP4 experts kept as stored and run on the kernels."""
+    from tests.models.test_gguf import build_tiny_gguf
+
+    tiny = build_tiny_gguf(tmp_path, name)
+    model, config = load(tiny.path, quantization)
+    assert config.layer_types == ("sliding_attention", "full_attention") and config.attention_sinks
+    if quantization == "gguf":
+        assert {p.format for p in _quantized_weights(model)["layers.1.experts.3.down_proj"].parts} == {"MXFP4"}
+    tiny.model.load_state_dict(tiny.expected)
+    tokens = (PROMPT * 3)[:40]  # past the 4-token window and the 32-position original context
     with torch.no_grad():
         expected = tiny.model(torch.tensor([tokens])).logits[0]
     work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))]
