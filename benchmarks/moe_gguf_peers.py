@@ -8,7 +8,10 @@ and the shared-expert gate F32, every other matrix `--qtype`):
 - `qwen2moe`: Qwen1.5-MoE-A2.7B's (hidden 2048, 16 heads of 128 with q/k/v biases, experts of
   1408, 4 of `--experts` a token, not renormalised, a gated shared expert of 5632);
 - `qwen2`: Qwen2.5-1.5B's dense layers (hidden 1536, 12 query / 2 key heads of 128 with q/k/v
-  biases, MLP 8960).
+  biases, MLP 8960);
+- `gpt-oss`: gpt-oss-20b's (hidden 2880, 64 query / 8 key heads of 64 with biases and sinks,
+  sliding 128-token windows every other layer, experts of 2880, 4 of `--experts` a token, biased
+  router and experts, YaRN).
 
 Greedy decoding of `--tokens` tokens after a short prompt, end of sequence ignored; each engine
 runs in a process of its own (another engine's threads, spinning after their work, would take its
@@ -43,6 +46,19 @@ def model_config(architecture: str, *, layers: int, experts: int, vocab_size: in
     if architecture == "qwen3moe":
         return qwen3_30b_a3b_layers(layers=layers, experts=experts, vocab_size=vocab_size, **extra)
     common = dict(vocab_size=vocab_size, num_hidden_layers=layers, max_position_embeddings=4096, **extra)
+    if architecture == "gpt-oss":
+        return transformers.GptOssConfig(
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=experts,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            tie_word_embeddings=False,
+            **common,
+        )
     if architecture == "qwen2moe":
         return transformers.Qwen2MoeConfig(
             hidden_size=2048,
@@ -87,7 +103,7 @@ def write_model(path: Path, *, architecture: str, layers: int, experts: int, qty
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # biases as trained models have them, not transformers' zeros
         for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith(("bias", "sinks")):
                 parameter.normal_(0.0, 0.5)
     # MXFP4_MOE: llama.cpp's mix for MoE models (the experts MXFP4, random blocks here; the rest Q8_0)
     qtypes = {"_exps": QType.MXFP4, "": QType.Q8_0} if qtype == "MXFP4_MOE" else {"": QType[qtype]}
@@ -139,7 +155,7 @@ def engine_rate(engine: str, path: Path, *, tokens: int, threads: int, repeats: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, required=True, help="written here when missing")
-    parser.add_argument("--architecture", choices=["qwen3moe", "qwen2moe", "qwen2"], default="qwen3moe")
+    parser.add_argument("--architecture", choices=["qwen3moe", "qwen2moe", "qwen2", "gpt-oss"], default="qwen3moe")
     parser.add_argument("--base", type=Path, help="another quickdraft checkout, run as a third engine")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=32)

@@ -310,6 +310,9 @@ class MixtureWeights:
     renormalize: bool
     shared: tuple[QuantizedWeight, QuantizedWeight] | None = None  # the shared expert: [2 S, D], [D, S]
     shared_gate: torch.Tensor | None = None  # [1, D] float32: the shared expert's sigmoid gate
+    router_bias: torch.Tensor | None = None  # [E] float32 (gpt-oss)
+    expert_biases: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert: [2 I], [D] (gpt-oss)
+    swiglu_oai: tuple[float, float] | None = None  # gpt-oss's activation: (limit, alpha); None: the layer's
 
     def kernel_object(self) -> object:
         return _extension().Mixture(
@@ -322,6 +325,9 @@ class MixtureWeights:
             [] if self.shared is None else _parts(self.shared[1]),
             0 if self.shared is None else self.shared[1].shape[1],
             self.shared_gate,
+            self.router_bias,
+            [] if self.expert_biases is None else [(gu.contiguous(), d.contiguous()) for gu, d in self.expert_biases],
+            *(self.swiglu_oai or (0.0, 0.0)),
         )
 
 
@@ -350,7 +356,7 @@ class FusedLayerWeights:
     scale: float
     softcap: float = 0.0  # Gemma 2's attention score cap (0: none)
     mixture: object | None = None  # the kernel's Mixture where experts replace the dense MLP
-    biases: object | None = None  # the kernel's LayerBiases where a matmul has a bias
+    extras: object | None = None  # the kernel's LayerExtras where a matmul has a bias or attention sinks
 
     def weight_args(self) -> tuple:
         """The kernels' layer arguments before the per-call ones (decoder_layer, DecoderStack)."""
@@ -373,8 +379,8 @@ class FusedLayerWeights:
         return (self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size, self.scale, self.softcap)
 
     def tail_args(self) -> tuple:
-        """The kernels' last arguments: the mixture (None: the dense MLP), the biases (None: none)."""
-        return (self.mixture, self.biases)
+        """The kernels' last arguments: the mixture (None: the dense MLP), the extras (None: none)."""
+        return (self.mixture, self.extras)
 
     @classmethod
     def of(
@@ -390,12 +396,12 @@ class FusedLayerWeights:
         scale: float,
         softcap: float | None = None,
         mixture: MixtureWeights | None = None,
-        biases: dict[str, torch.Tensor | None] | None = None,
+        extras: dict[str, torch.Tensor | None] | None = None,
     ) -> FusedLayerWeights:
         """`weights`: qkv_proj, o_proj, and gate_up_proj, down_proj unless `mixture` replaces them;
-        `biases`: float32 [out] by the same names (None or absent: no bias there)."""
+        `extras`: float32 biases [out] by the same names, and "sinks" [H] (None or absent: none)."""
         dense = mixture is None
-        biases = {name: b for name, b in (biases or {}).items() if b is not None}
+        extras = {name: value for name, value in (extras or {}).items() if value is not None}
         return cls(
             qkv=_parts(weights["qkv_proj"]),
             o_proj=_parts(weights["o_proj"]),
@@ -415,11 +421,11 @@ class FusedLayerWeights:
             scale=scale,
             softcap=softcap or 0.0,
             mixture=None if dense else mixture.kernel_object(),
-            biases=(
-                _extension().LayerBiases(
-                    *(biases.get(site) for site in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+            extras=(
+                _extension().LayerExtras(
+                    *(extras.get(site) for site in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "sinks"))
                 )
-                if biases
+                if extras
                 else None
             ),
         )

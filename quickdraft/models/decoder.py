@@ -145,9 +145,8 @@ class DecoderLayer(torch.nn.Module):
         self.attn_softcap = c.attn_logit_softcapping  # Gemma 2; None elsewhere
         self.gelu = c.activation == "gelu_tanh"
         self.act = GatedActivation(kind=c.activation, limit=c.swiglu_limit, alpha=c.swiglu_alpha)
-        # The one-call C++ layer has no attention sinks, router or expert biases, nor gpt-oss's
-        # activation: such layers run the torch code (their attention on the C++ kernel with sinks).
-        self.fusable = not (c.attention_sinks or c.router_bias or c.expert_bias or c.activation == "swiglu_oai")
+        # gpt-oss's activation runs in the one-call layer only in its experts (it has no dense MLP)
+        self.fusable = c.activation != "swiglu_oai" or layer_index in c.moe_layers
         # Quantized layers run as one C++ call (csrc/quant_linear.cpp) unless this is False.
         self.fused = True
         # (the weights, norms and biases it was built from, the fused kernel's arguments or None)
@@ -268,14 +267,17 @@ class DecoderLayer(torch.nn.Module):
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)  # None: plain attributes
         experts = self._expert_weights()  # () for a dense layer
         shared = self._shared_expert_weights()  # (gate_up, down, gate or None) or ()
-        sources = weights + norms + biases + experts + shared
+        # gpt-oss: the sinks, the router's bias, each expert's (gate_up, down) biases
+        sinks, router_bias = self._parameters.get("sinks"), self._parameters.get("router_bias")
+        expert_biases = self._expert_biases()
+        sources = weights + norms + biases + experts + shared + (sinks, router_bias) + expert_biases
         cached = self._fused_cache
         if cached is not None and len(sources) == len(cached[0]) and all(a is b for a, b in zip(sources, cached[0])):
             return cached[1]
         dense = weights if not experts else weights[:2]  # a mixture's layer has no dense MLP weights
         usable = all(isinstance(w, QuantizedWeight) for w in dense + experts[1:] + shared[:2]) and all(
             isinstance(w, torch.Tensor) and w.dtype == torch.float32
-            for w in biases + experts[:1] + shared[2:]
+            for w in biases + experts[:1] + shared[2:] + (sinks, router_bias) + expert_biases
             if w is not None
         )
         layer = (
@@ -289,12 +291,15 @@ class DecoderLayer(torch.nn.Module):
                         renormalize=self.moe_renormalize,
                         shared=(shared[0], shared[1]) if shared else None,
                         shared_gate=shared[2] if shared else None,
+                        router_bias=router_bias,
+                        expert_biases=list(zip(expert_biases[0::2], expert_biases[1::2])) or None,
+                        swiglu_oai=(self.act.limit, self.act.alpha) if self.act.kind == "swiglu_oai" else None,
                     )
                     if experts
                     else None
                 ),
                 norms=dict(zip(("input", "post_attention", "pre_feedforward", "post_feedforward", "qk"), norms)),
-                biases=dict(zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), biases)),
+                extras=dict(zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), biases)) | {"sinks": sinks},
                 eps=self.input_layernorm.eps,
                 gelu=self.gelu,
                 num_heads=self.num_heads,
@@ -322,6 +327,19 @@ class DecoderLayer(torch.nn.Module):
                 value = expert.__dict__.get(name)
                 weights.append(expert._parameters.get(name) if value is None else value)
         return tuple(weights)
+
+    def _expert_biases(self) -> tuple:
+        """(gate_up bias of expert 0, down bias of expert 0, ...) where the experts have biases
+        (gpt-oss), else ()."""
+        experts = self._modules.get("experts")
+        if experts is None:
+            return ()
+        biases = tuple(
+            expert._parameters.get(name)
+            for expert in experts._modules.values()
+            for name in ("gate_up_bias", "down_bias")
+        )
+        return () if all(b is None for b in biases) else biases
 
     def _shared_expert_weights(self) -> tuple:
         """(gate_up, down, the [1, D] gate or None) of a mixture's shared expert, () without one."""

@@ -532,7 +532,8 @@ def write_tiny_gguf(
         if architecture in ("llama", "mixtral", "smollm3") and ".attn_k." in gguf_name:
             weights = _llama_permute(weights, n_head=config.num_key_value_heads)
         qtype = QType.F32  # norms, biases and 1-D tensors stay F32, as llama.cpp keeps them
-        if weights.ndim >= 2 and "ffn_gate_inp" not in gguf_name:  # llama.cpp keeps the router F32
+        # llama.cpp keeps the router and biases F32 (gpt-oss's stacked expert biases are 2-D)
+        if weights.ndim >= 2 and "ffn_gate_inp" not in gguf_name and not gguf_name.endswith(".bias"):
             qtype = next((q for key, q in qtypes.items() if key in gguf_name), QType.F32)
         if qtype == QType.F32:
             writer.add_tensor(gguf_name, weights)

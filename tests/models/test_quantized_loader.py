@@ -416,6 +416,7 @@ def _set_fused(model, fused: bool) -> None:
         "qwen2moe-mixed",
         "mixtral-mixed",
         "llama-q8_0+biases",
+        "gpt-oss-mxfp4",  # sinks, biased router and experts, the clamped activation
     ],
 )
 def test_one_call_layer_matches_the_python_layer(tiny_gguf_paths, name):
@@ -518,7 +519,16 @@ def test_one_call_mixture_with_a_nan_router_picks_experts_in_range(tiny_gguf_pat
 
 @pytest.mark.parametrize(
     "name",
-    ["gemma3-mixed", "llama-q8_0", "gemma2-mixed", "smollm3-q8_0", "qwen3moe-q8_0", "qwen2moe-mixed", "mixtral-mixed"],
+    [
+        "gemma3-mixed",
+        "llama-q8_0",
+        "gemma2-mixed",
+        "smollm3-q8_0",
+        "qwen3moe-q8_0",
+        "qwen2moe-mixed",
+        "mixtral-mixed",
+        "gpt-oss-mxfp4",
+    ],
 )
 def test_every_layer_in_one_call_is_the_layer_by_layer_forward(tiny_gguf_paths, name, monkeypatch):
     """The decoder's stack in one C++ call (FusedStack) computes what the loop over the one-call

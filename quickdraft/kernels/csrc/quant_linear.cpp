@@ -43,6 +43,7 @@
 #include <limits>
 #include <memory>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -1093,7 +1094,7 @@ at::Tensor dequantize_rows_q8_0(const at::Tensor& packed, int64_t N, int64_t K, 
 // The Python layer makes ~50 small torch calls per layer (norms, rope, splits, the KV write,
 // attention, activations, four matmuls with their activation quantization); each costs
 // microseconds of dispatch, which at batch 1 is a third of a decode step.  This is the same
-// layer as quickdraft/models/decoder.py's DecoderLayer for quantized weights without biases,
+// layer as quickdraft/models/decoder.py's DecoderLayer for quantized weights (LayerExtras below),
 // every row computed on its own (batch-invariant like the kernels it calls).  Both builds have
 // it: the norms, activations and attention rows are AVX-512 code (attention_row.h) in one, AVX2
 // and FMA code (attention_row_avx2.h) in the other, each build with bits of its own.
@@ -1561,25 +1562,40 @@ void add_lora(const LoraRows* lora, int site, const float* x, int64_t N, int64_t
   });
 }
 
-// The biases of a layer's matmuls where its checkpoint has them (Qwen2's q/k/v; o_proj or the MLP
-// in others), each [its output width] float32 or undefined.  As torch's linear does, a bias is
-// added to each row's product before the row's adapters: a row's value is its own whatever rows
-// share the call.
-struct LayerBiases {
-  at::Tensor qkv, o_proj, gate_up, down;
+// What some layers have beside their weights and norms, each a float32 vector or undefined: the
+// biases of their matmuls (Qwen2's q/k/v; o_proj or the MLP in others; a gpt-oss expert's gate_up
+// and down), each [its output width], and gpt-oss's attention sinks [H].  As torch's linear does,
+// a bias is added to each row's product before the row's adapters: a row's value is its own
+// whatever rows share the call.
+struct LayerExtras {
+  at::Tensor qkv, o_proj, gate_up, down, sinks;
 };
 
-LayerBiases make_layer_biases(const c10::optional<at::Tensor>& qkv, const c10::optional<at::Tensor>& o_proj,
-                              const c10::optional<at::Tensor>& gate_up, const c10::optional<at::Tensor>& down) {
+LayerExtras make_layer_extras(const c10::optional<at::Tensor>& qkv, const c10::optional<at::Tensor>& o_proj,
+                              const c10::optional<at::Tensor>& gate_up, const c10::optional<at::Tensor>& down,
+                              const c10::optional<at::Tensor>& sinks) {
   auto checked = [](const c10::optional<at::Tensor>& b, const char* site) {
     if (!b.has_value() || !b->defined()) return at::Tensor();
-    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1, "LayerBiases: the ", site,
-                " bias must be a 1-d float32 tensor");
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1, "LayerExtras: ", site,
+                " must be a 1-d float32 tensor");
     return b->contiguous();
   };
-  return LayerBiases{checked(qkv, "qkv"), checked(o_proj, "o_proj"), checked(gate_up, "gate_up"),
-                     checked(down, "down")};
+  return LayerExtras{checked(qkv, "the qkv bias"), checked(o_proj, "the o_proj bias"),
+                     checked(gate_up, "the gate_up bias"), checked(down, "the down bias"), checked(sinks, "sinks")};
 }
+
+// gpt-oss's activation of an expert's gate and up halves: gate clamped to <= limit, up to
+// [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), value by value (std::exp).
+struct SwigluOai {
+  float limit, alpha;
+
+  void operator()(const float* gate, const float* up, int64_t n, float* out) const {
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = std::min(gate[i], limit), u = std::min(std::max(up[i], -limit), limit);
+      out[i] = (u + 1.0f) * (g * (1.0f / (1.0f + std::exp(-(g * alpha)))));
+    }
+  }
+};
 
 // out [N, M] += bias [M] on every row; nothing for an undefined bias.
 void add_bias(const at::Tensor& bias, float* out, int64_t N, int64_t M) {
@@ -1599,11 +1615,16 @@ void add_bias(const at::Tensor& bias, float* out, int64_t N, int64_t M) {
 void gated_mlp(const std::vector<Part>& gate_up_w, const std::vector<Part>& down_w, const float* x, int64_t N,
                int64_t D, int64_t I, bool gelu, float* gate_up, float* act, float* out, std::vector<int8_t>& q8,
                std::vector<float>& dx, std::vector<int32_t>& bsum, int64_t amx_min_rows, const LoraRows* lora,
-               const LayerBiases* biases = nullptr) {
+               const LayerExtras* biases = nullptr, const SwigluOai* oai = nullptr) {
   matmul_parts(gate_up_w, x, N, D, gate_up, 2 * I, q8, dx, bsum, amx_min_rows);
   if (biases != nullptr) add_bias(biases->gate_up, gate_up, N, 2 * I);
   add_lora(lora, 2, x, N, D, gate_up, 2 * I);
-  for_rows(N, [&](int64_t n) { gated_activation(gate_up + n * 2 * I, gate_up + n * 2 * I + I, I, gelu, act + n * I); });
+  for_rows(N, [&](int64_t n) {
+    if (oai != nullptr)
+      (*oai)(gate_up + n * 2 * I, gate_up + n * 2 * I + I, I, act + n * I);
+    else
+      gated_activation(gate_up + n * 2 * I, gate_up + n * 2 * I + I, I, gelu, act + n * I);
+  });
   matmul_parts(down_w, act, N, I, out, D, q8, dx, bsum, amx_min_rows);
   if (biases != nullptr) add_bias(biases->down, out, N, D);
   add_lora(lora, 3, act, N, I, out, D);
@@ -1628,12 +1649,18 @@ struct Mixture {
   std::vector<Part> shared_gate_up, shared_down;  // [2 S, D] and [D, S], or empty: no shared expert
   int64_t shared_width;                           // S (0: none)
   at::Tensor shared_gate;                         // [D] float32, or undefined: ungated
+  // gpt-oss: the router's bias [E], each expert's gate_up and down biases, its activation
+  at::Tensor router_bias;                  // or undefined
+  std::vector<LayerExtras> expert_biases;  // per expert (gate_up, down), or empty
+  std::optional<SwigluOai> swiglu_oai;     // or the layer's gated activation
 };
 
 Mixture make_mixture(const at::Tensor& router, std::vector<std::vector<Part>> gate_up,
                      std::vector<std::vector<Part>> down, int64_t k, bool renormalize,
                      std::vector<Part> shared_gate_up, std::vector<Part> shared_down, int64_t shared_width,
-                     const c10::optional<at::Tensor>& shared_gate) {
+                     const c10::optional<at::Tensor>& shared_gate, const c10::optional<at::Tensor>& router_bias,
+                     const std::vector<std::tuple<at::Tensor, at::Tensor>>& expert_biases, double swiglu_limit,
+                     double swiglu_alpha) {
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous(),
               "Mixture: the router must be a contiguous [experts, hidden] float32 matrix");
   const int64_t E = router.size(0), D = router.size(1);
@@ -1651,8 +1678,22 @@ Mixture make_mixture(const at::Tensor& router, std::vector<std::vector<Part>> ga
                 "Mixture: the shared-expert gate must be ", D, " float32 values");
     gate = shared_gate->contiguous().reshape({D});
   }
+  at::Tensor bias;
+  if (router_bias.has_value() && router_bias->defined()) {
+    TORCH_CHECK(router_bias->scalar_type() == at::kFloat && router_bias->numel() == E,
+                "Mixture: the router bias must be ", E, " float32 values");
+    bias = router_bias->contiguous().reshape({E});
+  }
+  TORCH_CHECK(expert_biases.empty() || static_cast<int64_t>(expert_biases.size()) == E,
+              "Mixture: expert biases for every expert or none");
+  std::vector<LayerExtras> per_expert;
+  for (const auto& [gate_up_bias, down_bias] : expert_biases)
+    per_expert.push_back(make_layer_extras(c10::nullopt, c10::nullopt, gate_up_bias, down_bias, c10::nullopt));
+  std::optional<SwigluOai> oai;  // a limit > 0: gpt-oss's activation
+  if (swiglu_limit > 0.0) oai = SwigluOai{static_cast<float>(swiglu_limit), static_cast<float>(swiglu_alpha)};
   return Mixture{router, std::move(gate_up), std::move(down), k, renormalize,
-                 std::move(shared_gate_up), std::move(shared_down), shared_width, gate};
+                 std::move(shared_gate_up), std::move(shared_down), shared_width, gate,
+                 bias, std::move(per_expert), oai};
 }
 
 // Up to this many rows a mixture splits its experts between the threads (where there are enough
@@ -1665,6 +1706,7 @@ void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64
   const int64_t E = mix.router.size(0), k = mix.k;
   TORCH_CHECK(mix.router.size(1) == D, "Mixture: the router is [", E, ", ", mix.router.size(1), "], the layer's width ", D);
   const float* router = mix.router.const_data_ptr<float>();
+  const float* router_bias = mix.router_bias.defined() ? mix.router_bias.const_data_ptr<float>() : nullptr;
   std::vector<int64_t> chosen(N * k);  // entry n * k + r: row n's rank-r expert
   std::vector<float> weights(N * k);
   for_rows(N, [&](int64_t n) {
@@ -1672,6 +1714,7 @@ void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t e = 0; e < E; ++e) {
       probs[e] = dot_row(x + n * D, router + e * D, D);
+      if (router_bias != nullptr) probs[e] = probs[e] + router_bias[e];
       top = std::max(top, probs[e]);
     }
     float sum = 0.0f;
@@ -1716,7 +1759,9 @@ void mixture_mlp(const Mixture& mix, const float* x, int64_t N, int64_t D, int64
     for (int64_t j = 0; j < count; ++j)
       std::memcpy(t.rows_in.data() + j * D, x + (entries[j] / k) * D, D * sizeof(float));
     gated_mlp(mix.gate_up[e], mix.down[e], t.rows_in.data(), count, D, I, gelu, t.gate_up.data(), t.act.data(),
-              t.rows_out.data(), t.q8, t.dx, t.bsum, amx_min_rows, nullptr);
+              t.rows_out.data(), t.q8, t.dx, t.bsum, amx_min_rows, nullptr,
+              mix.expert_biases.empty() ? nullptr : &mix.expert_biases[e],
+              mix.swiglu_oai.has_value() ? &*mix.swiglu_oai : nullptr);
     for (int64_t j = 0; j < count; ++j) {
       const int64_t entry = entries[j], row = entry / k, rank = entry % k;
       const float w = weights[entry];
@@ -1785,7 +1830,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks,
                          int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap,
-                         int64_t amx_min_rows, const Mixture* mixture, const LayerBiases* biases,
+                         int64_t amx_min_rows, const Mixture* mixture, const LayerExtras* extras,
                          const LoraRows* lora) {
   TORCH_CHECK(cpu_supported(), "decoder_layer: this CPU lacks the instructions of the ", kIsa, " build");
   const at::Tensor hidden = hidden_in.contiguous();
@@ -1796,6 +1841,11 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
   TORCH_CHECK(static_cast<int64_t>(seqs.size()) == 5 * static_cast<int64_t>(masks.size()), "decoder_layer: bad seqs");
   const float eps = static_cast<float>(eps_d);
   const bool sandwich = pre_ff_norm.has_value() && pre_ff_norm->defined();
+  const float* sinks = nullptr;  // gpt-oss: a logit per query head in each softmax
+  if (extras != nullptr && extras->sinks.defined()) {
+    TORCH_CHECK(extras->sinks.numel() == H, "decoder_layer: ", extras->sinks.numel(), " sinks for ", H, " heads");
+    sinks = extras->sinks.const_data_ptr<float>();
+  }
   const float* h = hidden.const_data_ptr<float>();
   Scratch x(N * std::max(D, I)), qkv_out(N * QKV), attended(N * H * hd), proj(N * D), gu(N * 2 * I);
   std::vector<int8_t> q8;
@@ -1808,7 +1858,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
   const float* w_in = input_norm.const_data_ptr<float>();
   for_rows(N, [&](int64_t n) { rms_norm_row(h + n * D, w_in, D, eps, x.data() + n * D); });
   matmul_parts(qkv, x.data(), N, D, qkv_out.data(), QKV, q8, dx, bsum, amx_min_rows);
-  if (biases != nullptr) add_bias(biases->qkv, qkv_out.data(), N, QKV);
+  if (extras != nullptr) add_bias(extras->qkv, qkv_out.data(), N, QKV);
   add_lora(lora, 0, x.data(), N, D, qkv_out.data(), QKV);
   const float* w_qk = opt_ptr(qk_norm);
   const float* cp = cosv.const_data_ptr<float>();
@@ -1849,7 +1899,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
         }
     }
     attend_sequences(qkv_out.data(), kc, vc, seqs, masks, offset, N, H, Hkv, hd, QKV,
-                     AttentionScale{static_cast<float>(scale), static_cast<float>(softcap)},
+                     AttentionScale{static_cast<float>(scale), static_cast<float>(softcap), sinks},
                      attended.data());
   };
   if (cache_k.scalar_type() == at::kHalf)
@@ -1859,7 +1909,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
     write_and_attend(cache_k.mutable_data_ptr<float>(), cache_v.mutable_data_ptr<float>());
   // block output
   matmul_parts(o_proj, attended.data(), N, H * hd, proj.data(), D, q8, dx, bsum, amx_min_rows);
-  if (biases != nullptr) add_bias(biases->o_proj, proj.data(), N, D);
+  if (extras != nullptr) add_bias(extras->o_proj, proj.data(), N, D);
   add_lora(lora, 1, attended.data(), N, H * hd, proj.data(), D);
   const float* w_post = post_attention_norm.const_data_ptr<float>();
   for_rows(N, [&](int64_t n) {
@@ -1877,7 +1927,7 @@ at::Tensor decoder_layer_impl(const at::Tensor& hidden_in, const std::vector<Par
     mixture_mlp(*mixture, x.data(), N, D, I, gelu, proj.data(), amx_min_rows);
   } else {
     gated_mlp(gate_up, down, x.data(), N, D, I, gelu, gu.data(), x.data(), proj.data(), q8, dx, bsum, amx_min_rows,
-              lora, biases);
+              lora, extras);
   }
   const float* w_post_ff = opt_ptr(post_ff_norm);
   for_rows(N, [&](int64_t n) {
@@ -1926,10 +1976,10 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const std::vector<Part>& qkv,
                          const std::vector<int64_t>& seqs, const std::vector<int64_t>& tables,
                          const std::vector<c10::optional<at::Tensor>>& masks, int64_t H, int64_t Hkv, int64_t hd,
                          int64_t I, double scale, double softcap, int64_t amx_min_rows, const Mixture* mixture,
-                         const LayerBiases* biases) {
+                         const LayerExtras* extras) {
   return decoder_layer_impl(hidden, qkv, o_proj, gate_up, down, input_norm, post_attention_norm, pre_ff_norm,
                             post_ff_norm, qk_norm, eps, gelu, cos, sin, cache_k, cache_v, seqs, tables, masks, H, Hkv,
-                            hd, I, scale, softcap, amx_min_rows, mixture, biases, nullptr);
+                            hd, I, scale, softcap, amx_min_rows, mixture, extras, nullptr);
 }
 
 // The layers of a decoder, one forward in one call: decoder_layer for each layer in turn.  A
@@ -1949,7 +1999,7 @@ class DecoderStack {
     int64_t H, Hkv, hd, I;
     double scale, softcap;
     std::shared_ptr<const Mixture> mixture;  // null: the dense MLP
-    std::shared_ptr<const LayerBiases> biases;  // null: none
+    std::shared_ptr<const LayerExtras> extras;  // null: none
     std::vector<LoraSites> lora;  // by adapter slot
   };
 
@@ -1957,12 +2007,12 @@ class DecoderStack {
                  at::Tensor input_norm, at::Tensor post_attention_norm, c10::optional<at::Tensor> pre_ff_norm,
                  c10::optional<at::Tensor> post_ff_norm, c10::optional<at::Tensor> qk_norm, double eps, bool gelu,
                  int64_t H, int64_t Hkv, int64_t hd, int64_t I, double scale, double softcap, const Mixture* mixture,
-                 const LayerBiases* biases) {
+                 const LayerExtras* extras) {
     layers_.push_back({std::move(qkv), std::move(o_proj), std::move(gate_up), std::move(down), std::move(input_norm),
                        std::move(post_attention_norm), std::move(pre_ff_norm), std::move(post_ff_norm),
                        std::move(qk_norm), eps, gelu, H, Hkv, hd, I, scale, softcap,
                        mixture == nullptr ? nullptr : std::make_shared<const Mixture>(*mixture),
-                       biases == nullptr ? nullptr : std::make_shared<const LayerBiases>(*biases)});
+                       extras == nullptr ? nullptr : std::make_shared<const LayerExtras>(*extras)});
   }
 
   // Adapter slot `slot`'s parts at one site of one layer, (a_t [K, r], b_t [r, n], col0) each,
@@ -2031,7 +2081,7 @@ class DecoderStack {
       h = decoder_layer_impl(h, l.qkv, l.o_proj, l.gate_up, l.down, l.input_norm, l.post_attention_norm, l.pre_ff_norm,
                         l.post_ff_norm, l.qk_norm, l.eps, l.gelu, cos[r], sin[r], cache_keys[i], cache_values[i],
                         seqs[q], tables[q], masks[q], l.H, l.Hkv, l.hd, l.I, l.scale, l.softcap, amx_min_rows,
-                        l.mixture.get(), l.biases.get(), row_slots.empty() ? nullptr : &lora);
+                        l.mixture.get(), l.extras.get(), row_slots.empty() ? nullptr : &lora);
       for (size_t c = 0; c < capture.size(); ++c)
         if (capture[c] == i) captured[c] = h;
     }
@@ -2162,10 +2212,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<qd_quant::Mixture>(m, "Mixture")
       .def(py::init(&qd_quant::make_mixture), py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("k"),
            py::arg("renormalize"), py::arg("shared_gate_up"), py::arg("shared_down"), py::arg("shared_width"),
-           py::arg("shared_gate"));
-  py::class_<qd_quant::LayerBiases>(m, "LayerBiases")
-      .def(py::init(&qd_quant::make_layer_biases), py::arg("qkv"), py::arg("o_proj"), py::arg("gate_up"),
-           py::arg("down"));
+           py::arg("shared_gate"), py::arg("router_bias"), py::arg("expert_biases"), py::arg("swiglu_limit"),
+           py::arg("swiglu_alpha"));
+  py::class_<qd_quant::LayerExtras>(m, "LayerExtras")
+      .def(py::init(&qd_quant::make_layer_extras), py::arg("qkv"), py::arg("o_proj"), py::arg("gate_up"),
+           py::arg("down"), py::arg("sinks"));
   py::class_<qd_quant::DecoderStack>(m, "DecoderStack")
       .def(py::init<>())
       .def("add_layer", &qd_quant::DecoderStack::add_layer)
