@@ -29,6 +29,16 @@ TINY = dict(
 
 
 PHI3_ORIGINAL_CONTEXT = 64
+# gpt-oss's YaRN (untruncated), its original context shrunk to 32 positions for tiny models
+GPT_OSS_TINY_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+}
 
 
 def tiny_hf_config(arch: str):
@@ -128,15 +138,7 @@ def tiny_hf_config(arch: str):
             num_local_experts=4,
             num_experts_per_tok=2,
             sliding_window=8,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 32,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-            },
+            rope_parameters=GPT_OSS_TINY_ROPE,
             bos_token_id=1,
             eos_token_id=2,
         )

@@ -27,6 +27,7 @@ from tokenizers.models import BPE
 
 import quickdraft.models.gguf as qgguf
 from quickdraft.models.gguf import SOURCE_MARKER, convert_gguf_to_hf_dir, default_model_dir
+from tests.conftest import GPT_OSS_TINY_ROPE
 from tests.kernels.test_quant_linear import random_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -323,15 +324,7 @@ def tiny_model(architecture: str, *, vocab_size: int, rope_scaling: dict | None 
             num_experts_per_tok=2,
             sliding_window=4,
             tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 32,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-            },
+            rope_parameters=GPT_OSS_TINY_ROPE,
             **{**common, "intermediate_size": 32},
         )
         model_class = transformers.GptOssForCausalLM
