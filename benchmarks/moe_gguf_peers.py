@@ -105,8 +105,12 @@ def write_model(path: Path, *, architecture: str, layers: int, experts: int, qty
         for name, parameter in model.named_parameters():
             if name.endswith(("bias", "sinks")):
                 parameter.normal_(0.0, 0.5)
-    # MXFP4_MOE: llama.cpp's mix for MoE models (the experts MXFP4, random blocks here; the rest Q8_0)
-    qtypes = {"_exps": QType.MXFP4, "": QType.Q8_0} if qtype == "MXFP4_MOE" else {"": QType[qtype]}
+    # MXFP4_MOE: llama.cpp's mix for MoE models (the experts MXFP4, random blocks here; the rest Q8_0);
+    # MXFP4_F16: the experts MXFP4, the rest F16
+    if qtype.startswith("MXFP4_"):
+        qtypes = {"_exps": QType.MXFP4, "": QType.Q8_0 if qtype == "MXFP4_MOE" else QType.F16}
+    else:
+        qtypes = {"": QType[qtype]}
     write_tiny_gguf(path, architecture=architecture, model=model, vocab=vocab, qtypes=qtypes)
 
 
@@ -134,14 +138,16 @@ def llama_cpp_rate(llm, prompt: list[int], tokens: int) -> float:
     return (tokens - 1) / (time.perf_counter() - start)
 
 
-def engine_rate(engine: str, path: Path, *, tokens: int, threads: int, repeats: int) -> float:
+def engine_rate(
+    engine: str, path: Path, *, tokens: int, threads: int, repeats: int, quantization: str | None = None
+) -> float:
     """The median decode rate of `repeats` runs of one engine, after a warm-up (a kernel build
     after a source change, first touches of the weights)."""
     prompt = list(range(3, 35))
     if engine.startswith("quickdraft"):
         from quickdraft import LLM
 
-        llm = LLM(str(path), max_model_len=512, max_num_seqs=1)
+        llm = LLM(str(path), max_model_len=512, max_num_seqs=1, quantization=quantization)
         rate = quickdraft_rate
     else:
         import llama_cpp
@@ -157,9 +163,12 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, required=True, help="written here when missing")
     parser.add_argument("--architecture", choices=["qwen3moe", "qwen2moe", "qwen2", "gpt-oss"], default="qwen3moe")
     parser.add_argument("--base", type=Path, help="another quickdraft checkout, run as a third engine")
+    parser.add_argument("--quantization", help="quickdraft's (default: auto, the GGUF as stored)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--qtype", default="Q8_0", help="a GGUF type, or MXFP4_MOE (experts MXFP4, the rest Q8_0)")
+    parser.add_argument(
+        "--qtype", default="Q8_0", help="a GGUF type, or MXFP4_MOE / MXFP4_F16 (experts MXFP4, the rest Q8_0 / F16)"
+    )
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine and round (median)")
@@ -169,7 +178,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.engine:  # a child: one engine in its own process (no other engine's threads beside it)
-        rate = engine_rate(args.engine, args.gguf, tokens=args.tokens, threads=args.threads, repeats=args.repeats)
+        rate = engine_rate(
+            args.engine,
+            args.gguf,
+            tokens=args.tokens,
+            threads=args.threads,
+            repeats=args.repeats,
+            quantization=args.quantization,
+        )
         print(json.dumps({"rate": rate}))
         return
     if not args.gguf.exists():
@@ -183,6 +199,7 @@ def main() -> None:
         for engine in rates:
             child = [sys.executable, __file__, "--gguf", str(args.gguf), "--engine", engine]
             child += ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+            child += [] if args.quantization is None else ["--quantization", args.quantization]
             env = dict(os.environ)
             if engine == "quickdraft@base":  # the other checkout with a kernel build and cache of its own
                 env |= {

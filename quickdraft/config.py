@@ -14,7 +14,8 @@ class EngineConfig:
     # "auto": float32 compute, a GGUF model's weights kept as stored (see quantization);
     # "float32" / "bfloat16": float weights of that dtype (a GGUF model dequantized).
     dtype: str = "auto"
-    # None / "auto", "none", "gguf" (as stored in the .gguf) or "q8_0" (quantized at load).
+    # None / "auto", "none", "gguf" (as stored in the .gguf), "gguf+q8_0" (as stored, and the
+    # file's float matrices quantized to Q8_0 at load) or "q8_0" (quantized at load).
     quantization: str | None = None
     device: str = "cpu"
     max_model_len: int | None = None  # default: min(model's context, 4096)

@@ -50,7 +50,7 @@ class WorkerSpec:
     port: int
     model_dir: str
     dtype: str  # "float32" / "bfloat16"
-    quantization: str | None  # None (float weights), "gguf" or "q8_0": as rank 0 resolved it
+    quantization: str | None  # None (float weights), "gguf", "gguf+q8_0" or "q8_0": as rank 0 resolved it
     gguf_path: str | None
     device_type: str  # "cpu" / "cuda"
     max_len: int  # the rotary tables' length (the cache's)

@@ -18,6 +18,7 @@ from quickdraft.models.layers import RotaryTable, default_linear_fn
 from quickdraft.models.quantized import QuantizedWeight
 from quickdraft.models.quantized_loader import (
     PACKED_CACHE_FILE,
+    PACKED_CACHE_FILE_WITH_Q8_0,
     load_packed,
     packed_into_huge_pages,
     quantized_state,
@@ -28,7 +29,7 @@ DEFAULT_MODEL_ALIASES = ("default", "gemma-3-270m", "gemma3-270m")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gguf+q8_0", "q8_0")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -95,7 +96,8 @@ def resolve_gguf_path(model: str | os.PathLike | None) -> Path | None:
 def resolve_quantization(
     quantization: str | None, *, dtype: str | torch.dtype, gguf_path: Path | None, device: torch.device
 ) -> str | None:
-    """How the target's weights are held: None (floats of the dtype), "gguf" or "q8_0".
+    """How the target's weights are held: None (floats of the dtype), "gguf", "gguf+q8_0" (as
+    stored, the file's float matrices quantized to Q8_0) or "q8_0".
 
     "auto" (the default) keeps a GGUF model's weights as stored when the dtype is "auto" and the
     device the CPU; an explicit float32 / bfloat16, a HF model or CUDA give float weights.
@@ -114,9 +116,9 @@ def resolve_quantization(
         )
     if resolve_dtype(dtype) != torch.float32:
         raise ValueError(f"quantization {choice!r} computes in float32: use dtype 'auto' or 'float32', not {dtype!r}")
-    if choice == "gguf" and gguf_path is None:
+    if choice.startswith("gguf") and gguf_path is None:
         raise ValueError(
-            "quantization 'gguf' needs a .gguf model (or the embedded default); "
+            f"quantization {choice!r} needs a .gguf model (or the embedded default); "
             "use 'q8_0' to quantize a HF checkpoint at load"
         )
     return choice
@@ -430,8 +432,9 @@ def load_weights(
     huge_pages: bool = False,
 ) -> LoadedWeights:
     """The target's weights.  quantization None: float weights (converted to `dtype` when the
-    decoder is built); "gguf": the weights `gguf_path` stores quantized, as stored; "q8_0":
-    linear weights quantized to Q8_0 at load.  Quantized models compute in float32 on the CPU.
+    decoder is built); "gguf": the weights `gguf_path` stores quantized, as stored; "gguf+q8_0":
+    those, and its float-stored linear weights quantized to Q8_0; "q8_0": linear weights
+    quantized to Q8_0 at load.  Quantized models compute in float32 on the CPU.
     huge_pages: the quantized weights in this process's own huge pages (heap.huge_page_buffer),
     not mapped from the packed-weight file."""
     config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
@@ -440,25 +443,34 @@ def load_weights(
         return LoadedWeights(config, convert_hf_tensors(config, plan, read_hf_tensors(model_dir)))
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"quantization {quantization!r} runs on the CPU in float32 (got {device.type}, {dtype})")
-    if quantization == "gguf" and gguf_path is None:
-        raise ValueError("quantization 'gguf' needs a .gguf model (or the embedded default)")
-    tensors = read_hf_tensors(model_dir) if quantization == "q8_0" else {}
-    cache_file = model_dir / PACKED_CACHE_FILE
-    quantized = load_packed(cache_file, huge_pages=huge_pages) if quantization == "gguf" else None
+    from_gguf = quantization.startswith("gguf")
+    if from_gguf and gguf_path is None:
+        raise ValueError(f"quantization {quantization!r} needs a .gguf model (or the embedded default)")
+    preloaded = read_hf_tensors(model_dir) if quantization == "q8_0" else {}
+
+    def read_floats(names: set[str]) -> dict[str, torch.Tensor]:
+        return preloaded if quantization == "q8_0" else read_hf_tensors(model_dir, names=names)
+
+    cache_file = model_dir / (PACKED_CACHE_FILE if quantization == "gguf" else PACKED_CACHE_FILE_WITH_Q8_0)
+    quantized = load_packed(cache_file, huge_pages=huge_pages) if from_gguf else None
     if quantized is not None and set(quantized) <= set(plan):
         rest = {name: theirs for name, theirs in plan.items() if name not in quantized}
     else:
-        quantized, rest = quantized_state(config, plan, mode=quantization, float_tensors=tensors, gguf_path=gguf_path)
-        if quantization == "gguf" and quantized:
+        quantized, rest = quantized_state(config, plan, mode=quantization, read_floats=read_floats, gguf_path=gguf_path)
+        if from_gguf and quantized:
             save_packed(cache_file, quantized)
             # read back as every later load reads it
             quantized = load_packed(cache_file, huge_pages=huge_pages) or quantized
         elif huge_pages:
             quantized = packed_into_huge_pages(quantized)
-    if quantization == "gguf":
-        tensors = read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
+    tensors = (
+        read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
+        if from_gguf
+        else preloaded
+    )
     state = convert_hf_tensors(config, rest, tensors)
     del tensors
+    preloaded = {}  # the floats quantized at load, dropped before the heap is returned
     return_free_heap()
     return LoadedWeights(config, state, quantized)
 

@@ -4,6 +4,7 @@ quantized to Q8_0 at load from float weights (an HF checkpoint)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # Our fused weights (rows of several HF tensors) that the kernels may run quantized.
 QUANTIZABLE_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
-QUANTIZATION_MODES = ("gguf", "q8_0")
+QUANTIZATION_MODES = ("gguf", "gguf+q8_0", "q8_0")
 
 
 def _is_linear_weight(name: str) -> bool:
@@ -224,35 +225,51 @@ def quantized_state(
     plan: dict[str, list[str]],
     *,
     mode: str,
-    float_tensors: dict[str, torch.Tensor],
+    read_floats: Callable[[set[str]], dict[str, torch.Tensor]],
     gguf_path: Path | None,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, list[str]]]:
     """(our name -> QuantizedWeight, the rest of `plan` to load as floats).
 
     mode "gguf": the weights the GGUF file stores quantized, as stored; "q8_0": every linear
-    weight whose rows are whole Q8_0 blocks, quantized from `float_tensors`.
+    weight whose rows are whole Q8_0 blocks, quantized from its floats (`read_floats` of the
+    checkpoint tensor names gives them); "gguf+q8_0": "gguf", and the linear weights the file
+    stores as floats (F16, BF16, F32, a format without a kernel) quantized to Q8_0.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization {mode!r}: choose one of {', '.join(QUANTIZATION_MODES)}")
-    stored = read_gguf_parts(gguf_path, config) if mode == "gguf" else {}
+    stored = read_gguf_parts(gguf_path, config) if mode.startswith("gguf") else {}
     quantized: dict[str, QuantizedWeight] = {}
     rest: dict[str, list[str]] = {}
+    to_quantize: dict[str, list[str]] = {}  # our name -> checkpoint names, quantized from floats
+    float_matrices: list[str] = []  # linear weights the file stores as floats (mode "gguf")
     for ours, theirs in plan.items():
         if not _is_linear_weight(ours):
             rest[ours] = theirs
             continue
-        if mode == "gguf":
-            stored_pieces = [stored.get(name) for name in theirs]
-            if any(piece is None for piece in stored_pieces):
-                rest[ours] = theirs  # stored as floats (or a format without a kernel): float path
-                continue
+        stored_pieces = [stored.get(name) for name in theirs]
+        if all(piece is not None for piece in stored_pieces):
             pieces = [_in_our_row_order(config, name, piece) for name, piece in zip(theirs, stored_pieces)]
+            quantized[ours] = QuantizedWeight.from_parts(pieces)
+        elif mode == "gguf":
+            rest[ours] = theirs  # stored as floats (or a format without a kernel): float path
+            float_matrices.append(ours)
         else:
-            weights = [float_tensors[name] for name in theirs]
-            if weights[0].shape[-1] % 32:
-                rest[ours] = theirs
-                continue
-            pieces = [_in_our_row_order(config, name, quantize_q8_0(weight)) for name, weight in zip(theirs, weights)]
+            to_quantize[ours] = theirs
+    if float_matrices:
+        logger.warning(
+            "%s: %d linear weights (%s, ...) are stored as floats and run on the float path, which keeps "
+            "layers out of the one-call kernel; quantization='gguf+q8_0' quantizes them to Q8_0 at load",
+            gguf_path,
+            len(float_matrices),
+            float_matrices[0],
+        )
+    floats = read_floats({name for names in to_quantize.values() for name in names}) if to_quantize else {}
+    for ours, theirs in to_quantize.items():
+        weights = [floats[name] for name in theirs]
+        if weights[0].shape[-1] % 32:
+            rest[ours] = theirs
+            continue
+        pieces = [_in_our_row_order(config, name, quantize_q8_0(weight)) for name, weight in zip(theirs, weights)]
         quantized[ours] = QuantizedWeight.from_parts(pieces)
     if not quantized:
         logger.warning("quantization %r: no weight of this checkpoint can be run quantized", mode)
@@ -263,6 +280,8 @@ def quantized_state(
 # instead of decoding and repacking the file (seconds for the embedded model's 262k-row embedding).
 # The directory is rebuilt when its GGUF changes; bump the version when the packed layout does.
 PACKED_CACHE_FILE = "quickdraft-packed-v1.safetensors"
+# The same for quantization "gguf+q8_0" (its float-stored weights quantized too)
+PACKED_CACHE_FILE_WITH_Q8_0 = "quickdraft-packed-v1-floats-q8_0.safetensors"
 
 
 def save_packed(path: Path, quantized: dict[str, QuantizedWeight]) -> None:

@@ -18,6 +18,7 @@ from quickdraft.kernels.quant_linear import fused_layer_available, kernel_availa
 from quickdraft.kv.cache import KVCache
 from quickdraft.models.loader import load_decoder, resolve_gguf_path, resolve_model_dir, resolve_quantization
 from quickdraft.models.quantized import FORMAT_IDS, QuantizedWeight
+from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
 from quickdraft.verify.tree import Tree
 from tests.engine.test_speculative import GREEDY, GarbageDrafter, repetitive_prompts
 from tests.models.test_gguf import build_tiny_gguf
@@ -310,8 +311,6 @@ def test_garbage_drafter_exact_on_gguf_as_stored(tiny_gguf_paths, name, tree, kv
 def test_yarn_gguf_gives_transformers_logits(tmp_path, quantization):
     """A Qwen2 GGUF with llama.cpp's YaRN keys (rope.scaling.type yarn, factor, original context):
     the decoder rotates as transformers does with those parameters, past the original context."""
-    from tests.models.test_gguf import build_tiny_gguf
-
     tiny = build_tiny_gguf(tmp_path, "qwen2-yarn")
     model, config = load(tiny.path, quantization)
     rope = config.rope_by_layer_type["full_attention"]
@@ -331,8 +330,6 @@ def test_gpt_oss_gguf_gives_transformers_logits(tmp_path, name, quantization):
     """gpt-oss as llama.cpp writes it (sinks, biased router and experts, gate and up apart, YaRN,
     sliding layers first and every other one): the decoder gives transformers' logits on the
     weights the file stores, its MXFP4 experts kept as stored and run on the kernels."""
-    from tests.models.test_gguf import build_tiny_gguf
-
     tiny = build_tiny_gguf(tmp_path, name)
     model, config = load(tiny.path, quantization)
     assert config.layer_types == ("sliding_attention", "full_attention") and config.attention_sinks
@@ -346,6 +343,40 @@ def test_gpt_oss_gguf_gives_transformers_logits(tmp_path, name, quantization):
     (got,) = _logits(model, config, [work], prefix=[], slots=1)
     tolerance = 1e-4 if quantization is None else 5e-2  # the kernels' int8 activations
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_gguf_float_matrices_quantized_at_load(tmp_path, tiny_gguf_paths, caplog):
+    """quantization "gguf+q8_0": what the file stores quantized stays as stored, its float
+    matrices (here Qwen3's BF16 MLP, all of an F32 gpt-oss) become Q8_0, so every layer runs in
+    the one call; a garbage drafter's trees still return plain greedy decoding's tokens."""
+    path = tiny_gguf_paths["qwen3-bf16"]
+    resolve_model_dir(path).joinpath(PACKED_CACHE_FILE).unlink(missing_ok=True)  # read the file again
+    with caplog.at_level("WARNING"):
+        stored, _ = load(path, "gguf")
+    assert "stored as floats" in caplog.text and "quantization='gguf+q8_0'" in caplog.text
+    both, _ = load(path, "gguf+q8_0")
+    held, held_both = _quantized_weights(stored), _quantized_weights(both)
+    assert "layers.0.gate_up_proj" not in held and {p.format for p in held_both["layers.0.gate_up_proj"].parts} == {
+        "Q8_0"
+    }
+    mixed, _ = load(tiny_gguf_paths["gemma3-mixed"], "gguf+q8_0")  # nothing stored as floats
+    assert {p.format for p in _quantized_weights(mixed)["layers.0.qkv_proj"].parts} == {"Q5_0"}  # as stored
+    gpt_oss = build_tiny_gguf(tmp_path, "gpt-oss-f32").path
+    model, config = load(gpt_oss, "gguf+q8_0")
+    assert model._stack_for(torch.zeros(1, config.hidden_size)) is not None or not fused_layer_available()
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    prompts = [p[:12] for p in repetitive_prompts()]
+    plain = LLM(str(gpt_oss), quantization="gguf+q8_0", max_model_len=128, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(
+        str(gpt_oss),
+        quantization="gguf+q8_0",
+        max_model_len=128,
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    spec.engine.speculator.drafter = GarbageDrafter(vocab_size=config.vocab_size, tree=True)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
 
 
 def test_q8_0_at_load_speculative_equals_plain(tiny_checkpoints):
@@ -376,8 +407,11 @@ def test_quantization_choices_and_errors(tiny_checkpoints, tiny_gguf_paths):
     assert resolve(None, dtype="auto", gguf_path=gguf_path, device=torch.device("cuda")) is None
     with pytest.raises(ValueError, match="unknown quantization 'q3'"):
         resolve("q3", dtype="auto", gguf_path=gguf_path, device=CPU)
+    assert resolve("gguf+q8_0", dtype="auto", gguf_path=gguf_path, device=CPU) == "gguf+q8_0"
     with pytest.raises(ValueError, match=r"needs a \.gguf model"):
         LLM(str(tiny_checkpoints["llama"]), quantization="gguf", max_model_len=64)
+    with pytest.raises(ValueError, match=r"'gguf\+q8_0' needs a \.gguf model"):
+        LLM(str(tiny_checkpoints["llama"]), quantization="gguf+q8_0", max_model_len=64)
     with pytest.raises(ValueError, match="computes in float32"):
         LLM(str(gguf_path), quantization="gguf", dtype="bfloat16", max_model_len=64)
     with pytest.raises(ValueError, match="CPU kernels only"):
