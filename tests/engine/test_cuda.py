@@ -202,3 +202,21 @@ def test_lora_adapters_on_cuda_keep_rows_and_speculation_exact(tiny_checkpoints,
     assert together[0] != llm.generate([prompts[0]], params)[0].outputs[0].token_ids
     spec = cuda_llm(base, dtype=dtype, enable_lora=True, max_loras=2, speculative_config={"method": "suffix"})
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, lora_request=loras)] == together
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpt_oss_on_cuda(tmp_path, dtype):
+    """gpt-oss's sinks and clamped activation on CUDA (the torch code: the fixed-row attention
+    with a sink column, the experts' activation): the CPU forward's logits in float32, and a
+    garbage drafter's trees return plain greedy decoding's tokens in both dtypes."""
+    path = build_tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss", qk_scale=6.0)
+    tokens = prompt(40)  # past its sliding window of 8
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))]
+    if dtype == "float32":
+        cpu, _ = make_runner(path)
+        cuda, _ = make_runner(path, device=torch.device("cuda"))
+        torch.testing.assert_close(cuda.forward(work).logits.cpu(), cpu.forward(work).logits, rtol=1e-4, atol=1e-4)
+    plain = greedy_tokens(cuda_llm(path, dtype=dtype))
+    llm = cuda_llm(path, dtype=dtype, speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True)
+    assert greedy_tokens(llm) == plain
