@@ -170,15 +170,20 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
             raise FileNotFoundError(f"weight shard {file} listed in the index is missing")
         try:
             with safe_open(str(file), "pt") as f:
+                keys = set(f.keys())
                 for name in f.keys():
-                    if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in f.keys():
+                    if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in keys:
                         continue  # read with its blocks
                     if name.endswith("_blocks"):  # gpt-oss's MXFP4 experts: to floats in the model's layout
+                        stem = _normalised_name(name.removesuffix("_blocks"))
+                        experts = f.get_slice(name).get_shape()[0]
+                        wanted_names = [n for n in unstacked_names(stem, experts) if names is None or n in names]
+                        if not any(n.startswith(prefix) for n in wanted_names):
+                            continue  # (not dequantized: its experts may be held as stored)
                         stacked = mxfp4_to_float(
                             f.get_tensor(name), f.get_tensor(name.removesuffix("_blocks") + "_scales")
                         )
-                        name = name.removesuffix("_blocks")
-                        for expert_name, tensor in _unstacked_experts(_normalised_name(name), stacked):
+                        for expert_name, tensor in _unstacked_experts(stem, stacked):
                             if (names is None or expert_name in names) and expert_name.startswith(prefix):
                                 tensors[expert_name] = tensor
                         continue
@@ -215,6 +220,16 @@ def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-1], 32).long()
     values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)  # [E, rows, cols / 32, 32]
     return values.reshape(*values.shape[:2], -1).transpose(1, 2).contiguous()
+
+
+def unstacked_names(name: str, experts: int) -> list[str]:
+    """The per-expert names a stacked experts tensor `name` is split into (see _unstacked_experts)."""
+    match = _STACKED_EXPERTS.search(name)
+    assert match is not None
+    stem = name[: match.start()] + ".mlp.experts."
+    kind = "bias" if match[2] else "weight"
+    leaves = ("down_proj",) if match[1] == "down_proj" else ("gate_proj", "up_proj")
+    return [f"{stem}{expert}.{leaf}.{kind}" for expert in range(experts) for leaf in leaves]
 
 
 def _unstacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -446,31 +461,27 @@ def load_weights(
     from_gguf = quantization.startswith("gguf")
     if from_gguf and gguf_path is None:
         raise ValueError(f"quantization {quantization!r} needs a .gguf model (or the embedded default)")
-    preloaded = read_hf_tensors(model_dir) if quantization == "q8_0" else {}
 
     def read_floats(names: set[str]) -> dict[str, torch.Tensor]:
-        return preloaded if quantization == "q8_0" else read_hf_tensors(model_dir, names=names)
+        return read_hf_tensors(model_dir, names=names)
 
     cache_file = model_dir / (PACKED_CACHE_FILE if quantization == "gguf" else PACKED_CACHE_FILE_WITH_Q8_0)
     quantized = load_packed(cache_file, huge_pages=huge_pages) if from_gguf else None
     if quantized is not None and set(quantized) <= set(plan):
         rest = {name: theirs for name, theirs in plan.items() if name not in quantized}
     else:
-        quantized, rest = quantized_state(config, plan, mode=quantization, read_floats=read_floats, gguf_path=gguf_path)
+        quantized, rest = quantized_state(
+            config, plan, mode=quantization, read_floats=read_floats, gguf_path=gguf_path, model_dir=model_dir
+        )
         if from_gguf and quantized:
             save_packed(cache_file, quantized)
             # read back as every later load reads it
             quantized = load_packed(cache_file, huge_pages=huge_pages) or quantized
         elif huge_pages:
             quantized = packed_into_huge_pages(quantized)
-    tensors = (
-        read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
-        if from_gguf
-        else preloaded
-    )
+    tensors = read_hf_tensors(model_dir, names={name for names in rest.values() for name in names})
     state = convert_hf_tensors(config, rest, tensors)
     del tensors
-    preloaded = {}  # the floats quantized at load, dropped before the heap is returned
     return_free_heap()
     return LoadedWeights(config, state, quantized)
 

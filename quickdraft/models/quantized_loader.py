@@ -220,6 +220,44 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
     return parts
 
 
+def read_hf_mxfp4_parts(model_dir: Path) -> dict[str, QuantParts]:
+    """HF tensor name -> MXFP4 parts, for gpt-oss checkpoints' experts stored as MXFP4 blocks and
+    scales (`...mlp.experts.gate_up_proj_blocks` [E, 2I, D / 32, 16], gate and up rows in turn;
+    `down_proj_blocks` [E, D, I / 32, 16]), kept as stored: an FP4 code is our MXFP4 level index
+    (the same order), a byte's low nibble the even value, and the scale 2^(s - 127) of FP4's
+    values is 2^(s - 128) of the doubled levels.  A tensor with a scale float16 cannot hold exactly
+    is left out (read as floats)."""
+    from safetensors import safe_open
+
+    from quickdraft.models.loader import _normalised_name, _safetensors_files, unstacked_names
+
+    parts: dict[str, QuantParts] = {}
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if not name.endswith(("gate_up_proj_blocks", "down_proj_blocks")):
+                    continue
+                blocks = f.get_tensor(name).numpy()  # [E, rows, cols / 32, 16] uint8
+                scales = f.get_tensor(name.removesuffix("_blocks") + "_scales").numpy()  # [E, rows, cols / 32]
+                exponents = scales.astype(np.int32) - 128
+                if exponents.min() < -24 or exponents.max() > 15:
+                    logger.info("%s: MXFP4 scales beyond float16's exact powers of two; read as floats", name)
+                    continue
+                # [E, rows, cols]: a byte's low nibble is the even value
+                codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:2], -1)
+                d = np.ldexp(np.float32(1), exponents).astype(np.float16)  # [E, rows, cols / 32]
+                names = unstacked_names(_normalised_name(name.removesuffix("_blocks")), blocks.shape[0])
+                if name.endswith("down_proj_blocks"):
+                    per_expert = [(codes[e], d[e]) for e in range(blocks.shape[0])]
+                else:  # gate rows, then up rows, of each expert
+                    per_expert = [(c[start::2], s_[start::2]) for c, s_ in zip(codes, d) for start in (0, 1)]
+                for hf_name, (q, scale) in zip(names, per_expert):
+                    parts[hf_name] = QuantParts(
+                        format="MXFP4", q=np.ascontiguousarray(q), d=np.ascontiguousarray(scale)
+                    )
+    return parts
+
+
 def quantized_state(
     config: ModelConfig,
     plan: dict[str, list[str]],
@@ -227,17 +265,22 @@ def quantized_state(
     mode: str,
     read_floats: Callable[[set[str]], dict[str, torch.Tensor]],
     gguf_path: Path | None,
+    model_dir: Path | None = None,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, list[str]]]:
     """(our name -> QuantizedWeight, the rest of `plan` to load as floats).
 
     mode "gguf": the weights the GGUF file stores quantized, as stored; "q8_0": every linear
     weight whose rows are whole Q8_0 blocks, quantized from its floats (`read_floats` of the
-    checkpoint tensor names gives them); "gguf+q8_0": "gguf", and the linear weights the file
-    stores as floats (F16, BF16, F32, a format without a kernel) quantized to Q8_0.
+    checkpoint tensor names gives them), except gpt-oss's MXFP4 experts in `model_dir`, kept as
+    stored; "gguf+q8_0": "gguf", and the linear weights the file stores as floats (F16, BF16,
+    F32, a format without a kernel) quantized to Q8_0.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization {mode!r}: choose one of {', '.join(QUANTIZATION_MODES)}")
-    stored = read_gguf_parts(gguf_path, config) if mode.startswith("gguf") else {}
+    if mode.startswith("gguf"):
+        stored = read_gguf_parts(gguf_path, config)
+    else:
+        stored = read_hf_mxfp4_parts(model_dir) if model_dir is not None else {}
     quantized: dict[str, QuantizedWeight] = {}
     rest: dict[str, list[str]] = {}
     to_quantize: dict[str, list[str]] = {}  # our name -> checkpoint names, quantized from floats

@@ -527,9 +527,11 @@ def test_moe_dense_layers_and_lora_on_attention_only(checkpoints, tmp_path):
         llm.generate([prompt_ids], SamplingParams(max_tokens=2), lora_request=LoRARequest("e", 3, str(every_layer)))
 
 
-def test_gpt_oss_mxfp4_checkpoint_reads_as_transformers_dequantizes_it(checkpoints, tmp_path):
+@pytest.mark.parametrize("quantization", [None, "q8_0"])
+def test_gpt_oss_mxfp4_checkpoint_reads_as_transformers_dequantizes_it(checkpoints, tmp_path, quantization):
     """gpt-oss as published: the experts' matrices as MXFP4 blocks and scales (`*_blocks`,
-    `*_scales`); read as transformers dequantizes them, the model gives its logits."""
+    `*_scales`); read as transformers dequantizes them, the model gives its logits.  Quantized at
+    load ("q8_0") the experts stay MXFP4 as stored (the rest Q8_0), never expanded to floats."""
     import copy
     import shutil
 
@@ -552,11 +554,18 @@ def test_gpt_oss_mxfp4_checkpoint_reads_as_transformers_dequantizes_it(checkpoin
     save_file(tensors, path / "model.safetensors")
     reference.load_state_dict(state)
     tokens = prompt(40, seed=3)
-    runner = make_runner(path, context_len=128)
+    runner = make_runner(path, context_len=128, quantization=quantization)
+    if quantization is not None:
+        expert = runner.model.layers[1].experts[3]
+        assert {p.format for w in (expert.gate_up_proj, expert.down_proj) for p in w.parts} == {"MXFP4"}
+        floats = make_runner(path, context_len=128).model.layers[1].experts[3]  # transformers' values
+        assert torch.equal(expert.gate_up_proj.dequantize(), floats.gate_up_proj)
+        assert torch.equal(expert.down_proj.dequantize(), floats.down_proj)
     work = [SequenceWork(slot=0, cache_len=0, token_ids=tokens, logits_nodes=list(range(len(tokens))))]
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0]
-    torch.testing.assert_close(runner.forward(work).logits, expected, rtol=1e-4, atol=1e-4)
+    tolerance = 1e-4 if quantization is None else 5e-2  # the kernels' int8 activations, Q8_0 attention
+    torch.testing.assert_close(runner.forward(work).logits, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_published_gpt_oss_config_parses():
