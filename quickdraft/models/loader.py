@@ -148,7 +148,7 @@ def read_hf_config(model_dir: Path) -> dict:
         raise ValueError(f"{config_path} is not valid JSON: {err}") from err
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -165,7 +165,7 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(model_dir):
+    for file in safetensors_files(model_dir):
         if not file.exists():
             raise FileNotFoundError(f"weight shard {file} listed in the index is missing")
         try:
@@ -175,7 +175,7 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
                     if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in keys:
                         continue  # read with its blocks
                     if name.endswith("_blocks"):  # gpt-oss's MXFP4 experts: to floats in the model's layout
-                        stem = _normalised_name(name.removesuffix("_blocks"))
+                        stem = normalised_name(name.removesuffix("_blocks"))
                         experts = f.get_slice(name).get_shape()[0]
                         wanted_names = [n for n in unstacked_names(stem, experts) if names is None or n in names]
                         if not any(n.startswith(prefix) for n in wanted_names):
@@ -188,13 +188,13 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
                                 tensors[expert_name] = tensor
                         continue
                     if _STACKED_EXPERTS.search(name):  # gpt-oss: every expert in one tensor
-                        for expert_name, tensor in _unstacked_experts(_normalised_name(name), f.get_tensor(name)):
+                        for expert_name, tensor in _unstacked_experts(normalised_name(name), f.get_tensor(name)):
                             if (names is None or expert_name in names) and expert_name.startswith(prefix):
                                 tensors[expert_name] = tensor
                         continue
-                    wanted = names is None or _normalised_name(name) in names
-                    if wanted and _normalised_name(name).startswith(prefix):
-                        tensors[_normalised_name(name)] = f.get_tensor(name)
+                    wanted = names is None or normalised_name(name) in names
+                    if wanted and normalised_name(name).startswith(prefix):
+                        tensors[normalised_name(name)] = f.get_tensor(name)
         except Exception as err:  # safetensors raises several types for a corrupt file
             raise ValueError(f"cannot read weights from {file}: {err}") from err
     return tensors
@@ -252,7 +252,7 @@ def _unstacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch
     return out
 
 
-def _normalised_name(name: str) -> str:
+def normalised_name(name: str) -> str:
     # Multimodal Gemma 3 stores its text decoder under language_model.
     return name.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
 

@@ -229,10 +229,10 @@ def read_hf_mxfp4_parts(model_dir: Path) -> dict[str, QuantParts]:
     is left out (read as floats)."""
     from safetensors import safe_open
 
-    from quickdraft.models.loader import _normalised_name, _safetensors_files, unstacked_names
+    from quickdraft.models.loader import normalised_name, safetensors_files, unstacked_names
 
     parts: dict[str, QuantParts] = {}
-    for file in _safetensors_files(model_dir):
+    for file in safetensors_files(model_dir):
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
                 if not name.endswith(("gate_up_proj_blocks", "down_proj_blocks")):
@@ -246,7 +246,7 @@ def read_hf_mxfp4_parts(model_dir: Path) -> dict[str, QuantParts]:
                 # [E, rows, cols]: a byte's low nibble is the even value
                 codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:2], -1)
                 d = np.ldexp(np.float32(1), exponents).astype(np.float16)  # [E, rows, cols / 32]
-                names = unstacked_names(_normalised_name(name.removesuffix("_blocks")), blocks.shape[0])
+                names = unstacked_names(normalised_name(name.removesuffix("_blocks")), blocks.shape[0])
                 if name.endswith("down_proj_blocks"):
                     per_expert = [(codes[e], d[e]) for e in range(blocks.shape[0])]
                 else:  # gate rows, then up rows, of each expert
