@@ -143,7 +143,6 @@ class DecoderLayer(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.attn_scale = c.attn_scale
         self.attn_softcap = c.attn_logit_softcapping  # Gemma 2; None elsewhere
-        self.gelu = c.activation == "gelu_tanh"
         self.act = GatedActivation(kind=c.activation, limit=c.swiglu_limit, alpha=c.swiglu_alpha)
         # gpt-oss's activation runs in the one-call layer only in its experts (it has no dense MLP)
         self.fusable = c.activation != "swiglu_oai" or layer_index in c.moe_layers
@@ -188,6 +187,7 @@ class DecoderLayer(torch.nn.Module):
             else None
         )
         self.experts_per_token, self.moe_renormalize = c.experts_per_token, c.moe_renormalize
+        self.expert_bias = c.expert_bias  # the experts have gate_up and down biases (gpt-oss)
         shared = moe and c.shared_expert_intermediate_size > 0
         self.shared_expert = (
             Expert(hidden_size=c.hidden_size, intermediate_size=c.shared_expert_intermediate_size, dtype=dtype)
@@ -265,11 +265,10 @@ class DecoderLayer(torch.nn.Module):
             )
         )
         biases = (self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias)  # None: plain attributes
-        experts = self._expert_weights()  # () for a dense layer
+        experts, expert_biases = self._expert_weights()  # ((), ()) for a dense layer
         shared = self._shared_expert_weights()  # (gate_up, down, gate or None) or ()
-        # gpt-oss: the sinks, the router's bias, each expert's (gate_up, down) biases
+        # gpt-oss: the sinks and the router's bias
         sinks, router_bias = self._parameters.get("sinks"), self._parameters.get("router_bias")
-        expert_biases = self._expert_biases()
         sources = weights + norms + biases + experts + shared + (sinks, router_bias) + expert_biases
         cached = self._fused_cache
         if cached is not None and len(sources) == len(cached[0]) and all(a is b for a, b in zip(sources, cached[0])):
@@ -301,7 +300,7 @@ class DecoderLayer(torch.nn.Module):
                 norms=dict(zip(("input", "post_attention", "pre_feedforward", "post_feedforward", "qk"), norms)),
                 extras=dict(zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), biases)) | {"sinks": sinks},
                 eps=self.input_layernorm.eps,
-                gelu=self.gelu,
+                gelu=self.act.kind == "gelu_tanh",
                 num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim,
@@ -314,32 +313,26 @@ class DecoderLayer(torch.nn.Module):
         self._fused_cache = (sources, layer)  # the sources kept alive: their ids stay theirs
         return layer
 
-    def _expert_weights(self) -> tuple:
-        """(router, gate_up of expert 0, down of expert 0, ...) of a mixture's layer, () for a dense
-        one.  Read from the modules' dicts: with 128 experts, torch's Module.__getattr__ would cost
-        a quarter of a millisecond a layer on every forward."""
+    def _expert_weights(self) -> tuple[tuple, tuple]:
+        """((router, gate_up of expert 0, down of expert 0, ...), (gate_up bias of expert 0, down
+        bias of expert 0, ...)) of a mixture's layer, the biases () where the model's experts have
+        none (all but gpt-oss: their lookups would double the pass); ((), ()) for a dense layer.
+        Read from the modules' dicts: with 128 experts, torch's Module.__getattr__ would cost a
+        quarter of a millisecond a layer on every forward."""
         experts = self._modules.get("experts")
         if experts is None:
-            return ()
+            return (), ()
         weights: list = [self._parameters.get("router", self.__dict__.get("router"))]
+        biases: list = []
+        with_biases = self.expert_bias
         for expert in experts._modules.values():
+            attributes, parameters = expert.__dict__, expert._parameters
             for name in ("gate_up_proj", "down_proj"):
-                value = expert.__dict__.get(name)
-                weights.append(expert._parameters.get(name) if value is None else value)
-        return tuple(weights)
-
-    def _expert_biases(self) -> tuple:
-        """(gate_up bias of expert 0, down bias of expert 0, ...) where the experts have biases
-        (gpt-oss), else ()."""
-        experts = self._modules.get("experts")
-        if experts is None:
-            return ()
-        biases = tuple(
-            expert._parameters.get(name)
-            for expert in experts._modules.values()
-            for name in ("gate_up_bias", "down_bias")
-        )
-        return () if all(b is None for b in biases) else biases
+                value = attributes.get(name)
+                weights.append(parameters.get(name) if value is None else value)
+            if with_biases:
+                biases += (parameters.get("gate_up_bias"), parameters.get("down_bias"))
+        return tuple(weights), tuple(biases)
 
     def _shared_expert_weights(self) -> tuple:
         """(gate_up, down, the [1, D] gate or None) of a mixture's shared expert, () without one."""

@@ -234,22 +234,15 @@ def unstacked_names(name: str, experts: int) -> list[str]:
 
 def _unstacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A stacked experts tensor as the per-expert tensors of the usual layout (gate_proj, up_proj,
-    down_proj weights [out, in] and biases), under `...mlp.experts.{e}.{leaf}.{weight|bias}`."""
+    down_proj weights [out, in] and biases), under the names of `unstacked_names`."""
     match = _STACKED_EXPERTS.search(name)
     assert match is not None
-    stem = name[: match.start()] + ".mlp.experts."
-    kind = "bias" if match[2] else "weight"
-    out = []
-    for expert, matrix in enumerate(tensor):
-        if match[1] == "down_proj":
-            out.append((f"{stem}{expert}.down_proj.{kind}", matrix if kind == "bias" else matrix.t().contiguous()))
-            continue
-        for leaf, start in (("gate_proj", 0), ("up_proj", 1)):
-            half = matrix[..., start::2]  # bias [I]; weight [D, I] -> [I, D]
-            out.append(
-                (f"{stem}{expert}.{leaf}.{kind}", half.contiguous() if kind == "bias" else half.t().contiguous())
-            )
-    return out
+    is_bias = bool(match[2])
+    pieces = []
+    for matrix in tensor:  # gate_up: gate and up in alternate columns; bias [2I], weight [D, 2I]
+        halves = [matrix] if match[1] == "down_proj" else [matrix[..., 0::2], matrix[..., 1::2]]
+        pieces += [half.contiguous() if is_bias else half.t().contiguous() for half in halves]
+    return list(zip(unstacked_names(name, len(tensor)), pieces))
 
 
 def normalised_name(name: str) -> str:

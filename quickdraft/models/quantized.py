@@ -21,9 +21,9 @@ bytes, lane j (bytes 4j..4j+3) for row j: the vpdpbusd operand layout.
 - Q6_K: d [16] fp16, sc [16 sub-blocks of 16][16] int8 (288), then 8 sub-blocks of 32: nibbles,
   bit-4 masks, bit-5 masks (384 each): 3360.
 - IQ4_XS (256 k a tile): d [16] fp16, sc [8 sub-blocks of 32][16] int8 (160), then 8 sub-blocks of
-  nibbles (256 each), each an index into the 16-value table IQ4_VALUES: 2208.
-- IQ4_NL: nibbles (indices into IQ4_VALUES), d: 288 (Q4_0's layout).  MXFP4 (gpt-oss; llama.cpp's
-  MXFP4_MOE mixes): the same, indices into MXFP4_VALUES (OCP's FP4 E2M1 values, doubled) and d =
+  nibbles (256 each), each an index into the 16-value table LEVELS["IQ4_XS"]: 2208.
+- IQ4_NL: nibbles (indices into LEVELS["IQ4_NL"]), d: 288 (Q4_0's layout).  MXFP4 (gpt-oss; llama.cpp's
+  MXFP4_MOE mixes): the same, indices into LEVELS["MXFP4"] (OCP's FP4 E2M1 values, doubled) and d =
   2^(e - 128) from the block's E8M0 exponent e, exact in float16 for e in 104..143.
 - Q4_1: nibbles, d, dmin [16] fp16 (minus each block's min): 320.  Q5_1: nibbles, bit-4 masks,
   d, dmin: 384.
@@ -124,7 +124,6 @@ QUANT_BITS = {name: f.bits for name, f in FORMATS.items()}
 OFFSETS = {name: f.offset for name, f in FORMATS.items() if f.offset is not None}
 SCALES_OF_16 = tuple(name for name, f in FORMATS.items() if f.scales_of_16)
 BLOCK_MINS = tuple(name for name, f in FORMATS.items() if f.block_mins)
-IQ4_VALUES = np.array(_IQ4_LEVELS, dtype=np.int16)
 # Per format with levels: index -> signed level.
 LEVELS = {name: np.array(f.level_table, dtype=np.int16) for name, f in FORMATS.items() if f.level_table}
 SUPPORTED_FORMATS = tuple(FORMAT_IDS)
@@ -135,7 +134,7 @@ ROWS_PER_GROUP = 16
 class QuantParts:
     """One weight's decoded parts: w = d * (q - offset) (Q8_0/Q4_0/Q5_0),
     d * sc * q - dmin * m (Q4_K/Q5_K, per 32-wide sub-block), d * sc * (q - offset) (Q6_K: 32,
-    Q3_K: 4; per 16), d * sc * IQ4_VALUES[q] (IQ4_XS, per 32), d * LEVELS[format][q] (IQ4_NL, MXFP4),
+    Q3_K: 4; per 16), d * sc * LEVELS[format][q] (IQ4_XS, per 32), d * LEVELS[format][q] (IQ4_NL, MXFP4),
     d * q - dmin (Q4_1/Q5_1: ggml's d * q + m, stored as dmin = -m, exact), d * sc * q - dmin * m
     (Q2_K, per 16)."""
 
@@ -172,7 +171,7 @@ class QuantParts:
             return (self.d.astype(np.float32)[:, :, None] * levels).reshape(n, k)
         if self.format == "IQ4_XS":
             scale = np.repeat(self.d.astype(np.float32), 8, axis=1) * self.sc.astype(np.float32)  # [N, K/32]
-            levels = IQ4_VALUES[self.q].astype(np.float32)
+            levels = LEVELS["IQ4_XS"][self.q].astype(np.float32)
             return (scale[:, :, None] * levels.reshape(n, k // 32, 32)).reshape(n, k)
         ds = np.repeat(self.d.astype(np.float32), 8, axis=1) * self.sc.astype(np.float32)  # [N, K/32]
         dm = np.repeat(self.dmin.astype(np.float32), 8, axis=1) * self.m.astype(np.float32)

@@ -178,19 +178,17 @@ def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantPart
             # the experts' matrices lie one after the other: each is whole rows of its own
             per_expert = tensor.data.size // shape[0]
             decoded_experts = {}
-            try:
-                for expert, name in enumerate(experts):
-                    data = tensor.data[expert * per_expert : (expert + 1) * per_expert]
-                    try:
-                        decoded_experts[name] = decode_gguf(fmt, data, rows=shape[1], cols=shape[2])
-                    except InexactBlocks:
-                        raise
-                    except ValueError as err:
-                        raise ValueError(f"{gguf_path}: tensor {tensor.name!r}, expert {expert}: {err}") from err
-            except InexactBlocks as err:
-                _as_floats(as_floats, fmt, shape, tensor.name, err)
-                continue
-            parts.update(decoded_experts)
+            for expert, name in enumerate(experts):
+                data = tensor.data[expert * per_expert : (expert + 1) * per_expert]
+                try:
+                    decoded_experts[name] = decode_gguf(fmt, data, rows=shape[1], cols=shape[2])
+                except InexactBlocks as err:  # the whole stacked tensor then loads as floats
+                    _as_floats(as_floats, fmt, shape, tensor.name, err)
+                    break
+                except ValueError as err:
+                    raise ValueError(f"{gguf_path}: tensor {tensor.name!r}, expert {expert}: {err}") from err
+            else:
+                parts.update(decoded_experts)
             continue
         if fmt not in SUPPORTED_FORMATS or len(shape) != 2:
             continue
