@@ -174,23 +174,24 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
                 for name in f.keys():
                     if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in keys:
                         continue  # read with its blocks
-                    if name.endswith("_blocks"):  # gpt-oss's MXFP4 experts: to floats in the model's layout
+                    # gpt-oss: every expert in one tensor, or its MXFP4 blocks (to floats in the model's layout)
+                    mxfp4 = name.endswith("_blocks")
+                    if _STACKED_EXPERTS.search(name.removesuffix("_blocks")):
                         stem = normalised_name(name.removesuffix("_blocks"))
                         experts = f.get_slice(name).get_shape()[0]
-                        wanted_names = [n for n in unstacked_names(stem, experts) if names is None or n in names]
-                        if not any(n.startswith(prefix) for n in wanted_names):
-                            continue  # (not dequantized: its experts may be held as stored)
-                        stacked = mxfp4_to_float(
-                            f.get_tensor(name), f.get_tensor(name.removesuffix("_blocks") + "_scales")
+                        wanted_names = {
+                            n
+                            for n in unstacked_names(stem, experts)
+                            if (names is None or n in names) and n.startswith(prefix)
+                        }
+                        if not wanted_names:
+                            continue  # not read (MXFP4 experts may be held as stored)
+                        stacked = (
+                            mxfp4_to_float(f.get_tensor(name), f.get_tensor(name.removesuffix("_blocks") + "_scales"))
+                            if mxfp4
+                            else f.get_tensor(name)
                         )
-                        for expert_name, tensor in _unstacked_experts(stem, stacked):
-                            if (names is None or expert_name in names) and expert_name.startswith(prefix):
-                                tensors[expert_name] = tensor
-                        continue
-                    if _STACKED_EXPERTS.search(name):  # gpt-oss: every expert in one tensor
-                        for expert_name, tensor in _unstacked_experts(normalised_name(name), f.get_tensor(name)):
-                            if (names is None or expert_name in names) and expert_name.startswith(prefix):
-                                tensors[expert_name] = tensor
+                        tensors.update((n, t) for n, t in _unstacked_experts(stem, stacked) if n in wanted_names)
                         continue
                     wanted = names is None or normalised_name(name) in names
                     if wanted and normalised_name(name).startswith(prefix):
