@@ -48,10 +48,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--quantization",
         default=None,
-        choices=["auto", "none", "gguf", "gguf+q8_0", "q8_0"],
-        help="how the weights are held: auto (GGUF as stored on the CPU with --dtype auto), "
-        "none, gguf, gguf+q8_0 (as stored, the file's F16/BF16/F32 matrices quantized to Q8_0), "
-        "or q8_0 (quantize a HF checkpoint at load)",
+        choices=["auto", "none", "gguf", "gguf+q8_0", "q8_0", "stored"],
+        help="how the weights are held: auto (on the CPU with --dtype auto: a GGUF as stored, a HF "
+        "checkpoint's float16/bfloat16 matrices as stored), none, gguf, gguf+q8_0 (as stored, the file's "
+        "F16/BF16/F32 matrices quantized to Q8_0), q8_0 (quantize a HF checkpoint at load), or stored "
+        "(a HF checkpoint's float16/bfloat16 matrices as they are, float32 compute)",
     )
     group.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     group.add_argument(

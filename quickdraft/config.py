@@ -15,7 +15,8 @@ class EngineConfig:
     # "float32" / "bfloat16": float weights of that dtype (a GGUF model dequantized).
     dtype: str = "auto"
     # None / "auto", "none", "gguf" (as stored in the .gguf), "gguf+q8_0" (as stored, and the
-    # file's float matrices quantized to Q8_0 at load) or "q8_0" (quantized at load).
+    # file's float matrices quantized to Q8_0 at load), "q8_0" (quantized at load) or "stored" (a
+    # HF checkpoint's float16 / bfloat16 matrices as they are; what "auto" picks for such a one).
     quantization: str | None = None
     device: str = "cpu"
     max_model_len: int | None = None  # default: min(model's context, 4096)

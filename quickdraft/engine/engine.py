@@ -72,7 +72,7 @@ class Engine:
         self.model_dir = model_dir = resolve_model_dir(config.model)
         gguf_path = resolve_gguf_path(config.model)
         self.quantization = resolve_quantization(
-            config.quantization, dtype=config.dtype, gguf_path=gguf_path, device=self.device
+            config.quantization, dtype=config.dtype, gguf_path=gguf_path, device=self.device, model_dir=model_dir
         )
         huge = config.weights_in_huge_pages
         # quantized weights in this process's huge pages, or mapped from the packed-weight file

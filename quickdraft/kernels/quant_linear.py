@@ -32,6 +32,7 @@ from quickdraft.models.lora import SITES as LORA_SITES
 from quickdraft.models.lora import LoRABatch
 from quickdraft.models.quantized import (
     BLOCK_MINS,
+    FLOAT16_FORMATS,
     FORMAT_IDS,
     LEVELS,
     OFFSETS,
@@ -226,6 +227,22 @@ def _part_reference(
     return acc
 
 
+def _float16_part_reference(part: PackedPart, x: torch.Tensor, cols: int) -> torch.Tensor:  # [M, K] -> [M, rows]
+    """float16_tile's operations: per 32-k tile, four chains of float32 products (k = j, j + 4,
+    ... in k order), (c0 + c1) + (c2 + c3) added to the accumulator tile after tile."""
+    parts = unpack_rows(part.format, part.packed.numpy(), rows=np.arange(part.rows), cols=cols)
+    w = torch.from_numpy(parts.dequantize())  # [N, K], exactly the stored values
+    acc = torch.zeros(x.shape[0], part.rows, dtype=torch.float32)
+    for start in range(0, cols, 32):
+        products = x[:, None, start : start + 32] * w[None, :, start : start + 32]  # [M, N, 32]
+        steps = products.view(*products.shape[:2], 8, 4)  # [M, N, k // 4, chain]
+        chains = steps[:, :, 0]
+        for i in range(1, 8):
+            chains = chains + steps[:, :, i]
+        acc = acc + ((chains[..., 0] + chains[..., 1]) + (chains[..., 2] + chains[..., 3]))
+    return acc
+
+
 def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """The kernel's numerics in plain torch: x [..., K] -> [..., N] float32."""
     k = weight.shape[1]
@@ -233,7 +250,11 @@ def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     q, dx, bsum = quantize_activations(x2)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
     for part in weight.parts:
-        out[:, part.row_start : part.row_start + part.rows] = _part_reference(part, q, dx, bsum, k)
+        if part.format in FLOAT16_FORMATS:
+            value = _float16_part_reference(part, x2, k)
+        else:
+            value = _part_reference(part, q, dx, bsum, k)
+        out[:, part.row_start : part.row_start + part.rows] = value
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -259,13 +280,18 @@ def quant_linear(
         out = result if out is None else out.copy_(result)
     else:
         x2 = x.reshape(-1, k).to(torch.float32).contiguous()
-        q, dx, bsum = ext.quantize_rows(x2)
+        # F16 / BF16 parts read x as it is: its int8 quants only where another format needs them
+        if any(part.format not in FLOAT16_FORMATS for part in weight.parts):
+            q, dx, bsum = ext.quantize_rows(x2)
         if out is None:
             out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
         amx_rows = _amx_min_rows(ext)
         for part in weight.parts:
             fmt = FORMAT_IDS[part.format]
-            ext.quant_matmul(q, dx, bsum, part.packed, fmt, part.rows, k, out, part.row_start, amx_rows)
+            if part.format in FLOAT16_FORMATS:
+                ext.float16_matmul(x2, part.packed, fmt, part.rows, k, out, part.row_start)
+            else:
+                ext.quant_matmul(q, dx, bsum, part.packed, fmt, part.rows, k, out, part.row_start, amx_rows)
         out = out.view(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         out = out + bias.to(out.dtype)

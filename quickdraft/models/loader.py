@@ -29,7 +29,7 @@ DEFAULT_MODEL_ALIASES = ("default", "gemma-3-270m", "gemma3-270m")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gguf+q8_0", "q8_0")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gguf+q8_0", "q8_0", "stored")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -94,13 +94,21 @@ def resolve_gguf_path(model: str | os.PathLike | None) -> Path | None:
 
 
 def resolve_quantization(
-    quantization: str | None, *, dtype: str | torch.dtype, gguf_path: Path | None, device: torch.device
+    quantization: str | None,
+    *,
+    dtype: str | torch.dtype,
+    gguf_path: Path | None,
+    device: torch.device,
+    model_dir: Path | None = None,
 ) -> str | None:
     """How the target's weights are held: None (floats of the dtype), "gguf", "gguf+q8_0" (as
-    stored, the file's float matrices quantized to Q8_0) or "q8_0".
+    stored, the file's float matrices quantized to Q8_0), "q8_0", or "stored" (a HF checkpoint's
+    float16 / bfloat16 matrices as they are; the kernels compute in float32 all the same).
 
-    "auto" (the default) keeps a GGUF model's weights as stored when the dtype is "auto" and the
-    device the CPU; an explicit float32 / bfloat16, a HF model or CUDA give float weights.
+    "auto" (the default), with the dtype "auto" on the CPU: a GGUF model's weights as stored
+    ("gguf"), a HF checkpoint whose linear weights are float16 / bfloat16 "stored" (half the
+    bytes of float32 weights, the same values); an explicit float32 / bfloat16, a float32
+    checkpoint or CUDA give float weights.
     """
     choice = "auto" if quantization is None else quantization
     if choice not in QUANTIZATION_CHOICES:
@@ -108,7 +116,11 @@ def resolve_quantization(
     if choice == "none":
         return None
     if choice == "auto":
-        return "gguf" if dtype == "auto" and device.type == "cpu" and gguf_path is not None else None
+        if dtype != "auto" or device.type != "cpu":
+            return None
+        if gguf_path is not None:
+            return "gguf"
+        return "stored" if model_dir is not None and stores_float16_matrices(model_dir) else None
     if device.type != "cpu":
         raise ValueError(
             f"quantization {choice!r} has CPU kernels only: on {device.type} use quantization "
@@ -116,6 +128,8 @@ def resolve_quantization(
         )
     if resolve_dtype(dtype) != torch.float32:
         raise ValueError(f"quantization {choice!r} computes in float32: use dtype 'auto' or 'float32', not {dtype!r}")
+    if choice == "stored" and gguf_path is not None:
+        raise ValueError("quantization 'stored' is for HF checkpoints: a .gguf model's weights as stored are 'gguf'")
     if choice.startswith("gguf") and gguf_path is None:
         raise ValueError(
             f"quantization {choice!r} needs a .gguf model (or the embedded default); "
@@ -157,6 +171,19 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
     return files
+
+
+def stores_float16_matrices(model_dir: Path) -> bool:
+    """Whether a HF checkpoint's MLP down projections are float16 / bfloat16 (read from the
+    safetensors headers, no tensor loaded): its linear weights then run as stored by default."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if name.endswith(("mlp.down_proj.weight", "mlp.experts.down_proj")):
+                    return f.get_slice(name).get_dtype() in ("F16", "BF16")
+    return False
 
 
 def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None = None) -> dict[str, torch.Tensor]:

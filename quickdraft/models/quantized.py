@@ -31,6 +31,8 @@ bytes, lane j (bytes 4j..4j+3) for row j: the vpdpbusd operand layout.
   then 8 sub-blocks of 32 crumbs (128 each): 1344 (2.625 bits a weight, as stored).
 - Q3_K: d [16] fp16, sc [16 sub-blocks of 16][16] int8 (288), then 8 sub-blocks of 32: the low
   two bits as crumbs (below), bit-2 masks (192 each): 1824 (3.56 bits a weight; the file's 3.44).
+- F16, BF16 (16-bit floats, kept as they are): 32 k a tile, k-major: per k the 16 rows' values
+  (32 bytes): 1024.  The kernels multiply them with x's float rows, not its int8 quants.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ FORMATS = {
     "MXFP4": QuantFormat(
         kernel_id=12, bits=4, tile_k=32, tile_bytes=288, gguf_block=(17, 32), level_table=_MXFP4_LEVELS
     ),
+    "F16": QuantFormat(kernel_id=13, bits=16, tile_k=32, tile_bytes=1024, gguf_block=(2, 1)),
+    "BF16": QuantFormat(kernel_id=14, bits=16, tile_k=32, tile_bytes=1024, gguf_block=(2, 1)),
 }
 # Views of FORMATS by field, as the loaders, kernels and tests index them.
 FORMAT_IDS = {name: f.kernel_id for name, f in FORMATS.items()}
@@ -127,6 +131,8 @@ BLOCK_MINS = tuple(name for name, f in FORMATS.items() if f.block_mins)
 # Per format with levels: index -> signed level.
 LEVELS = {name: np.array(f.level_table, dtype=np.int16) for name, f in FORMATS.items() if f.level_table}
 SUPPORTED_FORMATS = tuple(FORMAT_IDS)
+# Kept as 16-bit floats: QuantParts.q holds the values' bits (uint16), no scales.
+FLOAT16_FORMATS = ("F16", "BF16")
 ROWS_PER_GROUP = 16
 
 
@@ -136,11 +142,11 @@ class QuantParts:
     d * sc * q - dmin * m (Q4_K/Q5_K, per 32-wide sub-block), d * sc * (q - offset) (Q6_K: 32,
     Q3_K: 4; per 16), d * sc * LEVELS[format][q] (IQ4_XS, per 32), d * LEVELS[format][q] (IQ4_NL, MXFP4),
     d * q - dmin (Q4_1/Q5_1: ggml's d * q + m, stored as dmin = -m, exact), d * sc * q - dmin * m
-    (Q2_K, per 16)."""
+    (Q2_K, per 16); F16 and BF16: the values themselves, their bits in q (uint16), d empty."""
 
     format: str
-    q: np.ndarray  # [N, K] uint8, unsigned quants
-    d: np.ndarray  # [N, K/32] (32-block formats) or [N, K/256] float16
+    q: np.ndarray  # [N, K] uint8, unsigned quants (uint16 bits for F16 / BF16)
+    d: np.ndarray  # [N, K/32] (32-block formats) or [N, K/256] float16; [N, 0] for F16 / BF16
     dmin: np.ndarray | None = None  # [N, K/256] float16 (Q4_K, Q5_K), [N, K/32] (Q4_1, Q5_1)
     # [N, K/32] uint8 (Q4_K, Q5_K), [N, K/16] int8 (Q6_K, Q3_K), [N, K/32] int8 (IQ4_XS), [N, K/16] uint8 (Q2_K)
     sc: np.ndarray | None = None
@@ -151,6 +157,8 @@ class QuantParts:
         return self.q.shape
 
     def dequantize(self) -> np.ndarray:  # -> [N, K] float32, the same values as ggml / gguf-py
+        if self.format in FLOAT16_FORMATS:
+            return float16_values(self.format, self.q)
         n, k = self.q.shape
         q = self.q.astype(np.float32)
         if self.format in SCALES_OF_16:
@@ -195,6 +203,8 @@ def decode_gguf(format: str, raw: np.ndarray, *, rows: int, cols: int) -> QuantP
         raise ValueError(
             f"{format} [{rows}, {cols}] needs {rows * cols // block_values * block_bytes} bytes, got {raw.size}"
         )
+    if format in FLOAT16_FORMATS:
+        return QuantParts(format=format, q=raw.view(np.uint16).reshape(rows, cols), d=_no_scales(rows))
     blocks = raw.reshape(rows * cols // block_values, block_bytes)
     parts = _DECODERS[format](blocks)
     return QuantParts(
@@ -202,6 +212,25 @@ def decode_gguf(format: str, raw: np.ndarray, *, rows: int, cols: int) -> QuantP
         q=parts["q"].reshape(rows, cols),
         **{name: value.reshape(rows, -1) for name, value in parts.items() if name != "q"},
     )
+
+
+def _no_scales(rows: int) -> np.ndarray:  # QuantParts.d of F16 / BF16 parts: [rows, 0]
+    return np.zeros((rows, 0), np.float16)
+
+
+def float16_values(format: str, bits: np.ndarray) -> np.ndarray:  # uint16 [...] -> float32 [...], exactly
+    if format == "F16":
+        return bits.view(np.float16).astype(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float16_parts(weight: torch.Tensor) -> QuantParts:
+    """A float16 / bfloat16 weight [N, K] as it is (F16 / BF16 parts: its bits, nothing rounded)."""
+    formats = {torch.float16: "F16", torch.bfloat16: "BF16"}
+    if weight.dtype not in formats or weight.dim() != 2:
+        raise ValueError(f"F16 / BF16 parts need a 2-D float16 or bfloat16 weight, got {weight.dtype} {weight.dim()}-D")
+    bits = weight.detach().to("cpu").contiguous().view(torch.int16).numpy().view(np.uint16)
+    return QuantParts(format=formats[weight.dtype], q=bits, d=_no_scales(bits.shape[0]))
 
 
 def _half(blocks: np.ndarray) -> np.ndarray:
@@ -470,6 +499,9 @@ def pack(parts: QuantParts) -> np.ndarray:
     rows = -(-n // ROWS_PER_GROUP) * ROWS_PER_GROUP
     groups = rows // ROWS_PER_GROUP
     q = _pad_rows(parts.q, rows)
+    if fmt in FLOAT16_FORMATS:  # [G*16, K] -> [G, K/32 tiles, 32 k, 16 rows]
+        tiles16 = q.reshape(groups, ROWS_PER_GROUP, k // 32, 32).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(tiles16).view(np.uint8).reshape(-1)
     quants = _pack_quants(_steps(q, groups, k // 32), QUANT_BITS[fmt])  # [G, K/32, bytes]
 
     def lanes(values: np.ndarray) -> np.ndarray:  # -> [G, C, 16 * itemsize] bytes
@@ -513,6 +545,9 @@ def unpack_rows(format: str, packed: np.ndarray, *, rows: np.ndarray, cols: int)
         # section [R, T, per_tile * 16 * itemsize] -> [R, T * per_tile] values of each row's lane
         values = np.ascontiguousarray(section).view(dtype).reshape(r, -1, ROWS_PER_GROUP)
         return values[pick, :, lane]
+
+    if format in FLOAT16_FORMATS:
+        return QuantParts(format=format, q=lane_values(chosen, np.uint16, 32), d=_no_scales(r))
 
     if TILE_K[format] == 32:
         quant_bytes = TILE_BYTES[format] - (64 if format in BLOCK_MINS else 32)
@@ -636,15 +671,20 @@ class QuantizedWeight:
         return out
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:  # [...] int -> [..., K] float32
-        """Dequantized rows (bit-identical to the float32 conversion of the GGUF file).  A Q8_0
-        weight in one part (an embedding table) is read by the C++ kernel where it is built:
-        a token's row in ~1 us instead of ~30 us of numpy, once per forward and draft depth."""
+        """Dequantized rows (bit-identical to the float32 conversion of the GGUF file).  A Q8_0,
+        F16 or BF16 weight in one part (an embedding table) is read by the C++ kernel where it is
+        built: a token's row in ~1 us instead of ~30 us of numpy, once per forward and draft depth."""
         # Imported here: the kernels' module imports this one.
         from quickdraft.kernels.quant_linear import q8_0_rows_kernel
 
         kernel = q8_0_rows_kernel() if index.device.type == "cpu" else None
-        if kernel is not None and len(self.parts) == 1 and self.parts[0].format == "Q8_0":
-            flat = kernel.dequantize_rows_q8_0(self.parts[0].packed, self.shape[0], self.shape[1], index.reshape(-1))
+        part = self.parts[0]
+        if kernel is not None and len(self.parts) == 1 and part.format == "Q8_0":
+            flat = kernel.dequantize_rows_q8_0(part.packed, self.shape[0], self.shape[1], index.reshape(-1))
+            return flat.view(*index.shape, self.shape[1])
+        if kernel is not None and len(self.parts) == 1 and part.format in FLOAT16_FORMATS:
+            fmt = FORMATS[part.format].kernel_id
+            flat = kernel.dequantize_rows_float16(part.packed, fmt, self.shape[0], self.shape[1], index.reshape(-1))
             return flat.view(*index.shape, self.shape[1])
         flat = torch.empty(index.numel(), self.shape[1], dtype=torch.float32)
         for part, where, local in self.parts_of_rows(index):

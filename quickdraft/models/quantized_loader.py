@@ -14,11 +14,13 @@ import torch
 
 from quickdraft.models.config import ModelConfig
 from quickdraft.models.quantized import (
+    FLOAT16_FORMATS,
     SUPPORTED_FORMATS,
     InexactBlocks,
     QuantizedWeight,
     QuantParts,
     decode_gguf,
+    float16_parts,
     quantize_q8_0,
 )
 
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 # Our fused weights (rows of several HF tensors) that the kernels may run quantized.
 QUANTIZABLE_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
-QUANTIZATION_MODES = ("gguf", "gguf+q8_0", "q8_0")
+QUANTIZATION_MODES = ("gguf", "gguf+q8_0", "q8_0", "stored")
 
 
 def _is_linear_weight(name: str) -> bool:
@@ -270,8 +272,10 @@ def quantized_state(
     mode "gguf": the weights the GGUF file stores quantized, as stored; "q8_0": every linear
     weight whose rows are whole Q8_0 blocks, quantized from its floats (`read_floats` of the
     checkpoint tensor names gives them), except gpt-oss's MXFP4 experts in `model_dir`, kept as
-    stored; "gguf+q8_0": "gguf", and the linear weights the file stores as floats (F16, BF16,
-    F32, a format without a kernel) quantized to Q8_0.
+    stored (F16 and BF16 matrices too: the kernels multiply them as they are); "gguf+q8_0": the
+    file's quantized weights as stored, and the linear weights it stores as floats (F16, BF16, F32,
+    a format without a kernel) quantized to Q8_0; "stored": a HF checkpoint's float16 / bfloat16
+    linear weights as they are (F16 / BF16 parts), its other weights floats.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization {mode!r}: choose one of {', '.join(QUANTIZATION_MODES)}")
@@ -288,38 +292,49 @@ def quantized_state(
             rest[ours] = theirs
             continue
         stored_pieces = [stored.get(name) for name in theirs]
-        if all(piece is not None for piece in stored_pieces):
+        if mode == "gguf+q8_0" and any(p is not None and p.format in FLOAT16_FORMATS for p in stored_pieces):
+            to_quantize[ours] = theirs  # float-stored: Q8_0 in this mode
+        elif all(piece is not None for piece in stored_pieces):
             pieces = [_in_our_row_order(config, name, piece) for name, piece in zip(theirs, stored_pieces)]
             quantized[ours] = QuantizedWeight.from_parts(pieces)
         elif mode == "gguf":
             rest[ours] = theirs  # stored as floats (or a format without a kernel): float path
             float_matrices.append(ours)
         else:
-            to_quantize[ours] = theirs
+            to_quantize[ours] = theirs  # "stored": kept as they are where they are 16-bit floats
     if float_matrices:
         logger.warning(
-            "%s: %d linear weights (%s, ...) are stored as floats and run on the float path, which keeps "
-            "layers out of the one-call kernel; quantization='gguf+q8_0' quantizes them to Q8_0 at load",
+            "%s: %d linear weights (%s, ...) are stored as float32 (or in a format without a kernel) and run "
+            "on the float path, which keeps layers out of the one-call kernel; quantization='gguf+q8_0' "
+            "quantizes them to Q8_0 at load",
             gguf_path,
             len(float_matrices),
             float_matrices[0],
         )
     floats = read_floats({name for names in to_quantize.values() for name in names}) if to_quantize else {}
     for ours, theirs in to_quantize.items():
-        weights = [floats[name] for name in theirs]
-        if weights[0].shape[-1] % 32:
+        weights = [floats.pop(name) for name in theirs]
+        as_stored = mode == "stored"
+        if weights[0].shape[-1] % 32 or (as_stored and not _one_float16_dtype(weights)):
             rest[ours] = theirs
             continue
-        pieces = [_in_our_row_order(config, name, quantize_q8_0(weight)) for name, weight in zip(theirs, weights)]
+        convert = float16_parts if as_stored else quantize_q8_0
+        pieces = [_in_our_row_order(config, name, convert(weight)) for name, weight in zip(theirs, weights)]
         quantized[ours] = QuantizedWeight.from_parts(pieces)
+        del weights, pieces  # the checkpoint's copies: one weight's at a time beside the packed ones
     if not quantized:
         logger.warning("quantization %r: no weight of this checkpoint can be run quantized", mode)
     return quantized, rest
 
 
+def _one_float16_dtype(weights: list[torch.Tensor]) -> bool:
+    return weights[0].dtype in (torch.float16, torch.bfloat16) and all(w.dtype == weights[0].dtype for w in weights)
+
+
 # Packed weights of a GGUF model, kept beside its converted directory so that a reload reads them
 # instead of decoding and repacking the file (seconds for the embedded model's 262k-row embedding).
 # The directory is rebuilt when its GGUF changes; bump the version when the packed layout does.
+# (A file written by a version that knew other formats is rebuilt: load_packed.)
 PACKED_CACHE_FILE = "quickdraft-packed-v1.safetensors"
 # The same for quantization "gguf+q8_0" (its float-stored weights quantized too)
 PACKED_CACHE_FILE_WITH_Q8_0 = "quickdraft-packed-v1-floats-q8_0.safetensors"

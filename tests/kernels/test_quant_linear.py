@@ -26,12 +26,14 @@ from quickdraft.kernels.quant_linear import (
     reference_quant_linear,
 )
 from quickdraft.models.quantized import (
+    FLOAT16_FORMATS,
     FORMAT_IDS,
     GGUF_BLOCK,
     SUPPORTED_FORMATS,
     TILE_K,
     QuantizedWeight,
     decode_gguf,
+    float16_parts,
     pack,
     quantize_legacy,
     quantize_q8_0,
@@ -57,6 +59,8 @@ _HALF_FIELDS = {
 }
 # Byte offset of an E8M0 exponent (a power-of-two scale) in a GGUF block.
 _E8M0_FIELD = {"MXFP4": 0}
+# The formats with quants (F16 and BF16 hold the values themselves)
+QUANT_FORMATS = tuple(fmt for fmt in SUPPORTED_FORMATS if fmt not in FLOAT16_FORMATS)
 
 
 @pytest.fixture(params=ISAS)
@@ -70,8 +74,13 @@ def isa(request, monkeypatch) -> str:
 
 def random_gguf(fmt: str, rows: int, cols: int, *, seed: int, scale: float = 0.01) -> np.ndarray:
     """Random blocks of `fmt` (every quant and sub-scale bit pattern is valid), finite fp16 scales
-    within a factor 5 of `scale`."""
+    within a factor 5 of `scale`; F16 / BF16: normal values of about `scale` (some subnormal)."""
     rng = np.random.default_rng(seed)
+    if fmt in FLOAT16_FORMATS:
+        values = torch.from_numpy(rng.normal(0, 10 * scale, size=(rows, cols)).astype(np.float32))
+        values[0, :3] = torch.tensor([1e-6, -3e-7, 0.0])  # F16 subnormals (BF16: normal)
+        dtype = torch.float16 if fmt == "F16" else torch.bfloat16
+        return values.to(dtype).view(torch.int16).numpy().view(np.uint8).reshape(rows, -1)
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[QType[fmt]]
     raw = rng.integers(0, 256, size=(rows * cols // block_values, block_bytes), dtype=np.uint8)
     for at in _HALF_FIELDS[fmt]:
@@ -247,7 +256,7 @@ def _cpu_has_amx() -> bool:
     return " amx_int8" in flags and " amx_tile" in flags
 
 
-@pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
 @pytest.mark.parametrize("m", [1, 5, 12, 16, 17, 20, 40])
 def test_amx_tiles_compute_the_vnni_bits(monkeypatch, fmt, m):
     """Matmuls on AMX tiles (forced from one row on), on tiles for whole 16-row blocks with the
@@ -293,7 +302,7 @@ def test_batch_invariance_every_width(isa, fmt):
     assert torch.equal(quant_linear(x[perm], w), alone[perm])
 
 
-@pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_kernel_exact_at_extreme_quants(isa, fmt):
     """The largest integer products: every quant at its extreme (Q8_0: -128 and 127; the others
     all bits set), activations at +-127 with equal or alternating signs.  An int16 pair sum
@@ -336,6 +345,39 @@ def test_quantize_rows_equals_reference(isa):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
     assert ext.quantize_rows(x)[0][2, :8].tolist() == [127, -127, 2, -2, 0, 0, 2, 4]
     assert ext.quantize_rows(x)[0][4, :2].tolist() == [127, -64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float16_weights_are_kept_exactly_and_multiply_float_rows(isa, dtype):
+    """A float16 / bfloat16 weight as F16 / BF16 parts: its values exactly (subnormals, signed
+    zeros, the largest values), beside a Q8_0 part in one fused weight; the kernel multiplies
+    x's float rows as they are (closer to float64 than the int8 activations of the quantized
+    formats could be), the reference's bits, batch-invariant; quant_matmul, which has only the
+    quants, refuses them by name."""
+    generator = torch.Generator().manual_seed(5)
+    w = torch.randn(37, 160, generator=generator) * 0.05
+    w[0, :4] = torch.tensor([1e-6, -0.0, 6e4 if dtype == torch.float16 else 3e38, -2.5])
+    stored = w.to(dtype)
+    q8 = quantize_q8_0(torch.randn(16, 160, generator=generator))
+    fused = QuantizedWeight.from_parts([float16_parts(stored), q8])
+    assert [p.format for p in fused.parts] == ["F16" if dtype == torch.float16 else "BF16", "Q8_0"]
+    assert torch.equal(fused[:37], stored.float()) and fused.dequantize().shape == (53, 160)
+    table = QuantizedWeight.from_parts([float16_parts(stored)])  # one part: rows read in C++
+    index = torch.tensor([[36, 0], [16, 15]])
+    assert torch.equal(table.rows(index), stored.float()[index])
+    x = torch.randn(9, 160, generator=generator)
+    got = quant_linear(x, fused)
+    assert torch.equal(got, reference_quant_linear(x, fused))
+    exact = x.double() @ stored[1:].double().T  # (row 0's extremes would dominate any bound)
+    assert (got[:, 1:37].double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+    alone = torch.cat([quant_linear(x[i : i + 1], fused) for i in range(9)])
+    assert torch.equal(alone, got)
+    ext = isa_extension(isa)
+    q, dx, bsum = ext.quantize_rows(x)
+    with pytest.raises(RuntimeError, match="float rows"):
+        ext.quant_matmul(q, dx, bsum, fused.parts[0].packed, FORMAT_IDS["F16"], 37, 160, torch.empty(9, 37), 0, 0)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        float16_parts(w)
 
 
 def test_isa_choice(monkeypatch):

@@ -37,6 +37,7 @@ def tiny_gguf_paths(tmp_path_factory) -> dict[str, Path]:
             "gemma3-lowbit",
             "llama-q8_0",
             "qwen3-bf16",
+            "qwen2-f16",
             "phi3-q8_0",
             "gemma2-mixed",
             "smollm3-q8_0",
@@ -70,6 +71,7 @@ def load(path: Path, quantization: str | None, *, huge_pages: bool = False):
         "gemma3-lowbit",
         "llama-q8_0",
         "qwen3-bf16",
+        "qwen2-f16",  # every tensor F16, the embedding and the LM head too
         "phi3-q8_0",
         "smollm3-q8_0",
         "qwen3moe-q8_0",
@@ -98,9 +100,10 @@ def test_gguf_weights_kept_as_stored(tiny_gguf_paths, name):
             assert torch.equal(weight.dequantize(), held[param_name].dequantize()), param_name
     if name == "qwen3moe-mxfp4":
         assert {p.format for p in held["layers.0.experts.0.gate_up_proj"].parts} == {"MXFP4"}
-    if name == "qwen3-bf16":  # its ffn weights are BF16 in the file: they stay floats
-        assert not any("gate_up" in n for n in held)
-        assert "layers.0.gate_up_proj" in float_state
+    if name == "qwen3-bf16":  # its ffn weights are BF16 in the file: kept as they are
+        assert {p.format for p in held["layers.0.gate_up_proj"].parts} == {"BF16"}
+    if name == "qwen2-f16":
+        assert {p.format for w in held.values() for p in w.parts} == {"F16"} and "embed_tokens" in held
     # nothing quantized is also held as a float copy
     assert not set(held) & set(quantized.state_dict())
 
@@ -152,6 +155,8 @@ def _logits(model, config, work_list, *, prefix: list[int], slots: int = 3, kv_d
         "qwen3moe-mxfp4",
         "gpt-oss-mxfp4",  # the torch layer around the kernels, sinks in the C++ attention
         "mixtral-mixed",
+        "qwen3-bf16",  # BF16 MLP matrices in the one-call layer beside Q8_0 attention
+        "qwen2-f16",  # F16 everywhere: no activation quantization at all
     ],
 )
 def test_whole_forward_is_batch_invariant(tiny_gguf_paths, name, kv_dtype):
@@ -348,20 +353,22 @@ def test_gpt_oss_gguf_gives_transformers_logits(tmp_path, name, quantization):
 def test_gguf_float_matrices_quantized_at_load(tmp_path, tiny_gguf_paths, caplog):
     """quantization "gguf+q8_0": what the file stores quantized stays as stored, its float
     matrices (here Qwen3's BF16 MLP, all of an F32 gpt-oss) become Q8_0, so every layer runs in
-    the one call; a garbage drafter's trees still return plain greedy decoding's tokens."""
+    the one call; under "gguf" BF16 stays BF16 and only F32 matrices are left to the float path
+    (with a warning naming the option); a garbage drafter's trees still return plain greedy
+    decoding's tokens."""
     path = tiny_gguf_paths["qwen3-bf16"]
     resolve_model_dir(path).joinpath(PACKED_CACHE_FILE).unlink(missing_ok=True)  # read the file again
-    with caplog.at_level("WARNING"):
-        stored, _ = load(path, "gguf")
-    assert "stored as floats" in caplog.text and "quantization='gguf+q8_0'" in caplog.text
+    stored, _ = load(path, "gguf")
     both, _ = load(path, "gguf+q8_0")
     held, held_both = _quantized_weights(stored), _quantized_weights(both)
-    assert "layers.0.gate_up_proj" not in held and {p.format for p in held_both["layers.0.gate_up_proj"].parts} == {
-        "Q8_0"
-    }
+    assert {p.format for p in held["layers.0.gate_up_proj"].parts} == {"BF16"}
+    assert {p.format for p in held_both["layers.0.gate_up_proj"].parts} == {"Q8_0"}
     mixed, _ = load(tiny_gguf_paths["gemma3-mixed"], "gguf+q8_0")  # nothing stored as floats
     assert {p.format for p in _quantized_weights(mixed)["layers.0.qkv_proj"].parts} == {"Q5_0"}  # as stored
     gpt_oss = build_tiny_gguf(tmp_path, "gpt-oss-f32").path
+    with caplog.at_level("WARNING"):
+        load(gpt_oss, "gguf")
+    assert "stored as float32" in caplog.text and "quantization='gguf+q8_0'" in caplog.text
     model, config = load(gpt_oss, "gguf+q8_0")
     assert model._stack_for(torch.zeros(1, config.hidden_size)) is not None or not fused_layer_available()
     params = SamplingParams(max_tokens=16, **GREEDY)
@@ -396,6 +403,56 @@ def test_q8_0_at_load_speculative_equals_plain(tiny_checkpoints):
     assert spec.get_metrics().num_accepted_tokens > 0
 
 
+def _half_checkpoint(source: Path, out: Path, dtype: torch.dtype) -> Path:
+    """A copy of a tiny HF checkpoint with every tensor in `dtype` (as most published ones are)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file({name: t.to(dtype).contiguous() for name, t in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", torch.bfloat16), ("gemma3", torch.float16)])
+def test_hf_float16_checkpoint_runs_as_stored(tmp_path, tiny_checkpoints, arch, dtype):
+    """A bfloat16 / float16 HF checkpoint on the CPU with the dtype "auto": its matrices kept as
+    stored (BF16 / F16 parts, half the bytes of float32 weights) and multiplied in float32, so the
+    logits are the float32 model's up to the order of its sums; the float32 checkpoint stays on
+    the float path; greedy speculation with a garbage drafter returns plain decoding's tokens."""
+    path = _half_checkpoint(tiny_checkpoints[arch], tmp_path / arch, dtype)
+    assert resolve_quantization(None, dtype="auto", gguf_path=None, device=CPU, model_dir=path) == "stored"
+    assert (
+        resolve_quantization(None, dtype="auto", gguf_path=None, device=CPU, model_dir=tiny_checkpoints[arch]) is None
+    )
+    assert resolve_quantization(None, dtype="float32", gguf_path=None, device=CPU, model_dir=path) is None
+    stored, config = load(path, "stored")
+    floats, _ = load(path, None)  # the same values, float32
+    held = _quantized_weights(stored)
+    name = {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    assert {p.format for w in held.values() for p in w.parts} == {name} and "layers.0.qkv_proj" in held
+    for param_name, weight in held.items():
+        assert torch.equal(weight.dequantize(), floats.state_dict()[param_name]), param_name
+    work = [SequenceWork(slot=0, cache_len=0, token_ids=PROMPT, logits_nodes=list(range(len(PROMPT))))]
+    (got,) = _logits(stored, config, [work], prefix=[], slots=1)
+    (expected,) = _logits(floats, config, [work], prefix=[], slots=1)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    prompts = [p[:12] for p in repetitive_prompts()]
+    plain = LLM(str(path), max_model_len=128, max_num_seqs=4)
+    assert plain.engine.quantization == "stored"
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(
+        str(path),
+        max_model_len=128,
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    spec.engine.speculator.drafter = GarbageDrafter(vocab_size=config.vocab_size, tree=True)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == reference
+
+
 def test_quantization_choices_and_errors(tiny_checkpoints, tiny_gguf_paths):
     gguf_path = tiny_gguf_paths["gemma3-mixed"]
     resolve = resolve_quantization
@@ -416,6 +473,8 @@ def test_quantization_choices_and_errors(tiny_checkpoints, tiny_gguf_paths):
         LLM(str(gguf_path), quantization="gguf", dtype="bfloat16", max_model_len=64)
     with pytest.raises(ValueError, match="CPU kernels only"):
         resolve("gguf", dtype="auto", gguf_path=gguf_path, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="'stored' is for HF checkpoints"):
+        resolve("stored", dtype="auto", gguf_path=gguf_path, device=CPU)
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")

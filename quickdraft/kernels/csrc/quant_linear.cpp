@@ -1,8 +1,9 @@
 // Batch-invariant linear layers on GGUF-quantized weights (CPU: AVX-512 VNNI, or AVX2).
 //
 // y[M, N] = x[M, K] @ W[N, K]^T where W is stored quantized (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K,
-// Q6_K, IQ4_XS, IQ4_NL, Q3_K, Q4_1, Q5_1, Q2_K), repacked at load time by quickdraft/models/quantized.py into tiles of 16 weight
-// rows (the packed layouts are documented there; this file only reads them).
+// Q6_K, IQ4_XS, IQ4_NL, Q3_K, Q4_1, Q5_1, Q2_K, MXFP4) or as 16-bit floats (F16, BF16), repacked at
+// load time by quickdraft/models/quantized.py into tiles of 16 weight rows (the packed layouts are
+// documented there; this file only reads them).
 //
 // Numerics (the same for every M, so a row's result never depends on the other rows):
 //  - each row of x is quantized to int8 per 32 values: dx = amax / 127, q = round(x * 127 / amax)
@@ -13,6 +14,9 @@
 //        acc = acc + (scale_w * dx) * float(idot)        (Q4_K/Q5_K subtract (min_w * dx) * bsum)
 //    with separate multiplies and adds (built with -ffp-contract=off), so that
 //    quickdraft/kernels/quant_linear.py's torch reference computes the very same bits.
+// F16 / BF16 weights (float16_tile) multiply the float rows of x as they are, with float32
+// products and sums in one fixed order per tile (no activation quantization, nothing rounded
+// but the float32 arithmetic).
 // Vectors run across 16 output rows (one lane per output), never across K: no horizontal sums,
 // no order that depends on how the work is tiled or threaded.
 //
@@ -62,13 +66,15 @@ namespace {
 
 enum Format : int {
   Q8_0 = 0, Q4_0 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, IQ4_XS = 6, IQ4_NL = 7, Q3_K = 8, Q4_1 = 9, Q5_1 = 10,
-  Q2_K = 11, MXFP4 = 12
+  Q2_K = 11, MXFP4 = 12, F16 = 13, BF16 = 14
 };
-constexpr int kLastFormat = MXFP4;
+constexpr int kLastFormat = BF16;
+// Weights kept as 16-bit floats: multiplied with the float rows of x, not with its int8 quants.
+constexpr bool float16_format(int64_t format) { return format == F16 || format == BF16; }
 
 // Weight quants covered by one tile (per 16 rows) and the tile's size in bytes.
-constexpr int kTileK[] = {32, 32, 32, 256, 256, 256, 256, 32, 256, 32, 32, 256, 32};
-constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360, 2208, 288, 1824, 320, 384, 1344, 288};
+constexpr int kTileK[] = {32, 32, 32, 256, 256, 256, 256, 32, 256, 32, 32, 256, 32, 32, 32};
+constexpr int kTileBytes[] = {544, 288, 352, 2368, 2880, 3360, 2208, 288, 1824, 320, 384, 1344, 288, 1024, 1024};
 // The AMX path covers the first six formats; the others run on VNNI whatever the row count.
 constexpr bool amx_format(int64_t format) { return format <= Q6_K; }
 // IQ4_XS's and IQ4_NL's 16 levels (ggml's kvalues_iq4nl)
@@ -102,12 +108,14 @@ inline bool cpu_supported() {
 }
 #endif
 
-// Activation rows quantized for the kernels.
+// Activation rows quantized for the kernels, and the float rows they were quantized from (what
+// F16 / BF16 weights multiply; null where a caller has only the quants: those formats refuse).
 struct QRows {
   const int8_t* q;       // [M, K]
   const float* dx;       // [M, K / 32]
   const int32_t* bsum;   // [M, K / 16]
   int64_t K;
+  const float* xf = nullptr;  // [M, K]
 };
 
 #define QD_INLINE __attribute__((always_inline)) inline
@@ -128,6 +136,7 @@ struct VecF { __m256 a, b; };  // 16 float: rows 0..7, 8..15
 // row and half through a block, beside the weights).
 constexpr int kRowsBlock32 = 8;  // Q8_0, Q4_0, Q5_0
 constexpr int kRowsSuper = 8;    // K-quants
+constexpr int kRowsFloat16 = 2;  // F16, BF16: four float chains per row and half through a tile
 // Where the tiles prefetch the weights: L1 (the AVX-512 build's L2 hint is not measured on
 // an AVX2 machine yet).
 constexpr auto kPrefetchHint = _MM_HINT_T0;
@@ -210,6 +219,7 @@ using VecB = __m512i;  // 64 bytes: 4 quants of each of the 16 rows (a step)
 constexpr int kRowsBlock32 = 8;  // Q8_0, Q4_0, Q5_0
 // K-quant tiles keep two accumulators per row alive (Q6_K) or more temporaries: fewer rows.
 constexpr int kRowsSuper = 4;
+constexpr int kRowsFloat16 = 4;  // F16, BF16: four float chains and an accumulator per row
 // Where group_rows prefetches the weights: L2.  Into L1 (likely evicting the activation quants
 // that 4-8 rows read at every step) a 4-token verification's LM head took 9.8 ms instead of 7.6
 // on the AVX-512 + AMX machine (README, "Weights prefetched into L2").
@@ -326,6 +336,7 @@ struct Rows {
   const int8_t* xq[8];
   const float* dx[8];
   const int32_t* bsum[8];
+  const float* xf[8];
 };
 
 #if defined(QD_ISA_AVX2)
@@ -444,12 +455,49 @@ QD_INLINE void nibble_block(const uint8_t* section, const int8_t* const* xq, int
   dots.end(idot);
 }
 
+// The 16 rows' values at one k of an F16 / BF16 tile (32 bytes), as floats (exactly).
+template <int FMT>
+QD_INLINE VecF float16_lanes(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (FMT == F16) return _mm512_cvtph_ps(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// An F16 / BF16 tile (32 k, k-major: the 16 rows' values at k in 32 bytes) into the accumulators:
+// per row, chain j (j < 4) adds the float32 products x[k] * w[k] of k = k0 + j, k0 + j + 4, ...
+// in k order; acc += (chain 0 + chain 1) + (chain 2 + chain 3).  Separate multiplies and adds,
+// the torch reference's operations (quant_linear.py), the same for any number of rows.
+template <int FMT, int MB>
+QD_INLINE void float16_tile(const uint8_t* t, int64_t k0, const float* const* xf, VecF* acc) {
+  VecF chain[MB][4];
+  QD_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    const VecF w = float16_lanes<FMT>(t + 32 * j);
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) chain[m][j] = vf_mul(vf_set1(xf[m][k0 + j]), w);
+  }
+  QD_UNROLL
+  for (int k = 4; k < 32; k += 4) {
+    QD_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const VecF w = float16_lanes<FMT>(t + 32 * (k + j));
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m) chain[m][j] = vf_add(chain[m][j], vf_mul(vf_set1(xf[m][k0 + k + j]), w));
+    }
+  }
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m)
+    acc[m] = vf_add(acc[m], vf_add(vf_add(chain[m][0], chain[m][1]), vf_add(chain[m][2], chain[m][3])));
+}
+
 // One tile (16 weight rows x kTileK values starting at k0) into the accumulators.
 template <int FMT, int MB>
 QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
   VecI idot[MB];
   const int64_t b = k0 / 32;
-  if constexpr (FMT == Q8_0) {
+  if constexpr (float16_format(FMT)) {
+    float16_tile<FMT, MB>(t, k0, r.xf, acc);
+  } else if constexpr (FMT == Q8_0) {
     init_offset<MB>(idot, r.bsum, b, kQ8Offset);
     QD_UNROLL
     for (int s = 0; s < 8; ++s) {
@@ -581,9 +629,11 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
                 int64_t n0, int64_t nvalid) {
   Rows r;
   for (int m = 0; m < MB; ++m) {
-    r.xq[m] = x.q + (m0 + m) * x.K;
-    r.dx[m] = x.dx + (m0 + m) * (x.K / 32);
-    r.bsum[m] = x.bsum + (m0 + m) * (x.K / 16);
+    const bool quants = x.q != nullptr, floats = x.xf != nullptr;  // F16 / BF16 read only the floats
+    r.xq[m] = quants ? x.q + (m0 + m) * x.K : nullptr;
+    r.dx[m] = quants ? x.dx + (m0 + m) * (x.K / 32) : nullptr;
+    r.bsum[m] = quants ? x.bsum + (m0 + m) * (x.K / 16) : nullptr;
+    r.xf[m] = floats ? x.xf + (m0 + m) * x.K : nullptr;
   }
 #if defined(QD_ISA_AVX2)
   half_group_rows<FMT, MB>(group, ntiles, r, out + m0 * ldo, ldo, n0, nvalid);
@@ -617,7 +667,7 @@ void remaining_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_
 template <int FMT>
 void run_group(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t M, float* out, int64_t ldo,
                int64_t n0, int64_t nvalid, int64_t m_begin = 0) {
-  constexpr int kRows = kTileK[FMT] == 256 ? kRowsSuper : kRowsBlock32;
+  constexpr int kRows = float16_format(FMT) ? kRowsFloat16 : kTileK[FMT] == 256 ? kRowsSuper : kRowsBlock32;
   int64_t m0 = m_begin;
   for (; m0 + kRows <= M; m0 += kRows) group_rows<FMT, kRows>(group, ntiles, x, m0, out, ldo, n0, nvalid);
   remaining_rows<FMT, kRows - 1>(group, ntiles, x, M, m0, out, ldo, n0, nvalid);
@@ -957,6 +1007,7 @@ void amx_run_all(const uint8_t* packed, int64_t N, int64_t K, const QRows& rows,
 // a block on the tiles and 4 rows on VNNI, faster than either kernel for all 20.
 inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t K, const QRows& x, int64_t M,
                        float* out, int64_t ldo, int64_t col0, int64_t amx_min_rows) {
+  TORCH_CHECK(!float16_format(format) || x.xf != nullptr, "F16 / BF16 weights need the float rows of x");
 #if !defined(QD_ISA_AVX2)
   const int64_t tail = M % kAmxRows, amx_rows = tail >= amx_min_rows ? M : M - tail;
   if (amx_format(format) && amx_min_rows > 0 && amx_min_rows <= kAmxRows && amx_rows > 0 && amx_usable()) {
@@ -983,7 +1034,9 @@ inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t
     case Q3_K: run_all<Q3_K>(packed, N, K, x, M, out, ldo, col0); break;
     case Q4_1: run_all<Q4_1>(packed, N, K, x, M, out, ldo, col0); break;
     case Q5_1: run_all<Q5_1>(packed, N, K, x, M, out, ldo, col0); break;
-    default: run_all<Q2_K>(packed, N, K, x, M, out, ldo, col0); break;
+    case Q2_K: run_all<Q2_K>(packed, N, K, x, M, out, ldo, col0); break;
+    case F16: run_all<F16>(packed, N, K, x, M, out, ldo, col0); break;
+    default: run_all<BF16>(packed, N, K, x, M, out, ldo, col0); break;
   }
 }
 
@@ -1034,6 +1087,28 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
   float* o = out.mutable_data_ptr<float>();
   const int64_t ldo = out.size(1);
   run_format(format, w, N, K, x, M, o, ldo, col0, amx_min_rows);
+}
+
+// out[:, col0 : col0 + N] = x @ W^T for W packed in F16 or BF16 (x [M, K] float32, as it is).
+void float16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t K,
+                    at::Tensor& out, int64_t col0) {
+  TORCH_CHECK(cpu_supported(), "float16_matmul: this CPU lacks the instructions of the ", kIsa, " build");
+  TORCH_CHECK(float16_format(format), "float16_matmul: format ", format, " is not F16 or BF16");
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && out.is_contiguous(),
+              "float16_matmul: tensors must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat,
+              "float16_matmul: x must be float32 [M, K]");
+  TORCH_CHECK(K % kTileK[format] == 0, "float16_matmul: K = ", K, " is not a multiple of ", kTileK[format]);
+  TORCH_CHECK(packed.numel() == (N + 15) / 16 * (K / kTileK[format]) * kTileBytes[format],
+              "float16_matmul: packed weight has ", packed.numel(), " bytes, expected ",
+              (N + 15) / 16 * (K / kTileK[format]) * kTileBytes[format]);
+  const int64_t M = x.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1) &&
+                  out.scalar_type() == at::kFloat, "float16_matmul: bad output tensor");
+  if (M == 0 || N == 0) return;
+  const QRows rows{nullptr, nullptr, nullptr, K, x.const_data_ptr<float>()};
+  run_format(format, packed.const_data_ptr<uint8_t>(), N, K, rows, M, out.mutable_data_ptr<float>(), out.size(1), col0,
+             0);
 }
 
 // IEEE half -> float, exact for every value (subnormals, infinities and NaNs included).
@@ -1088,6 +1163,38 @@ at::Tensor dequantize_rows_q8_0(const at::Tensor& packed, int64_t N, int64_t K, 
   return out;
 }
 
+// Rows `index` [n] of an F16 / BF16 weight [N, K] packed for the kernels (per group of 16 rows, per
+// 32 values a 1024-byte tile: 32 k x 16 rows of 2 bytes) -> [n, K] float32, exactly the stored values.
+at::Tensor dequantize_rows_float16(const at::Tensor& packed, int64_t format, int64_t N, int64_t K,
+                                   const at::Tensor& index_in) {
+  TORCH_CHECK(float16_format(format), "dequantize_rows_float16: format ", format, " is not F16 or BF16");
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "dequantize_rows_float16: bad packed bytes");
+  TORCH_CHECK(K % 32 == 0 && packed.numel() == (N + 15) / 16 * (K / 32) * kTileBytes[format],
+              "dequantize_rows_float16: packed weight does not match [", N, ", ", K, "]");
+  const at::Tensor index = index_in.to(at::kLong).contiguous();
+  const int64_t n = index.numel(), ntiles = K / 32;
+  at::Tensor out = at::empty({n, K}, at::kFloat);
+  const auto* w = packed.const_data_ptr<uint8_t>();
+  const int64_t* rows = index.const_data_ptr<int64_t>();
+  float* o = out.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = rows[i];
+    TORCH_CHECK_INDEX(r >= 0 && r < N, "row index ", r, " out of range for a weight of ", N, " rows");
+    const uint8_t* group = w + (r / 16) * ntiles * kTileBytes[format] + 2 * (r % 16);
+    for (int64_t k = 0; k < K; ++k) {
+      uint16_t bits;
+      std::memcpy(&bits, group + (k / 32) * kTileBytes[format] + 32 * (k % 32), sizeof bits);
+      if (format == F16) {
+        o[i * K + k] = half_to_float(bits);
+      } else {
+        const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+        std::memcpy(o + i * K + k, &wide, sizeof wide);
+      }
+    }
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------
 // One decoder layer in one call (decoding and verification on quantized weights)
 // ------------------------------------------------------------------------------------------
@@ -1103,11 +1210,16 @@ using Part = std::tuple<int64_t, at::Tensor, int64_t, int64_t>;  // format, pack
 
 void matmul_parts(const std::vector<Part>& parts, const float* x, int64_t M, int64_t K, float* out, int64_t ldo,
                   std::vector<int8_t>& q, std::vector<float>& dx, std::vector<int32_t>& bsum, int64_t amx_min_rows) {
-  q.resize(M * K);
-  dx.resize(M * K / 32);
-  bsum.resize(M * K / 16);
-  quantize_rows_into(x, M, K, q.data(), dx.data(), bsum.data());
-  const QRows rows{q.data(), dx.data(), bsum.data(), K};
+  // F16 / BF16 weights read x as it is: its int8 quants only where another format needs them
+  const bool quantize = std::any_of(parts.begin(), parts.end(), [](const Part& p) { return !float16_format(std::get<0>(p)); });
+  if (quantize) {
+    q.resize(M * K);
+    dx.resize(M * K / 32);
+    bsum.resize(M * K / 16);
+    quantize_rows_into(x, M, K, q.data(), dx.data(), bsum.data());
+  }
+  const QRows rows =
+      quantize ? QRows{q.data(), dx.data(), bsum.data(), K, x} : QRows{nullptr, nullptr, nullptr, K, x};
   for (const auto& [format, packed, n, col0] : parts) {
     run_format(format, packed.const_data_ptr<uint8_t>(), n, K, rows, M, out, ldo, col0, amx_min_rows);
   }
@@ -2205,6 +2317,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("dx"), py::arg("bsum"), py::arg("packed"), py::arg("format"), py::arg("N"),
         py::arg("K"), py::arg("out"), py::arg("col0"), py::arg("amx_min_rows"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("float16_matmul", &qd_quant::float16_matmul, "out[:, col0:col0+N] = x @ W^T for W packed in F16 or BF16",
+        py::arg("x"), py::arg("packed"), py::arg("format"), py::arg("N"), py::arg("K"), py::arg("out"),
+        py::arg("col0"), py::call_guard<py::gil_scoped_release>());
   m.def("decoder_layer", &qd_quant::decoder_layer, "one decoder layer on quantized weights",
         py::call_guard<py::gil_scoped_release>());
   m.def("norm_matmul", &qd_quant::norm_matmul, "rms_norm(x) per segment, then x @ W^T on quantized weights",
@@ -2226,6 +2341,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &qd_quant::DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("draft_chain", &qd_quant::draft_chain, "a copy-path draft head's top-1 chain, every depth in one call",
         py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows_float16", &qd_quant::dequantize_rows_float16,
+        "rows of a packed F16 / BF16 weight as float32", py::arg("packed"), py::arg("format"), py::arg("N"),
+        py::arg("K"), py::arg("index"));
   m.def("dequantize_rows_q8_0", &qd_quant::dequantize_rows_q8_0, "rows of a packed Q8_0 weight as float32",
         py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("index"));
   m.attr("isa") = qd_quant::kIsa;

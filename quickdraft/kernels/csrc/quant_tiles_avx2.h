@@ -168,13 +168,48 @@ QD_INLINE void iq4_half_block(const uint8_t* section, int h, const int8_t* const
   }
 }
 
+// Half h of the 16 rows' values at one k of an F16 / BF16 tile, as floats (exactly).
+template <int FMT>
+QD_INLINE __m256 half_float16_lanes(const uint8_t* p, int h) {
+  if constexpr (FMT == F16) return half_f16(p, h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(p + 16 * h)), 16));
+}
+
+// float16_tile for half h: the same chains, products and sums, lane by lane.
+template <int FMT, int MB>
+QD_INLINE void half_float16_tile(const uint8_t* t, int h, int64_t k0, const float* const* xf, __m256* acc) {
+  __m256 chain[MB][4];
+  QD_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    const __m256 w = half_float16_lanes<FMT>(t + 32 * j, h);
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) chain[m][j] = _mm256_mul_ps(_mm256_broadcast_ss(xf[m] + k0 + j), w);
+  }
+  QD_UNROLL
+  for (int k = 4; k < 32; k += 4) {
+    QD_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = half_float16_lanes<FMT>(t + 32 * (k + j), h);
+      QD_UNROLL
+      for (int m = 0; m < MB; ++m)
+        chain[m][j] = _mm256_add_ps(chain[m][j], _mm256_mul_ps(_mm256_broadcast_ss(xf[m] + k0 + k + j), w));
+    }
+  }
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m)
+    acc[m] = _mm256_add_ps(acc[m], _mm256_add_ps(_mm256_add_ps(chain[m][0], chain[m][1]),
+                                                 _mm256_add_ps(chain[m][2], chain[m][3])));
+}
+
 // Half h of one tile (8 weight rows x kTileK values from k0) into the accumulators: tile<>
 // for 8 lanes.
 template <int FMT, int MB>
 QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m256* acc) {
   __m256i idot[MB];
   const int64_t b = k0 / 32;
-  if constexpr (FMT == Q8_0) {
+  if constexpr (float16_format(FMT)) {
+    half_float16_tile<FMT, MB>(t, h, k0, r.xf, acc);
+  } else if constexpr (FMT == Q8_0) {
     half_init_offset<MB>(idot, r.bsum, b, kQ8Offset);
     QD_UNROLL
     for (int s = 0; s < 8; ++s) {
