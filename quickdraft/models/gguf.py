@@ -756,6 +756,28 @@ def _read_marker(model_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def prune_stale_conversions(directory: Path) -> int:
+    """Remove the converted copies in `directory` (one per GGUF file opened, keyed by its path,
+    size and mtime) whose file is gone or has changed since; returns how many.  Without this every
+    GGUF ever opened, temporary and replaced ones too, would keep its copy (tens of GB after a
+    while).  A directory without a marker (not ours, or a conversion still being written: the
+    marker comes last and the staging directory is renamed into place) is left alone."""
+    removed = 0
+    for model_dir in sorted(directory.iterdir()) if directory.is_dir() else []:
+        source = ((_read_marker(model_dir) or {}).get("source")) or {}
+        if not source.get("path") or model_dir.name.startswith("."):
+            continue
+        try:
+            stat = Path(source["path"]).stat()
+            if stat.st_size == source.get("size") and stat.st_mtime_ns == source.get("mtime_ns"):
+                continue
+        except OSError:
+            pass  # the file is gone
+        shutil.rmtree(model_dir, ignore_errors=True)
+        removed += 1
+    return removed
+
+
 def is_cached_conversion_fresh(model_dir: Path, *, package_version: str) -> bool:
     """Whether `model_dir` holds a complete conversion of the current embedded model.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from quickdraft.models.quantized_loader import (
     quantized_state,
     save_packed,
 )
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ALIASES = ("default", "gemma-3-270m", "gemma3-270m")
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,10 +58,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
-
-
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """A local HF directory for `model`: converted and cached when it is a GGUF file."""
     from quickdraft.models import gguf
@@ -76,8 +75,11 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
             raise ValueError(f"model file {path} is not a .gguf file")
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-        out_dir = _cache_root() / "gguf" / f"{path.stem}-{key}"
+        out_dir = gguf.cache_root() / "gguf" / f"{path.stem}-{key}"
         if not (out_dir / "config.json").exists():
+            removed = gguf.prune_stale_conversions(out_dir.parent)
+            if removed:
+                logger.info("removed %d converted copies of GGUF files that are gone or changed", removed)
             gguf.convert_gguf_to_hf_dir(path, out_dir)
         return out_dir
     return path

@@ -930,6 +930,34 @@ def test_default_model_dir_converts_once_then_uses_cache(tiny_ggufs, tmp_path, m
     assert default_model_dir() == model_dir and calls == [1, 1, 1]
 
 
+def test_converted_copies_of_gone_or_changed_files_are_pruned(tiny_ggufs, tmp_path, monkeypatch):
+    """A GGUF is converted once per (path, size, mtime); converting another removes the copies
+    whose file is gone or changed since, and keeps the others, a directory that is not a
+    conversion and the embedded model's."""
+    from quickdraft.models.loader import resolve_model_dir
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    data = tiny_ggufs["llama-q8_0"].path.read_bytes()
+    files = {name: tmp_path / f"{name}.gguf" for name in ("gone", "changed", "kept", "new")}
+    for path in files.values():
+        path.write_bytes(data)
+    copies = {name: resolve_model_dir(files[name]) for name in ("gone", "changed", "kept")}
+    assert all(copy.parent == tmp_path / "cache" / "gguf" for copy in copies.values())
+    stranger = tmp_path / "cache" / "gguf" / "not-a-conversion"
+    stranger.mkdir()
+    embedded = tmp_path / "cache" / "models" / "embedded"
+    embedded.mkdir(parents=True)
+    (embedded / SOURCE_MARKER).write_text(json.dumps({"source": {"path": str(tmp_path / "missing.gguf")}}))
+    files["gone"].unlink()
+    os.utime(files["changed"], ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert resolve_model_dir(files["kept"]) == copies["kept"]  # a cache hit converts and prunes nothing
+    assert copies["gone"].exists()
+    resolve_model_dir(files["new"])
+    assert not copies["gone"].exists() and not copies["changed"].exists()
+    assert copies["kept"].exists() and stranger.exists() and embedded.exists()
+    assert resolve_model_dir(files["changed"]) != copies["changed"]  # converted again when asked
+
+
 # --------------------------------------------------------------------------------------------------
 # The real embedded model (pytest -m slow)
 # --------------------------------------------------------------------------------------------------
