@@ -180,11 +180,14 @@ def stores_float16_matrices(model_dir: Path) -> bool:
     safetensors headers, no tensor loaded): its linear weights then run as stored by default."""
     from safetensors import safe_open
 
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                if name.endswith(("mlp.down_proj.weight", "mlp.experts.down_proj")):
-                    return f.get_slice(name).get_dtype() in ("F16", "BF16")
+    try:
+        for file in safetensors_files(model_dir):
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():
+                    if name.endswith(("mlp.down_proj.weight", "mlp.experts.down_proj")):
+                        return f.get_slice(name).get_dtype() in ("F16", "BF16")
+    except Exception:  # missing or corrupt files: the load that follows names what is wrong
+        return False
     return False
 
 

@@ -403,7 +403,7 @@ def test_q8_0_at_load_speculative_equals_plain(tiny_checkpoints):
     assert spec.get_metrics().num_accepted_tokens > 0
 
 
-def _half_checkpoint(source: Path, out: Path, dtype: torch.dtype) -> Path:
+def half_checkpoint(source: Path, out: Path, dtype: torch.dtype) -> Path:
     """A copy of a tiny HF checkpoint with every tensor in `dtype` (as most published ones are)."""
     import shutil
 
@@ -421,7 +421,7 @@ def test_hf_float16_checkpoint_runs_as_stored(tmp_path, tiny_checkpoints, arch, 
     stored (BF16 / F16 parts, half the bytes of float32 weights) and multiplied in float32, so the
     logits are the float32 model's up to the order of its sums; the float32 checkpoint stays on
     the float path; greedy speculation with a garbage drafter returns plain decoding's tokens."""
-    path = _half_checkpoint(tiny_checkpoints[arch], tmp_path / arch, dtype)
+    path = half_checkpoint(tiny_checkpoints[arch], tmp_path / arch, dtype)
     assert resolve_quantization(None, dtype="auto", gguf_path=None, device=CPU, model_dir=path) == "stored"
     assert (
         resolve_quantization(None, dtype="auto", gguf_path=None, device=CPU, model_dir=tiny_checkpoints[arch]) is None
