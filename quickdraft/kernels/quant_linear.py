@@ -53,10 +53,10 @@ __all__ = [
     "isa_extension",
     "kernel_available",
     "norm_matmul",
-    "q8_0_rows_kernel",
     "quant_linear",
     "quantize_activations",
     "reference_quant_linear",
+    "rows_kernel",
 ]
 
 ISA_ENV = "QUICKDRAFT_CPU_ISA"
@@ -142,9 +142,9 @@ def kernel_available() -> bool:
     return _extension() is not None
 
 
-def q8_0_rows_kernel() -> ModuleType | None:
-    """The compiled kernel whose ``dequantize_rows_q8_0`` reads rows of a packed Q8_0 weight
-    (QuantizedWeight.rows), or None: the torch reference is forced, or nothing is built."""
+def rows_kernel() -> ModuleType | None:
+    """The compiled kernel whose ``dequantize_rows`` reads rows of a packed Q8_0, F16 or BF16
+    weight (QuantizedWeight.rows), or None: the torch reference is forced, or nothing is built."""
     return _extension()
 
 

@@ -675,16 +675,13 @@ class QuantizedWeight:
         F16 or BF16 weight in one part (an embedding table) is read by the C++ kernel where it is
         built: a token's row in ~1 us instead of ~30 us of numpy, once per forward and draft depth."""
         # Imported here: the kernels' module imports this one.
-        from quickdraft.kernels.quant_linear import q8_0_rows_kernel
+        from quickdraft.kernels.quant_linear import rows_kernel
 
-        kernel = q8_0_rows_kernel() if index.device.type == "cpu" else None
+        kernel = rows_kernel() if index.device.type == "cpu" else None
         part = self.parts[0]
-        if kernel is not None and len(self.parts) == 1 and part.format == "Q8_0":
-            flat = kernel.dequantize_rows_q8_0(part.packed, self.shape[0], self.shape[1], index.reshape(-1))
-            return flat.view(*index.shape, self.shape[1])
-        if kernel is not None and len(self.parts) == 1 and part.format in FLOAT16_FORMATS:
+        if kernel is not None and len(self.parts) == 1 and part.format in ("Q8_0", *FLOAT16_FORMATS):
             fmt = FORMATS[part.format].kernel_id
-            flat = kernel.dequantize_rows_float16(part.packed, fmt, self.shape[0], self.shape[1], index.reshape(-1))
+            flat = kernel.dequantize_rows(part.packed, fmt, self.shape[0], self.shape[1], index.reshape(-1))
             return flat.view(*index.shape, self.shape[1])
         flat = torch.empty(index.numel(), self.shape[1], dtype=torch.float32)
         for part, where, local in self.parts_of_rows(index):

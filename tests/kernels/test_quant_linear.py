@@ -20,10 +20,10 @@ from quickdraft.kernels.quant_linear import (
     amx_min_rows,
     fused_layer_available,
     isa_extension,
-    q8_0_rows_kernel,
     quant_linear,
     quantize_activations,
     reference_quant_linear,
+    rows_kernel,
 )
 from quickdraft.models.quantized import (
     FLOAT16_FORMATS,
@@ -157,15 +157,15 @@ def test_q8_0_rows_from_the_kernel_are_the_gguf_values(monkeypatch):
     with np.errstate(invalid="ignore", over="ignore"):
         expected = torch.from_numpy(gguf.quants.dequantize(raw, QType["Q8_0"]).reshape(rows, cols).copy())
     index = torch.tensor([[36, 0, 5], [16, 15, 0]])
-    if q8_0_rows_kernel() is not None:
-        got = q8_0_rows_kernel().dequantize_rows_q8_0(q8.parts[0].packed, rows, cols, index.reshape(-1))
+    if rows_kernel() is not None:
+        got = rows_kernel().dequantize_rows(q8.parts[0].packed, FORMAT_IDS["Q8_0"], rows, cols, index.reshape(-1))
         assert torch.equal(got.view(2, 3, cols).nan_to_num(), expected[index].nan_to_num())
     assert torch.equal(q8.rows(index).nan_to_num(), expected[index].nan_to_num())
     assert torch.equal(q8.dequantize().nan_to_num(), expected.nan_to_num())
     with pytest.raises(IndexError):
         q8.rows(torch.tensor([rows]))
     monkeypatch.setenv(ISA_ENV, "reference")  # the numpy path
-    assert q8_0_rows_kernel() is None
+    assert rows_kernel() is None
     assert torch.equal(q8.rows(index).nan_to_num(), expected[index].nan_to_num())
 
 

@@ -1131,66 +1131,47 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// Rows `index` [n] of a Q8_0 weight [N, K] packed for the kernels (per group of 16 rows, per 32
-// values a 544-byte tile: 8 steps x 16 rows x 4 quants stored + 128, then the 16 rows' fp16
-// scales) -> [n, K] float32, each value float(d) * (q - 128): the GGUF file's float32 values.
-// An embedding lookup or a draft head's input: one row costs ~1 us here, ~30 us through numpy.
-at::Tensor dequantize_rows_q8_0(const at::Tensor& packed, int64_t N, int64_t K, const at::Tensor& index_in) {
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "dequantize_rows_q8_0: bad packed bytes");
-  TORCH_CHECK(K % 32 == 0 && packed.numel() == (N + 15) / 16 * (K / 32) * kTileBytes[Q8_0],
-              "dequantize_rows_q8_0: packed weight does not match [", N, ", ", K, "]");
-  const at::Tensor index = index_in.to(at::kLong).contiguous();
-  const int64_t n = index.numel(), ntiles = K / 32;
-  at::Tensor out = at::empty({n, K}, at::kFloat);
-  const auto* w = packed.const_data_ptr<uint8_t>();
-  const int64_t* rows = index.const_data_ptr<int64_t>();
-  float* o = out.mutable_data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = rows[i];
-    TORCH_CHECK_INDEX(r >= 0 && r < N, "row index ", r, " out of range for a weight of ", N, " rows");
-    const int64_t lane = r % 16;
-    const uint8_t* group = w + (r / 16) * ntiles * kTileBytes[Q8_0];
-    for (int64_t t = 0; t < ntiles; ++t) {
-      const uint8_t* tile = group + t * kTileBytes[Q8_0];
-      uint16_t d_bits;
-      std::memcpy(&d_bits, tile + 512 + 2 * lane, sizeof d_bits);
-      const float d = half_to_float(d_bits);
-      float* dst = o + i * K + 32 * t;
-      for (int s = 0; s < 8; ++s)
-        for (int j = 0; j < 4; ++j) dst[4 * s + j] = d * (static_cast<float>(tile[64 * s + 4 * lane + j]) - 128.0f);
+// One row of a Q8_0 (544-byte tiles: 8 steps x 16 rows x 4 quants stored + 128, then the 16 rows'
+// fp16 scales: float(d) * (q - 128), the GGUF file's float32 values) or F16 / BF16 weight (1024-byte
+// tiles: 32 k x 16 rows of 2 bytes, exactly the stored values) -> dst [K].
+inline void dequantize_row(int64_t format, const uint8_t* group, int64_t lane, int64_t K, float* dst) {
+  for (int64_t t = 0; t < K / 32; ++t, dst += 32) {
+    const uint8_t* tile = group + t * kTileBytes[format];
+    uint16_t bits;
+    if (format == Q8_0) {
+      std::memcpy(&bits, tile + 512 + 2 * lane, sizeof bits);
+      const float d = half_to_float(bits);
+      for (int k = 0; k < 32; ++k) dst[k] = d * (static_cast<float>(tile[64 * (k / 4) + 4 * lane + k % 4]) - 128.0f);
+      continue;
+    }
+    for (int k = 0; k < 32; ++k) {
+      std::memcpy(&bits, tile + 32 * k + 2 * lane, sizeof bits);
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;  // BF16: the float's high half
+      if (format == F16)
+        dst[k] = half_to_float(bits);
+      else
+        std::memcpy(dst + k, &wide, sizeof wide);
     }
   }
-  return out;
 }
 
-// Rows `index` [n] of an F16 / BF16 weight [N, K] packed for the kernels (per group of 16 rows, per
-// 32 values a 1024-byte tile: 32 k x 16 rows of 2 bytes) -> [n, K] float32, exactly the stored values.
-at::Tensor dequantize_rows_float16(const at::Tensor& packed, int64_t format, int64_t N, int64_t K,
-                                   const at::Tensor& index_in) {
-  TORCH_CHECK(float16_format(format), "dequantize_rows_float16: format ", format, " is not F16 or BF16");
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "dequantize_rows_float16: bad packed bytes");
+// Rows `index` [n] of a Q8_0, F16 or BF16 weight [N, K] packed for the kernels -> [n, K] float32.
+// An embedding lookup or a draft head's input: one row costs ~1 us here, ~30 us through numpy.
+at::Tensor dequantize_rows(const at::Tensor& packed, int64_t format, int64_t N, int64_t K, const at::Tensor& index_in) {
+  TORCH_CHECK(format == Q8_0 || float16_format(format), "dequantize_rows: format ", format, " is not Q8_0, F16 or BF16");
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "dequantize_rows: bad packed bytes");
   TORCH_CHECK(K % 32 == 0 && packed.numel() == (N + 15) / 16 * (K / 32) * kTileBytes[format],
-              "dequantize_rows_float16: packed weight does not match [", N, ", ", K, "]");
+              "dequantize_rows: packed weight does not match [", N, ", ", K, "]");
   const at::Tensor index = index_in.to(at::kLong).contiguous();
-  const int64_t n = index.numel(), ntiles = K / 32;
+  const int64_t n = index.numel();
   at::Tensor out = at::empty({n, K}, at::kFloat);
   const auto* w = packed.const_data_ptr<uint8_t>();
   const int64_t* rows = index.const_data_ptr<int64_t>();
-  float* o = out.mutable_data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = rows[i];
     TORCH_CHECK_INDEX(r >= 0 && r < N, "row index ", r, " out of range for a weight of ", N, " rows");
-    const uint8_t* group = w + (r / 16) * ntiles * kTileBytes[format] + 2 * (r % 16);
-    for (int64_t k = 0; k < K; ++k) {
-      uint16_t bits;
-      std::memcpy(&bits, group + (k / 32) * kTileBytes[format] + 32 * (k % 32), sizeof bits);
-      if (format == F16) {
-        o[i * K + k] = half_to_float(bits);
-      } else {
-        const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-        std::memcpy(o + i * K + k, &wide, sizeof wide);
-      }
-    }
+    const uint8_t* group = w + (r / 16) * (K / 32) * kTileBytes[format];
+    dequantize_row(format, group, r % 16, K, out.mutable_data_ptr<float>() + i * K);
   }
   return out;
 }
@@ -2278,7 +2259,7 @@ std::vector<at::Tensor> draft_chain(
       TORCH_CHECK(position < cos_table.size(0), "draft_chain: position past the rotary table");
       at::Tensor token = at::empty({1}, at::kLong);
       token.mutable_data_ptr<int64_t>()[0] = picked_ids.back();
-      const at::Tensor embedded = dequantize_rows_q8_0(embed_packed, embed_rows, D, token);
+      const at::Tensor embedded = dequantize_rows(embed_packed, Q8_0, embed_rows, D, token);
       float* j = joined.mutable_data_ptr<float>();
       const float* e = embedded.const_data_ptr<float>();
       for (int64_t i = 0; i < D; ++i) j[i] = embed_scale > 0.0 ? e[i] * embed_mul : e[i];
@@ -2341,11 +2322,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &qd_quant::DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("draft_chain", &qd_quant::draft_chain, "a copy-path draft head's top-1 chain, every depth in one call",
         py::call_guard<py::gil_scoped_release>());
-  m.def("dequantize_rows_float16", &qd_quant::dequantize_rows_float16,
-        "rows of a packed F16 / BF16 weight as float32", py::arg("packed"), py::arg("format"), py::arg("N"),
-        py::arg("K"), py::arg("index"));
-  m.def("dequantize_rows_q8_0", &qd_quant::dequantize_rows_q8_0, "rows of a packed Q8_0 weight as float32",
-        py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("index"));
+  m.def("dequantize_rows", &qd_quant::dequantize_rows, "rows of a packed Q8_0, F16 or BF16 weight as float32",
+        py::arg("packed"), py::arg("format"), py::arg("N"), py::arg("K"), py::arg("index"));
   m.attr("isa") = qd_quant::kIsa;
   m.def("cpu_supported", &qd_quant::cpu_supported);
 #if defined(QD_ISA_AVX2)
