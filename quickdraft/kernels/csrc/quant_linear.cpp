@@ -87,6 +87,13 @@ constexpr const int8_t* level_table() {
   return FMT == MXFP4 ? kMxfp4Levels : kIq4Levels;
 }
 constexpr int64_t kPrefetchBytes = 4096;
+// F16 / BF16 tiles (1 KiB) are consumed faster per byte: 8 KiB ahead read a one-row matmul in
+// 0.85-0.88 of the time 4 KiB did (16 KiB: 0.86-0.90; in-process A/B of BF16 [4096, 640],
+// [640, 2048] and [1536, 640] weights streamed from DRAM, Zen 4), at 4 rows 0.92-0.94.
+constexpr int64_t kFloat16PrefetchBytes = 8192;
+constexpr int64_t tile_prefetch_bytes(int64_t format) {
+  return float16_format(format) ? kFloat16PrefetchBytes : kPrefetchBytes;
+}
 
 #if defined(QD_ISA_AVX2)
 constexpr const char* kIsa = "avx2";
@@ -643,10 +650,10 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
   for (int m = 0; m < MB; ++m) acc[m] = vf_zero();
   for (int64_t i = 0; i < ntiles; ++i) {
     const uint8_t* t = group + i * kTileBytes[FMT];
-    // Every line of the tile 4 KiB ahead: the hardware prefetchers stop at page boundaries and
-    // the small layer matrices are streamed from DRAM in short runs.
+    // Every line of the tile 4 KiB (F16 / BF16: 8 KiB) ahead: the hardware prefetchers stop at
+    // page boundaries and the small layer matrices are streamed from DRAM in short runs.
     for (int64_t off = 0; off < kTileBytes[FMT]; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchBytes + off), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(t + tile_prefetch_bytes(FMT) + off), kPrefetchHint);
     tile<FMT, MB>(t, i * kTileK[FMT], r, acc);
   }
   for (int m = 0; m < MB; ++m) store_lanes(out + (m0 + m) * ldo + n0, acc[m], nvalid);

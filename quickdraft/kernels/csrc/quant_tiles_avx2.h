@@ -373,10 +373,10 @@ QD_INLINE void half_group_rows(const uint8_t* group, int64_t ntiles, const Rows&
     for (int m = 0; m < MB; ++m) acc[h][m] = _mm256_setzero_ps();
   for (int64_t i = 0; i < ntiles; ++i) {
     const uint8_t* t = group + i * kTileBytes[FMT];
-    // Every line of the tile 4 KiB ahead: the hardware prefetchers stop at page boundaries and
-    // the small layer matrices are streamed from DRAM in short runs.
+    // Every line of the tile 4 KiB (F16 / BF16: 8 KiB) ahead: the hardware prefetchers stop at
+    // page boundaries and the small layer matrices are streamed from DRAM in short runs.
     for (int64_t off = 0; off < kTileBytes[FMT]; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchBytes + off), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(t + tile_prefetch_bytes(FMT) + off), kPrefetchHint);
     if constexpr (FMT == Q8_0 && MB <= 2) {
       q8_0_tile_both_halves<MB>(t, i * kTileK[FMT], r, acc[0], acc[1]);
     } else {
