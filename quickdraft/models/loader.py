@@ -176,15 +176,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def stores_float16_matrices(model_dir: Path) -> bool:
-    """Whether a HF checkpoint's MLP down projections are float16 / bfloat16 (read from the
-    safetensors headers, no tensor loaded): its linear weights then run as stored by default."""
+    """Whether a HF checkpoint's decoder-layer matrices are float16 / bfloat16 (the first 2-D
+    `layers.*.weight` tensor's dtype, read from the safetensors header, no tensor loaded): its
+    linear weights then run as stored by default."""
     from safetensors import safe_open
 
     try:
         for file in safetensors_files(model_dir):
             with safe_open(str(file), "pt") as f:
                 for name in f.keys():
-                    if name.endswith(("mlp.down_proj.weight", "mlp.experts.down_proj")):
+                    if "layers." in name and name.endswith(".weight") and len(f.get_slice(name).get_shape()) == 2:
                         return f.get_slice(name).get_dtype() in ("F16", "BF16")
     except Exception:  # missing or corrupt files: the load that follows names what is wrong
         return False

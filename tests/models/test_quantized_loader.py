@@ -20,6 +20,7 @@ from quickdraft.models.loader import load_decoder, resolve_gguf_path, resolve_mo
 from quickdraft.models.quantized import FORMAT_IDS, QuantizedWeight
 from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
 from quickdraft.verify.tree import Tree
+from tests.conftest import build_tiny_checkpoint
 from tests.engine.test_speculative import GREEDY, GarbageDrafter, repetitive_prompts
 from tests.models.test_gguf import build_tiny_gguf
 
@@ -427,6 +428,9 @@ def test_hf_float16_checkpoint_runs_as_stored(tmp_path, tiny_checkpoints, arch, 
         resolve_quantization(None, dtype="auto", gguf_path=None, device=CPU, model_dir=tiny_checkpoints[arch]) is None
     )
     assert resolve_quantization(None, dtype="float32", gguf_path=None, device=CPU, model_dir=path) is None
+    if arch == "llama":  # a mixture of experts (no dense MLP) is recognised too
+        moe = half_checkpoint(build_tiny_checkpoint("qwen3_moe", tmp_path / "moe32"), tmp_path / "moe", dtype)
+        assert resolve_quantization(None, dtype="auto", gguf_path=None, device=CPU, model_dir=moe) == "stored"
     stored, config = load(path, "stored")
     floats, _ = load(path, None)  # the same values, float32
     held = _quantized_weights(stored)
