@@ -18,6 +18,7 @@ from quickdraft.models.loader import load_decoder, resolve_model_dir
 from quickdraft.models.lora import LoRAError, LoRARegistry, LoRASlots, LoRAWeights, load_lora_adapter
 from quickdraft.verify.tree import Tree
 from tests.models.test_quantized_loader import _runner as slot_runner
+from tests.models.test_quantized_loader import half_checkpoint
 
 CPU = torch.device("cpu")
 PROMPT = [2, 50, 60, 70, 80, 90, 100, 33, 44, 45, 46, 47]
@@ -128,16 +129,19 @@ def _decode_logits(runner: ModelRunner, works: list[list[SequenceWork]], prefixe
 
 
 @pytest.mark.skipif(not fused_layer_available(), reason="no compiled one-call layer on this CPU")
-def test_rows_of_other_adapters_change_no_bit_of_a_row(tiny_checkpoints, adapters):
-    """Q8_0 weights on the one-call C++ layers: a request's tree under adapter A gives the bits of
-    its tokens decoded one by one alone, beside a request of adapter B and a base request."""
+@pytest.mark.parametrize("quantization", ["q8_0", "stored"])
+def test_rows_of_other_adapters_change_no_bit_of_a_row(tiny_checkpoints, adapters, tmp_path, quantization):
+    """Q8_0 weights (or a bfloat16 checkpoint's, as stored) on the one-call C++ layers: a
+    request's tree under adapter A gives the bits of its tokens decoded one by one alone, beside
+    a request of adapter B and a base request."""
     base = tiny_checkpoints["gemma3"]
     first, second = _adapter(base, adapters["gemma3"], 1), _adapter(base, adapters["gemma3-second"], 2)
     prefix, rest = PROMPT[:8], PROMPT[8:]
     n = len(prefix)
+    weights = base if quantization == "q8_0" else half_checkpoint(base, tmp_path / "bf16", torch.bfloat16)
 
     def fresh():
-        runner = _runner(base, quantization="q8_0", slots=3)
+        runner = _runner(weights, quantization=quantization, slots=3)
         assert runner.model._stack_for(torch.zeros(1, 64)) is not None  # the C++ stack runs
         return runner
 
