@@ -313,7 +313,7 @@ def quantized_state(
         )
     floats = read_floats({name for names in to_quantize.values() for name in names}) if to_quantize else {}
     for ours, theirs in to_quantize.items():
-        weights = [floats.pop(name) for name in theirs]
+        weights = [floats[name] for name in theirs]
         as_stored = mode == "stored"
         if weights[0].shape[-1] % 32 or (as_stored and not _one_float16_dtype(weights)):
             rest[ours] = theirs
@@ -321,7 +321,6 @@ def quantized_state(
         convert = float16_parts if as_stored else quantize_q8_0
         pieces = [_in_our_row_order(config, name, convert(weight)) for name, weight in zip(theirs, weights)]
         quantized[ours] = QuantizedWeight.from_parts(pieces)
-        del weights, pieces  # the checkpoint's copies: one weight's at a time beside the packed ones
     if not quantized:
         logger.warning("quantization %r: no weight of this checkpoint can be run quantized", mode)
     return quantized, rest
