@@ -635,8 +635,8 @@ __attribute__((noinline))
 void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0, float* out, int64_t ldo,
                 int64_t n0, int64_t nvalid) {
   Rows r;
+  const bool quants = x.q != nullptr, floats = x.xf != nullptr;  // F16 / BF16 read only the floats
   for (int m = 0; m < MB; ++m) {
-    const bool quants = x.q != nullptr, floats = x.xf != nullptr;  // F16 / BF16 read only the floats
     r.xq[m] = quants ? x.q + (m0 + m) * x.K : nullptr;
     r.dx[m] = quants ? x.dx + (m0 + m) * (x.K / 32) : nullptr;
     r.bsum[m] = quants ? x.bsum + (m0 + m) * (x.K / 16) : nullptr;
@@ -1071,47 +1071,42 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in) {
   return {q, dx, bsum};
 }
 
+// The checks quant_matmul and float16_matmul share: this CPU runs the build, `packed` holds W
+// [N, K] in `format`, out is a contiguous float32 [M, >= col0 + N]; `name` starts each message.
+void check_packed_matmul(const char* name, const at::Tensor& packed, int64_t format, int64_t N, int64_t K, int64_t M,
+                         const at::Tensor& out, int64_t col0) {
+  TORCH_CHECK(cpu_supported(), name, ": this CPU lacks the instructions of the ", kIsa, " build");
+  TORCH_CHECK(packed.is_contiguous() && out.is_contiguous(), name, ": tensors must be contiguous");
+  TORCH_CHECK(K % kTileK[format] == 0, name, ": K = ", K, " is not a multiple of ", kTileK[format]);
+  const int64_t expected = (N + 15) / 16 * (K / kTileK[format]) * kTileBytes[format];
+  TORCH_CHECK(packed.numel() == expected, name, ": packed weight has ", packed.numel(), " bytes, expected ", expected);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1) &&
+                  out.scalar_type() == at::kFloat, name, ": bad output tensor");
+}
+
 // out[:, col0 : col0 + N] = x @ W^T, W packed in `format`.  out is [M, ldo] float32, written in
 // place (so a fused weight made of parts in different formats fills one output).
 void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
                   int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0, int64_t amx_min_rows) {
-  TORCH_CHECK(cpu_supported(), "quant_matmul: this CPU lacks the instructions of the ", kIsa, " build");
   TORCH_CHECK(format >= 0 && format <= kLastFormat, "quant_matmul: unknown format ", format);
-  TORCH_CHECK(q.is_contiguous() && dx.is_contiguous() && bsum.is_contiguous() && packed.is_contiguous() &&
-                  out.is_contiguous(), "quant_matmul: tensors must be contiguous");
+  TORCH_CHECK(q.is_contiguous() && dx.is_contiguous() && bsum.is_contiguous(), "quant_matmul: tensors must be contiguous");
   TORCH_CHECK(q.dim() == 2 && q.size(1) == K, "quant_matmul: activations do not match K");
-  TORCH_CHECK(K % kTileK[format] == 0, "quant_matmul: K = ", K, " is not a multiple of ", kTileK[format]);
-  const int64_t groups = (N + 15) / 16;
-  TORCH_CHECK(packed.numel() == groups * (K / kTileK[format]) * kTileBytes[format],
-              "quant_matmul: packed weight has ", packed.numel(), " bytes, expected ",
-              groups * (K / kTileK[format]) * kTileBytes[format]);
   const int64_t M = q.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1) &&
-                  out.scalar_type() == at::kFloat, "quant_matmul: bad output tensor");
+  check_packed_matmul("quant_matmul", packed, format, N, K, M, out, col0);
   if (M == 0 || N == 0) return;
   const QRows x{q.const_data_ptr<int8_t>(), dx.const_data_ptr<float>(), bsum.const_data_ptr<int32_t>(), K};
-  const auto* w = packed.const_data_ptr<uint8_t>();
-  float* o = out.mutable_data_ptr<float>();
-  const int64_t ldo = out.size(1);
-  run_format(format, w, N, K, x, M, o, ldo, col0, amx_min_rows);
+  run_format(format, packed.const_data_ptr<uint8_t>(), N, K, x, M, out.mutable_data_ptr<float>(), out.size(1), col0,
+             amx_min_rows);
 }
 
 // out[:, col0 : col0 + N] = x @ W^T for W packed in F16 or BF16 (x [M, K] float32, as it is).
 void float16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t N, int64_t K,
                     at::Tensor& out, int64_t col0) {
-  TORCH_CHECK(cpu_supported(), "float16_matmul: this CPU lacks the instructions of the ", kIsa, " build");
   TORCH_CHECK(float16_format(format), "float16_matmul: format ", format, " is not F16 or BF16");
-  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && out.is_contiguous(),
-              "float16_matmul: tensors must be contiguous");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat,
-              "float16_matmul: x must be float32 [M, K]");
-  TORCH_CHECK(K % kTileK[format] == 0, "float16_matmul: K = ", K, " is not a multiple of ", kTileK[format]);
-  TORCH_CHECK(packed.numel() == (N + 15) / 16 * (K / kTileK[format]) * kTileBytes[format],
-              "float16_matmul: packed weight has ", packed.numel(), " bytes, expected ",
-              (N + 15) / 16 * (K / kTileK[format]) * kTileBytes[format]);
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat,
+              "float16_matmul: x must be a contiguous float32 [M, K]");
   const int64_t M = x.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1) &&
-                  out.scalar_type() == at::kFloat, "float16_matmul: bad output tensor");
+  check_packed_matmul("float16_matmul", packed, format, N, K, M, out, col0);
   if (M == 0 || N == 0) return;
   const QRows rows{nullptr, nullptr, nullptr, K, x.const_data_ptr<float>()};
   run_format(format, packed.const_data_ptr<uint8_t>(), N, K, rows, M, out.mutable_data_ptr<float>(), out.size(1), col0,
