@@ -666,6 +666,15 @@ def _source_info(gguf_path: Path) -> dict[str, Any]:
     return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
+def _source_unchanged(source: dict[str, Any]) -> bool:
+    """Whether the file a marker's `source` (_source_info) names is there with that size and mtime."""
+    try:
+        stat = Path(source["path"]).stat()
+    except (OSError, KeyError):
+        return False
+    return stat.st_size == source.get("size") and stat.st_mtime_ns == source.get("mtime_ns")
+
+
 def convert_gguf_to_hf_dir(
     gguf_path: str | Path, out_dir: str | Path, *, marker_extra: dict[str, Any] | None = None
 ) -> Path:
@@ -767,12 +776,8 @@ def prune_stale_conversions(directory: Path) -> int:
         source = ((_read_marker(model_dir) or {}).get("source")) or {}
         if not source.get("path") or model_dir.name.startswith("."):
             continue
-        try:
-            stat = Path(source["path"]).stat()
-            if stat.st_size == source.get("size") and stat.st_mtime_ns == source.get("mtime_ns"):
-                continue
-        except OSError:
-            pass  # the file is gone
+        if _source_unchanged(source):
+            continue
         shutil.rmtree(model_dir, ignore_errors=True)
         removed += 1
     return removed
@@ -792,12 +797,10 @@ def is_cached_conversion_fresh(model_dir: Path, *, package_version: str) -> bool
     if not all((model_dir / name).is_file() for name in required):
         return False
     source = marker.get("source", {})
-    source_path = Path(source.get("path", ""))
-    if not source_path.is_file():
+    if not Path(source.get("path", "")).is_file():
         # The converted dir is self-contained; the assembled GGUF may have been cleaned up.
         return True
-    stat = source_path.stat()
-    return stat.st_size == source.get("size") and stat.st_mtime_ns == source.get("mtime_ns")
+    return _source_unchanged(source)
 
 
 @contextlib.contextmanager
