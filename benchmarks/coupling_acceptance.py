@@ -50,9 +50,11 @@ def main() -> None:
 
     import transformers
 
-    from quickdraft.models.gguf import default_model_dir
+    from quickdraft.models.gguf import default_model_dir, float_checkpoint_dir
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        float_checkpoint_dir(default_model_dir()), dtype=torch.float32
+    ).eval()
     layers = model.config.num_hidden_layers
     cuts = [int(c) for c in args.cuts.split(",")]
     llm = LLM(max_model_len=4096)

@@ -122,7 +122,7 @@ def truncated_draft_model(layers: int, out_dir: Path) -> Path:
 
     from quickdraft.models import gguf
 
-    source = gguf.default_model_dir()
+    source = gguf.float_checkpoint_dir(gguf.default_model_dir())
     out_dir.mkdir(parents=True, exist_ok=True)
     config = json.loads((source / "config.json").read_text())
     config["num_hidden_layers"] = layers

@@ -147,7 +147,12 @@ class TransformersBackend:
     def _load(self, path: Path):
         import torch
 
-        model = self.transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.dtype))
+        from quickdraft.models.gguf import float_checkpoint_dir
+
+        # a GGUF conversion keeps its quantized tensors in the file: transformers reads a float copy
+        model = self.transformers.AutoModelForCausalLM.from_pretrained(
+            float_checkpoint_dir(path), dtype=getattr(torch, self.dtype)
+        )
         return model.to(self.device).eval()
 
     def open(self) -> None:

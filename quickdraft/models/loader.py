@@ -20,6 +20,7 @@ from quickdraft.models.quantized import QuantizedWeight
 from quickdraft.models.quantized_loader import (
     PACKED_CACHE_FILE,
     PACKED_CACHE_FILE_WITH_Q8_0,
+    PACKED_CACHE_PREFIX,
     load_packed,
     packed_into_huge_pages,
     quantized_state,
@@ -76,7 +77,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
         out_dir = gguf.cache_root() / "gguf" / f"{path.stem}-{key}"
-        if not (out_dir / "config.json").exists():
+        if not gguf.is_current_conversion(out_dir):
             removed = gguf.prune_stale_conversions(out_dir.parent)
             if removed:
                 logger.info("removed %d converted copies of GGUF files that are gone or changed", removed)
@@ -169,7 +170,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [model_dir / name for name in sorted(set(weight_map.values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
+    # not the packed-weight caches a quantized load writes beside a GGUF conversion's tensors
+    files = sorted(f for f in model_dir.glob("*.safetensors") if not f.name.startswith(PACKED_CACHE_PREFIX))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
     return files
@@ -231,6 +233,12 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
                         tensors[normalised_name(name)] = f.get_tensor(name)
         except Exception as err:  # safetensors raises several types for a corrupt file
             raise ValueError(f"cannot read weights from {file}: {err}") from err
+    if names is None or names - tensors.keys():
+        from quickdraft.models import gguf
+
+        # a GGUF conversion: the tensors its file does not store as float32 are read from the file
+        found = gguf.tensors_from_gguf(model_dir, names=names, prefix=prefix, skip=tensors.keys())
+        tensors.update((name, torch.from_numpy(array)) for name, array in found.items())
     return tensors
 
 

@@ -257,7 +257,6 @@ _GGUF_KEY = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>\w+)\.weight\.lora_(?P<a
 def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Module], bool, str]:
     """A llama.cpp LoRA adapter (GGUF, general.type "adapter") as modules: its B rows of q and k
     put back in HF's order for Llama, as the loader does for the base weights."""
-    import gguf
     import numpy as np
 
     from quickdraft.models.gguf import (
@@ -265,10 +264,10 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
         _BLOCK_NAMES,
         _HF_CLASSES,
         PERMUTED_QK_ARCHITECTURES,
-        _torch_shape,
         _unpermute_rows,
         open_gguf,
         read_field,
+        tensor_values,
     )
 
     # the target's model_type (as its config.json or the GGUF conversion names it) -> GGUF architecture
@@ -304,15 +303,14 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
         layer, proj = int(match["layer"]), projections[match["leaf"]]
         _check_layer(tensor.name, layer=layer, num_layers=config.num_layers, adapter=name)
         try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            values = tensor_values(tensor)
         except Exception as err:
             raise LoRAError(f"LoRA adapter {name!r}: cannot read tensor {tensor.name!r} ({err})") from err
-        values = np.asarray(values, dtype=np.float32).reshape(_torch_shape(tensor))
         if architecture in PERMUTED_QK_ARCHITECTURES and match["ab"] == "b" and proj in ("q_proj", "k_proj"):
             values = _unpermute_rows(values, n_head=config.num_heads if proj == "q_proj" else config.num_kv_heads)
         found.setdefault((layer, proj), {})[match["ab"].upper()] = torch.from_numpy(np.ascontiguousarray(values))
     modules = [_paired(name, layer, proj, pair, alpha=alpha) for (layer, proj), pair in sorted(found.items())]
-    return modules, False, hashlib.sha256(reader.data).hexdigest()[:32]  # the file as the reader mapped it
+    return modules, False, hashlib.sha256(Path(path).read_bytes()).hexdigest()[:32]  # the file's bytes
 
 
 def load_lora_adapter(request: LoRARequest, *, config: ModelConfig, max_rank: int, device: torch.device) -> LoRAWeights:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -56,97 +55,6 @@ def _unpermute_order(rows: int, n_head: int) -> np.ndarray:
     return _unpermute_rows(np.arange(rows), n_head=n_head)
 
 
-@dataclass
-class GGUFTensor:
-    name: str
-    format: str  # GGMLQuantizationType name
-    shape: tuple[int, ...]  # torch order
-    data: np.ndarray  # [bytes] uint8, a view of the memory-mapped file
-
-
-def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
-    """(general.architecture, every tensor) of a GGUF file, skipping over the metadata.
-
-    gguf.GGUFReader builds a numpy view for every element of every metadata array (seconds for a
-    262k-token vocabulary); the weights only need the tensor table.
-    """
-    import mmap
-    import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    with open(path, "rb") as file:
-        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        values = struct.unpack_from("<" + fmt, buffer, pos)
-        pos += struct.calcsize("<" + fmt)
-        return values[0] if len(values) == 1 else values
-
-    def take_str() -> str:
-        nonlocal pos
-        length = take("Q")
-        pos += length
-        return bytes(buffer[pos - length : pos]).decode("utf-8", errors="replace")
-
-    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-    def take_value(kind: int):
-        nonlocal pos
-        if kind == 8:
-            return take_str()
-        if kind == 9:
-            item_kind, count = take("I"), take("Q")
-            if item_kind in scalar:  # skipped whole: only a few scalar fields are read
-                pos += count * struct.calcsize(scalar[item_kind])
-                return None
-            return [take_value(item_kind) for _ in range(count)]
-        if kind not in scalar:
-            raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
-        return take(scalar[kind])
-
-    try:
-        if bytes(buffer[:4]) != b"GGUF":
-            raise ValueError("not a GGUF file")
-        version, n_tensors, n_fields = take("4xIQQ")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is not supported")
-        fields = {}
-        for _ in range(n_fields):
-            key = take_str()
-            value = take_value(take("I"))
-            if key in ("general.architecture", "general.alignment"):
-                fields[key] = value
-        infos = []
-        for _ in range(n_tensors):
-            name = take_str()
-            dims = [take("Q") for _ in range(take("I"))]
-            infos.append((name, take("I"), dims, take("Q")))
-    except (struct.error, UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"{path} is not a valid GGUF file ({err})") from err
-    alignment = int(fields.get("general.alignment") or 32)
-    start = -(-pos // alignment) * alignment
-    data = np.frombuffer(buffer, dtype=np.uint8)
-    tensors = []
-    for name, kind, dims, offset in infos:
-        qtype = GGMLQuantizationType(kind)
-        block_values, block_bytes = GGML_QUANT_SIZES[qtype]
-        nbytes = int(np.prod(dims, dtype=np.int64)) // block_values * block_bytes
-        if start + offset + nbytes > data.size:
-            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
-        tensors.append(
-            GGUFTensor(
-                name=name,
-                format=qtype.name,
-                shape=tuple(int(d) for d in reversed(dims)),
-                data=data[start + offset : start + offset + nbytes],
-            )
-        )
-    return str(fields.get("general.architecture")), tensors
-
-
 FLOAT_FORMATS = ("F32", "F16", "BF16", "F64")
 
 
@@ -158,12 +66,13 @@ def _as_floats(as_floats: dict[str, int], fmt: str, shape: tuple, name: str, rea
 
 def read_gguf_parts(gguf_path: Path, config: ModelConfig) -> dict[str, QuantParts]:
     """HF tensor name -> decoded parts, for every 2-D tensor the file stores in a supported
-    quantized format (everything else is read from the converted float directory)."""
+    quantized format (everything else is read as floats: loader.read_hf_tensors)."""
     from quickdraft.models.gguf import (
         PERMUTED_QK_ARCHITECTURES,
         SUPPORTED_ARCHITECTURES,
         expert_tensor_names,
         hf_tensor_name,
+        read_gguf_tensors,
     )
 
     architecture, tensors = read_gguf_tensors(gguf_path)
@@ -334,9 +243,10 @@ def _one_float16_dtype(weights: list[torch.Tensor]) -> bool:
 # instead of decoding and repacking the file (seconds for the embedded model's 262k-row embedding).
 # The directory is rebuilt when its GGUF changes; bump the version when the packed layout does.
 # (A file written by a version that knew other formats is rebuilt: load_packed.)
-PACKED_CACHE_FILE = "quickdraft-packed-v1.safetensors"
+PACKED_CACHE_PREFIX = "quickdraft-packed-"  # not checkpoint shards: loader.safetensors_files skips them
+PACKED_CACHE_FILE = f"{PACKED_CACHE_PREFIX}v1.safetensors"
 # The same for quantization "gguf+q8_0" (its float-stored weights quantized too)
-PACKED_CACHE_FILE_WITH_Q8_0 = "quickdraft-packed-v1-floats-q8_0.safetensors"
+PACKED_CACHE_FILE_WITH_Q8_0 = f"{PACKED_CACHE_PREFIX}v1-floats-q8_0.safetensors"
 
 
 def save_packed(path: Path, quantized: dict[str, QuantizedWeight]) -> None:

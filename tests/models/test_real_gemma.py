@@ -32,9 +32,11 @@ def llm():
 def reference(llm):
     import transformers
 
-    from quickdraft.models.gguf import default_model_dir
+    from quickdraft.models.gguf import default_model_dir, float_checkpoint_dir
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        float_checkpoint_dir(default_model_dir()), dtype=torch.float32
+    )
     return model.eval()
 
 
