@@ -329,7 +329,8 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
         choices=list(TOOL_CALL_PARSERS),
         help='read tool calls out of free replies, for tool_choice "auto" (the default when a chat request '
         'has tools), in the model\'s format: hermes <tool_call>{"name": ..., "arguments": {...}}</tool_call>, '
-        'llama3_json {"name": ..., "parameters": {...}}, pythonic [f(a=1)]. tool_choice "required" '
+        'llama3_json {"name": ..., "parameters": {...}}, pythonic [f(a=1)], openai: gpt-oss\'s harmony '
+        'messages to functions.NAME (with --reasoning-parser openai_gptoss). tool_choice "required" '
         "and named functions constrain the reply instead and need no parser (default: none)",
     )
     serve.add_argument(
@@ -362,7 +363,8 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
         choices=tuple(REASONING_PARSERS),
         default=None,
         help="return a chat reply's <think> block as message.reasoning and the rest as content (vLLM's; "
-        "deepseek_r1: replies start inside the block, qwen3: only a reply that opens one thinks)",
+        "deepseek_r1: replies start inside the block, qwen3: only a reply that opens one thinks; "
+        "openai_gptoss: gpt-oss's harmony channels, analysis as reasoning, final as content)",
     )
     serve.add_argument(
         "--scheduling-policy",

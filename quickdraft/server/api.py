@@ -484,7 +484,7 @@ async def _chat(
     """A chat request through the engine loop (the Responses API's too, as the chat request it means)."""
     _use_server_chat_settings(server, body)
     prepared = _prepare(server, request=request, body=body)
-    prepared.params = _thinking_first(server, prepared.params)
+    prepared.params = _decoded_for_reasoning(server, _thinking_first(server, prepared.params))
     _check_tool_parser(server, body.tool_calling)
     prompt_token_ids = await server.preprocessor.run(_render_chat, server, body)
     reasoning = _reasoning_parser(server, prepared.params)
@@ -765,7 +765,22 @@ def _thinking_first(server: QuickdraftServer, params: SamplingParams) -> Samplin
     constraint, name = params.structured_outputs, server.config.reasoning_parser
     if constraint is None or name is None:
         return params
-    return dataclasses.replace(params, structured_outputs=dataclasses.replace(constraint, reasoning_parser=name))
+    try:
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(constraint, reasoning_parser=name))
+    except ValueError as err:  # a parser whose replies a constraint cannot follow (openai_gptoss)
+        raise bad_request(str(err), param=None, code="unsupported_parameter") from err
+
+
+def _decoded_for_reasoning(server: QuickdraftServer, params: SamplingParams) -> SamplingParams:
+    """A chat reply whose reasoning parser reads special tokens (gpt-oss's harmony markers):
+    decoded with them kept, and ended at the parser's stop tokens too (a call's <|call|>)."""
+    parser = _reasoning_parser(server, params)
+    if parser is None or not parser.keeps_special_tokens:
+        return params
+    stops = {token_id for token in parser.stop_tokens if (token_id := server.tokenizer.token_to_id(token)) is not None}
+    return dataclasses.replace(
+        params, skip_special_tokens=False, stop_token_ids=sorted(set(params.stop_token_ids or []) | stops)
+    )
 
 
 def _use_server_chat_settings(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeRequest) -> None:

@@ -146,6 +146,11 @@ class ServerConfig:
             raise ValueError(
                 f"reasoning_parser must be one of {list(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
             )
+        if (self.tool_call_parser == "openai") != (self.reasoning_parser == "openai_gptoss"):
+            raise ValueError(
+                "tool_call_parser 'openai' and reasoning_parser 'openai_gptoss' go together: gpt-oss's harmony "
+                "replies carry their calls and reasoning as messages, read by the one parser"
+            )
         if self.chat_template is not None:
             check_chat_template(self.chat_template_text())
         adapters = self.lora_requests()  # a bad --lora-modules entry fails here, naming itself

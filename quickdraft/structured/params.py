@@ -113,6 +113,11 @@ def _after_thinking(compiled: str, *, parser: str) -> str:
         raise ValueError(
             f"structured_outputs.reasoning_parser must be one of {list(REASONING_PARSERS)}, got {parser!r}"
         )
+    if REASONING_PARSERS[parser].format != "think":
+        raise ValueError(
+            f"structured outputs (and tool_choice 'required' or a named function) after {parser}'s reasoning are "
+            "not supported: its replies are harmony messages, which a constraint on the whole reply would break"
+        )
     opened = REASONING_PARSERS[parser].opened_by_prompt
     grammars = json_module.loads(compiled)["grammars"]
     grammars[0] = {**grammars[0], "name": "constraint"}

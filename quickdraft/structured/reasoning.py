@@ -12,13 +12,17 @@ field; DeepSeek's older `reasoning_content` is accepted in messages sent back) a
 
 vLLM's qwen3 parser returns an unclosed block as content when the reply is whole and as
 reasoning when streamed; here both give reasoning, so the streamed pieces join into the whole.
+
+`openai_gptoss` reads gpt-oss's harmony channels instead (structured/harmony.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quickdraft.structured.tools import ReplyDelta, ToolCallStream
+from quickdraft.structured.harmony import STOP_TOKENS as HARMONY_STOP_TOKENS
+from quickdraft.structured.harmony import HarmonyStream
+from quickdraft.structured.tools import ReplyDelta, ToolCallStream, marker_prefix_length
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -27,15 +31,28 @@ THINK_END = "</think>"
 @dataclass(frozen=True)
 class ReasoningParser:
     name: str
-    opened_by_prompt: bool  # the chat template opens the think block: a reply starts inside it
+    opened_by_prompt: bool = False  # the chat template opens the think block: a reply starts inside it
+    # "think": <think> blocks; "harmony": gpt-oss's channels, whose markers are special tokens the
+    # reply is decoded with and whose calls this parser reads itself (structured/harmony.py)
+    format: str = "think"
 
-    def new_stream(self, inner: ToolCallStream) -> ReasoningStream:
-        return ReasoningStream(inner, parser=self)
+    def new_stream(self, inner: ToolCallStream) -> ToolCallStream:
+        return HarmonyStream(inner) if self.format == "harmony" else ReasoningStream(inner, parser=self)
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.format == "harmony"
+
+    @property
+    def stop_tokens(self) -> tuple[str, ...]:
+        """Tokens that end the reply beside the model's end of sequence (where its vocabulary has them)."""
+        return HARMONY_STOP_TOKENS if self.format == "harmony" else ()
 
 
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser(name="deepseek_r1", opened_by_prompt=True),
     "qwen3": ReasoningParser(name="qwen3", opened_by_prompt=False),
+    "openai_gptoss": ReasoningParser(name="openai_gptoss", format="harmony"),
 }
 
 
@@ -72,7 +89,7 @@ class ReasoningStream(ToolCallStream):
                     out += ReplyDelta(reasoning=self._pending[:end])
                     self._pending, self._state = self._pending[end + len(THINK_END) :], "content"
                     continue
-                keep = _marker_prefix_length(self._pending, THINK_END)
+                keep = marker_prefix_length(self._pending, THINK_END)
                 out += ReplyDelta(reasoning=self._pending[: len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep :]
                 break
@@ -93,12 +110,3 @@ class ReasoningStream(ToolCallStream):
             out += self.inner.feed(self._pending)
         self._pending = ""
         return out + self.inner.finish()
-
-
-def _marker_prefix_length(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that starts `marker` (held back: the next piece
-    may complete it)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

@@ -35,7 +35,8 @@ FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks in text (Qwen, Hermes);
 # llama3_json: a reply that is {"name": ..., "parameters": {...}} objects, "; " between them
 # (Llama 3.1-3.3); pythonic: a reply that is [f(a=1), g()] (Llama 3.2 / 4, Gemma 3 prompts).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+# "openai": gpt-oss's harmony calls, which the openai_gptoss reasoning parser reads (structured/harmony.py)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "openai")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
 
@@ -192,6 +193,8 @@ class ToolCalling:
             return WholeReplyCallsStream(opening="{", read=_llama3_json_calls, names=names, parallel=self.parallel)
         if self.mode == "auto" and self.parser == "pythonic":
             return WholeReplyCallsStream(opening="[", read=_pythonic_calls, names=names, parallel=self.parallel)
+        if self.mode == "auto" and self.parser == "openai":
+            return PlainTextStream()  # the calls are harmony messages: the reasoning parser reads them
         if self.mode == "auto":
             return HermesCallStream(names=names, parallel=self.parallel)
         return PlainTextStream()
@@ -622,3 +625,12 @@ def chat_template_inputs(
     if "tools" in template:
         return messages, {"tools": tools}
     return with_preamble(messages, calling.preamble()), {}
+
+
+def marker_prefix_length(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that starts `marker` (held back: the next piece
+    may complete it)."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0

@@ -71,3 +71,47 @@ def test_thinking_sent_back_reaches_the_template(server):
 def test_an_unknown_reasoning_parser_is_refused(tiny_checkpoints):
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         tiny_server_config(tiny_checkpoints["gemma3"], reasoning_parser="o1")
+
+
+def test_gpt_oss_parsers_go_together(tiny_checkpoints):
+    for fields in ({"reasoning_parser": "openai_gptoss"}, {"tool_call_parser": "openai"}):
+        with pytest.raises(ValueError, match="'openai' and reasoning_parser 'openai_gptoss' go together"):
+            tiny_server_config(tiny_checkpoints["gemma3"], **fields)
+
+
+def test_a_harmony_reply_is_decoded_with_its_markers_and_stops_at_calls(tiny_checkpoints):
+    """The openai_gptoss parser reads special tokens: the reply keeps them (a model that does not
+    speak harmony gets its whole text as content), ends at <|call|> where the vocabulary has it,
+    and a constraint behind its reasoning is a 400 that says why."""
+    from types import SimpleNamespace
+
+    from quickdraft.server.api import _decoded_for_reasoning
+
+    config = tiny_server_config(
+        tiny_checkpoints["gemma3"],
+        served_model_name="gpt-oss",
+        chat_template=TEMPLATE,
+        reasoning_parser="openai_gptoss",
+        tool_call_parser="openai",
+    )
+    running = start_server(config)
+    try:
+        body = {"model": "gpt-oss", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+        reply = httpx.post(f"{running.api_url}/chat/completions", json=body, timeout=30).json()
+        message = reply["choices"][0]["message"]
+        assert message["content"] and message["reasoning"] is None  # not harmony: all content
+        refused = httpx.post(
+            f"{running.api_url}/chat/completions", json=body | {"response_format": {"type": "json_object"}}, timeout=30
+        )
+        assert refused.status_code == 400 and "harmony" in refused.json()["error"]["message"]
+    finally:
+        running.stop()
+    vocabulary = {"<|call|>": 7, "<|return|>": 9}
+    server = SimpleNamespace(
+        config=SimpleNamespace(reasoning_parser="openai_gptoss"),
+        tokenizer=SimpleNamespace(token_to_id=vocabulary.get),
+    )
+    params = _decoded_for_reasoning(server, SamplingParams(max_tokens=4, stop_token_ids=[3, 9]))
+    assert params.skip_special_tokens is False and params.stop_token_ids == [3, 7, 9]
+    server.config.reasoning_parser = "qwen3"
+    assert _decoded_for_reasoning(server, SamplingParams(max_tokens=4)).skip_special_tokens is True
