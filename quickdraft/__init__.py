@@ -4,6 +4,7 @@ from quickdraft.engine.beam_search import BeamSearchOutput, BeamSearchParams, Be
 from quickdraft.llm import LLM
 from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import CompletionOutput, RequestOutput
+from quickdraft.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from quickdraft.sampling_params import SamplingParams
 
 __all__ = [
@@ -12,7 +13,10 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "LoRARequest",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
 ]

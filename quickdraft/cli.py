@@ -10,6 +10,7 @@ import sys
 import time
 
 from quickdraft.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
+from quickdraft.pooling import POOLING_TYPES
 from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
@@ -365,6 +366,13 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
         help="return a chat reply's <think> block as message.reasoning and the rest as content (vLLM's; "
         "deepseek_r1: replies start inside the block, qwen3: only a reply that opens one thinks; "
         "openai_gptoss: gpt-oss's harmony channels, analysis as reasoning, final as content)",
+    )
+    serve.add_argument(
+        "--pooling-type",
+        choices=POOLING_TYPES,
+        default="LAST",
+        help="how /v1/embeddings pools a prompt's final hidden states: the last token's (vLLM's default "
+        "for decoder models), their mean, or the first token's (default: LAST)",
     )
     serve.add_argument(
         "--scheduling-policy",
@@ -1121,6 +1129,7 @@ def _server_config(args, *, api_key: str | None):
         max_cpu_loras=args.max_cpu_loras,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         reasoning_parser=args.reasoning_parser,
+        pooling_type=args.pooling_type,
         allow_credentials=args.allow_credentials,
         **_cors_lists(args),
         override_generation_config=_parse_json_option(args.override_generation_config, "--override-generation-config"),

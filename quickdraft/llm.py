@@ -15,6 +15,7 @@ from quickdraft.models.chat import ChatRendering, render_chat
 from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
+from quickdraft.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.structured.tools import resolve_tool_calling
 
@@ -303,6 +304,35 @@ class LLM:
             progress.update(1)
         progress.close()
         return search.results(decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's `LLM.embed`; quickdraft/pooling.py): the model's final
+        hidden states pooled (the last token's by default) and normalized.  Outputs in the order of
+        the prompts; every prompt is checked before any runs."""
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        token_ids = [self._prompt_token_ids(prompt) for prompt in _as_prompt_list(prompts)]
+        params.check_dimensions(self.engine.model_config.hidden_size)
+        outputs = []
+        progress = _progress_bar(len(token_ids), enabled=use_tqdm)
+        for ids in token_ids:
+            [vector] = self.engine.embed([ids], params)
+            kept = ids if params.truncate_prompt_tokens is None else ids[-params.truncate_prompt_tokens :]
+            request_id = self.engine.new_request_id()
+            outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(vector.tolist()), kept))
+            progress.update(1)
+        progress.close()
+        return outputs
 
     def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
         """A prompt's token ids, as generate would feed them (a text gets the tokenizer's BOS)."""

@@ -31,7 +31,7 @@ from quickdraft.engine.runner import REUSED_LOGITS_BYTES, ModelRunner, SequenceW
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
 from quickdraft.engine.verification import StepLogits, chain_rows, node_histories, verify_step, walks_path
-from quickdraft.kv.cache import KVCache
+from quickdraft.kv.cache import CacheFullError, KVCache
 from quickdraft.models.decoder import Decoder, LogitsArena
 from quickdraft.models.heap import return_free_heap, transparent_huge_pages
 from quickdraft.models.loader import (
@@ -46,6 +46,7 @@ from quickdraft.models.lora import LoRARegistry, LoRARequest, LoRASlots, LoRAWei
 from quickdraft.models.quantized_loader import quantized_weights_in_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
+from quickdraft.pooling import PoolingParams, pool
 from quickdraft.sampling_params import InvalidParameterError, SamplingParams, bad_words_token_ids
 from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.logits_processors import LogitsProcessorError, apply_logits_processors
@@ -381,7 +382,12 @@ class Engine:
                 )
 
     def _prompt_tokens(
-        self, prompt: str | None, prompt_token_ids: list[int] | None, *, keep_last: int | None = None
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        *,
+        keep_last: int | None = None,
+        generates: bool = True,  # False: an embedding prompt, which may fill the whole context
     ) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
@@ -400,12 +406,45 @@ class Engine:
             raise ValueError("the prompt is empty")
         if keep_last is not None:
             token_ids = token_ids[-keep_last:]
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len + (not generates):
+            room = "no room to generate" if generates else "too long"
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                f"no room to generate (shorten the prompt or raise max_model_len)"
+                f"{room} (shorten the prompt, truncate it or raise max_model_len)"
             )
         return token_ids
+
+    @torch.inference_mode()
+    def embed(self, prompts: list[list[int]], params: PoolingParams) -> list[torch.Tensor]:
+        """Each prompt's embedding [D] float32 (quickdraft/pooling.py): its final hidden states,
+        after the model's last norm, pooled.  Every prompt is checked before any runs; each then
+        runs as a prefill of its own in a free cache slot (chunks of max_num_batched_tokens),
+        between steps of the requests that are generating, whose state it leaves as it was.
+        CacheFullError when no slot or blocks are free for it (the server answers 503)."""
+        params.check_dimensions(self.model_config.hidden_size)
+        checked = [
+            self._prompt_tokens(None, ids, keep_last=params.truncate_prompt_tokens, generates=False) for ids in prompts
+        ]
+        return [pool(self._final_hidden_states(ids), params) for ids in checked]
+
+    def _final_hidden_states(self, token_ids: list[int]) -> torch.Tensor:  # -> [T, D]
+        slot = self.cache.allocate()  # CacheFullError when every slot is taken
+        try:
+            states = []
+            step = self.config.max_num_batched_tokens
+            for start in range(0, len(token_ids), step):
+                piece = token_ids[start : start + step]
+                if not self.cache.try_reserve(slot, start + len(piece)):
+                    raise CacheFullError(
+                        f"no free KV cache blocks to embed a prompt of {len(token_ids)} tokens: retry when running "
+                        "requests finish"
+                    )
+                out = self.runner.forward([SequenceWork(slot=slot, cache_len=start, token_ids=piece)])
+                states.append(self.model.norm(out.forward.hidden_states))
+                self.cache.commit(slot, start + len(piece))
+            return torch.cat(states)
+        finally:
+            self.cache.free(slot)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its slot; False when it is unknown or already done."""

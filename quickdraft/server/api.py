@@ -14,6 +14,7 @@ connection closes, however it closes.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -35,9 +36,11 @@ from starlette.middleware.cors import CORSMiddleware
 import quickdraft
 from quickdraft.engine.beam_search import BeamSearch
 from quickdraft.engine.parallel_sampling import merged_batch_output
+from quickdraft.kv.cache import CacheFullError
 from quickdraft.models.chat import ChatRenderError, render_chat
 from quickdraft.models.lora import LoRAError, LoRARequest
 from quickdraft.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from quickdraft.pooling import PoolingParams
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, RequestOptions, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
 from quickdraft.server.logits_processors import resolve_logits_processors
@@ -48,6 +51,7 @@ from quickdraft.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     SamplingFields,
     TokenizeRequest,
@@ -81,6 +85,8 @@ from quickdraft.structured.tools import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from quickdraft.sampling_params import SamplingParams
     from quickdraft.server.server import QuickdraftServer
 
@@ -463,6 +469,48 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         text = await server.preprocessor.run(server.tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await _read_request(server, request, model=EmbeddingRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if _check_model(server, body.model) is not None:
+            raise bad_request("model: embeddings come from the base model, not a LoRA adapter", param="model")
+        prompts = body.prompts()
+        try:
+            params = PoolingParams(
+                pooling_type=server.config.pooling_type,
+                normalize=body.normalize,
+                dimensions=body.dimensions,
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
+            )
+        except ValueError as err:
+            raise bad_request(str(err), param=None) from err
+        token_ids = await server.preprocessor.run(_embedding_tokens, server, body, prompts)
+        try:
+            # on the loop thread, between steps of the requests generating
+            vectors = await asyncio.wrap_future(server.engine_loop.call(lambda engine: engine.embed(token_ids, params)))
+        except ValueError as err:
+            raise bad_request(str(err), param="dimensions" if "dimensions" in str(err) else "input") from err
+        except CacheFullError as err:
+            raise APIError(status=503, message=str(err), param=None, code="cache_full") from err
+        keep = params.truncate_prompt_tokens or max(len(ids) for ids in token_ids)
+        used = sum(min(len(ids), keep) for ids in token_ids)
+        data = [
+            {"object": "embedding", "index": index, "embedding": _embedding_body(vector, body.encoding_format)}
+            for index, vector in enumerate(vectors)
+        ]
+        return JSONResponse(
+            {
+                "id": f"embd-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": body.model or server.model_name,
+                "data": data,
+                "usage": {"prompt_tokens": used, "total_tokens": used},
+            }
+        )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _read_request(server, request, model=ChatCompletionRequest)
@@ -750,6 +798,30 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
         tokens = tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
     strings = [tokenizer.id_to_token(token) for token in tokens] if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": strings}
+
+
+def _embedding_tokens(
+    server: QuickdraftServer, body: EmbeddingRequest, prompts: list[str | list[int]]
+) -> list[list[int]]:
+    """Each /v1/embeddings input as token ids (on a preprocessing thread): a text tokenized, ids checked."""
+    tokenizer, vocab = server.tokenizer, server.tokenizer.vocab_size
+    token_ids = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            token_ids.append(tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens))
+            continue
+        bad = [token for token in prompt if not 0 <= token < vocab]
+        if bad:
+            raise bad_request(f"input[{index}]: ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="input")
+        token_ids.append(prompt)
+    return token_ids
+
+
+def _embedding_body(vector: torch.Tensor, encoding_format: str) -> list[float] | str:  # vector [D] float32
+    """OpenAI's: a list of floats, or base64 of the little-endian float32 bytes (what its client asks for)."""
+    if encoding_format == "float":
+        return vector.tolist()
+    return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
 
 
 def _reasoning_parser(server: QuickdraftServer, params: SamplingParams) -> ReasoningParser | None:

@@ -11,6 +11,7 @@ from quickdraft.config import EngineConfig
 from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.models.lora import LoRARequest
 from quickdraft.models.tokenizer import check_chat_template
+from quickdraft.pooling import POOLING_TYPES
 from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
@@ -59,6 +60,8 @@ class ServerConfig:
     # vLLM's --reasoning-parser (deepseek_r1, qwen3): a chat reply's <think> block is returned as
     # `reasoning`, the rest as content (structured/reasoning.py); None: all content
     reasoning_parser: str | None = None
+    # How /v1/embeddings pools a prompt's final hidden states (quickdraft/pooling.py): LAST, MEAN or CLS
+    pooling_type: str = "LAST"
     # tool_choice "auto": the <tool_call> blocks a reply writes are held to the tools' schemas by a
     # grammar (free text stays free; a request's own response_format replaces it)
     auto_tool_call_grammar: bool = True
@@ -146,6 +149,8 @@ class ServerConfig:
             raise ValueError(
                 f"reasoning_parser must be one of {list(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
             )
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
         if (self.tool_call_parser == "openai") != (self.reasoning_parser == "openai_gptoss"):
             raise ValueError(
                 "tool_call_parser 'openai' and reasoning_parser 'openai_gptoss' go together: gpt-oss's harmony "

@@ -529,6 +529,37 @@ class TokenizeRequest(ChatTemplateFields):
         return conversation_of(self.messages or [])
 
 
+class EmbeddingRequest(StrictModel):
+    """OpenAI's /v1/embeddings, with vLLM's extra fields (truncate_prompt_tokens, add_special_tokens,
+    normalize); the vectors come from the model's final hidden states (quickdraft/pooling.py)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True  # a text input gets the tokenizer's BOS, as /v1/completions
+    normalize: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The inputs, each a text or a token-id list; a 400 for an empty one."""
+        given = self.input
+        inputs: list[str | list[int]]
+        if isinstance(given, str):
+            inputs = [given]
+        elif given and all(isinstance(item, int) for item in given):
+            inputs = [list(given)]  # type: ignore[arg-type]  # one prompt of token ids
+        else:
+            inputs = list(given)  # type: ignore[arg-type]
+        if not inputs:
+            raise bad_request("input: at least one input is needed", param="input")
+        for index, item in enumerate(inputs):
+            if not item:
+                raise bad_request(f"input[{index}] is empty", param="input")
+        return inputs
+
+
 class DetokenizeRequest(StrictModel):
     """vLLM's /detokenize: token ids back to text."""
 

@@ -1,0 +1,97 @@
+"""/v1/embeddings through the official openai client: the vectors LLM.embed gives, as floats or
+base64 (the client's default), for texts and token ids, beside requests that generate; bad input
+is a 400 that names it."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+
+import httpx
+import numpy as np
+import pytest
+
+from quickdraft import PoolingParams, SamplingParams
+from tests.server.conftest import start_server, tiny_server_config
+
+TEXTS = ["The cat sat on the mat", "Speculative decoding is lossless"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+    running = start_server(tiny_server_config(tiny_checkpoints["gemma3"], served_model_name="embedder"))
+    yield running
+    running.stop()
+
+
+def test_vectors_are_llm_embed_s_whole_or_base64(server, offline_llms):
+    client = server.openai_client()
+    expected = [out.outputs.embedding for out in offline_llms["gemma3"].embed(TEXTS)]
+    as_floats = client.embeddings.create(model="embedder", input=TEXTS, encoding_format="float")
+    assert [item.index for item in as_floats.data] == [0, 1]
+    assert [item.embedding for item in as_floats.data] == expected
+    as_base64 = client.embeddings.create(model="embedder", input=TEXTS, encoding_format="base64")
+    decoded = [np.frombuffer(base64.b64decode(item.embedding), dtype="<f4").tolist() for item in as_base64.data]
+    assert decoded == expected
+    default = client.embeddings.create(model="embedder", input=TEXTS[0])  # base64 asked and decoded by the client
+    assert list(map(float, default.data[0].embedding)) == expected[0]
+    tokens = offline_llms["gemma3"].tokenizer.encode(TEXTS[1])
+    by_ids = client.embeddings.create(model="embedder", input=[tokens], encoding_format="float")
+    assert by_ids.data[0].embedding == expected[1] and by_ids.usage.prompt_tokens == len(tokens)
+    one_prompt = client.embeddings.create(model="embedder", input=tokens, encoding_format="float")
+    assert one_prompt.data[0].embedding == expected[1]
+
+
+def test_vectors_beside_generating_requests(server, offline_llms):
+    """Embeddings run between the steps of generating requests: neither changes the other."""
+    llm = offline_llms["gemma3"]
+    expected_vector = llm.embed(TEXTS[:1], PoolingParams())[0].outputs.embedding
+    prompt = "Once upon a time"
+    expected_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    body = {"model": "embedder", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        completions = [
+            pool.submit(httpx.post, f"{server.api_url}/completions", json=body, timeout=60) for _ in range(2)
+        ]
+        vectors = [
+            pool.submit(
+                httpx.post,
+                f"{server.api_url}/embeddings",
+                json={"input": TEXTS[0], "encoding_format": "float"},
+                timeout=60,
+            )
+            for _ in range(4)
+        ]
+        texts = [future.result().json()["choices"][0]["text"] for future in completions]
+        embedded = [future.result().json()["data"][0]["embedding"] for future in vectors]
+    assert texts == [expected_text] * 2 and embedded == [expected_vector] * 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"input": []}, "at least one input"),
+        ({"input": ["a", ""]}, r"input\[1\] is empty"),
+        ({"input": [[1, 2], [10**9]]}, r"input\[1\]: ids outside the vocabulary"),
+        ({"input": "a", "dimensions": 7}, "cannot be shortened to 7"),
+        ({"input": [[1] * 129]}, "129 tokens, but max_model_len is 128"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "a", "model": "other"}, "does not exist"),
+    ],
+)
+def test_bad_input_names_the_problem(server, fields, message):
+    import re
+
+    response = httpx.post(f"{server.api_url}/embeddings", json=fields, timeout=30)
+    assert response.status_code in (400, 404), response.text
+    assert re.search(message, response.json()["error"]["message"]), response.json()
+
+
+def test_truncation_and_pooling_setting(server, tiny_checkpoints, offline_llms):
+    tokens = list(range(3, 43))
+    body = {"input": [tokens], "encoding_format": "float", "truncate_prompt_tokens": 8, "normalize": False}
+    reply = httpx.post(f"{server.api_url}/embeddings", json=body, timeout=30).json()
+    expected = offline_llms["gemma3"].embed([tokens[-8:]], PoolingParams(normalize=False))[0].outputs.embedding
+    assert reply["data"][0]["embedding"] == expected and reply["usage"]["prompt_tokens"] == 8
+    with pytest.raises(ValueError, match="pooling_type must be one of"):
+        tiny_server_config(tiny_checkpoints["gemma3"], pooling_type="MAX")
