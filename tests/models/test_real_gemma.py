@@ -259,3 +259,21 @@ def test_seeded_sampled_speculation_equals_seeded_plain(seeded_plain, spec):
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED)]
     assert ours == seeded_plain
     assert llm.get_metrics().num_accepted_tokens > 0
+
+
+def test_embeddings_match_transformers_and_stay_whole_when_chunked(llm, reference):
+    """The embedded model's embeddings: its float path equal to transformers' final hidden states
+    (the last token's, normalized), the quantized default within rounding of it, and a long prompt
+    prefilled in chunks of 16 the very bits of one forward."""
+    text = " ".join(PROMPTS)
+    ids = llm.tokenizer.encode(text)
+    with torch.no_grad():
+        states = reference.model(torch.tensor([ids])).last_hidden_state[0]
+    expected = states[-1] / states[-1].norm()
+    ours = torch.tensor(llm.embed(text)[0].outputs.embedding)
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    quantized = LLM(max_model_len=512, max_num_seqs=2)
+    vector = quantized.embed(text)[0].outputs.embedding
+    assert torch.nn.functional.cosine_similarity(torch.tensor(vector), expected, dim=0) > 0.99
+    chunked = LLM(max_model_len=512, max_num_seqs=2, max_num_batched_tokens=16)
+    assert len(ids) > 64 and chunked.embed(text)[0].outputs.embedding == vector
