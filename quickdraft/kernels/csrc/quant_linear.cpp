@@ -143,6 +143,7 @@ struct VecF { __m256 a, b; };  // 16 float: rows 0..7, 8..15
 // row and half through a block, beside the weights).
 constexpr int kRowsBlock32 = 8;  // Q8_0, Q4_0, Q5_0
 constexpr int kRowsSuper = 8;    // K-quants
+constexpr int kRowsQ2K = kRowsSuper;
 constexpr int kRowsFloat16 = 2;  // F16, BF16: four float chains per row and half through a tile
 // Where the tiles prefetch the weights: L1 (the AVX-512 build's L2 hint is not measured on
 // an AVX2 machine yet).
@@ -224,8 +225,12 @@ using VecF = __m512;   // 16 float
 using VecB = __m512i;  // 64 bytes: 4 quants of each of the 16 rows (a step)
 
 constexpr int kRowsBlock32 = 8;  // Q8_0, Q4_0, Q5_0
-// K-quant tiles keep two accumulators per row alive (Q6_K) or more temporaries: fewer rows.
-constexpr int kRowsSuper = 4;
+// K-quants, 8 rows a pass: Q5_K, Q6_K and Q3_K 7-13% faster than 4 at 8-64 rows (their
+// weights' unpacking shared by twice the rows), Q4_K and IQ4_XS 2-4%; Q2_K's more temporaries
+// spill at 8 (1-3% slower), so it keeps 4.  group_rows is not inlined (at 4 rows, the 8-row
+// build's inlined remainder ran 5-7% slower).
+constexpr int kRowsSuper = 8;
+constexpr int kRowsQ2K = 4;
 constexpr int kRowsFloat16 = 4;  // F16, BF16: four float chains and an accumulator per row
 // Where group_rows prefetches the weights: L2.  Into L1 (likely evicting the activation quants
 // that 4-8 rows read at every step) a 4-token verification's LM head took 9.8 ms instead of 7.6
@@ -625,13 +630,11 @@ QD_INLINE void tile(const uint8_t* t, int64_t k0, const Rows& r, VecF* acc) {
 
 #endif  // QD_ISA_AVX2
 
-// Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K.  The AVX2 build
-// keeps it a function of its own: inlined into its callers (every row count's in one
-// function) GCC spills the half tiles' sums, up to 1.5x slower at 2-6 rows.
+// Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K.  A function of its
+// own: inlined into its callers (every row count's in one function) GCC spills the AVX2 half
+// tiles' sums, up to 1.5x slower at 2-6 rows, and the AVX-512 K-quants' at 4 rows.
 template <int FMT, int MB>
-#if defined(QD_ISA_AVX2)
 __attribute__((noinline))
-#endif
 void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0, float* out, int64_t ldo,
                 int64_t n0, int64_t nvalid) {
   Rows r;
@@ -674,7 +677,10 @@ void remaining_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_
 template <int FMT>
 void run_group(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t M, float* out, int64_t ldo,
                int64_t n0, int64_t nvalid, int64_t m_begin = 0) {
-  constexpr int kRows = float16_format(FMT) ? kRowsFloat16 : kTileK[FMT] == 256 ? kRowsSuper : kRowsBlock32;
+  constexpr int kRows = float16_format(FMT) ? kRowsFloat16
+                        : FMT == Q2_K          ? kRowsQ2K
+                        : kTileK[FMT] == 256   ? kRowsSuper
+                                               : kRowsBlock32;
   int64_t m0 = m_begin;
   for (; m0 + kRows <= M; m0 += kRows) group_rows<FMT, kRows>(group, ntiles, x, m0, out, ldo, n0, nvalid);
   remaining_rows<FMT, kRows - 1>(group, ntiles, x, M, m0, out, ldo, n0, nvalid);
