@@ -346,11 +346,16 @@ inline void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, 
   });
 }
 
+constexpr int kMaxPassRows = 8;  // activation rows a pass over a tile may take (Rows' arrays)
+static_assert(kRowsBlock32 <= kMaxPassRows && kRowsSuper <= kMaxPassRows && kRowsQ2K <= kMaxPassRows &&
+                  kRowsFloat16 <= kMaxPassRows,
+              "a pass's rows must fit in Rows");
+
 struct Rows {
-  const int8_t* xq[8];
-  const float* dx[8];
-  const int32_t* bsum[8];
-  const float* xf[8];
+  const int8_t* xq[kMaxPassRows];
+  const float* dx[kMaxPassRows];
+  const int32_t* bsum[kMaxPassRows];
+  const float* xf[kMaxPassRows];
 };
 
 #if defined(QD_ISA_AVX2)
