@@ -252,18 +252,24 @@ def _parse_gguf(buffer, *, metadata: bool) -> tuple[dict[str, Any], list[GGUFTen
         pos += struct.calcsize("<" + fmt)
         return values[0] if len(values) == 1 else values
 
-    def take_str() -> str:
+    def take_bytes() -> bytes | memoryview:  # a string's bytes (a view: only a kept one is copied)
         nonlocal pos
         length = take("Q")
         if pos + length > len(buffer):
             raise ValueError("a string runs past the end of the file")
         pos += length
-        return bytes(buffer[pos - length : pos]).decode("utf-8")
+        return memoryview(buffer)[pos - length : pos]
+
+    def take_str() -> str:
+        return bytes(take_bytes()).decode("utf-8")
 
     def take_value(kind: int, keep: bool):
         nonlocal pos
         if kind == _STRING:
-            return take_str()
+            if keep:
+                return take_str()
+            take_bytes()  # skipped: not decoded
+            return None
         if kind == _ARRAY:
             item_kind, count = take("I"), take("Q")
             if item_kind in _SCALAR_FORMATS:  # one read for the whole array
