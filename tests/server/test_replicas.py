@@ -74,6 +74,14 @@ def healthy_replicas(client) -> dict[str, int]:
     return {replica["replica"]: replica["pid"] for replica in body["replicas"] if replica["status"] == "ok"}
 
 
+def routed_to(client, replica: str) -> float:
+    """Requests the ingress has forwarded to `replica` so far (its quickdraft_ingress_requests counter)."""
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == "quickdraft_ingress_requests":
+            return sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["replica"] == replica)
+    return 0.0
+
+
 def complete(client, prompt: str, **fields) -> httpx.Response:
     response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0, **fields})
     assert response.status_code == 200, response.text
@@ -260,9 +268,14 @@ def test_a_killed_replica_fails_its_requests_clearly_and_the_endpoint_keeps_serv
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[len("data: ") :])["choices"]
+        forwarded = routed_to(client, victim)
         sender = threading.Thread(target=send_whole)
         sender.start()
-        time.sleep(0.5)
+        # killed only once the whole request is on the victim (a fixed pause lost that race on a busy machine)
+        deadline = time.monotonic() + 60.0
+        while routed_to(client, victim) < forwarded + 1:
+            assert time.monotonic() < deadline, "the second request never reached the streaming replica"
+            time.sleep(0.05)
         os.kill(before[victim], signal.SIGKILL)
         events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
     sender.join(timeout=60.0)
