@@ -4,7 +4,13 @@ from quickdraft.engine.beam_search import BeamSearchOutput, BeamSearchParams, Be
 from quickdraft.llm import LLM
 from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import CompletionOutput, RequestOutput
-from quickdraft.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from quickdraft.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from quickdraft.sampling_params import SamplingParams
 
 __all__ = [
@@ -19,5 +25,7 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"

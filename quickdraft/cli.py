@@ -370,9 +370,10 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--pooling-type",
         choices=POOLING_TYPES,
-        default="LAST",
+        default=None,
         help="how /v1/embeddings pools a prompt's final hidden states: the last token's (vLLM's default "
-        "for decoder models), their mean, or the first token's (default: LAST)",
+        "for decoder models), their mean, or the first token's (default: the model's own, as its "
+        "sentence-transformers modules.json says, else LAST)",
     )
     serve.add_argument(
         "--scheduling-policy",

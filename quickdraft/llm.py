@@ -15,7 +15,15 @@ from quickdraft.models.chat import ChatRendering, render_chat
 from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
-from quickdraft.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from quickdraft.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
+    cosine_similarity,
+    score_pairs,
+)
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.structured.tools import resolve_tool_calling
 
@@ -314,15 +322,16 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (vLLM's `LLM.embed`; quickdraft/pooling.py): the model's final
-        hidden states pooled (the last token's by default) and normalized.  Outputs in the order of
-        the prompts; every prompt is checked before any runs."""
+        hidden states pooled (as the model's directory says, else the last token's), through its
+        modules after pooling, and normalized.  Outputs in the order of the prompts; every prompt
+        is checked before any runs."""
         params = PoolingParams() if pooling_params is None else pooling_params
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
         if truncate_prompt_tokens is not None:
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         token_ids = [self._prompt_token_ids(prompt) for prompt in _as_prompt_list(prompts)]
-        params.check_dimensions(self.engine.model_config.hidden_size)
+        self.engine.pooler.check(params)
         outputs = []
         progress = _progress_bar(len(token_ids), enabled=use_tqdm)
         for ids in token_ids:
@@ -332,6 +341,45 @@ class LLM:
             outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(vector.tolist()), kept))
             progress.update(1)
         progress.close()
+        return outputs
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity scores of text pairs (vLLM's `LLM.score` for embedding models): the cosine of
+        the two texts' embeddings (`embed`).  One first text pairs with every second one (1:N), or
+        the i-th with the i-th (N:N); each distinct text is embedded once."""
+        firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = score_pairs(len(firsts), len(seconds))
+        texts = [self._prompt_token_ids(prompt) for prompt in firsts + seconds]
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        params = dataclasses.replace(
+            params, truncate_prompt_tokens=truncate_prompt_tokens or params.truncate_prompt_tokens
+        )
+        self.engine.pooler.check(params)
+        distinct = list(dict.fromkeys(tuple(ids) for ids in texts))
+        progress = _progress_bar(len(distinct), enabled=use_tqdm)
+        vectors = {}
+        for ids in distinct:
+            [vectors[ids]] = self.engine.embed([list(ids)], params)
+            progress.update(1)
+        progress.close()
+        keep = params.truncate_prompt_tokens
+        outputs = []
+        for i, j in pairs:
+            first, second = tuple(texts[i]), tuple(texts[len(firsts) + j])
+            kept = [token for ids in (first, second) for token in (ids if keep is None else ids[-keep:])]
+            score = ScoringOutput(cosine_similarity(vectors[first], vectors[second]))
+            outputs.append(ScoringRequestOutput(self.engine.new_request_id(), score, kept))
         return outputs
 
     def _prompt_token_ids(self, prompt: PromptType) -> list[int]:

@@ -1,17 +1,21 @@
 """Embeddings from the target: a prompt's final hidden states (after the model's last norm, the
-LM head's input) pooled into one vector (vLLM's `LLM.embed` and `/v1/embeddings`, llama.cpp's
-`--embeddings`).
+LM head's input) pooled into one vector, through the model's own modules after pooling where its
+directory has them (vLLM's `LLM.embed` and `/v1/embeddings`, llama.cpp's `--embeddings`).
 
 The engine runs an embedding prompt as a prefill of its own (Engine.embed), in chunks of the
 step's token budget; the kernels being batch-invariant, its vector is the same bits however it
-was chunked and whatever ran beside it.
+was chunked and whatever ran beside it.  An encoder (bidirectional attention, EmbeddingGemma)
+runs each prompt whole in one forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from quickdraft.models.sentence_transformers import EmbeddingHead, read_embedding_head
 
 # LAST: the last token's state (vLLM's default for decoder-only models: the only one that saw the
 # whole prompt); MEAN: the average over the prompt's tokens; CLS: the first token's.
@@ -22,21 +26,24 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 class PoolingParams:
     """How one prompt becomes an embedding (vLLM's PoolingParams, with the pooler's type).
 
+    pooling_type: LAST, MEAN or CLS; None: the model's own (a sentence-transformers directory's
+    Pooling module, else LAST).
     normalize: scale the vector to unit L2 norm (cosine similarity is then a dot product).
-    dimensions: the length asked for; only the model's hidden size (a model trained for
-    shortened "matryoshka" embeddings could cut them, these are not).
+    dimensions: the length asked for: the model's own, or one it was trained to be cut to
+    ("matryoshka" embeddings: `matryoshka_dimensions` / `is_matryoshka` in config.json).
     truncate_prompt_tokens: keep only the prompt's last k tokens (None: the whole prompt).
     """
 
-    pooling_type: str = "LAST"
+    pooling_type: str | None = None
     normalize: bool = True
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
-            raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
-        self.pooling_type = self.pooling_type.upper()
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+                raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
+            self.pooling_type = self.pooling_type.upper()
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
         for name in ("dimensions", "truncate_prompt_tokens"):
@@ -44,24 +51,67 @@ class PoolingParams:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
-    def check_dimensions(self, hidden_size: int) -> None:
-        if self.dimensions is not None and self.dimensions != hidden_size:
+
+@dataclass(frozen=True)
+class Pooler:
+    """A model's way from final hidden states to an embedding: its default pooling, the modules
+    after pooling (a sentence-transformers directory's Dense layers), and the lengths it may be
+    cut to."""
+
+    pooling_type: str  # the model's default
+    hidden_size: int
+    head: EmbeddingHead | None = None
+    # lengths besides the full one an embedding may be cut to; True: any (is_matryoshka)
+    matryoshka_dimensions: tuple[int, ...] | bool = ()
+
+    @property
+    def output_size(self) -> int:
+        return self.hidden_size if self.head is None else self.head.output_size(self.hidden_size)
+
+    def check(self, params: PoolingParams) -> None:
+        """ValueError naming `dimensions` when the model cannot give that length."""
+        size, wanted = self.output_size, params.dimensions
+        if wanted is None or wanted == size:
+            return
+        allowed = self.matryoshka_dimensions
+        if allowed is True and wanted < size:
+            return
+        if isinstance(allowed, tuple) and wanted in allowed:
+            return
+        if not allowed:
             raise ValueError(
-                f"dimensions: this model's embeddings have {hidden_size} dimensions and cannot be shortened to "
-                f"{self.dimensions} (it was not trained for matryoshka embeddings)"
+                f"dimensions: this model's embeddings have {size} dimensions and cannot be shortened to "
+                f"{wanted} (it was not trained for matryoshka embeddings)"
             )
+        lengths = f"1..{size}" if allowed is True else ", ".join(str(n) for n in sorted({*allowed, size}))
+        raise ValueError(f"dimensions: this model's embeddings can have {lengths} dimensions, not {wanted}")
 
+    def __call__(self, hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:  # [T, D] -> [D'] float32
+        pooling_type = params.pooling_type or self.pooling_type
+        if pooling_type == "LAST":
+            vector = hidden[-1].float()
+        elif pooling_type == "CLS":
+            vector = hidden[0].float()
+        else:
+            vector = hidden.float().mean(dim=0)
+        if self.head is not None:
+            vector = self.head.project(vector)
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        if params.normalize:
+            vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
+        return vector
 
-def pool(hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:  # [T, D] final states -> [D] float32
-    if params.pooling_type == "LAST":
-        vector = hidden[-1].float()
-    elif params.pooling_type == "CLS":
-        vector = hidden[0].float()
-    else:
-        vector = hidden.float().mean(dim=0)
-    if params.normalize:
-        vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
-    return vector
+    @classmethod
+    def of_model(cls, model_dir: Path, *, hidden_size: int, hf_config: dict) -> Pooler:
+        """The pooler a model directory declares (modules.json; config.json's matryoshka keys)."""
+        head = read_embedding_head(model_dir)
+        dims = hf_config.get("matryoshka_dimensions")
+        matryoshka: tuple[int, ...] | bool = (
+            tuple(int(n) for n in dims) if isinstance(dims, list) else bool(hf_config.get("is_matryoshka"))
+        )
+        pooling_type = head.pooling_type if head is not None and head.pooling_type else "LAST"
+        return cls(pooling_type=pooling_type, hidden_size=hidden_size, head=head, matryoshka_dimensions=matryoshka)
 
 
 @dataclass
@@ -77,3 +127,35 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (vLLM's output of LLM.score): the cosine similarity of the two texts'
+    embeddings (a bi-encoder's score; vLLM's for embedding models)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the first text's tokens, then the second's
+    finished: bool = True
+
+
+def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
+    """Which texts a score call pairs (vLLM's rule): one first text with every second one (1:N),
+    or the i-th with the i-th (N:N); ValueError otherwise."""
+    if num_first < 1 or num_second < 1:
+        raise ValueError("scoring needs at least one text on each side")
+    if num_first == 1:
+        return [(0, j) for j in range(num_second)]
+    if num_first == num_second:
+        return [(i, i) for i in range(num_first)]
+    raise ValueError(f"scoring pairs one text with N, or N with N: got {num_first} and {num_second}")
+
+
+def cosine_similarity(first: torch.Tensor, second: torch.Tensor) -> float:  # [D], [D]
+    return float(torch.nn.functional.cosine_similarity(first.double(), second.double(), dim=0))

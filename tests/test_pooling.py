@@ -97,3 +97,27 @@ def test_a_full_cache_is_a_clear_error_and_leaves_the_slot_free(tiny_checkpoints
     engine.abort_request(request_id)
     engine.release(request_id)
     assert len(llm.embed([PROMPT])) == 1 and engine.cache.num_free_slots == 1
+
+
+def test_score_pairs_texts_and_embeds_each_once(llms, monkeypatch):
+    llm = llms["llama"]
+    texts = ["a cat", "a dog", "the sea"]
+    vectors = {t: torch.tensor(out.outputs.embedding) for t, out in zip(texts, llm.embed(texts))}
+    calls = []
+    embed = llm.engine.embed
+    monkeypatch.setattr(llm.engine, "embed", lambda prompts, params: calls.append(prompts) or embed(prompts, params))
+    one_to_many = llm.score("a cat", texts)
+    assert len(calls) == 3  # "a cat" once, though it is on both sides
+    cosine = lambda a, b: torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0).item()  # noqa: E731
+    assert [out.outputs.score for out in one_to_many] == pytest.approx([cosine("a cat", t) for t in texts], abs=1e-6)
+    assert one_to_many[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    pairwise = llm.score(texts[:2], texts[1:])
+    assert [out.outputs.score for out in pairwise] == pytest.approx(
+        [cosine("a cat", "a dog"), cosine("a dog", "the sea")], abs=1e-6
+    )
+    first = llm.tokenizer.encode("a cat")
+    assert pairwise[0].prompt_token_ids == first + llm.tokenizer.encode("a dog")
+    with pytest.raises(ValueError, match="one text with N, or N with N: got 2 and 3"):
+        llm.score(texts[:2], texts)
+    with pytest.raises(ValueError, match="non-empty"):
+        llm.score([], texts)

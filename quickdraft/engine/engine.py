@@ -32,10 +32,12 @@ from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
 from quickdraft.engine.verification import StepLogits, chain_rows, node_histories, verify_step, walks_path
 from quickdraft.kv.cache import CacheFullError, KVCache
+from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import Decoder, LogitsArena
 from quickdraft.models.heap import return_free_heap, transparent_huge_pages
 from quickdraft.models.loader import (
     load_decoder,
+    read_hf_config,
     resolve_device,
     resolve_dtype,
     resolve_gguf_path,
@@ -46,7 +48,7 @@ from quickdraft.models.lora import LoRARegistry, LoRARequest, LoRASlots, LoRAWei
 from quickdraft.models.quantized_loader import quantized_weights_in_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
-from quickdraft.pooling import PoolingParams, pool
+from quickdraft.pooling import Pooler, PoolingParams
 from quickdraft.sampling_params import InvalidParameterError, SamplingParams, bad_words_token_ids
 from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.logits_processors import LogitsProcessorError, apply_logits_processors
@@ -84,10 +86,14 @@ class Engine:
         if self.max_model_len > probe:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context {probe}")
         cache_len = self.max_model_len + CACHE_HEADROOM
+        hf_config = read_hf_config(model_dir)
+        # An encoder (EmbeddingGemma) runs a prompt whole in one forward, however long it is.
+        self.is_encoder = ModelConfig.from_hf_dict(hf_config).bidirectional_attention
+        step_tokens = max(config.max_num_batched_tokens, CACHE_HEADROOM, cache_len if self.is_encoder else 0)
         # The followers of a tensor-parallel target (None: the whole target is in this process).
         self.tensor_parallel: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:
-            self._start_tensor_parallel(cache_len, gguf_path=gguf_path)
+            self._start_tensor_parallel(cache_len, gguf_path=gguf_path, step_tokens=step_tokens)
         else:
             self.model, self.model_config = load_decoder(
                 model_dir,
@@ -101,7 +107,8 @@ class Engine:
             )
             self.cache = KVCache(
                 num_layers=self.model_config.num_layers,
-                num_slots=config.max_num_seqs,
+                # an encoder's slots serve embed() alone, one prompt at a time
+                num_slots=1 if self.is_encoder else config.max_num_seqs,
                 num_kv_heads=self.model_config.num_kv_heads,
                 head_dim=self.model_config.head_dim,
                 max_len=cache_len,
@@ -110,9 +117,10 @@ class Engine:
                 block_size=config.block_size,
                 layer_windows=self.model_config.layer_windows,
                 # A forward writes at most a prefill chunk or a draft tree per request.
-                max_step_tokens=max(config.max_num_batched_tokens, CACHE_HEADROOM),
+                max_step_tokens=step_tokens,
                 memory_bytes=config.kv_cache_memory_bytes,
             )
+        self.pooler = Pooler.of_model(model_dir, hidden_size=self.model_config.hidden_size, hf_config=hf_config)
         # Whether they are there: not float or CUDA weights, nor where the kernel gave no huge page.
         self.weights_in_huge_pages = (
             want_huge_pages and self.tensor_parallel is None and quantized_weights_in_huge_pages(self.model)
@@ -161,7 +169,14 @@ class Engine:
             _ = self.lazy_logits_rows  # measured at load, not in the first step's time
         return_free_heap()  # the drafter's load temporaries (a head quantized at load: ~30 MB)
 
-    def _start_tensor_parallel(self, cache_len: int, *, gguf_path: Path | None) -> None:
+    def _check_generates(self) -> None:
+        if self.is_encoder:
+            raise ValueError(
+                f"{self.model_dir.name} is an embedding model (bidirectional attention: every token sees the "
+                "whole prompt), it does not generate text: use LLM.embed / LLM.score or /v1/embeddings"
+            )
+
+    def _start_tensor_parallel(self, cache_len: int, *, gguf_path: Path | None, step_tokens: int) -> None:
         """The target split over config.tensor_parallel_size processes, this one rank 0
         (quickdraft/distributed); the followers stop with `close` (or when the engine is collected)."""
         from quickdraft.distributed.launch import CacheOptions, start_tensor_parallel
@@ -179,7 +194,7 @@ class Engine:
                 num_slots=self.config.max_num_seqs,
                 max_len=cache_len,
                 block_size=self.config.block_size,
-                max_step_tokens=max(self.config.max_num_batched_tokens, CACHE_HEADROOM),
+                max_step_tokens=step_tokens,
                 memory_bytes=self.config.kv_cache_memory_bytes,
             ),
         )
@@ -238,6 +253,7 @@ class Engine:
     def _make_speculator(self, spec) -> Speculator | None:
         if spec is None:
             return None
+        self._check_generates()
         options = dict(spec.drafter_options)
         if spec.model is not None:
             options["model"] = spec.model
@@ -281,6 +297,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_generates()
         self._check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt", f"cache_salt must be a non-empty string, got {cache_salt!r}")
@@ -417,21 +434,22 @@ class Engine:
     @torch.inference_mode()
     def embed(self, prompts: list[list[int]], params: PoolingParams) -> list[torch.Tensor]:
         """Each prompt's embedding [D] float32 (quickdraft/pooling.py): its final hidden states,
-        after the model's last norm, pooled.  Every prompt is checked before any runs; each then
-        runs as a prefill of its own in a free cache slot (chunks of max_num_batched_tokens),
-        between steps of the requests that are generating, whose state it leaves as it was.
-        CacheFullError when no slot or blocks are free for it (the server answers 503)."""
-        params.check_dimensions(self.model_config.hidden_size)
+        after the model's last norm, pooled (and through the model's modules after pooling).
+        Every prompt is checked before any runs; each then runs as a prefill of its own in a free
+        cache slot (chunks of max_num_batched_tokens; an encoder's prompt whole), between steps of
+        the requests that are generating, whose state it leaves as it was.  CacheFullError when no
+        slot or blocks are free for it (the server answers 503)."""
+        self.pooler.check(params)
         checked = [
             self._prompt_tokens(None, ids, keep_last=params.truncate_prompt_tokens, generates=False) for ids in prompts
         ]
-        return [pool(self._final_hidden_states(ids), params) for ids in checked]
+        return [self.pooler(self._final_hidden_states(ids), params) for ids in checked]
 
     def _final_hidden_states(self, token_ids: list[int]) -> torch.Tensor:  # -> [T, D]
         slot = self.cache.allocate()  # CacheFullError when every slot is taken
         try:
             states = []
-            step = self.config.max_num_batched_tokens
+            step = len(token_ids) if self.is_encoder else self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), step):
                 piece = token_ids[start : start + step]
                 if not self.cache.try_reserve(slot, start + len(piece)):

@@ -81,6 +81,7 @@ class ModelRunner:
                 tree=item.tree,
                 num_new=num_new,
                 sliding_window=window,
+                bidirectional=self.model.config.bidirectional_attention,
             )
             sequences.append(seq)
             logits_rows.extend(seq.row_start + node for node in item.logits_nodes)

@@ -78,11 +78,18 @@ def build_sequence_attention(
     tree: Tree | None,
     num_new: int,
     sliding_window: int | None,
+    bidirectional: bool = False,
 ) -> tuple[SequenceAttention, list[int]]:
     """Masks and key ranges for one sequence; returns it with the new tokens' positions.
 
     ``tree=None`` means the new tokens form a chain (prefill chunk or plain decode).
+    ``bidirectional``: an encoder's forward (EmbeddingGemma): the whole sequence at once, each
+    token seeing every other (within |query - key| < sliding_window on sliding layers).
     """
+    if bidirectional:
+        return _bidirectional_attention(
+            slot=slot, row_start=row_start, cache_len=cache_len, tree=tree, num_new=num_new, window=sliding_window
+        )
     if tree is None:
         depths = list(range(num_new))
         new_mask = torch.ones(num_new, num_new, dtype=torch.bool).tril_() if num_new > 1 else None
@@ -125,3 +132,29 @@ def build_sequence_attention(
         sliding_mask=sliding_mask,
     )
     return seq, positions
+
+
+def _bidirectional_attention(
+    *, slot: int, row_start: int, cache_len: int, tree: Tree | None, num_new: int, window: int | None
+) -> tuple[SequenceAttention, list[int]]:
+    # a later token changes every earlier one's state: nothing may be cached or drafted
+    if cache_len or tree is not None:
+        raise ValueError(
+            "a model with bidirectional attention runs each sequence whole in one forward "
+            f"(got {cache_len} cached tokens{' and a draft tree' if tree is not None else ''})"
+        )
+    sliding_mask = None  # None: every key of the range, both ways
+    if window is not None and num_new > window:
+        positions = torch.arange(num_new)
+        sliding_mask = (positions[:, None] - positions[None, :]).abs() < window  # [T, T]
+    seq = SequenceAttention(
+        slot=slot,
+        row_start=row_start,
+        row_end=row_start + num_new,
+        cache_len=0,
+        full_kv_start=0,
+        sliding_kv_start=0,
+        full_mask=None,
+        sliding_mask=sliding_mask,
+    )
+    return seq, list(range(num_new))

@@ -141,7 +141,10 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma: extra norms after attention and after the MLP
     norm_unit_offset: bool = False  # Gemma's RMSNorm multiplies by (1 + weight)
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden_size)
+    # Sliding layers see keys with key > query - sliding_window; under bidirectional attention
+    # (EmbeddingGemma: an encoder, every token sees the whole prompt) |query - key| < sliding_window.
     sliding_window: int | None = None
+    bidirectional_attention: bool = False
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by c * tanh(score / c)
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (our fused layout already).
@@ -270,7 +273,12 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         parser = _gemma_fields if model_type.startswith("gemma") else _llama_family_fields
-        return cls(**{**_common_fields(hf), **parser(hf, model_type)})
+        fields = {**_common_fields(hf), **parser(hf, model_type)}
+        if hf.get("use_bidirectional_attention") and not fields.get("bidirectional_attention"):
+            raise ValueError(
+                f"use_bidirectional_attention is supported for Gemma 3 encoders (EmbeddingGemma), not {model_type}"
+            )
+        return cls(**fields)
 
 
 def _require(hf: dict, key: str):
@@ -359,6 +367,12 @@ def _gemma3_fields(hf: dict, model_type: str) -> dict:
         default_local = hf.get("rope_theta", 10_000.0) if model_type == "gemma2" else 10_000.0
         local = RopeConfig(theta=float(hf.get("rope_local_base_freq", default_local)))
     hidden = int(hf["hidden_size"])
+    bidirectional = bool(hf.get("use_bidirectional_attention"))
+    window = hf.get("sliding_window")
+    if bidirectional and window:
+        # config.json holds the whole span; a token sees |query - key| <= span / 2 (transformers
+        # and llama.cpp's symmetric window alike)
+        window = int(window) // 2 + 1
     return dict(
         model_type="gemma3_text",
         activation="gelu_tanh",
@@ -371,7 +385,8 @@ def _gemma3_fields(hf: dict, model_type: str) -> dict:
         sandwich_norms=True,
         norm_unit_offset=True,
         embed_scale=math.sqrt(hidden),
-        sliding_window=hf.get("sliding_window"),
+        sliding_window=window,
+        bidirectional_attention=bidirectional,
         final_logit_softcapping=hf.get("final_logit_softcapping"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
     )

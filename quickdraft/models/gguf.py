@@ -37,6 +37,7 @@ import numpy as np
 from quickdraft.models.config import moe_hf_names, moe_router_name
 
 SUPPORTED_ARCHITECTURES = (
+    "gemma-embedding",
     "gemma2",
     "gemma3",
     "gpt-oss",
@@ -49,11 +50,18 @@ SUPPORTED_ARCHITECTURES = (
     "smollm3",
 )
 
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma-embedding")  # norms stored as (1 + w)
+# An embedding model's sentence-transformers Dense layers (llama.cpp's `dense_2` / `dense_3`), in
+# order: written back as modules of the converted directory (quickdraft/models/sentence_transformers.py)
+DENSE_TENSORS = ("dense_2", "dense_3")
+# llama.cpp's `{arch}.pooling_type` values -> our pooling types (0: none, 4: rank have no vector)
+_GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
+
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
 
 # Bumped whenever the output of the conversion changes, so old caches get rebuilt.
-CONVERTER_VERSION = 2  # 2: only float32-stored tensors in model.safetensors
+CONVERTER_VERSION = 3  # 2: only float32-stored tensors in model.safetensors; 3: pooling and Dense layers as modules
 SOURCE_MARKER = "quickdraft_source.json"
 FLOAT_COPY_DIR = "float32"  # float_checkpoint_dir
 
@@ -90,6 +98,7 @@ _GEMMA_NORMS = {
 _ARCH_BLOCK_NAMES = {
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,
+    "gemma-embedding": _GEMMA_NORMS,
     "llama": {"ffn_norm": "post_attention_layernorm"},
     # Phi-3 keeps HF's fused projections: q/k/v rows in one tensor, gate then up rows in ffn_up.
     "phi3": {"ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
@@ -144,6 +153,8 @@ _IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_facto
 _HF_CLASSES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    # EmbeddingGemma: Gemma 3's layers as an encoder (bidirectional), saved as the base model
+    "gemma-embedding": ("gemma3_text", "Gemma3TextModel"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "llama": ("llama", "LlamaForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
@@ -348,7 +359,7 @@ def tensor_values(tensor: GGUFTensor) -> np.ndarray:  # [*tensor.shape] float32,
 
 def hf_tensor_name(gguf_name: str, *, architecture: str) -> str | None:
     """The HF parameter name for a GGUF tensor name; `None` for tensors HF has no parameter for."""
-    if gguf_name in _IGNORED_TENSORS:
+    if gguf_name in _IGNORED_TENSORS or gguf_name.rpartition(".")[0] in DENSE_TENSORS:
         return None
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _TOP_LEVEL_NAMES:
@@ -410,7 +421,7 @@ def dequantize_tensor(
         weights = np.asarray(weights, dtype=np.float32).reshape(shape)
     except Exception as error:
         raise ValueError(f"{source}: cannot dequantize tensor {tensor.name!r}: {error}") from error
-    if architecture in ("gemma2", "gemma3") and tensor.name.endswith("norm.weight"):
+    if architecture in GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
         # Gemma's RMSNorm scales by (1 + w); llama.cpp stores (1 + w) so subtract the 1 back.
         weights = weights - 1.0
     if architecture in PERMUTED_QK_ARCHITECTURES and ".attn_q." in tensor.name:
@@ -543,12 +554,12 @@ def _common_config(reader: GGUFFile, *, architecture: str, tensor_shapes: dict[s
     return config
 
 
-def _gemma3_config(reader: GGUFFile, config: dict) -> dict:
-    key = lambda name, default=None: arch_field(reader, "gemma3", name, default)  # noqa: E731
+def _gemma3_config(reader: GGUFFile, config: dict, *, architecture: str = "gemma3") -> dict:
+    key = lambda name, default=None: arch_field(reader, architecture, name, default)  # noqa: E731
     n_layers = config["num_hidden_layers"]
     global_theta = float(key("rope.freq_base", 1_000_000.0))
     local_theta = float(key("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
-    scaling = _rope_scaling(reader, architecture="gemma3")
+    scaling = _rope_scaling(reader, architecture=architecture)
     return config | {
         "hidden_activation": "gelu_pytorch_tanh",
         # llama.cpp scales queries by 1/sqrt(head_dim) for Gemma 3 (the 27B model, which uses
@@ -718,6 +729,8 @@ def hf_config(reader: GGUFFile, *, architecture: str, tensor_shapes: dict[str, t
     config = _common_config(reader, architecture=architecture, tensor_shapes=tensor_shapes)
     if architecture == "gemma3":
         return _gemma3_config(reader, config)
+    if architecture == "gemma-embedding":  # the file's sliding_window is the whole (symmetric) span
+        return _gemma3_config(reader, config, architecture=architecture) | {"use_bidirectional_attention": True}
     if architecture == "gemma2":
         return _gemma2_config(reader, config)
     return _llama_like_config(reader, config, architecture=architecture, tensor_shapes=tensor_shapes)
@@ -858,8 +871,45 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
         write_safetensors_streaming(staging / "model.safetensors", shapes=shapes, produce=source.dequantized)
         _fsync_write(staging / "tokenizer.json", tokenizer.to_str(pretty=False).encode("utf-8"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config)
+        _write_embedding_modules(reader, staging, architecture=architecture, source=gguf_path)
         # Written last: its presence means everything above is complete.
         _write_json(staging / SOURCE_MARKER, marker)
+
+
+def _write_embedding_modules(reader: GGUFFile, out_dir: Path, *, architecture: str, source: Path) -> None:
+    """An embedding model's pooling and Dense layers as sentence-transformers modules (llama.cpp
+    keeps the layers' weights, applies no activation between them and normalises the result)."""
+    import torch
+
+    from quickdraft.models.sentence_transformers import write_dense_layer, write_modules
+
+    pooling = read_field(reader, f"{architecture}.pooling_type")
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    dense = [name for name in DENSE_TENSORS if f"{name}.weight" in tensors]
+    if pooling is None and not dense:
+        return
+    if pooling is not None and int(pooling) not in _GGUF_POOLING_TYPES:
+        raise ValueError(f"{source}: pooling_type {pooling} has no embedding vector (1 mean, 2 cls, 3 last do)")
+    subdirs = []
+    for index, name in enumerate(dense, start=2):
+        weight = dequantize_tensor(
+            tensors[f"{name}.weight"], architecture=architecture, n_head=1, n_head_kv=1, source=source
+        )
+        bias = tensors.get(f"{name}.bias")
+        bias_values = (
+            None
+            if bias is None
+            else dequantize_tensor(bias, architecture=architecture, n_head=1, n_head_kv=1, source=source)
+        )
+        subdirs.append(f"{index}_Dense")
+        write_dense_layer(
+            out_dir / subdirs[-1],
+            weight=torch.tensor(weight),
+            bias=None if bias_values is None else torch.tensor(bias_values),
+            activation="identity",
+        )
+    pooling_type = _GGUF_POOLING_TYPES[int(pooling)] if pooling is not None else "MEAN"
+    write_modules(out_dir, pooling_type=pooling_type, dense=subdirs, normalize=True)
 
 
 class _GGUFTensors:

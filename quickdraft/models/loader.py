@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.models.config import ModelConfig, moe_hf_names, moe_router_name
+from quickdraft.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, moe_hf_names, moe_router_name
 from quickdraft.models.decoder import Decoder
 from quickdraft.models.heap import return_free_heap
 from quickdraft.models.layers import RotaryTable, default_linear_fn
@@ -199,6 +199,7 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
     `names` when given: only those are read)."""
     from safetensors import safe_open
 
+    bare = saved_without_prefix(model_dir)
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(model_dir):
         if not file.exists():
@@ -212,7 +213,7 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
                     # gpt-oss: every expert in one tensor, or its MXFP4 blocks (to floats in the model's layout)
                     mxfp4 = name.endswith("_blocks")
                     if _STACKED_EXPERTS.search(name.removesuffix("_blocks")):
-                        stem = normalised_name(name.removesuffix("_blocks"))
+                        stem = normalised_name(name.removesuffix("_blocks"), bare=bare)
                         experts = f.get_slice(name).get_shape()[0]
                         wanted_names = {
                             n
@@ -228,9 +229,9 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
                         )
                         tensors.update((n, t) for n, t in _unstacked_experts(stem, stacked) if n in wanted_names)
                         continue
-                    wanted = names is None or normalised_name(name) in names
-                    if wanted and normalised_name(name).startswith(prefix):
-                        tensors[normalised_name(name)] = f.get_tensor(name)
+                    ours = normalised_name(name, bare=bare)
+                    if (names is None or ours in names) and ours.startswith(prefix):
+                        tensors[ours] = f.get_tensor(name)
         except Exception as err:  # safetensors raises several types for a corrupt file
             raise ValueError(f"cannot read weights from {file}: {err}") from err
     if names is None or names - tensors.keys():
@@ -287,9 +288,29 @@ def _unstacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch
     return list(zip(unstacked_names(name, len(tensor)), pieces))
 
 
-def normalised_name(name: str) -> str:
-    # Multimodal Gemma 3 stores its text decoder under language_model.
+def normalised_name(name: str, *, bare: bool = False) -> str:
+    """A checkpoint tensor's name as a causal LM's (`model.layers.0...`): multimodal Gemma 3 stores
+    its text decoder under language_model; a base model saved alone (`bare`: Gemma3TextModel, as
+    EmbeddingGemma) has no `model.` prefix."""
+    if bare and not name.startswith(("model.", "lm_head.")):
+        return "model." + name
     return name.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
+
+
+def saved_without_prefix(model_dir: Path) -> bool:
+    """Whether `model_dir` is a base model saved alone (architectures such as Gemma3TextModel or
+    LlamaModel, not ...ForCausalLM): its tensors are named without `model.`."""
+    config_path = model_dir / "config.json"
+    try:
+        hf = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = hf.get("architectures") or []
+    return (
+        hf.get("model_type") in SUPPORTED_MODEL_TYPES
+        and bool(architectures)
+        and all(isinstance(a, str) and a.endswith("Model") for a in architectures)
+    )
 
 
 def hf_layer_tensors(config: ModelConfig, index: int) -> dict[str, list[str]]:

@@ -40,7 +40,7 @@ from quickdraft.kv.cache import CacheFullError
 from quickdraft.models.chat import ChatRenderError, render_chat
 from quickdraft.models.lora import LoRAError, LoRARequest
 from quickdraft.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from quickdraft.pooling import PoolingParams
+from quickdraft.pooling import PoolingParams, cosine_similarity, score_pairs
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, RequestOptions, Submission
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
 from quickdraft.server.logits_processors import resolve_logits_processors
@@ -53,7 +53,9 @@ from quickdraft.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
     SamplingFields,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     chat_logprobs_body,
@@ -474,32 +476,23 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         body = await _read_request(server, request, model=EmbeddingRequest)
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if _check_model(server, body.model) is not None:
-            raise bad_request("model: embeddings come from the base model, not a LoRA adapter", param="model")
+        _check_base_model(server, body.model)
         prompts = body.prompts()
-        try:
-            params = PoolingParams(
-                pooling_type=server.config.pooling_type,
-                normalize=body.normalize,
-                dimensions=body.dimensions,
-                truncate_prompt_tokens=body.truncate_prompt_tokens,
-            )
-        except ValueError as err:
-            raise bad_request(str(err), param=None) from err
-        token_ids = await server.preprocessor.run(_embedding_tokens, server, body, prompts)
-        try:
-            # on the loop thread, between steps of the requests generating
-            vectors = await asyncio.wrap_future(server.engine_loop.call(lambda engine: engine.embed(token_ids, params)))
-        except ValueError as err:
-            raise bad_request(str(err), param="dimensions" if "dimensions" in str(err) else "input") from err
-        except CacheFullError as err:
-            raise APIError(status=503, message=str(err), param=None, code="cache_full") from err
-        keep = params.truncate_prompt_tokens or max(len(ids) for ids in token_ids)
-        used = sum(min(len(ids), keep) for ids in token_ids)
+        params = _pooling_params(
+            server,
+            normalize=body.normalize,
+            dimensions=body.dimensions,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+        )
+        token_ids = await server.preprocessor.run(
+            _pooling_tokens, server, prompts, add_special_tokens=body.add_special_tokens, param="input"
+        )
+        vectors = await _embed_on_loop(server, token_ids, params)
         data = [
             {"object": "embedding", "index": index, "embedding": _embedding_body(vector, body.encoding_format)}
             for index, vector in enumerate(vectors)
         ]
+        used = _tokens_used(token_ids, params)
         return JSONResponse(
             {
                 "id": f"embd-{uuid.uuid4().hex}",
@@ -507,6 +500,70 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
                 "created": int(time.time()),
                 "model": body.model or server.model_name,
                 "data": data,
+                "usage": {"prompt_tokens": used, "total_tokens": used},
+            }
+        )
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: Request):
+        body = await _read_request(server, request, model=ScoreRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        _check_base_model(server, body.model)
+        firsts, seconds = body.texts()
+        try:
+            pairs = score_pairs(len(firsts), len(seconds))
+        except ValueError as err:
+            raise bad_request(str(err), param="text_2") from err
+        scores, used = await _pair_scores(
+            server,
+            firsts + seconds,
+            pairs,
+            num_first=len(firsts),
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            add_special_tokens=body.add_special_tokens,
+        )
+        return JSONResponse(
+            {
+                "id": f"score-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": body.model or server.model_name,
+                "data": [{"index": index, "object": "score", "score": value} for index, value in enumerate(scores)],
+                "usage": {"prompt_tokens": used, "total_tokens": used},
+            }
+        )
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: Request):
+        body = await _read_request(server, request, model=RerankRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        _check_base_model(server, body.model)
+        [query], documents = body.texts()
+        scores, used = await _pair_scores(
+            server,
+            [query, *documents],
+            score_pairs(1, len(documents)),
+            num_first=1,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            add_special_tokens=body.add_special_tokens,
+        )
+        ranked = sorted(range(len(documents)), key=lambda index: -scores[index])  # stable: ties keep their order
+        ranked = ranked[: body.top_n] if body.top_n else ranked
+        results = [
+            {"index": index, "relevance_score": scores[index]}
+            | ({"document": {"text": documents[index]}} if body.return_documents else {})
+            for index in ranked
+        ]
+        return JSONResponse(
+            {
+                "id": f"rerank-{uuid.uuid4().hex}",
+                "model": body.model or server.model_name,
+                "results": results,
                 "usage": {"prompt_tokens": used, "total_tokens": used},
             }
         )
@@ -800,21 +857,74 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
     return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": strings}
 
 
-def _embedding_tokens(
-    server: QuickdraftServer, body: EmbeddingRequest, prompts: list[str | list[int]]
+def _check_base_model(server: QuickdraftServer, model: str | None) -> None:
+    if _check_model(server, model) is not None:
+        raise bad_request("model: embeddings and scores come from the base model, not a LoRA adapter", param="model")
+
+
+def _pooling_params(server: QuickdraftServer, **fields: Any) -> PoolingParams:
+    try:
+        return PoolingParams(pooling_type=server.config.pooling_type, **fields)
+    except ValueError as err:
+        raise bad_request(str(err), param=None) from err
+
+
+def _pooling_tokens(
+    server: QuickdraftServer, prompts: list[str | list[int]], *, add_special_tokens: bool, param: str
 ) -> list[list[int]]:
-    """Each /v1/embeddings input as token ids (on a preprocessing thread): a text tokenized, ids checked."""
+    """Each input of an embedding or scoring request as token ids (on a preprocessing thread): a
+    text tokenized, ids checked."""
     tokenizer, vocab = server.tokenizer, server.tokenizer.vocab_size
     token_ids = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            token_ids.append(tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens))
+            token_ids.append(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
             continue
         bad = [token for token in prompt if not 0 <= token < vocab]
         if bad:
-            raise bad_request(f"input[{index}]: ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="input")
+            raise bad_request(f"{param}[{index}]: ids outside the vocabulary [0, {vocab}): {bad[:5]}", param=param)
         token_ids.append(prompt)
     return token_ids
+
+
+async def _embed_on_loop(
+    server: QuickdraftServer, token_ids: list[list[int]], params: PoolingParams
+) -> list[torch.Tensor]:  # each [D] float32
+    """The prompts' embeddings, computed on the loop thread between steps of the requests generating."""
+    try:
+        return await asyncio.wrap_future(server.engine_loop.call(lambda engine: engine.embed(token_ids, params)))
+    except ValueError as err:
+        raise bad_request(str(err), param="dimensions" if "dimensions" in str(err) else "input") from err
+    except CacheFullError as err:
+        raise APIError(status=503, message=str(err), param=None, code="cache_full") from err
+
+
+def _tokens_used(token_ids: list[list[int]], params: PoolingParams) -> int:
+    keep = params.truncate_prompt_tokens or max(len(ids) for ids in token_ids)
+    return sum(min(len(ids), keep) for ids in token_ids)
+
+
+async def _pair_scores(
+    server: QuickdraftServer,
+    texts: list[str],
+    pairs: list[tuple[int, int]],
+    *,
+    num_first: int,
+    truncate_prompt_tokens: int | None,
+    add_special_tokens: bool,
+) -> tuple[list[float], int]:
+    """(each pair's cosine similarity, the prompt tokens embedded): texts[:num_first] are the
+    first texts, the rest the second ones; each distinct text is embedded once."""
+    params = _pooling_params(server, truncate_prompt_tokens=truncate_prompt_tokens)
+    token_ids = await server.preprocessor.run(
+        _pooling_tokens, server, texts, add_special_tokens=add_special_tokens, param="input"
+    )
+    distinct = list(dict.fromkeys(tuple(ids) for ids in token_ids))
+    vectors = dict(zip(distinct, await _embed_on_loop(server, [list(ids) for ids in distinct], params)))
+    scores = [
+        cosine_similarity(vectors[tuple(token_ids[i])], vectors[tuple(token_ids[num_first + j])]) for i, j in pairs
+    ]
+    return scores, _tokens_used([list(ids) for ids in distinct], params)
 
 
 def _embedding_body(vector: torch.Tensor, encoding_format: str) -> list[float] | str:  # vector [D] float32

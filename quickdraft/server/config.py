@@ -60,8 +60,9 @@ class ServerConfig:
     # vLLM's --reasoning-parser (deepseek_r1, qwen3): a chat reply's <think> block is returned as
     # `reasoning`, the rest as content (structured/reasoning.py); None: all content
     reasoning_parser: str | None = None
-    # How /v1/embeddings pools a prompt's final hidden states (quickdraft/pooling.py): LAST, MEAN or CLS
-    pooling_type: str = "LAST"
+    # How /v1/embeddings pools a prompt's final hidden states (quickdraft/pooling.py): LAST, MEAN or
+    # CLS; None: the model's own (a sentence-transformers directory's Pooling module, else LAST)
+    pooling_type: str | None = None
     # tool_choice "auto": the <tool_call> blocks a reply writes are held to the tools' schemas by a
     # grammar (free text stays free; a request's own response_format replaces it)
     auto_tool_call_grammar: bool = True
@@ -149,7 +150,7 @@ class ServerConfig:
             raise ValueError(
                 f"reasoning_parser must be one of {list(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
             )
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
         if (self.tool_call_parser == "openai") != (self.reasoning_parser == "openai_gptoss"):
             raise ValueError(

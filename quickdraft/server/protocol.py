@@ -560,6 +560,50 @@ class EmbeddingRequest(StrictModel):
         return inputs
 
 
+def _texts(value: str | list[str], *, param: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else list(value)
+    if not texts:
+        raise bad_request(f"{param}: at least one text is needed", param=param)
+    for index, text in enumerate(texts):
+        if not text:
+            raise bad_request(f"{param}[{index}] is empty", param=param)
+    return texts
+
+
+class ScoreRequest(StrictModel):
+    """vLLM's /score (/v1/score) for embedding models: each pair's cosine similarity; text_1 pairs
+    with every text_2 (1:N) or the i-th with the i-th (N:N)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    user: str | None = None
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        return _texts(self.text_1, param="text_1"), _texts(self.text_2, param="text_2")
+
+
+class RerankRequest(StrictModel):
+    """vLLM's /rerank (/v1/rerank, /v2/rerank: Jina's and Cohere's API): the documents ordered by
+    their score against the query, the best `top_n` of them (0 or None: all)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    user: str | None = None
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        if self.top_n is not None and self.top_n < 0:
+            raise bad_request(f"top_n must be >= 0, got {self.top_n}", param="top_n")
+        return _texts(self.query, param="query"), _texts(self.documents, param="documents")
+
+
 class DetokenizeRequest(StrictModel):
     """vLLM's /detokenize: token ids back to text."""
 

@@ -81,6 +81,7 @@ class TinyVocab:
     pad_id: int | None = None
     add_space_prefix: bool | None = None
     chat_template: str | None = None
+    add_eos: bool = False
     reference: HFTokenizer | None = field(default=None, repr=False)  # the tokenizer it was trained as
 
     def write(self, writer: gguf.GGUFWriter) -> None:
@@ -100,7 +101,7 @@ class TinyVocab:
         if self.pad_id is not None:
             writer.add_pad_token_id(self.pad_id)
         writer.add_add_bos_token(self.add_bos)
-        writer.add_add_eos_token(False)
+        writer.add_add_eos_token(self.add_eos)
         if self.add_space_prefix is not None:
             writer.add_add_space_prefix(self.add_space_prefix)
         if self.chat_template is not None:

@@ -10,6 +10,7 @@ import concurrent.futures
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from quickdraft import PoolingParams, SamplingParams
 from tests.server.conftest import start_server, tiny_server_config
@@ -95,3 +96,81 @@ def test_truncation_and_pooling_setting(server, tiny_checkpoints, offline_llms):
     assert reply["data"][0]["embedding"] == expected and reply["usage"]["prompt_tokens"] == 8
     with pytest.raises(ValueError, match="pooling_type must be one of"):
         tiny_server_config(tiny_checkpoints["gemma3"], pooling_type="MAX")
+
+
+QUERY = "What do cats sit on?"
+DOCUMENTS = ["The cat sat on the mat", "Speculative decoding is lossless", "A dog lay on the rug"]
+
+
+def test_score_is_llm_score_s_cosine(server, offline_llms):
+    llm = offline_llms["gemma3"]
+    vectors = [torch.tensor(out.outputs.embedding) for out in llm.embed([QUERY, *DOCUMENTS])]
+    cosines = [torch.nn.functional.cosine_similarity(vectors[0], v, dim=0).item() for v in vectors[1:]]
+    offline = [out.outputs.score for out in llm.score(QUERY, DOCUMENTS)]
+    assert offline == pytest.approx(cosines, abs=1e-6)
+    for path in ("/score", "/v1/score"):
+        reply = httpx.post(f"{server.base_url}{path}", json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=30).json()
+        assert [item["index"] for item in reply["data"]] == [0, 1, 2] and reply["object"] == "list"
+        assert [item["score"] for item in reply["data"]] == offline
+        assert reply["usage"]["prompt_tokens"] == sum(len(llm.tokenizer.encode(t)) for t in [QUERY, *DOCUMENTS])
+    pairwise = httpx.post(
+        f"{server.base_url}/score", json={"text_1": DOCUMENTS[:2], "text_2": DOCUMENTS[1:]}, timeout=30
+    )
+    expected = [out.outputs.score for out in llm.score(DOCUMENTS[:2], DOCUMENTS[1:])]
+    assert [item["score"] for item in pairwise.json()["data"]] == expected
+
+
+def test_rerank_orders_documents_by_score(server, offline_llms):
+    scores = [out.outputs.score for out in offline_llms["gemma3"].score(QUERY, DOCUMENTS)]
+    order = sorted(range(3), key=lambda i: -scores[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        reply = httpx.post(f"{server.base_url}{path}", json={"query": QUERY, "documents": DOCUMENTS}, timeout=30).json()
+        assert [r["index"] for r in reply["results"]] == order
+        assert [r["relevance_score"] for r in reply["results"]] == [scores[i] for i in order]
+        assert [r["document"]["text"] for r in reply["results"]] == [DOCUMENTS[i] for i in order]
+    top = httpx.post(
+        f"{server.base_url}/rerank",
+        json={"query": QUERY, "documents": DOCUMENTS, "top_n": 2, "return_documents": False},
+        timeout=30,
+    ).json()
+    assert [r["index"] for r in top["results"]] == order[:2] and "document" not in top["results"][0]
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "message"),
+    [
+        ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "one text with N, or N with N: got 2 and 3"),
+        ("/score", {"text_1": [], "text_2": "a"}, "text_1: at least one text"),
+        ("/score", {"text_1": "a", "text_2": ["b", ""]}, r"text_2\[1\] is empty"),
+        ("/rerank", {"query": "a", "documents": []}, "documents: at least one text"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n must be >= 0"),
+        ("/rerank", {"documents": ["b"]}, "query"),
+        ("/v1/score", {"text_1": "a", "text_2": "b", "model": "other"}, "does not exist"),
+    ],
+)
+def test_bad_scoring_input_names_the_problem(server, path, fields, message):
+    import re
+
+    response = httpx.post(f"{server.base_url}{path}", json=fields, timeout=30)
+    assert response.status_code in (400, 404), response.text
+    assert re.search(message, response.json()["error"]["message"]), response.json()
+
+
+def test_an_embedding_model_serves_embeddings_and_refuses_completions(tmp_path):
+    """EmbeddingGemma's layout (tests/models/test_embedding_models.py): its modules' vectors over
+    HTTP; a completion is a 400 naming why."""
+    from quickdraft import LLM
+    from tests.models.test_embedding_models import build_tiny_embedding_model
+
+    path = build_tiny_embedding_model(tmp_path / "encoder")
+    expected = LLM(str(path), max_model_len=128).embed(TEXTS)
+    running = start_server(tiny_server_config(path, served_model_name="encoder"))
+    try:
+        reply = httpx.post(
+            f"{running.api_url}/embeddings", json={"input": TEXTS, "encoding_format": "float"}, timeout=30
+        )
+        assert [item["embedding"] for item in reply.json()["data"]] == [out.outputs.embedding for out in expected]
+        refused = httpx.post(f"{running.api_url}/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)
+        assert refused.status_code == 400 and "does not generate text" in refused.json()["error"]["message"]
+    finally:
+        running.stop()
