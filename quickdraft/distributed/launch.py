@@ -27,7 +27,7 @@ from quickdraft.distributed.decoder import SHUTDOWN, TensorParallelDecoder, load
 from quickdraft.distributed.group import STARTUP_TIMEOUT, ParallelGroup, collective_device, join_group, open_store
 from quickdraft.distributed.sharding import ShardLayout, check_tensor_parallel
 from quickdraft.models.config import ModelConfig
-from quickdraft.models.loader import read_hf_config
+from quickdraft.models.loader import read_model_config
 
 
 @dataclass
@@ -143,7 +143,7 @@ def start_tensor_parallel(
     gguf_path: Path | None = None,
 ) -> TensorParallelTarget:
     """Check the split, start the followers, load rank 0's slice; returns once every rank is ready."""
-    config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
+    config = read_model_config(model_dir)
     check_tensor_parallel(config, size)  # before any process starts: a clear error, nothing to clean up
     if size < 2:
         raise ValueError(f"tensor parallelism needs at least 2 ranks, got {size}")

@@ -32,12 +32,12 @@ from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
 from quickdraft.engine.verification import StepLogits, chain_rows, node_histories, verify_step, walks_path
 from quickdraft.kv.cache import CacheFullError, KVCache
-from quickdraft.models.config import ModelConfig
 from quickdraft.models.decoder import Decoder, LogitsArena
 from quickdraft.models.heap import return_free_heap, transparent_huge_pages
 from quickdraft.models.loader import (
     load_decoder,
     read_hf_config,
+    read_model_config,
     resolve_device,
     resolve_dtype,
     resolve_gguf_path,
@@ -87,8 +87,11 @@ class Engine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context {probe}")
         cache_len = self.max_model_len + CACHE_HEADROOM
         hf_config = read_hf_config(model_dir)
+        declared = read_model_config(model_dir)
         # An encoder (EmbeddingGemma) runs a prompt whole in one forward, however long it is.
-        self.is_encoder = ModelConfig.from_hf_dict(hf_config).bidirectional_attention
+        self.is_encoder = declared.bidirectional_attention
+        # An encoder, or a base model saved without its LM head: embed() alone uses the engine.
+        self.embedding_only = self.is_encoder or declared.embedding_only
         step_tokens = max(config.max_num_batched_tokens, CACHE_HEADROOM, cache_len if self.is_encoder else 0)
         # The followers of a tensor-parallel target (None: the whole target is in this process).
         self.tensor_parallel: TensorParallelWorkers | None = None
@@ -107,8 +110,8 @@ class Engine:
             )
             self.cache = KVCache(
                 num_layers=self.model_config.num_layers,
-                # an encoder's slots serve embed() alone, one prompt at a time
-                num_slots=1 if self.is_encoder else config.max_num_seqs,
+                # embed() alone, one prompt at a time, uses an embedding model's slots
+                num_slots=1 if self.embedding_only else config.max_num_seqs,
                 num_kv_heads=self.model_config.num_kv_heads,
                 head_dim=self.model_config.head_dim,
                 max_len=cache_len,
@@ -170,10 +173,15 @@ class Engine:
         return_free_heap()  # the drafter's load temporaries (a head quantized at load: ~30 MB)
 
     def _check_generates(self) -> None:
-        if self.is_encoder:
+        if self.embedding_only:
+            why = (
+                "bidirectional attention: every token sees the whole prompt"
+                if self.is_encoder
+                else "a base model saved without its LM head: lm_head.weight is missing and the embeddings are not tied"
+            )
             raise ValueError(
-                f"{self.model_dir.name} is an embedding model (bidirectional attention: every token sees the "
-                "whole prompt), it does not generate text: use LLM.embed / LLM.score or /v1/embeddings"
+                f"{self.model_dir.name} is an embedding model ({why}), it does not generate text: use "
+                "LLM.embed / LLM.score or /v1/embeddings"
             )
 
     def _start_tensor_parallel(self, cache_len: int, *, gguf_path: Path | None, step_tokens: int) -> None:

@@ -145,6 +145,9 @@ class ModelConfig:
     # (EmbeddingGemma: an encoder, every token sees the whole prompt) |query - key| < sliding_window.
     sliding_window: int | None = None
     bidirectional_attention: bool = False
+    # A base model saved without its LM head (its embeddings not tied): it embeds, it cannot generate;
+    # the decoder ties a head to the embeddings that nothing reads.
+    embedding_only: bool = False
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by c * tanh(score / c)
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (our fused layout already).

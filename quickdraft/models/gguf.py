@@ -909,7 +909,8 @@ def _write_embedding_modules(reader: GGUFFile, out_dir: Path, *, architecture: s
             activation="identity",
         )
     pooling_type = _GGUF_POOLING_TYPES[int(pooling)] if pooling is not None else "MEAN"
-    write_modules(out_dir, pooling_type=pooling_type, dense=subdirs, normalize=True)
+    hidden_size = int(arch_field(reader, architecture, "embedding_length"))
+    write_modules(out_dir, hidden_size=hidden_size, pooling_type=pooling_type, dense=subdirs, normalize=True)
 
 
 class _GGUFTensors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -163,6 +164,31 @@ def read_hf_config(model_dir: Path) -> dict:
         return json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """The target's ModelConfig from config.json, marked `embedding_only` (with a tied placeholder
+    head) when it is a base model saved without the LM head its config asks for."""
+    config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
+    if config.tie_word_embeddings or not saved_without_prefix(model_dir):
+        return config
+    if "lm_head.weight" in _checkpoint_names(model_dir):
+        return config
+    return dataclasses.replace(config, tie_word_embeddings=True, embedding_only=True)
+
+
+def _checkpoint_names(model_dir: Path) -> set[str]:
+    """Every tensor name of the checkpoint's safetensors, read from the index or the headers."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -508,7 +534,7 @@ def load_weights(
     quantized to Q8_0 at load.  Quantized models compute in float32 on the CPU.
     huge_pages: the quantized weights in this process's own huge pages (heap.huge_page_buffer),
     not mapped from the packed-weight file."""
-    config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
+    config = read_model_config(model_dir)
     plan = decoder_plan(config)
     if quantization is None:
         return LoadedWeights(config, convert_hf_tensors(config, plan, read_hf_tensors(model_dir)))

@@ -271,7 +271,10 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
     )
 
     # the target's model_type (as its config.json or the GGUF conversion names it) -> GGUF architecture
-    architectures = {arch: arch for arch in _HF_CLASSES} | {hf[0]: arch for arch, hf in _HF_CLASSES.items()}
+    causal = {
+        arch: hf for arch, hf in _HF_CLASSES.items() if arch != "gemma-embedding"
+    }  # its own model_type is Gemma 3's
+    architectures = {arch: arch for arch in causal} | {hf[0]: arch for arch, hf in causal.items()}
     architectures["mixtral"] = "llama"  # llama.cpp converts Mixtral as llama
 
     try:
@@ -285,7 +288,7 @@ def _gguf_modules(path: Path, name: str, config: ModelConfig) -> tuple[list[_Mod
             f"adapter.type {adapter_type!r}); a model file cannot be an adapter"
         )
     architecture = read_field(reader, "general.architecture")
-    expected = architectures.get(config.model_type)
+    expected = "gemma-embedding" if config.bidirectional_attention else architectures.get(config.model_type)
     if architecture != expected:
         raise LoRAError(f"LoRA adapter {name!r}: an adapter of {architecture!r} models; the target is {expected!r}")
     # the loader's GGUF leaf names of the projections (attn_q -> self_attn.q_proj) -> PEFT's module names

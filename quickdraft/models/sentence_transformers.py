@@ -168,9 +168,9 @@ def write_dense_layer(directory: Path, *, weight: torch.Tensor, bias: torch.Tens
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-def write_modules(model_dir: Path, *, pooling_type: str, dense: list[str], normalize: bool) -> None:
+def write_modules(model_dir: Path, *, hidden_size: int, pooling_type: str, dense: list[str], normalize: bool) -> None:
     """modules.json and 1_Pooling/config.json for a directory whose Dense modules are (or will
-    be) in the subdirectories `dense`, in order."""
+    be) in the subdirectories `dense`, in order (a directory sentence-transformers loads too)."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": _MODULE_PREFIX + "Transformer"}]
     pooling_dir = "1_Pooling"
     modules.append({"idx": 1, "name": "1", "path": pooling_dir, "type": _MODULE_PREFIX + "Pooling"})
@@ -187,5 +187,7 @@ def write_modules(model_dir: Path, *, pooling_type: str, dense: list[str], norma
         )
     (model_dir / pooling_dir).mkdir(parents=True, exist_ok=True)
     switches = {key: ours == pooling_type for key, ours in _POOLING_MODES.items()}
-    (model_dir / pooling_dir / "config.json").write_text(json.dumps(switches, indent=1))
+    switches |= {key: False for key in _UNSUPPORTED_POOLING_MODES}
+    pooling = {"word_embedding_dimension": hidden_size, **switches, "include_prompt": True}
+    (model_dir / pooling_dir / "config.json").write_text(json.dumps(pooling, indent=1))
     (model_dir / MODULES_FILE).write_text(json.dumps(modules, indent=1))

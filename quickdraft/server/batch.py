@@ -29,7 +29,7 @@ from typing import Any
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.server import QuickdraftServer
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/v1/rerank")
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def build_tiny_embedding_model(out_dir, *, seed: int = 0, tanh_with_bias: bool =
         bias=torch.randn(hidden) if tanh_with_bias else None,
         activation=activation,
     )
-    write_modules(out_dir, pooling_type="MEAN", dense=["2_Dense", "3_Dense"], normalize=True)
+    write_modules(out_dir, hidden_size=hidden, pooling_type="MEAN", dense=["2_Dense", "3_Dense"], normalize=True)
     return out_dir
 
 
@@ -295,3 +295,48 @@ def test_bidirectional_attention_only_for_gemma3():
     with pytest.raises(ValueError, match=r"supported for Gemma 3 encoders .*, not llama"):
         ModelConfig.from_hf_dict(llama)
     assert not ModelConfig.from_hf_dict(tiny_hf_config("gemma3").to_dict()).bidirectional_attention
+
+
+def test_a_bare_qwen3_model_with_last_token_pooling_modules(tmp_path):
+    """Qwen3-Embedding's layout: a causal Qwen3 saved as the base model (`Qwen3Model`, tensors
+    without `model.`, here without an LM head and with untied embeddings), last-token pooling and
+    Normalize modules, no Dense layer."""
+    import transformers
+
+    from tests.conftest import tiny_hf_config
+
+    torch.manual_seed(4)
+    model = transformers.Qwen3Model(tiny_hf_config("qwen3")).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    model.save_pretrained(tmp_path)
+    write_tiny_tokenizer(tmp_path, bos="<s>", eos="</s>", chat=False)
+    write_modules(tmp_path, hidden_size=model.config.hidden_size, pooling_type="LAST", dense=[], normalize=True)
+    llm = LLM(str(tmp_path), max_model_len=64)
+    assert llm.engine.pooler.pooling_type == "LAST" and not llm.engine.is_encoder
+    with torch.no_grad():
+        last = model(torch.tensor([PROMPT])).last_hidden_state[0, -1]
+    ours = torch.tensor(llm.embed([PROMPT])[0].outputs.embedding)
+    torch.testing.assert_close(ours, last / last.norm(), rtol=1e-4, atol=1e-5)
+    # untied embeddings and no lm_head.weight: it embeds, it cannot generate
+    assert llm.engine.embedding_only and llm.engine.cache.num_slots == 1
+    with pytest.raises(ValueError, match=r"saved without its LM head: lm_head\.weight is missing"):
+        llm.generate([PROMPT[:4]], SamplingParams(max_tokens=3))
+
+
+@pytest.mark.parametrize("tanh_with_bias", [False, True])
+def test_equal_to_sentence_transformers_itself(tmp_path, tanh_with_bias):
+    """The directory as the sentence-transformers library loads and runs it (its own Transformer,
+    Pooling, Dense and Normalize modules) gives our vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    path = build_tiny_embedding_model(tmp_path / "st", seed=5, tanh_with_bias=tanh_with_bias)
+    library = SentenceTransformer(str(path), device="cpu")
+    assert [type(module).__name__ for module in library] == ["Transformer", "Pooling", "Dense", "Dense", "Normalize"]
+    features = {"input_ids": torch.tensor([PROMPT]), "attention_mask": torch.ones(1, len(PROMPT), dtype=torch.long)}
+    with torch.no_grad():
+        expected = library(features)["sentence_embedding"][0]
+    ours = torch.tensor(LLM(str(path), max_model_len=64).embed([PROMPT])[0].outputs.embedding)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)

@@ -37,8 +37,11 @@ def batch_run(tiny_checkpoints, tmp_path_factory):
         "{not json",
         _line("c0", "/v1/completions", {"prompt": "a repeated custom_id"}),
         _line("get", "/v1/completions", {"prompt": "x"}, method="GET"),
-        _line("embed", "/v1/embeddings", {"input": "x"}),
+        _line("speech", "/v1/audio/speech", {"input": "x"}),
         _line("stream", "/v1/completions", {"prompt": "x", "stream": True}),
+        _line("embed", "/v1/embeddings", {"input": PROMPTS[:2], "encoding_format": "float"}),
+        _line("score", "/v1/score", {"text_1": PROMPTS[0], "text_2": PROMPTS[1:3]}),
+        _line("rerank", "/v1/rerank", {"query": PROMPTS[0], "documents": PROMPTS[1:], "top_n": 2}),
         "",  # blank lines are skipped
     ]
     source = root / "in.jsonl"
@@ -62,8 +65,11 @@ def test_results_in_input_order_equal_offline_decoding(batch_run, offline_llms):
         None,
         "c0",
         "get",
-        "embed",
+        "speech",
         "stream",
+        "embed",
+        "score",
+        "rerank",
     ]
     assert len({r["id"] for r in batch_run}) == len(batch_run) and all(
         r["id"].startswith("batch_req_") for r in batch_run
@@ -86,13 +92,27 @@ def test_a_refused_request_is_a_response_and_bad_lines_are_named(batch_run):
     refused = batch_run[5]
     assert refused["error"] is None and refused["response"]["status_code"] == 400
     assert "temperature" in refused["response"]["body"]["error"]["message"]
-    messages = {r["custom_id"]: r["error"]["message"] for r in batch_run[6:]}
-    assert all(r["response"] is None and r["error"]["code"] == "invalid_batch_line" for r in batch_run[6:])
+    messages = {r["custom_id"]: r["error"]["message"] for r in batch_run[6:11]}
+    assert all(r["response"] is None and r["error"]["code"] == "invalid_batch_line" for r in batch_run[6:11])
     assert messages[None].startswith("line 7: not JSON")
     assert messages["c0"] == "line 8: custom_id 'c0' is already used by line 1"
     assert "method must be POST" in messages["get"]
-    assert "url must be one of /v1/chat/completions" in messages["embed"]
+    assert "url must be one of /v1/chat/completions" in messages["speech"]
     assert "stream is not supported" in messages["stream"]
+
+
+def test_embeddings_scores_and_reranking_in_a_batch(batch_run, offline_llms):
+    """vLLM's run-batch endpoints beside generation: /v1/embeddings, /v1/score, /v1/rerank."""
+    llm = offline_llms["qwen3"]
+    embed, score, rerank = (result["response"] for result in batch_run[11:14])
+    assert [r["status_code"] for r in (embed, score, rerank)] == [200] * 3, [r["body"] for r in (embed, score, rerank)]
+    assert [item["embedding"] for item in embed["body"]["data"]] == [
+        o.outputs.embedding for o in llm.embed(PROMPTS[:2])
+    ]
+    scores = [o.outputs.score for o in llm.score(PROMPTS[0], PROMPTS[1:])]
+    assert [item["score"] for item in score["body"]["data"]] == scores[:2]
+    best = sorted(range(3), key=lambda i: -scores[i])[:2]
+    assert [item["index"] for item in rerank["body"]["results"]] == best
 
 
 def test_parse_batch_checks_each_line():
