@@ -5,6 +5,8 @@ from quickdraft.llm import LLM
 from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import CompletionOutput, RequestOutput
 from quickdraft.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingParams,
@@ -18,6 +20,8 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from quickdraft.config import EngineConfig
 from quickdraft.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -16,6 +16,8 @@ from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import EngineMetrics, RequestOutput, StreamDelta
 from quickdraft.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingParams,
@@ -26,6 +28,9 @@ from quickdraft.pooling import (
 )
 from quickdraft.sampling_params import SamplingParams
 from quickdraft.structured.tools import resolve_tool_calling
+
+if TYPE_CHECKING:
+    import torch
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -332,16 +337,32 @@ class LLM:
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         token_ids = [self._prompt_token_ids(prompt) for prompt in _as_prompt_list(prompts)]
         self.engine.pooler.check(params)
-        outputs = []
+        runs = self._pool_each(
+            token_ids,
+            lambda ids: self.engine.embed([ids], params)[0],
+            keep=params.truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+        )
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(vector.tolist()), kept) for rid, vector, kept in runs]
+
+    def _pool_each(
+        self,
+        token_ids: list[list[int]],
+        run: Callable[[list[int]], torch.Tensor],
+        *,
+        keep: int | None,
+        use_tqdm: bool,
+    ) -> list[tuple[str, torch.Tensor, list[int]]]:
+        """(request id, run(ids), the ids kept after truncation to the last `keep`) of each prompt,
+        run one after another in order (embed, classify and a reranker's pairs)."""
+        results = []
         progress = _progress_bar(len(token_ids), enabled=use_tqdm)
         for ids in token_ids:
-            [vector] = self.engine.embed([ids], params)
-            kept = ids if params.truncate_prompt_tokens is None else ids[-params.truncate_prompt_tokens :]
-            request_id = self.engine.new_request_id()
-            outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(vector.tolist()), kept))
+            kept = ids if keep is None else ids[-keep:]
+            results.append((self.engine.new_request_id(), run(ids), kept))
             progress.update(1)
         progress.close()
-        return outputs
+        return results
 
     def score(
         self,
@@ -353,11 +374,21 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = False,
     ) -> list[ScoringRequestOutput]:
-        """Similarity scores of text pairs (vLLM's `LLM.score` for embedding models): the cosine of
-        the two texts' embeddings (`embed`).  One first text pairs with every second one (1:N), or
-        the i-th with the i-th (N:N); each distinct text is embedded once."""
+        """Scores of text pairs (vLLM's `LLM.score`).  One first text pairs with every second one
+        (1:N), or the i-th with the i-th (N:N).  A reranker (a classifier of one label) reads each
+        pair as one prompt, the first text's tokens then the second's without special tokens, and
+        scores it with its head's sigmoid; an embedding model scores the cosine of the two texts'
+        embeddings (`embed`), each distinct text embedded once."""
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
+        pooler = self.engine.pooler
+        if pooler.classifier is not None and not pooler.cross_encoder:
+            raise ValueError(
+                f"score needs an embedding model or a reranker (a classifier of one label); this classifier has "
+                f"{pooler.classifier.num_labels} labels: use classify"
+            )
+        if pooler.cross_encoder:
+            return self._cross_encoder_scores(firsts, seconds, pairs, truncate_prompt_tokens, use_tqdm=use_tqdm)
         texts = [self._prompt_token_ids(prompt) for prompt in firsts + seconds]
         params = PoolingParams() if pooling_params is None else pooling_params
         if not isinstance(params, PoolingParams):
@@ -365,7 +396,7 @@ class LLM:
         params = dataclasses.replace(
             params, truncate_prompt_tokens=truncate_prompt_tokens or params.truncate_prompt_tokens
         )
-        self.engine.pooler.check(params)
+        pooler.check(params)
         distinct = list(dict.fromkeys(tuple(ids) for ids in texts))
         progress = _progress_bar(len(distinct), enabled=use_tqdm)
         vectors = {}
@@ -382,14 +413,52 @@ class LLM:
             outputs.append(ScoringRequestOutput(self.engine.new_request_id(), score, kept))
         return outputs
 
-    def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
+    def _cross_encoder_scores(
+        self,
+        firsts: list[PromptType],
+        seconds: list[PromptType],
+        pairs: list[tuple[int, int]],
+        truncate_prompt_tokens: int | None,
+        *,
+        use_tqdm: bool,
+    ) -> list[ScoringRequestOutput]:
+        first_ids = [self._prompt_token_ids(prompt) for prompt in firsts]
+        second_ids = [self._prompt_token_ids(prompt, add_special_tokens=False) for prompt in seconds]
+        prompts = [first_ids[i] + second_ids[j] for i, j in pairs]
+        runs = self._pool_each(
+            prompts, self._classify_one(truncate_prompt_tokens), keep=truncate_prompt_tokens, use_tqdm=use_tqdm
+        )
+        return [ScoringRequestOutput(rid, ScoringOutput(float(probs[0])), kept) for rid, probs, kept in runs]
+
+    def _classify_one(self, truncate_prompt_tokens: int | None) -> Callable[[list[int]], torch.Tensor]:
+        return lambda ids: self.engine.classify([ids], truncate_prompt_tokens=truncate_prompt_tokens)[0]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (vLLM's `LLM.classify`) from a *ForSequenceClassification
+        checkpoint's head on the last token's final state: a softmax over its labels (a sigmoid for a
+        single label); the labels are `llm.engine.pooler.classifier.labels`."""
+        token_ids = [self._prompt_token_ids(prompt) for prompt in _as_prompt_list(prompts)]
+        runs = self._pool_each(
+            token_ids, self._classify_one(truncate_prompt_tokens), keep=truncate_prompt_tokens, use_tqdm=use_tqdm
+        )
+        return [
+            ClassificationRequestOutput(rid, ClassificationOutput(probs.tolist()), kept) for rid, probs, kept in runs
+        ]
+
+    def _prompt_token_ids(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids, as generate would feed them (a text gets the tokenizer's BOS)."""
         given = _prompt_input(prompt)
         if given.token_ids is not None:
             return list(given.token_ids)
         if not isinstance(given.text, str):  # the engine's message for such a prompt
             raise TypeError(f"prompt must be a string, got {type(given.text).__name__}")
-        return self.tokenizer.encode(given.text)
+        return self.tokenizer.encode(given.text, add_special_tokens=add_special_tokens)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load a LoRA adapter before its first request (vLLM's); raises naming what is wrong with it."""

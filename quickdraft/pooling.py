@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from quickdraft.models.config import ModelConfig
 from quickdraft.models.sentence_transformers import EmbeddingHead, read_embedding_head
 
 # LAST: the last token's state (vLLM's default for decoder-only models: the only one that saw the
@@ -63,6 +64,13 @@ class Pooler:
     head: EmbeddingHead | None = None
     # lengths besides the full one an embedding may be cut to; True: any (is_matryoshka)
     matryoshka_dimensions: tuple[int, ...] | bool = ()
+    classifier: Classifier | None = None  # a *ForSequenceClassification model's score head
+
+    @property
+    def cross_encoder(self) -> bool:
+        """Whether pairs are scored by the model reading them together (a classifier of one label:
+        a reranker) rather than by the cosine of two embeddings."""
+        return self.classifier is not None and self.classifier.num_labels == 1
 
     @property
     def output_size(self) -> int:
@@ -102,16 +110,60 @@ class Pooler:
             vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
         return vector
 
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, D] final states -> [num_labels] float32
+        """The classifier's probabilities from the last token's state (as transformers' decoder
+        classifiers read it): a sigmoid for one label, a softmax over several."""
+        if self.classifier is None:
+            raise ValueError("this model has no classification head (a *ForSequenceClassification checkpoint has)")
+        logits = self.classifier.logits(hidden[-1].float())
+        return torch.sigmoid(logits) if self.classifier.num_labels == 1 else torch.softmax(logits, dim=0)
+
     @classmethod
-    def of_model(cls, model_dir: Path, *, hidden_size: int, hf_config: dict) -> Pooler:
-        """The pooler a model directory declares (modules.json; config.json's matryoshka keys)."""
+    def of_model(cls, model_dir: Path, *, config: ModelConfig, hf_config: dict) -> Pooler:
+        """The pooler a model directory declares (modules.json; config.json's matryoshka keys; a
+        classifier's `score` head)."""
         head = read_embedding_head(model_dir)
         dims = hf_config.get("matryoshka_dimensions")
         matryoshka: tuple[int, ...] | bool = (
             tuple(int(n) for n in dims) if isinstance(dims, list) else bool(hf_config.get("is_matryoshka"))
         )
         pooling_type = head.pooling_type if head is not None and head.pooling_type else "LAST"
-        return cls(pooling_type=pooling_type, hidden_size=hidden_size, head=head, matryoshka_dimensions=matryoshka)
+        return cls(
+            pooling_type=pooling_type,
+            hidden_size=config.hidden_size,
+            head=head,
+            matryoshka_dimensions=matryoshka,
+            classifier=Classifier.of_model(model_dir, config) if config.num_labels else None,
+        )
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A sequence classifier's head: logits = weight @ state (+ bias) over `labels`."""
+
+    weight: torch.Tensor  # [num_labels, D] float32
+    bias: torch.Tensor | None  # [num_labels] float32
+    labels: tuple[str, ...]
+
+    @property
+    def num_labels(self) -> int:
+        return self.weight.shape[0]
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:  # [D] -> [num_labels]
+        return torch.nn.functional.linear(state, self.weight, self.bias)
+
+    @classmethod
+    def of_model(cls, model_dir: Path, config: ModelConfig) -> Classifier:
+        from quickdraft.models.loader import read_hf_tensors
+
+        tensors = read_hf_tensors(model_dir, names={"score.weight", "score.bias"})
+        weight = tensors.get("score.weight")
+        expected = (config.num_labels, config.hidden_size)
+        if weight is None or tuple(weight.shape) != expected:
+            found = "none" if weight is None else tuple(weight.shape)
+            raise ValueError(f"{model_dir}: a classifier needs score.weight of shape {expected}, found {found}")
+        bias = tensors.get("score.bias")
+        return cls(weight=weight.float(), bias=None if bias is None else bias.float(), labels=config.labels)
 
 
 @dataclass
@@ -159,3 +211,22 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
 
 def cosine_similarity(first: torch.Tensor, second: torch.Tensor) -> float:  # [D], [D]
     return float(torch.nn.functional.cosine_similarity(first.double(), second.double(), dim=0))
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's class probabilities (vLLM's output of LLM.classify)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -123,7 +123,7 @@ class Engine:
                 max_step_tokens=step_tokens,
                 memory_bytes=config.kv_cache_memory_bytes,
             )
-        self.pooler = Pooler.of_model(model_dir, hidden_size=self.model_config.hidden_size, hf_config=hf_config)
+        self.pooler = Pooler.of_model(model_dir, config=declared, hf_config=hf_config)
         # Whether they are there: not float or CUDA weights, nor where the kernel gave no huge page.
         self.weights_in_huge_pages = (
             want_huge_pages and self.tensor_parallel is None and quantized_weights_in_huge_pages(self.model)
@@ -173,16 +173,22 @@ class Engine:
         return_free_heap()  # the drafter's load temporaries (a head quantized at load: ~30 MB)
 
     def _check_generates(self) -> None:
-        if self.embedding_only:
-            why = (
-                "bidirectional attention: every token sees the whole prompt"
-                if self.is_encoder
-                else "a base model saved without its LM head: lm_head.weight is missing and the embeddings are not tied"
-            )
+        if not self.embedding_only:
+            return
+        if self.pooler.classifier is not None:
             raise ValueError(
-                f"{self.model_dir.name} is an embedding model ({why}), it does not generate text: use "
-                "LLM.embed / LLM.score or /v1/embeddings"
+                f"{self.model_dir.name} is a classifier (a score head in place of the LM head), it does not "
+                "generate text: use LLM.classify / LLM.score or /classify, /score, /rerank"
             )
+        why = (
+            "bidirectional attention: every token sees the whole prompt"
+            if self.is_encoder
+            else "a base model saved without its LM head: lm_head.weight is missing and the embeddings are not tied"
+        )
+        raise ValueError(
+            f"{self.model_dir.name} is an embedding model ({why}), it does not generate text: use "
+            "LLM.embed / LLM.score or /v1/embeddings"
+        )
 
     def _start_tensor_parallel(self, cache_len: int, *, gguf_path: Path | None, step_tokens: int) -> None:
         """The target split over config.tensor_parallel_size processes, this one rank 0
@@ -452,6 +458,18 @@ class Engine:
             self._prompt_tokens(None, ids, keep_last=params.truncate_prompt_tokens, generates=False) for ids in prompts
         ]
         return [self.pooler(self._final_hidden_states(ids), params) for ids in checked]
+
+    @torch.inference_mode()
+    def classify(self, prompts: list[list[int]], *, truncate_prompt_tokens: int | None = None) -> list[torch.Tensor]:
+        """Each prompt's class probabilities [num_labels] float32 from a classifier's head on its
+        last token's final state (Pooler.classify); run as `embed` runs its prompts."""
+        if self.pooler.classifier is None:
+            raise ValueError(
+                f"{self.model_dir.name} has no classification head: classify and cross-encoder scores need a "
+                "*ForSequenceClassification checkpoint"
+            )
+        checked = [self._prompt_tokens(None, ids, keep_last=truncate_prompt_tokens, generates=False) for ids in prompts]
+        return [self.pooler.classify(self._final_hidden_states(ids)) for ids in checked]
 
     def _final_hidden_states(self, token_ids: list[int]) -> torch.Tensor:  # -> [T, D]
         slot = self.cache.allocate()  # CacheFullError when every slot is taken

@@ -148,6 +148,10 @@ class ModelConfig:
     # A base model saved without its LM head (its embeddings not tied): it embeds, it cannot generate;
     # the decoder ties a head to the embeddings that nothing reads.
     embedding_only: bool = False
+    # A *ForSequenceClassification checkpoint (a reranker, a classifier): a `score` head of
+    # num_labels rows reads the last token's final state; it classifies, it does not generate.
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()  # id2label, in label order
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by c * tanh(score / c)
     # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (our fused layout already).
@@ -276,12 +280,23 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         parser = _gemma_fields if model_type.startswith("gemma") else _llama_family_fields
-        fields = {**_common_fields(hf), **parser(hf, model_type)}
+        fields = {**_common_fields(hf), **parser(hf, model_type), **_classifier_fields(hf)}
         if hf.get("use_bidirectional_attention") and not fields.get("bidirectional_attention"):
             raise ValueError(
                 f"use_bidirectional_attention is supported for Gemma 3 encoders (EmbeddingGemma), not {model_type}"
             )
         return cls(**fields)
+
+
+def _classifier_fields(hf: dict) -> dict:
+    """num_labels and labels of a *ForSequenceClassification config (none for a language model)."""
+    architectures = hf.get("architectures") or []
+    if not any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in architectures):
+        return {}
+    id2label = hf.get("id2label") or {}
+    num_labels = len(id2label) or int(hf.get("num_labels", 2))
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
+    return {"num_labels": num_labels, "labels": labels}
 
 
 def _require(hf: dict, key: str):

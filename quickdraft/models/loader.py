@@ -168,8 +168,10 @@ def read_hf_config(model_dir: Path) -> dict:
 
 def read_model_config(model_dir: Path) -> ModelConfig:
     """The target's ModelConfig from config.json, marked `embedding_only` (with a tied placeholder
-    head) when it is a base model saved without the LM head its config asks for."""
+    head) when it is a base model saved without the LM head its config asks for, or a classifier."""
     config = ModelConfig.from_hf_dict(read_hf_config(model_dir))
+    if config.num_labels:  # a classifier's `score` head replaces the LM head (pooling.Classifier)
+        return dataclasses.replace(config, tie_word_embeddings=True, embedding_only=True)
     if config.tie_word_embeddings or not saved_without_prefix(model_dir):
         return config
     if "lm_head.weight" in _checkpoint_names(model_dir):

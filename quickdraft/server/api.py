@@ -48,6 +48,7 @@ from quickdraft.server.middleware import ApiKeyCheck, EndCancelledRequests
 from quickdraft.server.preprocess import Model, parse_request
 from quickdraft.server.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionLogprobs,
     CompletionRequest,
     DetokenizeRequest,
@@ -492,17 +493,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             {"object": "embedding", "index": index, "embedding": _embedding_body(vector, body.encoding_format)}
             for index, vector in enumerate(vectors)
         ]
-        used = _tokens_used(token_ids, params)
-        return JSONResponse(
-            {
-                "id": f"embd-{uuid.uuid4().hex}",
-                "object": "list",
-                "created": int(time.time()),
-                "model": body.model or server.model_name,
-                "data": data,
-                "usage": {"prompt_tokens": used, "total_tokens": used},
-            }
-        )
+        return _list_response(server, body, prefix="embd", data=data, used=_tokens_used(token_ids, params))
 
     @app.post("/score")
     @app.post("/v1/score")
@@ -524,16 +515,8 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             truncate_prompt_tokens=body.truncate_prompt_tokens,
             add_special_tokens=body.add_special_tokens,
         )
-        return JSONResponse(
-            {
-                "id": f"score-{uuid.uuid4().hex}",
-                "object": "list",
-                "created": int(time.time()),
-                "model": body.model or server.model_name,
-                "data": [{"index": index, "object": "score", "score": value} for index, value in enumerate(scores)],
-                "usage": {"prompt_tokens": used, "total_tokens": used},
-            }
-        )
+        data = [{"index": index, "object": "score", "score": value} for index, value in enumerate(scores)]
+        return _list_response(server, body, prefix="score", data=data, used=used)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
@@ -567,6 +550,36 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
                 "usage": {"prompt_tokens": used, "total_tokens": used},
             }
         )
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(request: Request):
+        body = await _read_request(server, request, model=ClassificationRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        _check_base_model(server, body.model)
+        classifier = server.engine.pooler.classifier
+        if classifier is None:
+            raise bad_request(
+                "model: this model has no classification head (a *ForSequenceClassification one has)", param="model"
+            )
+        prompts = body.prompts()
+        token_ids = await server.preprocessor.run(
+            _pooling_tokens, server, prompts, add_special_tokens=body.add_special_tokens, param="input"
+        )
+        keep = body.truncate_prompt_tokens
+        probs = await _pool_on_loop(server, lambda engine: engine.classify(token_ids, truncate_prompt_tokens=keep))
+        data = [
+            {
+                "index": index,
+                "label": classifier.labels[int(p.argmax())],
+                "probs": p.tolist(),
+                "num_classes": classifier.num_labels,
+            }
+            for index, p in enumerate(probs)
+        ]
+        used = sum(min(len(ids), keep or len(ids)) for ids in token_ids)
+        return _list_response(server, body, prefix="classify", data=data, used=used)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -857,6 +870,20 @@ def _tokenize(server: QuickdraftServer, body: TokenizeRequest) -> dict[str, Any]
     return {"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens, "token_strs": strings}
 
 
+def _list_response(server: QuickdraftServer, body: Any, *, prefix: str, data: list[dict], used: int) -> JSONResponse:
+    """The `{"object": "list", "data": [...]}` answer of /v1/embeddings, /score and /classify."""
+    return JSONResponse(
+        {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": body.model or server.model_name,
+            "data": data,
+            "usage": {"prompt_tokens": used, "total_tokens": used},
+        }
+    )
+
+
 def _check_base_model(server: QuickdraftServer, model: str | None) -> None:
     if _check_model(server, model) is not None:
         raise bad_request("model: embeddings and scores come from the base model, not a LoRA adapter", param="model")
@@ -891,8 +918,14 @@ async def _embed_on_loop(
     server: QuickdraftServer, token_ids: list[list[int]], params: PoolingParams
 ) -> list[torch.Tensor]:  # each [D] float32
     """The prompts' embeddings, computed on the loop thread between steps of the requests generating."""
+    return await _pool_on_loop(server, lambda engine: engine.embed(token_ids, params))
+
+
+async def _pool_on_loop(server: QuickdraftServer, call: Callable[[Any], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """`call(engine)` (embed or classify) on the loop thread, between steps of the requests generating;
+    its errors as 400s naming the input, a full cache as a 503."""
     try:
-        return await asyncio.wrap_future(server.engine_loop.call(lambda engine: engine.embed(token_ids, params)))
+        return await asyncio.wrap_future(server.engine_loop.call(call))
     except ValueError as err:
         raise bad_request(str(err), param="dimensions" if "dimensions" in str(err) else "input") from err
     except CacheFullError as err:
@@ -913,8 +946,25 @@ async def _pair_scores(
     truncate_prompt_tokens: int | None,
     add_special_tokens: bool,
 ) -> tuple[list[float], int]:
-    """(each pair's cosine similarity, the prompt tokens embedded): texts[:num_first] are the
-    first texts, the rest the second ones; each distinct text is embedded once."""
+    """(each pair's score, the prompt tokens run): texts[:num_first] are the first texts, the rest
+    the second ones.  A reranker reads each pair as one prompt (LLM.score); an embedding model's
+    score is the cosine of the two embeddings, each distinct text embedded once."""
+    pooler = server.engine.pooler
+    if pooler.classifier is not None and not pooler.cross_encoder:
+        raise bad_request(
+            f"scores need an embedding model or a reranker; this classifier has {pooler.classifier.num_labels} "
+            "labels: use /classify",
+            param="model",
+        )
+    if pooler.cross_encoder:
+        return await _cross_encoder_scores(
+            server,
+            texts,
+            pairs,
+            num_first=num_first,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            add_special_tokens=add_special_tokens,
+        )
     params = _pooling_params(server, truncate_prompt_tokens=truncate_prompt_tokens)
     token_ids = await server.preprocessor.run(
         _pooling_tokens, server, texts, add_special_tokens=add_special_tokens, param="input"
@@ -925,6 +975,31 @@ async def _pair_scores(
         cosine_similarity(vectors[tuple(token_ids[i])], vectors[tuple(token_ids[num_first + j])]) for i, j in pairs
     ]
     return scores, _tokens_used([list(ids) for ids in distinct], params)
+
+
+async def _cross_encoder_scores(
+    server: QuickdraftServer,
+    texts: list[str],
+    pairs: list[tuple[int, int]],
+    *,
+    num_first: int,
+    truncate_prompt_tokens: int | None,
+    add_special_tokens: bool,
+) -> tuple[list[float], int]:
+    """A reranker's scores: each pair one prompt, the first text's tokens then the second's
+    without special tokens, scored by its head's sigmoid."""
+    firsts = await server.preprocessor.run(
+        _pooling_tokens, server, texts[:num_first], add_special_tokens=add_special_tokens, param="input"
+    )
+    seconds = await server.preprocessor.run(
+        _pooling_tokens, server, texts[num_first:], add_special_tokens=False, param="input"
+    )
+    prompts = [firsts[i] + seconds[j] for i, j in pairs]
+    probs = await _pool_on_loop(
+        server, lambda engine: engine.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
+    )
+    used = sum(min(len(ids), truncate_prompt_tokens or len(ids)) for ids in prompts)
+    return [float(p[0]) for p in probs], used
 
 
 def _embedding_body(vector: torch.Tensor, encoding_format: str) -> list[float] | str:  # vector [D] float32

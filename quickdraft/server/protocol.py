@@ -529,18 +529,15 @@ class TokenizeRequest(ChatTemplateFields):
         return conversation_of(self.messages or [])
 
 
-class EmbeddingRequest(StrictModel):
-    """OpenAI's /v1/embeddings, with vLLM's extra fields (truncate_prompt_tokens, add_special_tokens,
-    normalize); the vectors come from the model's final hidden states (quickdraft/pooling.py)."""
+class PooledInputs(StrictModel):
+    """The inputs of /v1/embeddings and /classify: a text, a list of texts, a token-id list or a
+    list of them; vLLM's truncate_prompt_tokens and add_special_tokens."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True  # a text input gets the tokenizer's BOS, as /v1/completions
-    normalize: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         """The inputs, each a text or a token-id list; a 400 for an empty one."""
@@ -558,6 +555,19 @@ class EmbeddingRequest(StrictModel):
             if not item:
                 raise bad_request(f"input[{index}] is empty", param="input")
         return inputs
+
+
+class EmbeddingRequest(PooledInputs):
+    """OpenAI's /v1/embeddings, with vLLM's extra fields (truncate_prompt_tokens, add_special_tokens,
+    normalize); the vectors come from the model's final hidden states (quickdraft/pooling.py)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool = True
+
+
+class ClassificationRequest(PooledInputs):
+    """vLLM's /classify: each input's class probabilities from a *ForSequenceClassification model."""
 
 
 def _texts(value: str | list[str], *, param: str) -> list[str]:

@@ -174,3 +174,43 @@ def test_an_embedding_model_serves_embeddings_and_refuses_completions(tmp_path):
         assert refused.status_code == 400 and "does not generate text" in refused.json()["error"]["message"]
     finally:
         running.stop()
+
+
+def test_classifiers_and_rerankers_over_http(tmp_path):
+    """/classify on a 3-label classifier; /rerank and /score on a 1-label one (a cross-encoder:
+    each pair one prompt), equal to LLM.classify / LLM.score; what a model cannot do is a 400."""
+    from quickdraft import LLM
+    from tests.models.test_classifiers import build_tiny_classifier
+
+    build_tiny_classifier(tmp_path / "cls", num_labels=3)
+    build_tiny_classifier(tmp_path / "rr", num_labels=1, seed=1)
+    texts = ["great film", "dull plot"]
+    expected = [out.outputs.probs for out in LLM(str(tmp_path / "cls"), max_model_len=128).classify(texts)]
+    documents = ["the cat sat", "stock prices", "a kitten"]
+    scores = [out.outputs.score for out in LLM(str(tmp_path / "rr"), max_model_len=128).score("a cat", documents)]
+    running = start_server(tiny_server_config(tmp_path / "cls", served_model_name="cls"))
+    try:
+        reply = httpx.post(f"{running.base_url}/classify", json={"input": texts}, timeout=30).json()
+        assert [item["probs"] for item in reply["data"]] == expected
+        labels = ["negative", "neutral", "positive"]
+        assert [item["label"] for item in reply["data"]] == [labels[max(range(3), key=p.__getitem__)] for p in expected]
+        refused = httpx.post(f"{running.base_url}/score", json={"text_1": "a", "text_2": "b"}, timeout=30)
+        assert refused.status_code == 400 and "3 labels: use /classify" in refused.json()["error"]["message"]
+    finally:
+        running.stop()
+    running = start_server(tiny_server_config(tmp_path / "rr", served_model_name="rr"))
+    try:
+        body = {"query": "a cat", "documents": documents}
+        reply = httpx.post(f"{running.base_url}/v1/rerank", json=body, timeout=30).json()
+        order = sorted(range(3), key=lambda i: -scores[i])
+        assert [r["index"] for r in reply["results"]] == order
+        assert [r["relevance_score"] for r in reply["results"]] == [scores[i] for i in order]
+        pairs = httpx.post(f"{running.base_url}/score", json={"text_1": "a cat", "text_2": documents}, timeout=30)
+        assert [item["score"] for item in pairs.json()["data"]] == scores
+    finally:
+        running.stop()
+
+
+def test_classify_needs_a_classifier(server):
+    response = httpx.post(f"{server.base_url}/classify", json={"input": "x"}, timeout=30)
+    assert response.status_code == 400 and "no classification head" in response.json()["error"]["message"]

@@ -1,0 +1,92 @@
+"""Sequence classifiers and rerankers (*ForSequenceClassification checkpoints: a `score` head on
+the last token's final state): LLM.classify and cross-encoder scores equal transformers' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from tests.conftest import tiny_hf_config, write_tiny_tokenizer
+
+PROMPT = list(range(5, 37))
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def build_tiny_classifier(out_dir, *, num_labels: int, seed: int = 0):
+    """A random Qwen3ForSequenceClassification (1 label: a reranker's shape)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config("qwen3")
+    config.num_labels = num_labels
+    if num_labels > 1:
+        config.id2label = {i: LABELS[i] for i in range(num_labels)}
+        config.label2id = {v: k for k, v in config.id2label.items()}
+    config.pad_token_id = 0
+    model = transformers.Qwen3ForSequenceClassification(config).float().eval()
+    with torch.no_grad():  # random norms, a head whose logits are not all near 0
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+        model.score.weight.mul_(20.0)
+    model.save_pretrained(out_dir)
+    write_tiny_tokenizer(out_dir, bos="<s>", eos="</s>", chat=False)
+    return model
+
+
+def transformers_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    path = tmp_path_factory.mktemp("classifier")
+    model = build_tiny_classifier(path, num_labels=3)
+    return model, LLM(str(path), max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reranker")
+    model = build_tiny_classifier(path, num_labels=1, seed=1)
+    return model, LLM(str(path), max_model_len=64)
+
+
+def test_classify_is_transformers_softmax(classifier):
+    model, llm = classifier
+    [out] = llm.classify([PROMPT])
+    expected = torch.softmax(transformers_logits(model, PROMPT), dim=0)
+    torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, rtol=1e-4, atol=1e-5)
+    assert out.outputs.num_classes == 3 and out.prompt_token_ids == PROMPT
+    assert llm.engine.pooler.classifier.labels == ("negative", "neutral", "positive")
+    [cut] = llm.classify([PROMPT], truncate_prompt_tokens=8)
+    expected = torch.softmax(transformers_logits(model, PROMPT[-8:]), dim=0)
+    torch.testing.assert_close(torch.tensor(cut.outputs.probs), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_reranker_scores_pairs_as_one_prompt(reranker):
+    model, llm = reranker
+    query, documents = "a cat", ["the cat sat", "stock prices", "a kitten"]
+    outputs = llm.score(query, documents)
+    tokenizer = llm.tokenizer
+    for document, out in zip(documents, outputs):
+        ids = tokenizer.encode(query) + tokenizer.encode(document, add_special_tokens=False)
+        assert out.prompt_token_ids == ids
+        expected = torch.sigmoid(transformers_logits(model, ids))[0].item()
+        assert out.outputs.score == pytest.approx(expected, abs=1e-5)
+    assert len({round(out.outputs.score, 6) for out in outputs}) == 3  # the head tells the pairs apart
+
+
+def test_classifiers_refuse_what_they_cannot_do(classifier, reranker, tiny_checkpoints):
+    _, three = classifier
+    _, one = reranker
+    with pytest.raises(ValueError, match=r"is a classifier \(a score head in place of the LM head\)"):
+        three.generate([PROMPT], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="this classifier has 3 labels: use classify"):
+        three.score("a", ["b"])
+    assert len(one.classify([PROMPT])[0].outputs.probs) == 1
+    plain = LLM(str(tiny_checkpoints["qwen3"]), max_model_len=64)
+    with pytest.raises(ValueError, match="has no classification head"):
+        plain.classify([PROMPT])
