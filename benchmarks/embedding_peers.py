@@ -1,5 +1,5 @@
-"""Embeddings of one EmbeddingGemma-shaped GGUF by quickdraft and by llama.cpp (llama-cpp-python),
-side by side: the vectors (cosine of each text's two vectors) and the time per text.
+"""Embeddings of one EmbeddingGemma-shaped GGUF by quickdraft, llama.cpp (llama-cpp-python) and
+sentence-transformers, side by side: the vectors (cosine of each text's vectors) and the time per text.
 
 The model: EmbeddingGemma 300M's shapes (Gemma 3 layers as an encoder: 24 layers, hidden 768,
 3 query heads / 1 key head of 256, MLP 1152, bidirectional attention with a 512-position sliding
@@ -8,13 +8,16 @@ weights (transformers' initialisation; nothing can be downloaded here), the embe
 270M's tokenizer (the same 262,144-token vocabulary), written as llama.cpp's converter writes the
 `gemma-embedding` architecture with every matrix `--qtype`.  Texts: Spec-Bench first turns.
 
+Peers: llama.cpp on the same file; sentence-transformers (`--peers`) on its float32 values (the
+converted directory's float copy with its modules: the very weights for F16 / F32 files).
 Each engine runs in a process of its own (another engine's threads, spinning after their work,
 would take its cores), the engines alternating for `--rounds` rounds; each round embeds every text
 once after a warm-up.  Printed: per engine the median seconds per text over rounds (and tokens a
-second), the cosine of the two engines' vectors per text (min / median), and whether the two
-tokenizers gave the same ids.
+second), and per peer the cosine of its vectors and quickdraft's per text (min / median), how many
+texts both tokenizers turned into the same ids, and quickdraft's speedup.
 
-    python benchmarks/embedding_peers.py --gguf /tmp/embeddinggemma-shaped-q8_0.gguf --texts 40
+    python benchmarks/embedding_peers.py --gguf /tmp/embeddinggemma-shaped-q8_0.gguf --texts 40 \
+        --peers llama.cpp sentence-transformers
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' GGUF writer
+PEERS = ("llama.cpp", "sentence-transformers")
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench" / "questions.dev.jsonl"
 
 
@@ -100,6 +104,18 @@ def run_engine(engine: str, path: Path, *, count: int, threads: int) -> dict:
         llm = LLM(str(path), max_model_len=2048, max_num_seqs=1)
         ids = [llm.tokenizer.encode(text) for text in inputs]
         embed = lambda text: llm.embed([text])[0].outputs.embedding  # noqa: E731
+    elif engine == "sentence-transformers":
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        from quickdraft.models.gguf import float_checkpoint_dir
+        from quickdraft.models.loader import resolve_model_dir
+
+        torch.set_num_threads(threads)
+        # the file's values as float32 (F16 and F32 files: the very weights), with its modules
+        model = SentenceTransformer(str(float_checkpoint_dir(resolve_model_dir(path))), device="cpu")
+        ids = [model.tokenizer(text)["input_ids"] for text in inputs]
+        embed = lambda text: model.encode(text, normalize_embeddings=True)  # noqa: E731
     else:
         import llama_cpp
 
@@ -130,37 +146,46 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, help="the summary and every round's times, as JSON")
-    parser.add_argument("--engine", choices=["quickdraft", "llama.cpp"], help="(internal) one engine, one round")
+    parser.add_argument(
+        "--peers", nargs="+", default=["llama.cpp"], choices=PEERS, help="engines compared with quickdraft"
+    )
+    parser.add_argument("--engine", choices=["quickdraft", *PEERS], help="(internal) one engine, one round")
     args = parser.parse_args()
     if args.engine:
         print(json.dumps(run_engine(args.engine, args.gguf, count=args.texts, threads=args.threads)))
         return
     if not args.gguf.exists():
         write_model(args.gguf, qtype=args.qtype)
-    rounds: dict[str, list[dict]] = {"quickdraft": [], "llama.cpp": []}
+    rounds: dict[str, list[dict]] = {name: [] for name in ["quickdraft", *args.peers]}
     for _ in range(args.rounds):
         for engine in rounds:
             child = [sys.executable, __file__, "--gguf", str(args.gguf), "--engine", engine]
             child += ["--texts", str(args.texts), "--threads", str(args.threads)]
             output = subprocess.run(child, check=True, capture_output=True, text=True, env=dict(os.environ)).stdout
             rounds[engine].append(json.loads(output.strip().splitlines()[-1]))
-    ours, theirs = rounds["quickdraft"][0], rounds["llama.cpp"][0]
-    cosines = [cosine(a, b) for a, b in zip(ours["vectors"], theirs["vectors"])]
+    ours = rounds["quickdraft"][0]
     tokens = sum(len(ids) for ids in ours["ids"])
     per_round = {name: [sum(r["seconds"]) for r in runs] for name, runs in rounds.items()}
     median = {name: statistics.median(totals) for name, totals in per_round.items()}
+    agreement = {}
+    for peer in args.peers:
+        theirs = rounds[peer][0]
+        cosines = [cosine(a, b) for a, b in zip(ours["vectors"], theirs["vectors"])]
+        agreement[peer] = {
+            "same_token_ids": sum(a == b for a, b in zip(ours["ids"], theirs["ids"])),
+            "cosine_min": round(min(cosines), 6),
+            "cosine_median": round(statistics.median(cosines), 6),
+            "quickdraft_speedup": round(median[peer] / median["quickdraft"], 3),
+        }
     summary = {
         "file": str(args.gguf),
         "size_mb": round(args.gguf.stat().st_size / 1e6, 1),
         "texts": args.texts,
         "tokens": tokens,
-        "same_token_ids": ours["ids"] == theirs["ids"],
-        "cosine_min": round(min(cosines), 6),
-        "cosine_median": round(statistics.median(cosines), 6),
         "ms_per_text_median": {name: round(1000 * value / args.texts, 1) for name, value in median.items()},
         "tokens_per_s_median": {name: round(tokens / value, 1) for name, value in median.items()},
         "seconds_per_round": {name: [round(x, 3) for x in totals] for name, totals in per_round.items()},
-        "quickdraft_vs_llama_cpp": round(median["llama.cpp"] / median["quickdraft"], 3),
+        "vs_quickdraft": agreement,
     }
     print(json.dumps(summary, indent=1))
     if args.out is not None:

@@ -1001,9 +1001,23 @@ def float_checkpoint_dir(model_dir: Path) -> Path:
         with _staging_dir(out_dir) as staging:
             for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
                 shutil.copyfile(model_dir / name, staging / name)
+            _copy_sentence_transformers_modules(model_dir, staging)
             write_safetensors_streaming(staging / "model.safetensors", shapes=source.shapes, produce=source.dequantized)
             shutil.copyfile(model_dir / SOURCE_MARKER, staging / SOURCE_MARKER)  # last: complete
     return out_dir
+
+
+def _copy_sentence_transformers_modules(model_dir: Path, out_dir: Path) -> None:
+    """modules.json and its module folders (`1_Pooling`, `2_Dense`, ...), so that the float copy of
+    an embedding model loads in sentence-transformers as it runs here."""
+    from quickdraft.models.sentence_transformers import MODULES_FILE
+
+    if not (model_dir / MODULES_FILE).is_file():
+        return
+    shutil.copyfile(model_dir / MODULES_FILE, out_dir / MODULES_FILE)
+    for entry in model_dir.iterdir():
+        if entry.is_dir() and re.match(r"\d+_", entry.name):
+            shutil.copytree(entry, out_dir / entry.name)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -283,6 +283,15 @@ def test_gguf_embedding_gemma(tmp_path, monkeypatch):
     assert exact.engine.model_config.bidirectional_attention and exact.engine.model_config.sliding_window == 5
     assert exact.engine.pooler.pooling_type == "MEAN" and exact.engine.pooler.head.normalize
     torch.testing.assert_close(torch.tensor(exact.embed([PROMPT])[0].outputs.embedding), expected, rtol=1e-4, atol=1e-5)
+    # the converted directory's float copy carries the modules: sentence-transformers runs it as we do
+    from sentence_transformers import SentenceTransformer
+
+    from quickdraft.models.gguf import float_checkpoint_dir
+
+    library = SentenceTransformer(str(float_checkpoint_dir(exact.engine.model_dir)), device="cpu")
+    features = {"input_ids": torch.tensor([PROMPT]), "attention_mask": torch.ones(1, len(PROMPT), dtype=torch.long)}
+    with torch.no_grad():
+        torch.testing.assert_close(library(features)["sentence_embedding"][0], expected, rtol=1e-4, atol=1e-5)
     q8 = LLM(str(embedding_gguf_of(tmp_path / "q8.gguf", hf_dir, vocab=vocab, qtype="Q8_0")), max_model_len=64)
     assert torch.dot(torch.tensor(q8.embed([PROMPT])[0].outputs.embedding), expected).item() > 0.999
 
