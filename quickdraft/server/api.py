@@ -956,15 +956,19 @@ async def _pair_scores(
             "labels: use /classify",
             param="model",
         )
-    if pooler.cross_encoder:
-        return await _cross_encoder_scores(
-            server,
-            texts,
-            pairs,
-            num_first=num_first,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            add_special_tokens=add_special_tokens,
+    if pooler.cross_encoder:  # each pair one prompt: the first text's tokens, the second's without specials
+        firsts = await server.preprocessor.run(
+            _pooling_tokens, server, texts[:num_first], add_special_tokens=add_special_tokens, param="input"
         )
+        seconds = await server.preprocessor.run(
+            _pooling_tokens, server, texts[num_first:], add_special_tokens=False, param="input"
+        )
+        prompts = [firsts[i] + seconds[j] for i, j in pairs]
+        probs = await _pool_on_loop(
+            server, lambda engine: engine.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
+        )
+        used = sum(min(len(ids), truncate_prompt_tokens or len(ids)) for ids in prompts)
+        return [float(p[0]) for p in probs], used
     params = _pooling_params(server, truncate_prompt_tokens=truncate_prompt_tokens)
     token_ids = await server.preprocessor.run(
         _pooling_tokens, server, texts, add_special_tokens=add_special_tokens, param="input"
@@ -975,31 +979,6 @@ async def _pair_scores(
         cosine_similarity(vectors[tuple(token_ids[i])], vectors[tuple(token_ids[num_first + j])]) for i, j in pairs
     ]
     return scores, _tokens_used([list(ids) for ids in distinct], params)
-
-
-async def _cross_encoder_scores(
-    server: QuickdraftServer,
-    texts: list[str],
-    pairs: list[tuple[int, int]],
-    *,
-    num_first: int,
-    truncate_prompt_tokens: int | None,
-    add_special_tokens: bool,
-) -> tuple[list[float], int]:
-    """A reranker's scores: each pair one prompt, the first text's tokens then the second's
-    without special tokens, scored by its head's sigmoid."""
-    firsts = await server.preprocessor.run(
-        _pooling_tokens, server, texts[:num_first], add_special_tokens=add_special_tokens, param="input"
-    )
-    seconds = await server.preprocessor.run(
-        _pooling_tokens, server, texts[num_first:], add_special_tokens=False, param="input"
-    )
-    prompts = [firsts[i] + seconds[j] for i, j in pairs]
-    probs = await _pool_on_loop(
-        server, lambda engine: engine.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
-    )
-    used = sum(min(len(ids), truncate_prompt_tokens or len(ids)) for ids in prompts)
-    return [float(p[0]) for p in probs], used
 
 
 def _embedding_body(vector: torch.Tensor, encoding_format: str) -> list[float] | str:  # vector [D] float32

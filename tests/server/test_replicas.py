@@ -74,12 +74,15 @@ def healthy_replicas(client) -> dict[str, int]:
     return {replica["replica"]: replica["pid"] for replica in body["replicas"] if replica["status"] == "ok"}
 
 
-def routed_to(client, replica: str) -> float:
-    """Requests the ingress has forwarded to `replica` so far (its quickdraft_ingress_requests counter)."""
+def routed_counts(client) -> dict[str, float]:
+    """replica -> requests the ingress has forwarded to it so far (quickdraft_ingress_requests)."""
+    counts: dict[str, float] = {}
     for family in text_string_to_metric_families(client.get("/metrics").text):
         if family.name == "quickdraft_ingress_requests":
-            return sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["replica"] == replica)
-    return 0.0
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["replica"]] = counts.get(sample.labels["replica"], 0.0) + sample.value
+    return counts
 
 
 def complete(client, prompt: str, **fields) -> httpx.Response:
@@ -257,7 +260,7 @@ def test_a_killed_replica_fails_its_requests_clearly_and_the_endpoint_keeps_serv
     long_request = {"prompt": prompt, "max_tokens": 440, "ignore_eos": True, "temperature": 1.0, "seed": 1}
     whole_answer: dict = {}
 
-    def send_whole() -> None:  # the same prefix: the same replica, while the stream runs
+    def send_whole() -> None:  # the same prefix: mostly the same replica, while the stream runs
         with httpx.Client(base_url=replicated.base_url, timeout=120.0) as other:
             response = other.post("/v1/completions", json=long_request)
             whole_answer.update(status=response.status_code, body=response.json())
@@ -268,14 +271,16 @@ def test_a_killed_replica_fails_its_requests_clearly_and_the_endpoint_keeps_serv
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[len("data: ") :])["choices"]
-        forwarded = routed_to(client, victim)
+        forwarded = routed_counts(client)
         sender = threading.Thread(target=send_whole)
         sender.start()
-        # killed only once the whole request is on the victim (a fixed pause lost that race on a busy machine)
+        # killed only once the whole request is on a replica (a fixed pause lost that race on a busy
+        # machine); routing with bounded loads may place it on either, and each outcome is checked
         deadline = time.monotonic() + 60.0
-        while routed_to(client, victim) < forwarded + 1:
-            assert time.monotonic() < deadline, "the second request never reached the streaming replica"
-            time.sleep(0.05)
+        while sum(routed_counts(client).values()) < sum(forwarded.values()) + 1:
+            assert time.monotonic() < deadline, "the second request was never forwarded"
+            time.sleep(0.2)  # each /metrics call reaches the replicas too: their load, seen by the router
+        whole_on_victim = routed_counts(client).get(victim, 0.0) > forwarded.get(victim, 0.0)
         os.kill(before[victim], signal.SIGKILL)
         events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
     sender.join(timeout=60.0)
@@ -283,7 +288,11 @@ def test_a_killed_replica_fails_its_requests_clearly_and_the_endpoint_keeps_serv
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "replica_failed" and victim in error["message"]
-    assert whole_answer["status"] == 503 and whole_answer["body"]["error"]["code"] == "replica_failed"
+    if whole_on_victim:
+        assert whole_answer["status"] == 503 and whole_answer["body"]["error"]["code"] == "replica_failed"
+        assert victim in whole_answer["body"]["error"]["message"]
+    else:  # the survivor answered it whole
+        assert whole_answer["status"] == 200 and whole_answer["body"]["choices"][0]["text"]
     # The endpoint keeps serving (the other replica), at once.
     survivor = complete(client, "after the failure")
     assert survivor.headers[REPLICA_HEADER] != victim
@@ -296,7 +305,8 @@ def test_a_killed_replica_fails_its_requests_clearly_and_the_endpoint_keeps_serv
         assert time.monotonic() < deadline, f"no replacement replica after {RESTART_TIMEOUT_SECONDS} s: {now}"
         time.sleep(1.0)
     text = client.get("/metrics").text
-    assert f'quickdraft_ingress_replica_failures_total{{replica="{victim}"}} 2.0' in text
+    failures = 2.0 if whole_on_victim else 1.0
+    assert f'quickdraft_ingress_replica_failures_total{{replica="{victim}"}} {failures}' in text
 
 
 def test_app_builder_for_serve_run_parses_its_arguments():
