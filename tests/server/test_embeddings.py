@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import time
 
 import httpx
 import numpy as np
@@ -214,3 +215,26 @@ def test_classifiers_and_rerankers_over_http(tmp_path):
 def test_classify_needs_a_classifier(server):
     response = httpx.post(f"{server.base_url}/classify", json={"input": "x"}, timeout=30)
     assert response.status_code == 400 and "no classification head" in response.json()["error"]["message"]
+
+
+def test_an_embedding_waits_for_the_slot_generation_holds(tiny_checkpoints, offline_llms):
+    """With every cache slot generating, an embedding (or a score) waits for one, as a generation
+    request waits in the queue, instead of failing with 503 (run-batch mixes them)."""
+    running = start_server(tiny_server_config(tiny_checkpoints["gemma3"], max_num_seqs=1))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+            completion = pool.submit(httpx.post, f"{running.api_url}/completions", json=body, timeout=120)
+            deadline = time.monotonic() + 60
+            while httpx.get(f"{running.base_url}/health", timeout=30).json()["engine"]["free_slots"] != 0:
+                assert time.monotonic() < deadline and not completion.done()
+                time.sleep(0.01)
+            vector = pool.submit(
+                httpx.post, f"{running.api_url}/embeddings", json={"input": TEXTS[0], "encoding_format": "float"}
+            )
+            reply = vector.result(timeout=120)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["data"][0]["embedding"] == offline_llms["gemma3"].embed(TEXTS[:1])[0].outputs.embedding
+            assert completion.result(timeout=120).status_code == 200
+    finally:
+        running.stop()
