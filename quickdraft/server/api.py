@@ -924,29 +924,16 @@ async def _embed_on_loop(
 async def _pool_on_loop(server: QuickdraftServer, call: Callable[[Any], list[torch.Tensor]]) -> list[torch.Tensor]:
     """`call(engine)` (embed or classify) on the loop thread, between steps of the requests generating;
     its errors as 400s naming the input.  While generating requests hold the cache slots or blocks
-    it needs, it waits for them (tried again after later steps, as a generation request waits in the
-    queue); a cache that is full with nothing generating is a 503."""
-
-    def attempt(engine: Any) -> list[torch.Tensor] | None:  # None: the cache is busy, try again
-        try:
-            return call(engine)
-        except CacheFullError:
-            if engine.has_unfinished_requests():
-                return None
-            raise
-
-    delay = 0.005
-    while True:
-        try:
-            result = await asyncio.wrap_future(server.engine_loop.call(attempt))
-        except ValueError as err:
-            raise bad_request(str(err), param="dimensions" if "dimensions" in str(err) else "input") from err
-        except CacheFullError as err:
-            raise APIError(status=503, message=str(err), param=None, code="cache_full") from err
-        if result is not None:
-            return result
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, 0.1)
+    it needs, it waits for them (the loop runs it again after later steps, as a generation request
+    waits in the queue); a cache that is full with nothing generating is a 503."""
+    try:
+        return await asyncio.wrap_future(server.engine_loop.call(call, wait_for_cache=True))
+    except LoopStopped as err:
+        raise shutting_down() from err
+    except ValueError as err:
+        raise bad_request(str(err), param="dimensions" if "dimensions" in str(err) else "input") from err
+    except CacheFullError as err:
+        raise APIError(status=503, message=str(err), param=None, code="cache_full") from err
 
 
 def _tokens_used(token_ids: list[list[int]], params: PoolingParams) -> int:

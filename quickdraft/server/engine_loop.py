@@ -28,6 +28,7 @@ from quickdraft.engine.compute_thread import ComputeThread
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed
 from quickdraft.engine.request import RequestStatus
+from quickdraft.kv.cache import CacheFullError
 from quickdraft.models.lora import LoRARequest
 from quickdraft.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from quickdraft.sampling_params import SamplingParams
@@ -136,6 +137,9 @@ class _Abort:
 @dataclass
 class _Call:
     function: Callable[[Engine], Any]
+    # CacheFullError while requests generate: run it again after the next step (it waits for the
+    # slot or blocks they hold, as a queued request does)
+    wait_for_cache: bool = False
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -167,6 +171,7 @@ class EngineLoop:
         self._owns_compute = compute is None
         self._compute = compute
         self._running: concurrent.futures.Future | None = None
+        self._calls_waiting_for_cache: list[_Call] = []
         self._accepting = True
         self._accept_lock = threading.Lock()  # orders "stop" against late submissions
         self._steps = 0
@@ -190,9 +195,10 @@ class EngineLoop:
         except LoopStopped:
             pass  # the stopping loop aborts every request it still holds
 
-    def call(self, function: Callable[[Engine], Any]) -> concurrent.futures.Future:
-        """Run function(engine) on the loop thread between steps; for inspection and tests."""
-        command = _Call(function)
+    def call(self, function: Callable[[Engine], Any], *, wait_for_cache: bool = False) -> concurrent.futures.Future:
+        """Run function(engine) on the loop thread between steps (inspection, tests, embeddings);
+        `wait_for_cache`: a CacheFullError while requests generate runs it again after later steps."""
+        command = _Call(function, wait_for_cache=wait_for_cache)
         self._put(command)
         return command.future
 
@@ -229,6 +235,8 @@ class EngineLoop:
                     return
                 if self._engine.has_unfinished_requests():
                     self._step()
+                # after a step, or an abort, freed what they wait for (with nothing generating they end)
+                self._retry_calls_waiting_for_cache()
                 self._publish_stats()
             except Exception:  # a bug in the loop itself must not end the service
                 logger.exception("engine loop iteration failed; continuing")
@@ -293,12 +301,24 @@ class EngineLoop:
         _deliver(submission, Admitted())
 
     def _call(self, command: _Call) -> None:
-        if not command.future.set_running_or_notify_cancel():
-            return
+        if command.future.set_running_or_notify_cancel():
+            self._run_call(command)
+
+    def _run_call(self, command: _Call) -> None:
         try:
             command.future.set_result(command.function(self._engine))
+        except CacheFullError as err:
+            if command.wait_for_cache and self._engine.has_unfinished_requests():
+                self._calls_waiting_for_cache.append(command)
+            else:
+                command.future.set_exception(err)
         except Exception as err:
             command.future.set_exception(err)
+
+    def _retry_calls_waiting_for_cache(self) -> None:
+        waiting, self._calls_waiting_for_cache = self._calls_waiting_for_cache, []
+        for command in waiting:
+            self._run_call(command)
 
     def _step(self) -> None:
         try:
@@ -423,6 +443,9 @@ class EngineLoop:
                 _deliver(command.submission, failure)
             elif isinstance(command, _Call):
                 command.future.cancel()
+        for waiting in self._calls_waiting_for_cache:  # running futures: they cannot be cancelled
+            waiting.future.set_exception(LoopStopped("the server is shutting down"))
+        self._calls_waiting_for_cache = []
         for submission_id in list(self._children):
             self._abort_submission(submission_id, notify=failure)
         self._publish_stats(alive=False)

@@ -162,3 +162,33 @@ def test_a_bad_request_of_n_is_rejected_with_no_child_left(loop):
     bad = submit(loop, "bad", prompt_token_ids=[1, 10**9], n=3)
     assert isinstance(bad.get(timeout=TIMEOUT), Rejected)
     assert loop.call(lambda engine: len(engine._requests)).result(TIMEOUT) == 0
+
+
+def test_a_call_waiting_for_the_cache_runs_when_a_slot_frees(loop):
+    """embed() with every slot generating waits (wait_for_cache): it runs after the steps that free
+    a slot, or after an abort does; without waiting it fails at once; a stop ends it clearly."""
+    from quickdraft.kv.cache import CacheFullError
+    from quickdraft.pooling import PoolingParams
+
+    def embed(engine):
+        return engine.embed([[5, 6, 7, 8]], PoolingParams())
+
+    expected = loop.call(embed).result(TIMEOUT)[0]
+    loop.call(slow_down).result(TIMEOUT)
+    for name in ("a", "b"):
+        assert isinstance(submit(loop, name, max_tokens=40, ignore_eos=True).get(timeout=TIMEOUT), Admitted)
+    with pytest.raises(CacheFullError):
+        loop.call(embed).result(TIMEOUT)
+    waiting = loop.call(embed, wait_for_cache=True)
+    time.sleep(0.2)
+    assert not waiting.done()  # both slots still generate
+    loop.abort("a")
+    assert waiting.result(TIMEOUT)[0].equal(expected)
+    # the slot "a" left: every slot generates again
+    assert isinstance(submit(loop, "c", max_tokens=40, ignore_eos=True).get(timeout=TIMEOUT), Admitted)
+    stopped = loop.call(embed, wait_for_cache=True)
+    time.sleep(0.2)
+    assert not stopped.done()
+    loop.stop(timeout=TIMEOUT)
+    with pytest.raises(LoopStopped):
+        stopped.result(TIMEOUT)
