@@ -330,18 +330,11 @@ class LLM:
         hidden states pooled (as the model's directory says, else the last token's), through its
         modules after pooling, and normalized.  Outputs in the order of the prompts; every prompt
         is checked before any runs."""
-        params = PoolingParams() if pooling_params is None else pooling_params
-        if not isinstance(params, PoolingParams):
-            raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
-        if truncate_prompt_tokens is not None:
-            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        params = _pooling_params(pooling_params, truncate_prompt_tokens)
         token_ids = [self._prompt_token_ids(prompt) for prompt in _as_prompt_list(prompts)]
         self.engine.pooler.check(params)
         runs = self._pool_each(
-            token_ids,
-            lambda ids: self.engine.embed([ids], params)[0],
-            keep=params.truncate_prompt_tokens,
-            use_tqdm=use_tqdm,
+            token_ids, self._embed_one(params), keep=params.truncate_prompt_tokens, use_tqdm=use_tqdm
         )
         return [EmbeddingRequestOutput(rid, EmbeddingOutput(vector.tolist()), kept) for rid, vector, kept in runs]
 
@@ -390,20 +383,11 @@ class LLM:
         if pooler.cross_encoder:
             return self._cross_encoder_scores(firsts, seconds, pairs, truncate_prompt_tokens, use_tqdm=use_tqdm)
         texts = [self._prompt_token_ids(prompt) for prompt in firsts + seconds]
-        params = PoolingParams() if pooling_params is None else pooling_params
-        if not isinstance(params, PoolingParams):
-            raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
-        params = dataclasses.replace(
-            params, truncate_prompt_tokens=truncate_prompt_tokens or params.truncate_prompt_tokens
-        )
+        params = _pooling_params(pooling_params, truncate_prompt_tokens)
         pooler.check(params)
-        distinct = list(dict.fromkeys(tuple(ids) for ids in texts))
-        progress = _progress_bar(len(distinct), enabled=use_tqdm)
-        vectors = {}
-        for ids in distinct:
-            [vectors[ids]] = self.engine.embed([list(ids)], params)
-            progress.update(1)
-        progress.close()
+        distinct = [list(ids) for ids in dict.fromkeys(tuple(ids) for ids in texts)]
+        runs = self._pool_each(distinct, self._embed_one(params), keep=None, use_tqdm=use_tqdm)
+        vectors = {tuple(ids): vector for _, vector, ids in runs}
         keep = params.truncate_prompt_tokens
         outputs = []
         for i, j in pairs:
@@ -429,6 +413,9 @@ class LLM:
             prompts, self._classify_one(truncate_prompt_tokens), keep=truncate_prompt_tokens, use_tqdm=use_tqdm
         )
         return [ScoringRequestOutput(rid, ScoringOutput(float(probs[0])), kept) for rid, probs, kept in runs]
+
+    def _embed_one(self, params: PoolingParams) -> Callable[[list[int]], torch.Tensor]:
+        return lambda ids: self.engine.embed([ids], params)[0]
 
     def _classify_one(self, truncate_prompt_tokens: int | None) -> Callable[[list[int]], torch.Tensor]:
         return lambda ids: self.engine.classify([ids], truncate_prompt_tokens=truncate_prompt_tokens)[0]
@@ -541,6 +528,16 @@ def _prompt_input(prompt: PromptType) -> _PromptInput:
     if isinstance(prompt, list):
         return _PromptInput(text=None, token_ids=prompt)
     raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def _pooling_params(given: PoolingParams | None, truncate_prompt_tokens: int | None) -> PoolingParams:
+    """The pooling parameters asked for (the defaults when none), with `truncate_prompt_tokens` when given."""
+    params = PoolingParams() if given is None else given
+    if not isinstance(params, PoolingParams):
+        raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+    if truncate_prompt_tokens is not None:
+        params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+    return params
 
 
 def _progress_bar(total: int, *, enabled: bool):

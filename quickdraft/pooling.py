@@ -113,8 +113,7 @@ class Pooler:
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, D] final states -> [num_labels] float32
         """The classifier's probabilities from the last token's state (as transformers' decoder
         classifiers read it): a sigmoid for one label, a softmax over several."""
-        if self.classifier is None:
-            raise ValueError("this model has no classification head (a *ForSequenceClassification checkpoint has)")
+        assert self.classifier is not None  # Engine.classify refuses a model without one, by name
         logits = self.classifier.logits(hidden[-1].float())
         return torch.sigmoid(logits) if self.classifier.num_labels == 1 else torch.softmax(logits, dim=0)
 
@@ -189,7 +188,7 @@ class ScoringOutput:
 @dataclass
 class ScoringRequestOutput:
     """One pair's score (vLLM's output of LLM.score): the cosine similarity of the two texts'
-    embeddings (a bi-encoder's score; vLLM's for embedding models)."""
+    embeddings, or a reranker's score of the pair read as one prompt."""
 
     request_id: str
     outputs: ScoringOutput

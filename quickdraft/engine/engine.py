@@ -452,7 +452,7 @@ class Engine:
         Every prompt is checked before any runs; each then runs as a prefill of its own in a free
         cache slot (chunks of max_num_batched_tokens; an encoder's prompt whole), between steps of
         the requests that are generating, whose state it leaves as it was.  CacheFullError when no
-        slot or blocks are free for it (the server answers 503)."""
+        slot or blocks are free for it (the server's loop runs it again once generation frees them)."""
         self.pooler.check(params)
         checked = [
             self._prompt_tokens(None, ids, keep_last=params.truncate_prompt_tokens, generates=False) for ids in prompts

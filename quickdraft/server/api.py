@@ -493,7 +493,9 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             {"object": "embedding", "index": index, "embedding": _embedding_body(vector, body.encoding_format)}
             for index, vector in enumerate(vectors)
         ]
-        return _list_response(server, body, prefix="embd", data=data, used=_tokens_used(token_ids, params))
+        return _list_response(
+            server, body, prefix="embd", data=data, used=_tokens_used(token_ids, keep=params.truncate_prompt_tokens)
+        )
 
     @app.post("/score")
     @app.post("/v1/score")
@@ -578,7 +580,7 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
             }
             for index, p in enumerate(probs)
         ]
-        used = sum(min(len(ids), keep or len(ids)) for ids in token_ids)
+        used = _tokens_used(token_ids, keep=keep)
         return _list_response(server, body, prefix="classify", data=data, used=used)
 
     @app.post("/v1/chat/completions")
@@ -936,9 +938,9 @@ async def _pool_on_loop(server: QuickdraftServer, call: Callable[[Any], list[tor
         raise APIError(status=503, message=str(err), param=None, code="cache_full") from err
 
 
-def _tokens_used(token_ids: list[list[int]], params: PoolingParams) -> int:
-    keep = params.truncate_prompt_tokens or max(len(ids) for ids in token_ids)
-    return sum(min(len(ids), keep) for ids in token_ids)
+def _tokens_used(token_ids: list[list[int]], *, keep: int | None) -> int:
+    """The prompt tokens run: each prompt's, truncated to its last `keep` (None: whole)."""
+    return sum(len(ids) if keep is None else min(len(ids), keep) for ids in token_ids)
 
 
 async def _pair_scores(
@@ -971,8 +973,7 @@ async def _pair_scores(
         probs = await _pool_on_loop(
             server, lambda engine: engine.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
         )
-        used = sum(min(len(ids), truncate_prompt_tokens or len(ids)) for ids in prompts)
-        return [float(p[0]) for p in probs], used
+        return [float(p[0]) for p in probs], _tokens_used(prompts, keep=truncate_prompt_tokens)
     params = _pooling_params(server, truncate_prompt_tokens=truncate_prompt_tokens)
     token_ids = await server.preprocessor.run(
         _pooling_tokens, server, texts, add_special_tokens=add_special_tokens, param="input"
@@ -982,7 +983,7 @@ async def _pair_scores(
     scores = [
         cosine_similarity(vectors[tuple(token_ids[i])], vectors[tuple(token_ids[num_first + j])]) for i, j in pairs
     ]
-    return scores, _tokens_used([list(ids) for ids in distinct], params)
+    return scores, _tokens_used([list(ids) for ids in distinct], keep=params.truncate_prompt_tokens)
 
 
 def _embedding_body(vector: torch.Tensor, encoding_format: str) -> list[float] | str:  # vector [D] float32
