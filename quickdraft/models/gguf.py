@@ -884,12 +884,12 @@ def _write_embedding_modules(reader: GGUFFile, out_dir: Path, *, architecture: s
     from quickdraft.models.sentence_transformers import write_dense_layer, write_modules
 
     pooling = read_field(reader, f"{architecture}.pooling_type")
+    # 0 (none) and 4 (rank) name no vector to pool: such a file loads as it did before pooling was read
+    pooling_type = None if pooling is None else _GGUF_POOLING_TYPES.get(int(pooling))
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     dense = [name for name in DENSE_TENSORS if f"{name}.weight" in tensors]
-    if pooling is None and not dense:
+    if pooling_type is None and not dense:
         return
-    if pooling is not None and int(pooling) not in _GGUF_POOLING_TYPES:
-        raise ValueError(f"{source}: pooling_type {pooling} has no embedding vector (1 mean, 2 cls, 3 last do)")
     subdirs = []
     for index, name in enumerate(dense, start=2):
         weight = dequantize_tensor(
@@ -908,9 +908,8 @@ def _write_embedding_modules(reader: GGUFFile, out_dir: Path, *, architecture: s
             bias=None if bias_values is None else torch.tensor(bias_values),
             activation="identity",
         )
-    pooling_type = _GGUF_POOLING_TYPES[int(pooling)] if pooling is not None else "MEAN"
     hidden_size = int(arch_field(reader, architecture, "embedding_length"))
-    write_modules(out_dir, hidden_size=hidden_size, pooling_type=pooling_type, dense=subdirs, normalize=True)
+    write_modules(out_dir, hidden_size=hidden_size, pooling_type=pooling_type or "MEAN", dense=subdirs, normalize=True)
 
 
 class _GGUFTensors:

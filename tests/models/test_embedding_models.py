@@ -219,10 +219,13 @@ def test_bad_modules_are_named(tmp_path, edit, message):
         read_embedding_head(path)
 
 
-def write_embedding_gguf(path, model, *, dense: list[torch.Tensor], vocab, qtype: str = "F32") -> None:
+def write_embedding_gguf(
+    path, model, *, dense: list[torch.Tensor], vocab, qtype: str = "F32", pooling: int | None = None
+) -> None:
     """A Gemma3TextModel encoder and its Dense weights ([out, in], in order) as llama.cpp's converter
     writes EmbeddingGemma: architecture gemma-embedding, the whole sliding span, mean pooling, the
-    Dense layers as dense_2 / dense_3 (their sizes in the metadata), matrices `qtype`."""
+    Dense layers as dense_2 / dense_3 (their sizes in the metadata), matrices `qtype`; `pooling`:
+    llama.cpp's pooling_type (default mean)."""
     import gguf
 
     from tests.models.test_gguf import _write_hparams
@@ -233,7 +236,7 @@ def write_embedding_gguf(path, model, *, dense: list[torch.Tensor], vocab, qtype
     writer.add_float32(f"{arch}.rope.freq_base_swa", config.rope_parameters["sliding_attention"]["rope_theta"])
     writer.add_sliding_window((config.sliding_window - 1) * 2)  # config.json's span, as the converter writes it
     writer.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in config.layer_types])
-    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    writer.add_pooling_type(gguf.PoolingType.MEAN if pooling is None else gguf.PoolingType(pooling))
     for index, weight in enumerate(dense, start=2):
         writer.add_dense_features_dims(f"dense_{index}", weight.shape[1], weight.shape[0])
     vocab.write(writer)
@@ -349,3 +352,21 @@ def test_equal_to_sentence_transformers_itself(tmp_path, tanh_with_bias):
         expected = library(features)["sentence_embedding"][0]
     ours = torch.tensor(LLM(str(path), max_model_len=64).embed([PROMPT])[0].outputs.embedding)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gguf_pooling_type_without_a_vector_writes_no_modules(tmp_path, monkeypatch):
+    """pooling_type 0 (none) or 4 (rank) names no vector: with no Dense layers the file converts
+    without modules (the model's default pooling), as before pooling types were read."""
+    import transformers
+
+    from tests.models.test_gguf import spiece_vocab
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    vocab = spiece_vocab()
+    hf_dir = build_tiny_embedding_model(tmp_path / "hf", seed=6, vocab_size=len(vocab.tokens))
+    model = transformers.Gemma3TextModel.from_pretrained(hf_dir, dtype=torch.float32)
+    path = tmp_path / "none.gguf"
+    write_embedding_gguf(path, model, dense=[], vocab=vocab, pooling=0)
+    llm = LLM(str(path), max_model_len=64)
+    assert not (llm.engine.model_dir / "modules.json").exists()
+    assert llm.engine.pooler.pooling_type == "LAST" and llm.engine.pooler.head is None
