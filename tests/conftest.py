@@ -8,6 +8,7 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which appends each test's group to its id
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): a test file runs on one worker,
     so its module fixtures (trained heads, servers) are built once; files marked
@@ -15,6 +16,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Run by the xdist controller: a worker whose tests came back without their group stops the
+    run. Ungrouped, two workers ran Ray tests at once, which hung CI for 90 minutes (pytest 9.2
+    keeps a node's id where pytest-xdist 3.8 cannot append the group, so ``--dist loadgroup``
+    silently stopped grouping; pyproject.toml pins pytest below it)."""
+    if node.config.getoption("dist") != "loadgroup":
+        return
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid]
+    if ungrouped:
+        pytest.exit(
+            f"pytest-xdist did not group {len(ungrouped)} tests (e.g. {ungrouped[0]}): this pytest "
+            f"({pytest.__version__}) and pytest-xdist do not work together under --dist loadgroup",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 TINY = dict(
