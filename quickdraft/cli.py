@@ -397,6 +397,14 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
         help="generation config keys to replace, e.g. '{\"temperature\": 0.5}'",
     )
     serve.add_argument(
+        "--hf-overrides",
+        default=None,
+        metavar="JSON",
+        help="config.json keys to replace (vLLM's); with classifier_from_token a causal LM serves as a reranker, "
+        'e.g. the original Qwen3-Reranker: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
+    )
+    serve.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let requests send their own chat_template (jinja the server renders, sandboxed; only for "
@@ -1134,6 +1142,7 @@ def _server_config(args, *, api_key: str | None):
         allow_credentials=args.allow_credentials,
         **_cors_lists(args),
         override_generation_config=_parse_json_option(args.override_generation_config, "--override-generation-config"),
+        hf_overrides=_parse_json_option(args.hf_overrides, "--hf-overrides"),
         **{name: value for name, value in optional.items() if value is not None},
     )
     return config

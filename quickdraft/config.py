@@ -62,6 +62,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's hf_overrides: keys replacing those of the model's config.json, and classifier_from_token
+    # + method (or is_original_qwen3_reranker) to read a causal LM as a reranker at some tokens'
+    # logits (quickdraft/models/overrides.py).
+    hf_overrides: dict | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -113,6 +117,10 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.hf_overrides is not None:
+            from quickdraft.models.overrides import check_hf_overrides
+
+            self.hf_overrides = check_hf_overrides(self.hf_overrides)
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         elif self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

@@ -86,11 +86,16 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        hf_overrides: dict[str, Any] | None = None,
     ):
         """`generation_config` (vLLM's): "auto" takes the sampling an HF model directory's
         generation_config.json recommends as the defaults of `get_default_sampling_params()`
         (what `generate` uses without sampling params); "vllm" ignores it; or a directory
-        holding one.  `override_generation_config` replaces some of its keys."""
+        holding one.  `override_generation_config` replaces some of its keys.  `hf_overrides`
+        (vLLM's) replaces keys of the model's config.json; with classifier_from_token it reads a
+        causal LM as a reranker, e.g. the original Qwen3-Reranker: {"architectures":
+        ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True}."""
         speculative_config = _merge_speculative_args(speculative_config, speculative_model, num_speculative_tokens)
         self._default_sampling = default_sampling_fields(
             model, source=generation_config, overrides=override_generation_config
@@ -117,6 +122,7 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            hf_overrides=hf_overrides,
         )
         self.engine = Engine(self.config)
 

@@ -72,7 +72,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype)
         # the target's keys and values: the compute dtype, or as config.kv_cache_dtype names
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
-        self.model_dir = model_dir = resolve_model_dir(config.model)
+        self.model_dir = model_dir = resolve_model_dir(config.model, hf_overrides=config.hf_overrides)
         gguf_path = resolve_gguf_path(config.model)
         self.quantization = resolve_quantization(
             config.quantization, dtype=config.dtype, gguf_path=gguf_path, device=self.device, model_dir=model_dir

@@ -56,6 +56,10 @@ GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma-embedding")  # norms stored as
 DENSE_TENSORS = ("dense_2", "dense_3")
 # llama.cpp's `{arch}.pooling_type` values -> our pooling types (0: none, 4: rank have no vector)
 _GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
+RANK_POOLING = 4
+# llama.cpp's rank-pooling head (a reranker's or classifier's): written as the HF classifier's `score`
+CLASSIFIER_TENSORS = {"cls.output.weight": "score.weight", "cls.output.bias": "score.bias"}
+CLASSIFIER_FILE = "score.safetensors"
 
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
@@ -359,7 +363,11 @@ def tensor_values(tensor: GGUFTensor) -> np.ndarray:  # [*tensor.shape] float32,
 
 def hf_tensor_name(gguf_name: str, *, architecture: str) -> str | None:
     """The HF parameter name for a GGUF tensor name; `None` for tensors HF has no parameter for."""
-    if gguf_name in _IGNORED_TENSORS or gguf_name.rpartition(".")[0] in DENSE_TENSORS:
+    if (
+        gguf_name in _IGNORED_TENSORS
+        or gguf_name in CLASSIFIER_TENSORS
+        or gguf_name.rpartition(".")[0] in DENSE_TENSORS
+    ):
         return None
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _TOP_LEVEL_NAMES:
@@ -856,6 +864,9 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
     if "token_embd.weight" not in shapes:
         raise ValueError(f"{gguf_path}: no token_embd.weight tensor")
     config = hf_config(reader, architecture=architecture, tensor_shapes=shapes)
+    classifier = _rank_head(reader, architecture=architecture, source=gguf_path)
+    if classifier is not None:
+        config = config | classifier.config_fields(config)
     source = _GGUFTensors(reader.tensors, gguf_path=gguf_path, architecture=architecture, config=config)
     tokenizer = tokenizer_from_gguf(reader)
     tokenizer_config = tokenizer_config_from_gguf(reader)
@@ -872,8 +883,67 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
         _fsync_write(staging / "tokenizer.json", tokenizer.to_str(pretty=False).encode("utf-8"))
         _write_json(staging / "tokenizer_config.json", tokenizer_config)
         _write_embedding_modules(reader, staging, architecture=architecture, source=gguf_path)
+        if classifier is not None:
+            classifier.write(staging / CLASSIFIER_FILE)
         # Written last: its presence means everything above is complete.
         _write_json(staging / SOURCE_MARKER, marker)
+
+
+@dataclass
+class _RankHead:
+    """llama.cpp's rank-pooling head as a HF classifier's `score`: a reranker of two rows labelled
+    yes / no (Qwen3-Reranker: llama.cpp's converter takes the LM head's "yes" and "no" rows) reads
+    softmax over the two, which is sigmoid of their difference, so it becomes one label (the
+    model card's p(yes)); any other head keeps its rows, one label each."""
+
+    weight: np.ndarray  # [num_labels, hidden] float32
+    bias: np.ndarray | None  # [num_labels]
+    labels: list[str]
+
+    def config_fields(self, config: dict) -> dict:
+        stem = config["architectures"][0].removesuffix("ForCausalLM")
+        return {
+            "architectures": [stem + "ForSequenceClassification"],
+            "num_labels": len(self.labels),
+            "id2label": {str(i): label for i, label in enumerate(self.labels)},
+            "label2id": {label: i for i, label in enumerate(self.labels)},
+        }
+
+    def write(self, path: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        tensors = {"score.weight": torch.from_numpy(np.ascontiguousarray(self.weight, dtype=np.float32))}
+        if self.bias is not None:
+            tensors["score.bias"] = torch.from_numpy(np.ascontiguousarray(self.bias, dtype=np.float32))
+        save_file(tensors, str(path))
+
+
+def _rank_head(reader: GGUFFile, *, architecture: str, source: Path) -> _RankHead | None:
+    """The file's classifier head (pooling_type rank with cls.output); None for a language model."""
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    pooling = read_field(reader, f"{architecture}.pooling_type")
+    if "cls.output.weight" not in tensors:
+        return None
+    if pooling is None or int(pooling) != RANK_POOLING:
+        raise ValueError(f"{source}: cls.output.weight is a rank-pooling head, but pooling_type is {pooling}")
+
+    def read(name: str) -> np.ndarray:
+        return dequantize_tensor(tensors[name], architecture=architecture, n_head=1, n_head_kv=1, source=source)
+
+    weight = read("cls.output.weight")
+    weight = weight.reshape(1, -1) if weight.ndim == 1 else weight  # [num_labels, hidden]
+    bias = read("cls.output.bias").reshape(-1) if "cls.output.bias" in tensors else None
+    labels = [str(label) for label in (read_field(reader, f"{architecture}.classifier.output_labels") or [])]
+    if len(labels) != weight.shape[0]:
+        labels = [f"LABEL_{i}" for i in range(weight.shape[0])]
+    if [label.lower() for label in labels] == ["yes", "no"]:
+        return _RankHead(
+            weight=weight[:1] - weight[1:],
+            bias=None if bias is None else bias[:1] - bias[1:],
+            labels=labels[:1],
+        )
+    return _RankHead(weight=weight, bias=bias, labels=labels)
 
 
 def _write_embedding_modules(reader: GGUFFile, out_dir: Path, *, architecture: str, source: Path) -> None:

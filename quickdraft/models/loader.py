@@ -60,8 +60,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """A local HF directory for `model`: converted and cached when it is a GGUF file."""
+def resolve_model_dir(model: str | os.PathLike | None, *, hf_overrides: dict | None = None) -> Path:
+    """A local HF directory for `model`: converted and cached when it is a GGUF file; with
+    `hf_overrides` (vLLM's), a cached directory that applies them (models/overrides.py)."""
+    model_dir = _local_model_dir(model)
+    if not hf_overrides:
+        return model_dir
+    from quickdraft.models import gguf
+    from quickdraft.models.overrides import apply_hf_overrides
+
+    return apply_hf_overrides(model_dir, hf_overrides, cache_root=gguf.cache_root() / "overrides")
+
+
+def _local_model_dir(model: str | os.PathLike | None) -> Path:
     from quickdraft.models import gguf
 
     if model is None or str(model) in DEFAULT_MODEL_ALIASES:

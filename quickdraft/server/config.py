@@ -10,6 +10,7 @@ from pathlib import Path
 from quickdraft.config import EngineConfig
 from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.models.lora import LoRARequest
+from quickdraft.models.overrides import check_hf_overrides
 from quickdraft.models.tokenizer import check_chat_template
 from quickdraft.pooling import POOLING_TYPES
 from quickdraft.structured.reasoning import REASONING_PARSERS
@@ -80,6 +81,7 @@ class ServerConfig:
     # --override-generation-config, keys of that file to replace.
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    hf_overrides: dict | None = None  # vLLM's --hf-overrides (EngineConfig.hf_overrides)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
     request_read_timeout_seconds: float = DEFAULT_REQUEST_READ_TIMEOUT_SECONDS  # body stall -> 408, dropped
     # When set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise). Not in
@@ -166,6 +168,8 @@ class ServerConfig:
             if adapter.lora_name in self.model_names:
                 raise ValueError(f"lora_modules: {adapter.lora_name!r} is also a served model name")
         self.default_sampling_fields()  # a bad setting fails at start, naming itself
+        if self.hf_overrides is not None:
+            check_hf_overrides(self.hf_overrides)
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r}")
 
@@ -220,6 +224,7 @@ class ServerConfig:
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
+            hf_overrides=self.hf_overrides,
         )
 
     @property

@@ -90,3 +90,35 @@ def test_classifiers_refuse_what_they_cannot_do(classifier, reranker, tiny_check
     plain = LLM(str(tiny_checkpoints["qwen3"]), max_model_len=64)
     with pytest.raises(ValueError, match="has no classification head"):
         plain.classify([PROMPT])
+
+
+def test_a_rank_pooling_gguf_is_llama_cpp_s_reranker(tmp_path, monkeypatch):
+    """llama.cpp's Qwen3-Reranker files: pooling_type rank, cls.output = the LM head's "yes" and
+    "no" rows. The score is the causal LM's softmax over those two logits (the model card's p(yes))."""
+    import gguf
+
+    from tests.models.test_gguf import byte_level_vocab, tiny_model, write_tiny_gguf
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    vocab = byte_level_vocab(pre="qwen2")
+    model = tiny_model("qwen3", vocab_size=len(vocab.tokens)).eval()
+    yes, no = 40, 41
+    head = model.get_output_embeddings().weight.detach().float()
+
+    def rank_head(writer):
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_tensor("cls.output.weight", torch.stack([head[yes], head[no]]).numpy())
+
+    path = tmp_path / "reranker.gguf"
+    write_tiny_gguf(path, architecture="qwen3", model=model, vocab=vocab, qtypes={}, extra=rank_head)
+    llm = LLM(str(path), max_model_len=64)
+    assert llm.engine.pooler.classifier.labels == ("yes",)
+    for prompt in (PROMPT, PROMPT[:9]):
+        [out] = llm.classify([prompt])
+        with torch.no_grad():
+            last = model(torch.tensor([prompt])).logits[0, -1]
+        expected = torch.softmax(last[[no, yes]], dim=0)[1].item()
+        assert out.outputs.probs[0] == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ValueError, match="is a classifier"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2))

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -500,13 +501,21 @@ def _split_experts(state: dict) -> dict:
 
 
 def write_tiny_gguf(
-    path: Path, *, architecture: str, model, vocab: TinyVocab, qtypes: dict[str, QType], split_experts: bool = False
+    path: Path,
+    *,
+    architecture: str,
+    model,
+    vocab: TinyVocab,
+    qtypes: dict[str, QType],
+    split_experts: bool = False,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> dict:
     """Write `model` + `vocab` as a GGUF file like llama.cpp; return the state dict the file encodes.
 
     qtypes: substring of the GGUF tensor name -> storage type for 2-D weights (default F32).
     split_experts: each expert's matrix a tensor of its own (blk.N.ffn_gate.E.weight), as Mixtral
     files were written before llama.cpp stacked them.
+    extra: writes more keys and tensors (a reranker's head) before the file is written.
     The returned state dict holds each weight after its storage round trip (quantize + dequantize).
     """
     config = model.config
@@ -557,6 +566,8 @@ def write_tiny_gguf(
             writer.add_tensor(gguf_name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
         # Row permutation and per-row block quantization commute: round-trip the HF tensor.
         expected[hf_name] = torch.from_numpy(np.ascontiguousarray(_roundtrip(tensor.float().numpy(), qtype)))
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
