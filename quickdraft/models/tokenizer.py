@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -104,6 +105,9 @@ class GGUFVocab:
     add_eos: bool
     add_space_prefix: bool
     chat_template: str | None = field(default=None, repr=False)
+    # llama.cpp's reranker files: the text a (query, document) pair is read as, `{query}` and
+    # `{document}` in it (tokenizer.chat_template.rerank)
+    rerank_template: str | None = field(default=None, repr=False)
 
     def token(self, token_id: int | None) -> str | None:
         return None if token_id is None or token_id >= len(self.tokens) else self.tokens[token_id]
@@ -139,6 +143,7 @@ def read_gguf_vocab(reader_or_path: GGUFFile | str | Path) -> GGUFVocab:
         add_eos=bool(key("add_eos_token", False)),
         add_space_prefix=bool(key("add_space_prefix", model == "llama")),
         chat_template=read_field(reader, "tokenizer.chat_template"),
+        rerank_template=read_field(reader, "tokenizer.chat_template.rerank"),
     )
 
 
@@ -334,6 +339,9 @@ def tokenizer_config_from_gguf(reader_or_path: GGUFFile | str | Path) -> dict[st
     }
     if vocab.chat_template is not None:
         config["chat_template"] = vocab.chat_template
+    if vocab.rerank_template is not None:  # HF's named templates
+        named = [] if vocab.chat_template is None else [{"name": "default", "template": vocab.chat_template}]
+        config["chat_template"] = named + [{"name": RERANK_TEMPLATE, "template": vocab.rerank_template}]
     return config
 
 
@@ -367,12 +375,15 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
-def _select_chat_template(template: str | list | None) -> str | None:
-    # HF allows a list of named templates; the engine renders plain conversations: take "default".
+RERANK_TEMPLATE = "rerank"
+
+
+def _select_chat_template(template: str | list | None, *, name: str = "default") -> str | None:
+    # HF allows a list of named templates; the engine renders plain conversations with "default".
     if isinstance(template, list):
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
-        return named.get("default")
-    return template
+        return named.get(name)
+    return template if name == "default" else None
 
 
 class Tokenizer:
@@ -395,6 +406,8 @@ class Tokenizer:
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos_ids if i is not None))
         self.pad_token_id = self._id_or_none(_token_content(self.config.get("pad_token")))
         self.chat_template = chat_template or _select_chat_template(self.config.get("chat_template"))
+        # a reranker's pair format (llama.cpp's GGUFs carry one): `{query}` and `{document}` replaced
+        self.rerank_template = _select_chat_template(self.config.get("chat_template"), name=RERANK_TEMPLATE)
         # When the config states add_bos/add_eos we apply them ourselves (and bypass the
         # tokenizer.json post-processor); otherwise the post-processor decides, as in transformers.
         self._explicit_specials = "add_bos_token" in self.config or "add_eos_token" in self.config
@@ -438,6 +451,18 @@ class Tokenizer:
         # encode_batch gives encode's ids but runs without the GIL (encode holds it for the whole
         # call: seconds for a MB-sized prompt, during which a server's event loop would stall).
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def rerank_prompts(self, queries: list, documents: list, pairs: list[tuple[int, int]]) -> list[list[int]] | None:
+        """Each (query i, document j) pair read through the rerank template, as llama.cpp reads
+        it; None without a template, or when an input is token ids (those pairs are concatenated)."""
+        template = self.rerank_template
+        if template is None or not all(isinstance(text, str) for text in (*queries, *documents)):
+            return None
+
+        def fill(query: str, document: str) -> str:  # in one pass: a query may hold "{document}"
+            return re.sub(r"\{(query|document)\}", lambda m: query if m[1] == "query" else document, template)
+
+        return [self.encode(fill(queries[i], documents[j])) for i, j in pairs]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; BOS (and EOS) added when the config says so and add_special_tokens.

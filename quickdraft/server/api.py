@@ -962,14 +962,18 @@ async def _pair_scores(
             "labels: use /classify",
             param="model",
         )
-    if pooler.cross_encoder:  # each pair one prompt: the first text's tokens, the second's without specials
-        firsts = await server.preprocessor.run(
-            _pooling_tokens, server, texts[:num_first], add_special_tokens=add_special_tokens, param="input"
+    if pooler.cross_encoder:  # each pair one prompt: through the model's rerank template, or concatenated
+        prompts = await server.preprocessor.run(
+            server.tokenizer.rerank_prompts, texts[:num_first], texts[num_first:], pairs
         )
-        seconds = await server.preprocessor.run(
-            _pooling_tokens, server, texts[num_first:], add_special_tokens=False, param="input"
-        )
-        prompts = [firsts[i] + seconds[j] for i, j in pairs]
+        if prompts is None:  # the first text's tokens, the second's without specials
+            firsts = await server.preprocessor.run(
+                _pooling_tokens, server, texts[:num_first], add_special_tokens=add_special_tokens, param="input"
+            )
+            seconds = await server.preprocessor.run(
+                _pooling_tokens, server, texts[num_first:], add_special_tokens=False, param="input"
+            )
+            prompts = [firsts[i] + seconds[j] for i, j in pairs]
         probs = await _pool_on_loop(
             server, lambda engine: engine.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
         )

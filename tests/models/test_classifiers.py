@@ -92,14 +92,16 @@ def test_classifiers_refuse_what_they_cannot_do(classifier, reranker, tiny_check
         plain.classify([PROMPT])
 
 
-def test_a_rank_pooling_gguf_is_llama_cpp_s_reranker(tmp_path, monkeypatch):
-    """llama.cpp's Qwen3-Reranker files: pooling_type rank, cls.output = the LM head's "yes" and
-    "no" rows. The score is the causal LM's softmax over those two logits (the model card's p(yes))."""
+RERANK_TEMPLATE = "Q: {query} D: {document}!"
+
+
+def write_reranker_gguf(path):
+    """llama.cpp's Qwen3-Reranker layout on a tiny random Qwen3: pooling_type rank, cls.output the
+    LM head's "yes" and "no" rows, a rerank template; returns (the causal LM, yes id, no id)."""
     import gguf
 
     from tests.models.test_gguf import byte_level_vocab, tiny_model, write_tiny_gguf
 
-    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
     vocab = byte_level_vocab(pre="qwen2")
     model = tiny_model("qwen3", vocab_size=len(vocab.tokens)).eval()
     yes, no = 40, 41
@@ -109,16 +111,37 @@ def test_a_rank_pooling_gguf_is_llama_cpp_s_reranker(tmp_path, monkeypatch):
         writer.add_pooling_type(gguf.PoolingType.RANK)
         writer.add_classifier_output_labels(["yes", "no"])
         writer.add_tensor("cls.output.weight", torch.stack([head[yes], head[no]]).numpy())
+        writer.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
 
-    path = tmp_path / "reranker.gguf"
     write_tiny_gguf(path, architecture="qwen3", model=model, vocab=vocab, qtypes={}, extra=rank_head)
+    return model, yes, no
+
+
+def p_yes(model, ids: list[int], *, yes: int, no: int) -> float:
+    """The causal LM's softmax over its "no" and "yes" logits at the last token (the model card's score)."""
+    with torch.no_grad():
+        last = model(torch.tensor([ids])).logits[0, -1]
+    return torch.softmax(last[[no, yes]], dim=0)[1].item()
+
+
+def test_a_rank_pooling_gguf_is_llama_cpp_s_reranker(tmp_path, monkeypatch):
+    """llama.cpp's Qwen3-Reranker files: pooling_type rank, cls.output = the LM head's "yes" and
+    "no" rows. The score is the causal LM's softmax over those two logits (the model card's p(yes))."""
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "reranker.gguf"
+    model, yes, no = write_reranker_gguf(path)
     llm = LLM(str(path), max_model_len=64)
     assert llm.engine.pooler.classifier.labels == ("yes",)
     for prompt in (PROMPT, PROMPT[:9]):
         [out] = llm.classify([prompt])
-        with torch.no_grad():
-            last = model(torch.tensor([prompt])).logits[0, -1]
-        expected = torch.softmax(last[[no, yes]], dim=0)[1].item()
-        assert out.outputs.probs[0] == pytest.approx(expected, abs=1e-5)
+        assert out.outputs.probs[0] == pytest.approx(p_yes(model, prompt, yes=yes, no=no), abs=1e-5)
     with pytest.raises(ValueError, match="is a classifier"):
         llm.generate([PROMPT], SamplingParams(max_tokens=2))
+    # pairs of texts read through the file's rerank template, as llama.cpp reads them
+    query, documents = "a {document} cat", ["the cat sat", "stock prices"]
+    for document, out in zip(documents, llm.score(query, documents)):
+        ids = llm.tokenizer.encode(f"Q: {query} D: {document}!")
+        assert out.prompt_token_ids == ids
+        assert out.outputs.score == pytest.approx(p_yes(model, ids, yes=yes, no=no), abs=1e-5)
+    as_ids = llm.score([{"prompt_token_ids": [5, 6]}], [{"prompt_token_ids": [7, 8]}])  # ids: concatenated
+    assert as_ids[0].prompt_token_ids == [5, 6, 7, 8]

@@ -212,6 +212,31 @@ def test_classifiers_and_rerankers_over_http(tmp_path):
         running.stop()
 
 
+def test_a_reranker_gguf_reads_pairs_through_its_template_over_http(tmp_path, monkeypatch):
+    """/rerank on llama.cpp's reranker layout: each pair through the file's rerank template, the
+    causal LM's p(yes), as LLM.score gives it."""
+    from tests.models.test_classifiers import RERANK_TEMPLATE, p_yes, write_reranker_gguf
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "reranker.gguf"
+    model, yes, no = write_reranker_gguf(path)
+    documents = ["the cat sat", "stock prices", "a kitten"]
+    running = start_server(tiny_server_config(path, served_model_name="rr"))
+    try:
+        tokenizer = running.server.tokenizer
+        expected = [
+            p_yes(model, tokenizer.encode(RERANK_TEMPLATE.format(query="a cat", document=d)), yes=yes, no=no)
+            for d in documents
+        ]
+        body = {"query": "a cat", "documents": documents}
+        reply = httpx.post(f"{running.base_url}/v1/rerank", json=body, timeout=30).json()
+        assert sorted(r["index"] for r in reply["results"]) == [0, 1, 2]
+        for result in reply["results"]:
+            assert result["relevance_score"] == pytest.approx(expected[result["index"]], abs=1e-5)
+    finally:
+        running.stop()
+
+
 def test_classify_needs_a_classifier(server):
     response = httpx.post(f"{server.base_url}/classify", json={"input": "x"}, timeout=30)
     assert response.status_code == 400 and "no classification head" in response.json()["error"]["message"]
