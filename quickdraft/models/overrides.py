@@ -96,6 +96,7 @@ def apply_hf_overrides(model_dir: Path, overrides: dict, *, cache_root: Path) ->
     if (out_dir / "config.json").is_file():
         return out_dir
     cache_root.mkdir(parents=True, exist_ok=True)
+    prune_stale_overrides(cache_root)
     staging = cache_root / f".{out_dir.name}.{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -109,6 +110,20 @@ def apply_hf_overrides(model_dir: Path, overrides: dict, *, cache_root: Path) ->
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def prune_stale_overrides(cache_root: Path) -> int:
+    """Remove the directories whose model is gone (a link of theirs leads nowhere); returns how many.
+    A changed model gets a directory of its own (the key covers its files), so without this the
+    old ones would stay."""
+    removed = 0
+    for directory in sorted(cache_root.iterdir()):
+        if directory.name.startswith(".") or not directory.is_dir():
+            continue  # another process's staging directory
+        if any(entry.is_symlink() and not entry.exists() for entry in directory.iterdir()):
+            shutil.rmtree(directory, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def _key(model_dir: Path, overrides: dict) -> str:

@@ -73,6 +73,17 @@ def test_no_post_processing_keeps_one_label_per_token(causal_lm, cache):
     assert llm.engine.pooler.classifier.labels == ("a", "b", "c")
 
 
+def test_directories_of_models_since_deleted_are_removed(tiny_checkpoints, tmp_path, cache):
+    import shutil
+
+    copy = shutil.copytree(tiny_checkpoints["qwen3"], tmp_path / "copy")
+    kept = LLM(str(tiny_checkpoints["qwen3"]), max_model_len=64, hf_overrides=RERANKER).engine.model_dir
+    gone = LLM(str(copy), max_model_len=64, hf_overrides=RERANKER).engine.model_dir
+    shutil.rmtree(copy)
+    LLM(str(tiny_checkpoints["qwen3"]), max_model_len=64, hf_overrides={"max_position_embeddings": 100})
+    assert kept.is_dir() and not gone.exists()
+
+
 def test_other_keys_replace_config_json_s(tiny_checkpoints, cache):
     path = tiny_checkpoints["qwen3"]
     with pytest.raises(ValueError, match="exceeds the model's context 100"):
