@@ -126,3 +126,26 @@ def test_serve_takes_hf_overrides_as_json(tiny_checkpoints):
     args = build_parser().parse_args(["serve", str(tiny_checkpoints["qwen3"]), "--hf-overrides", json.dumps(RERANKER)])
     config = _server_config(args, api_key=None)
     assert config.hf_overrides == RERANKER and config.engine_config().hf_overrides == RERANKER
+
+
+def test_a_gguf_s_head_rows_are_read_from_the_file(tmp_path, cache):
+    """A GGUF conversion keeps its quantized (here F16) LM head in the file: the rows are
+    read from there, and the scores are the causal LM's (with the file's rounded weights)."""
+    from gguf import GGMLQuantizationType as QType
+
+    from tests.models.test_gguf import byte_level_vocab, tiny_model, write_tiny_gguf
+
+    vocab = byte_level_vocab(pre="qwen2")
+    model = tiny_model("qwen3", vocab_size=len(vocab.tokens)).eval()
+    path = tmp_path / "lm.gguf"
+    stored = write_tiny_gguf(
+        path, architecture="qwen3", model=model, vocab=vocab, qtypes={"token_embd": QType.F16, "output": QType.F16}
+    )
+    model.load_state_dict(stored, strict=False)
+    model.tie_weights()
+    llm = LLM(str(path), max_model_len=64, hf_overrides=RERANKER)
+    no, yes = (llm.tokenizer.encode(t, add_special_tokens=False)[0] for t in ("n", "y"))
+    prompt = list(range(5, 30))
+    [out] = llm.classify([prompt])
+    expected = torch.softmax(last_logits(model, prompt)[[no, yes]], dim=0)[1].item()
+    assert out.outputs.probs[0] == pytest.approx(expected, abs=1e-5)
