@@ -65,7 +65,8 @@ CLASSIFIER_FILE = "score.safetensors"
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
 
 # Bumped whenever the output of the conversion changes, so old caches get rebuilt.
-CONVERTER_VERSION = 3  # 2: only float32-stored tensors in model.safetensors; 3: pooling and Dense layers as modules
+CONVERTER_VERSION = 4  # 2: only float32-stored tensors in model.safetensors; 3: pooling and Dense layers as
+# modules; 4: a dummy-prefix vocabulary's space runs split off as llama.cpp does (tokenizer.json)
 SOURCE_MARKER = "quickdraft_source.json"
 FLOAT_COPY_DIR = "float32"  # float_checkpoint_dir
 

@@ -174,6 +174,11 @@ def _is_gemma(vocab: GGUFVocab) -> bool:
 def _spiece_tokens(vocab: GGUFVocab) -> list[str]:
     # Gemma quirk 1: llama.cpp stores tokens that are runs of spaces as real spaces ("  "), but the
     # normalizer turns spaces into "▁" before BPE, so spell them "▁▁" or they could never match.
+    # With a dummy prefix they stay as stored: llama.cpp splits such user-defined runs off the raw
+    # text first and prefixes the text after each, so they are added tokens here (matched before the
+    # normalizer, which then prefixes each piece between them) and BPE never forms them from "▁".
+    if vocab.add_space_prefix:
+        return list(vocab.tokens)
     return [_SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in vocab.tokens]
 
 

@@ -121,6 +121,34 @@ def test_spm_dummy_prefix_like_llama_cpp(tokenizers_by_case):
     assert pieces("<start_of_turn>hi there") == "<start_of_turn>\u2581hi\u2581there"
 
 
+def test_space_runs_with_a_dummy_prefix_like_llama_cpp(tmp_path):
+    """A vocabulary with user-defined space runs and a dummy prefix (a Gemma vocabulary whose file
+    lacks add_space_prefix, which llama.cpp then reads as true): llama.cpp splits each raw run off
+    first and prefixes the text after it. Pieces as llama.cpp 0.3.36 (llama-cpp-python) gave them for
+    this vocabulary; on the real Gemma 3 vocabulary read so, 310 Spec-Bench texts with extra spaces
+    tokenized as llama.cpp does (94 differed before)."""
+    import dataclasses
+
+    vocab = dataclasses.replace(spiece_vocab(architecture="gemma3"), add_space_prefix=True)
+    tokenizer = Tokenizer.from_dir(
+        save_tokenizer_dir(write_vocab_gguf(tmp_path / "v.gguf", vocab, architecture="gemma3"), tmp_path / "dir")
+    )
+
+    def pieces(text: str) -> list[str]:
+        return [vocab.tokens[i] for i in tokenizer.encode(text, add_special_tokens=False)]
+
+    s = "\u2581"
+    assert pieces("a  b") == [s + "a", "  ", s, "b"]
+    assert pieces("a   b") == [s + "a", "   ", s, "b"]
+    assert pieces("x\n\n  y") == [s, "x", "\n\n", "  ", s, "y"]
+    assert pieces(" ") == [s, s]
+    assert pieces("  ") == ["  "]
+    assert pieces("a \n b") == [s + "a", s, "\n", s, s, "b"]
+    assert pieces("<start_of_turn>user  hi") == ["<start_of_turn>", s, "u", "s", "er", "  ", s, "hi"]
+    # (the prefix after a run decodes as one more space, in llama.cpp too: such texts do not round-trip)
+    assert tokenizer.decode(tokenizer.encode("a  b", add_special_tokens=False)) == "a   b"
+
+
 @pytest.mark.parametrize("name", ["llama3", "qwen2"])
 def test_byte_level_matches_trained_tokenizer(name, vocab_ggufs, tokenizers_by_case):
     # The GGUF carries the merges, so the rebuilt tokenizer must equal the one that was trained.
