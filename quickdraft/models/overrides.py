@@ -127,9 +127,16 @@ def prune_stale_overrides(cache_root: Path) -> int:
 
 
 def _key(model_dir: Path, overrides: dict) -> str:
-    """What the directory depends on: the model's files (path, size, mtime) and the overrides."""
+    """What the directory depends on: the model's files (path, size, mtime) and the overrides, not
+    the caches the engine writes beside a GGUF conversion (packed weights, a float copy): one
+    written later must not make a second directory (it would pack the weights again)."""
+    from quickdraft.models.gguf import FLOAT_COPY_DIR
+    from quickdraft.models.quantized_loader import PACKED_CACHE_PREFIX
+
     parts = [str(model_dir), json.dumps(overrides, sort_keys=True)]
     for entry in sorted(model_dir.iterdir()):
+        if entry.name.startswith(PACKED_CACHE_PREFIX) or entry.name == FLOAT_COPY_DIR:
+            continue
         stat = entry.stat()
         parts.append(f"{entry.name}:{stat.st_size}:{stat.st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -57,6 +57,14 @@ def test_the_original_reranker_scores_the_lm_s_two_way_softmax(causal_lm, cache)
     assert source["architectures"] == ["Qwen3ForCausalLM"] and "num_labels" not in source  # untouched
     again = LLM(str(path), max_model_len=64, hf_overrides=RERANKER)
     assert again.engine.model_dir == llm.engine.model_dir  # made once, then reused
+    from quickdraft.models.overrides import apply_hf_overrides
+    from quickdraft.models.quantized_loader import PACKED_CACHE_FILE
+
+    (path / PACKED_CACHE_FILE).write_bytes(b"")  # a cache the engine writes beside a GGUF conversion
+    try:
+        assert apply_hf_overrides(path, RERANKER, cache_root=cache / "overrides") == llm.engine.model_dir
+    finally:
+        (path / PACKED_CACHE_FILE).unlink()
 
 
 def test_no_post_processing_keeps_one_label_per_token(causal_lm, cache):
