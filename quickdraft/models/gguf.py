@@ -29,12 +29,15 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
 
 from quickdraft.models.config import moe_hf_names, moe_router_name
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "gemma-embedding",
@@ -58,8 +61,7 @@ DENSE_TENSORS = ("dense_2", "dense_3")
 _GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
 RANK_POOLING = 4
 # llama.cpp's rank-pooling head (a reranker's or classifier's): written as the HF classifier's `score`
-CLASSIFIER_TENSORS = {"cls.output.weight": "score.weight", "cls.output.bias": "score.bias"}
-CLASSIFIER_FILE = "score.safetensors"
+CLASSIFIER_TENSORS = ("cls.output.weight", "cls.output.bias")
 
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
@@ -791,8 +793,9 @@ def write_safetensors_streaming(
 
 
 @contextlib.contextmanager
-def _staging_dir(out_dir: Path) -> Iterator[Path]:
-    """A temp dir next to `out_dir` that replaces it on success and vanishes on failure.
+def staging_dir(out_dir: Path) -> Iterator[Path]:
+    """A temp dir next to `out_dir` that replaces it on success and vanishes on failure (GGUF
+    conversions, models/overrides.py's directories).
 
     The rename is atomic, so a reader never sees a half-written model directory.
     """
@@ -856,7 +859,8 @@ def convert_gguf_to_hf_dir(
 
 
 def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | None) -> None:
-    # Imported here: tokenizer.py imports this module's readers.
+    # Imported here: tokenizer.py and overrides.py import this module's readers.
+    from quickdraft.models.overrides import classifier_config, write_score_head
     from quickdraft.models.tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
 
     reader = open_gguf(gguf_path)
@@ -867,7 +871,7 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
     config = hf_config(reader, architecture=architecture, tensor_shapes=shapes)
     classifier = _rank_head(reader, architecture=architecture, source=gguf_path)
     if classifier is not None:
-        config = config | classifier.config_fields(config)
+        config = classifier_config(config, labels=classifier.labels)
     source = _GGUFTensors(reader.tensors, gguf_path=gguf_path, architecture=architecture, config=config)
     tokenizer = tokenizer_from_gguf(reader)
     tokenizer_config = tokenizer_config_from_gguf(reader)
@@ -877,7 +881,7 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
         "created": time.time(),
     } | (marker_extra or {})
 
-    with _staging_dir(out_dir) as staging:
+    with staging_dir(out_dir) as staging:
         _write_json(staging / "config.json", config)
         shapes = {name: shape for name, shape in source.shapes.items() if source.stored_as_float32(name)}
         write_safetensors_streaming(staging / "model.safetensors", shapes=shapes, produce=source.dequantized)
@@ -885,7 +889,7 @@ def _convert(gguf_path: Path, out_dir: Path, *, marker_extra: dict[str, Any] | N
         _write_json(staging / "tokenizer_config.json", tokenizer_config)
         _write_embedding_modules(reader, staging, architecture=architecture, source=gguf_path)
         if classifier is not None:
-            classifier.write(staging / CLASSIFIER_FILE)
+            write_score_head(staging, weight=classifier.weight, bias=classifier.bias)
         # Written last: its presence means everything above is complete.
         _write_json(staging / SOURCE_MARKER, marker)
 
@@ -897,31 +901,15 @@ class _RankHead:
     softmax over the two, which is sigmoid of their difference, so it becomes one label (the
     model card's p(yes)); any other head keeps its rows, one label each."""
 
-    weight: np.ndarray  # [num_labels, hidden] float32
-    bias: np.ndarray | None  # [num_labels]
+    weight: torch.Tensor  # [num_labels, hidden] float32
+    bias: torch.Tensor | None  # [num_labels]
     labels: list[str]
-
-    def config_fields(self, config: dict) -> dict:
-        stem = config["architectures"][0].removesuffix("ForCausalLM")
-        return {
-            "architectures": [stem + "ForSequenceClassification"],
-            "num_labels": len(self.labels),
-            "id2label": {str(i): label for i, label in enumerate(self.labels)},
-            "label2id": {label: i for i, label in enumerate(self.labels)},
-        }
-
-    def write(self, path: Path) -> None:
-        import torch
-        from safetensors.torch import save_file
-
-        tensors = {"score.weight": torch.from_numpy(np.ascontiguousarray(self.weight, dtype=np.float32))}
-        if self.bias is not None:
-            tensors["score.bias"] = torch.from_numpy(np.ascontiguousarray(self.bias, dtype=np.float32))
-        save_file(tensors, str(path))
 
 
 def _rank_head(reader: GGUFFile, *, architecture: str, source: Path) -> _RankHead | None:
     """The file's classifier head (pooling_type rank with cls.output); None for a language model."""
+    import torch
+
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     pooling = read_field(reader, f"{architecture}.pooling_type")
     if "cls.output.weight" not in tensors:
@@ -929,8 +917,9 @@ def _rank_head(reader: GGUFFile, *, architecture: str, source: Path) -> _RankHea
     if pooling is None or int(pooling) != RANK_POOLING:
         raise ValueError(f"{source}: cls.output.weight is a rank-pooling head, but pooling_type is {pooling}")
 
-    def read(name: str) -> np.ndarray:
-        return dequantize_tensor(tensors[name], architecture=architecture, n_head=1, n_head_kv=1, source=source)
+    def read(name: str) -> torch.Tensor:
+        values = dequantize_tensor(tensors[name], architecture=architecture, n_head=1, n_head_kv=1, source=source)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     weight = read("cls.output.weight")
     weight = weight.reshape(1, -1) if weight.ndim == 1 else weight  # [num_labels, hidden]
@@ -1068,7 +1057,7 @@ def float_checkpoint_dir(model_dir: Path) -> Path:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         architecture, tensors = read_gguf_tensors(gguf_path)
         source = _GGUFTensors(tensors, gguf_path=gguf_path, architecture=architecture, config=config)
-        with _staging_dir(out_dir) as staging:
+        with staging_dir(out_dir) as staging:
             for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
                 shutil.copyfile(model_dir / name, staging / name)
             _copy_sentence_transformers_modules(model_dir, staging)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -95,20 +94,12 @@ def apply_hf_overrides(model_dir: Path, overrides: dict, *, cache_root: Path) ->
     out_dir = cache_root / f"{model_dir.name}-{_key(model_dir, overrides)}"
     if (out_dir / "config.json").is_file():
         return out_dir
+    from quickdraft.models.gguf import staging_dir
+
     cache_root.mkdir(parents=True, exist_ok=True)
     prune_stale_overrides(cache_root)
-    staging = cache_root / f".{out_dir.name}.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staging_dir(out_dir) as staging:
         _write_overridden(model_dir, staging, overrides)
-        try:
-            staging.rename(out_dir)
-        except OSError:  # another process made it first: theirs is the same
-            if not (out_dir / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
@@ -151,13 +142,8 @@ def _write_overridden(model_dir: Path, out_dir: Path, overrides: dict) -> None:
         method = _classifier_method(overrides)
         score = _score_rows(model_dir, config, tokens=tokens, method=method)  # [num_labels, D]
         labels = [tokens[1]] if method == "from_2_way_softmax" else list(tokens)
-        config["architectures"] = overrides.get("architectures") or [_classifier_architecture(config)]
-        config["num_labels"] = len(labels)
-        config["id2label"] = {str(i): label for i, label in enumerate(labels)}
-        config["label2id"] = {label: i for i, label in enumerate(labels)}
-        from safetensors.torch import save_file
-
-        save_file({"score.weight": score.contiguous()}, str(out_dir / SCORE_FILE))
+        config = classifier_config(config, labels=labels, architectures=overrides.get("architectures"))
+        write_score_head(out_dir, weight=score)
         rewritten.add(SCORE_FILE)
         index_path = model_dir / INDEX_FILE
         if index_path.is_file():  # sharded: the index must name the head's file too
@@ -182,15 +168,34 @@ def _merged(base: dict, overrides: dict) -> dict:
     return merged
 
 
-def _classifier_architecture(config: dict) -> str:
-    architectures = config.get("architectures") or []
-    stem = next((a.removesuffix("ForCausalLM") for a in architectures if a.endswith("ForCausalLM")), None)
-    if stem is None:
-        raise ValueError(
-            f"hf_overrides: classifier_from_token reads a causal LM's head, but architectures is {architectures!r}; "
-            f"name the classifier in hf_overrides' architectures"
-        )
-    return stem + "ForSequenceClassification"
+def classifier_config(config: dict, *, labels: list[str], architectures: list[str] | None = None) -> dict:
+    """A causal LM's config.json as its *ForSequenceClassification's (a `score` head of one row per
+    label), as vLLM's conversion and llama.cpp's rank-pooling GGUFs make one."""
+    if architectures is None:
+        causal = config.get("architectures") or []
+        stem = next((a.removesuffix("ForCausalLM") for a in causal if a.endswith("ForCausalLM")), None)
+        if stem is None:
+            raise ValueError(
+                f"a classifier head needs a causal LM's (architectures {causal!r}): name the classifier in "
+                f"hf_overrides' architectures"
+            )
+        architectures = [stem + "ForSequenceClassification"]
+    return config | {
+        "architectures": architectures,
+        "num_labels": len(labels),
+        "id2label": {str(i): label for i, label in enumerate(labels)},
+        "label2id": {label: i for i, label in enumerate(labels)},
+    }
+
+
+def write_score_head(model_dir: Path, *, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """The classifier's `score` head ([num_labels, D], [num_labels]) as SCORE_FILE in `model_dir`."""
+    from safetensors.torch import save_file
+
+    tensors = {"score.weight": weight.float().contiguous()}
+    if bias is not None:
+        tensors["score.bias"] = bias.float().contiguous()
+    save_file(tensors, str(model_dir / SCORE_FILE))
 
 
 def _score_rows(model_dir: Path, config: dict, *, tokens: list[str], method: str | None) -> torch.Tensor:
