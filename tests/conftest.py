@@ -8,6 +8,17 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    """Build the C++ kernels once, before pytest-xdist starts its workers (the controller, or the
+    only process): a test then never waits minutes for a first build, nor on a build that a server
+    subprocess stopped by an earlier test left half done."""
+    if hasattr(config, "workerinput") or config.option.collectonly:
+        return
+    from quickdraft.kernels import build_cpu_kernels
+
+    build_cpu_kernels(threads=2)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which appends each test's group to its id
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): a test file runs on one worker,

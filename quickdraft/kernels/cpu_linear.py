@@ -27,22 +27,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from quickdraft.kernels.build import build_name
+from quickdraft.kernels.build import load_kernel
 
 __all__ = ["kernel_available", "max_rows", "skinny_linear"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "skinny_linear.cpp"
-# Bump v1 when the C++ interface changes (build_name adds the torch and ninja that build it).
+# Bump the version when the C++ interface changes (build_name adds the torch and ninja that build it).
 _EXT_NAME = "skinny_linear_v2"
 
 # Rows of x per kernel call; above, the kernel runs over chunks of this many rows.  PyTorch's
@@ -83,32 +80,14 @@ def _load_extension() -> ModuleType | None:
 
     The only mutable module state of this file is this function's cache.
     """
-    if os.environ.get("QUICKDRAFT_DISABLE_CPU_KERNEL", "0") not in ("", "0"):
-        logger.info("skinny_linear: disabled by QUICKDRAFT_DISABLE_CPU_KERNEL, using F.linear")
-        return None
     if not (_cpu_has(_AVX512_CPU_FLAGS) or _cpu_has(_AVX2_CPU_FLAGS)):
         logger.warning("skinny_linear: CPU lacks AVX-512 and AVX2, using torch.nn.functional.linear")
         return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        # The translation unit is built for the baseline ISA; the kernels carry
-        # their own `#pragma GCC target("avx512...")` and check CPUID at run
-        # time, so the module imports (and fails cleanly) on any x86-64 CPU.
-        module = load(
-            name=build_name(_EXT_NAME),
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", "-DNDEBUG"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, build error, import error, ...
-        logger.warning("skinny_linear: building the C++ kernel failed, using F.linear: %s", exc)
-        return None
-    if not (module.cpu_has_avx512() or module.cpu_has_avx2_fma()):
-        logger.warning("skinny_linear: CPUID reports neither AVX-512 nor AVX2, using torch.nn.functional.linear")
-        return None
-    return module
+    # The translation unit is built for the baseline ISA; the kernels carry their own
+    # `#pragma GCC target("avx512...")` and check CPUID at run time, so the module imports (and
+    # fails cleanly) on any x86-64 CPU.  load_kernel holds the build lock that survives a process
+    # killed mid-build (a server stopped while starting), which torch's own lock file does not.
+    return load_kernel(_EXT_NAME, source="skinny_linear.cpp", what="torch.nn.functional.linear")
 
 
 def _extension() -> ModuleType | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from quickdraft.kernels.build import _build_lock, build_name
 
 
@@ -38,3 +40,29 @@ def test_every_cpu_kernel_is_built_up_front():
     assert set(missing) <= known
     assert all(kernel._KERNEL._loaded for kernel in (argmax, keyed_draw, token_mask))  # built or found unusable
     assert ("argmax" in missing) == (not argmax.kernel_available())
+
+
+def test_a_torch_lock_left_beside_the_skinny_linear_build_does_not_block_it():
+    """A server stopped while its start-up builds ran left torch's lock file in this kernel's build
+    directory, and every later process waited on it forever (CI stalled for 40 minutes)."""
+    import threading
+
+    import pytest
+    from torch.utils import cpp_extension
+
+    from quickdraft.kernels import cpu_linear
+
+    if not cpu_linear.kernel_available():
+        pytest.skip("the skinny_linear kernel does not run on this CPU")
+    lock = Path(cpp_extension._get_build_directory(build_name(cpu_linear._EXT_NAME), verbose=False)) / "lock"
+    lock.touch()
+    cpu_linear._load_extension.cache_clear()
+    loaded = []
+    try:
+        builder = threading.Thread(target=lambda: loaded.append(cpu_linear.kernel_available()), daemon=True)
+        builder.start()
+        builder.join(timeout=120)
+        assert loaded == [True] and not lock.exists()
+    finally:
+        lock.unlink(missing_ok=True)
+        cpu_linear._load_extension.cache_clear()

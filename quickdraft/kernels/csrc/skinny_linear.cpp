@@ -527,6 +527,8 @@ inline bool cpu_has_avx512_bf16() {
   return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
 }
 
+inline bool cpu_supported() { return cpu_has_avx512() || cpu_has_avx2_fma(); }
+
 }  // namespace qd_skinny
 
 #ifndef QD_KERNELS_ONLY
@@ -573,7 +575,7 @@ inline void run_avx2(const float* x, int64_t M, const WT* w, int64_t N, int64_t 
 at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias_opt, int64_t bf16_mode,
                          int64_t prefetch_bytes) {
-  TORCH_CHECK(cpu_has_avx512() || cpu_has_avx2_fma(), "skinny_linear: this CPU lacks AVX-512 and AVX2");
+  TORCH_CHECK(cpu_supported(), "skinny_linear: this CPU lacks AVX-512 and AVX2");
   TORCH_CHECK(x_in.device().is_cpu() && weight.device().is_cpu(),
               "skinny_linear: CPU tensors only");
   TORCH_CHECK(x_in.dim() >= 1 && weight.dim() == 2,
@@ -657,5 +659,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_has_avx512", &qd_skinny::cpu_has_avx512);
   m.def("cpu_has_avx512_bf16", &qd_skinny::cpu_has_avx512_bf16);
   m.def("cpu_has_avx2_fma", &qd_skinny::cpu_has_avx2_fma);
+  m.def("cpu_supported", &qd_skinny::cpu_supported);
 }
 #endif  // QD_KERNELS_ONLY
