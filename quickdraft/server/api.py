@@ -45,7 +45,7 @@ from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progres
 from quickdraft.server.errors import DEFAULT_CODES, APIError, bad_request, shutting_down
 from quickdraft.server.logits_processors import resolve_logits_processors
 from quickdraft.server.middleware import ApiKeyCheck, EndCancelledRequests
-from quickdraft.server.preprocess import Model, parse_request
+from quickdraft.server.preprocess import Model, parse_json, parse_request
 from quickdraft.server.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -105,6 +105,7 @@ def create_app(server: QuickdraftServer) -> FastAPI:
     _install_error_handlers(app, server)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
+    _add_invocations_route(app, server)
     if server.config.allow_runtime_lora_updating:
         _add_lora_routes(app, server)
     # The last added runs first: the key is checked before anything else happens.
@@ -201,6 +202,7 @@ def _add_info_routes(app: FastAPI, server: QuickdraftServer) -> None:
 
     # HEAD too: load balancers and uptime checkers probe with it (uvicorn sends no body).
     @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])  # SageMaker's health check (vLLM serves it)
     async def health():
         stats = server.engine_loop.stats
         if not server.admission.accepting:
@@ -589,6 +591,56 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await _chat(server, request=request, body=body)
+
+
+# ---- SageMaker's /invocations (vLLM serves it): one path for every kind of request ------------
+# The first field of these that a body has picks its route, so a request with a mistake gets
+# that route's own error naming it.
+INVOCATION_FIELDS = (
+    ("messages", "/v1/chat/completions"),
+    ("prompt", "/v1/completions"),
+    ("query", "/v1/rerank"),
+    ("text_1", "/v1/score"),
+    ("input", "/v1/embeddings"),  # /v1/classify on a model with a classification head
+)
+
+
+def invocation_path(body: Any, *, classifier: bool) -> str:
+    """The route that serves an /invocations body; a 400 naming the fields that pick one."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", param=None)
+    for field, path in INVOCATION_FIELDS:
+        if field in body:
+            return "/v1/classify" if field == "input" and classifier else path
+    fields = ", ".join(f"{field} ({path})" for field, path in INVOCATION_FIELDS)
+    raise bad_request(f"/invocations: the body has none of the fields that pick a route: {fields}", param=None)
+
+
+def _add_invocations_route(app: FastAPI, server: QuickdraftServer) -> None:
+    endpoints = {route.path: route.endpoint for route in app.routes if "POST" in getattr(route, "methods", ())}
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        if server.shutting_down:
+            raise shutting_down()
+        raw = await read_body(
+            request, max_bytes=server.config.max_request_bytes, idle_timeout=server.config.request_read_timeout_seconds
+        )
+        if raw is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body = await server.preprocessor.run(parse_json, raw, content_type=request.headers.get("content-type"))
+        path = invocation_path(body, classifier=server.engine.pooler.classifier is not None)
+        # The route reads the body again (and then the client's disconnect) through this receive.
+        replayed = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await request.receive()
+            replayed = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        return await endpoints[path](Request(request.scope, receive))
 
 
 async def _chat(

@@ -19,15 +19,19 @@ from quickdraft.server.errors import APIError
 
 logger = logging.getLogger("quickdraft.server")
 
-# The routes an API key protects; /health and /metrics stay open for probes and scrapers.
-PROTECTED_PREFIX = "/v1"
+# The routes an API key leaves open: probes, scrapers, the API's description and the tokenizer's
+# routes (open in vLLM). Every other one needs it: the unversioned routes that run the model
+# (/score, /rerank, /classify, /invocations) as much as /v1's (vLLM checks /v1 only).
+OPEN_PATHS = frozenset(
+    {"/health", "/ping", "/metrics", "/version", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json"}
+)
 # How long a request cut off by shutdown may take to receive its last words (a client that
 # does not read must not hold the shutdown).
 FINAL_WRITE_SECONDS = 1.0
 
 
 class ApiKeyCheck:
-    """Every /v1 route needs `Authorization: Bearer <key>`; anything else is a 401 in OpenAI's shape."""
+    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>`; anything else is a 401 in OpenAI's shape."""
 
     def __init__(self, app: ASGIApp, *, api_key: str, on_reject: Callable[[Scope, APIError], None]):
         self.app = app
@@ -56,7 +60,7 @@ class ApiKeyCheck:
 
 
 def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return path not in OPEN_PATHS
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -50,9 +50,7 @@ class Preprocessor:
 # ---- body -> validated request ----------------------------------------------------------
 def parse_request(raw: bytes, *, content_type: str | None, model: type[Model]) -> Model:
     """The validated request in `raw`; an APIError (400) naming what is wrong otherwise."""
-    if content_type and not is_json_content_type(content_type):
-        raise non_json_body_error(raw)
-    data = _load_json(raw)
+    data = parse_json(raw, content_type=content_type)
     try:
         request = model.model_validate(data)
     except ValidationError as err:
@@ -61,6 +59,13 @@ def parse_request(raw: bytes, *, content_type: str | None, model: type[Model]) -
         raise validation_error_to_api_error(errors) from None
     check_text(request)
     return request
+
+
+def parse_json(raw: bytes, *, content_type: str | None) -> Any:
+    """The JSON value in `raw`; an APIError (400) naming what is wrong otherwise."""
+    if content_type and not is_json_content_type(content_type):
+        raise non_json_body_error(raw)
+    return _load_json(raw)
 
 
 def is_json_content_type(content_type: str) -> bool:

@@ -391,7 +391,7 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         path, method = request.url.path, request.method
-        if path == "/health" and method in ("GET", "HEAD"):
+        if (path == "/health" and method in ("GET", "HEAD")) or (path == "/ping" and method in ("GET", "HEAD", "POST")):
             return await self._health()
         if path == "/metrics" and method == "GET":
             return await self._metrics()

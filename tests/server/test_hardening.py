@@ -403,6 +403,16 @@ def test_api_key_is_required_on_v1_routes(guarded_server):
     # Probes and scrapers need no key.
     assert httpx.get(f"{guarded_server.base_url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{guarded_server.base_url}/metrics", timeout=10).status_code == 200
+    assert httpx.get(f"{guarded_server.base_url}/ping", timeout=10).status_code == 200
+    tokens = httpx.post(f"{guarded_server.base_url}/tokenize", json={"prompt": "hi"}, timeout=10)
+    assert tokens.status_code == 200  # open, as in vLLM
+    # The routes outside /v1 that run the model need it as much as those under /v1.
+    body = {"model": "team/guarded", "prompt": "hi", "max_tokens": 2}
+    for path, fields in (("/invocations", body), ("/score", {"text_1": "a", "text_2": "b"}), ("/classify", {})):
+        refused = httpx.post(f"{guarded_server.base_url}{path}", json=fields, timeout=10)
+        assert_error(refused, status=401, code="invalid_api_key")
+    invoked = httpx.post(f"{guarded_server.base_url}/invocations", json=body, headers=auth(), timeout=30)
+    assert invoked.status_code == 200 and invoked.json()["usage"]["completion_tokens"] == 2
 
 
 def test_a_browser_s_preflight_is_answered_without_the_key(guarded_server):

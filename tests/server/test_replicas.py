@@ -112,6 +112,9 @@ def test_health_lists_every_replica(client):
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert all(replica["method"] == "suffix" for replica in body["replicas"])
     assert client.head("/health").status_code == 200
+    for method in ("GET", "POST"):  # SageMaker's check: every replica's health, as /health
+        ping = client.request(method, "/ping").json()
+        assert ping["replicas_expected"] == 2 and [r["pid"] for r in ping["replicas"]] == pids
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs a core per replica")
