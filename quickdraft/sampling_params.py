@@ -80,6 +80,9 @@ class SamplingParams:
     prediction_token_ids: list[int] | None = field(default=None, init=False, repr=False, compare=False)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: no output text (vLLM's), for callers that read token_ids only; stop strings then
+    # cannot be matched and are refused
+    detokenize: bool = True
     # JSON schema / JSON object / regex / choice / grammar the output must match (a dict of
     # StructuredOutputsParams' fields is accepted); None = free text
     structured_outputs: StructuredOutputsParams | None = None
@@ -149,9 +152,14 @@ class SamplingParams:
                 processor_arity(processor, index=index) for index, processor in enumerate(self.logits_processors)
             ]
 
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop strings are matched in the output text, which detokenize=False leaves out: got stop="
+                f"{self.stop!r} (use stop_token_ids, or detokenize=True)"
+            )
 
     @property
     def num_samples(self) -> int:

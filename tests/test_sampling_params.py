@@ -105,6 +105,7 @@ _INVALID = [
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),
     ("include_stop_str_in_output", None),
+    ("detokenize", 0),
     ("logit_bias", [1, 2]),
     ("logit_bias", {"seven": 1.0}, "seven"),
     ("logit_bias", {-1: 1.0}, -1),
@@ -123,6 +124,12 @@ def test_invalid_value_raises_naming_the_field(field, value, shown):
         SamplingParams(**{field: value})
     # the message shows the bad value too (or says what is wrong with it)
     assert (shown if isinstance(shown, str) and " " in shown else repr(shown)) in str(info.value)
+
+
+def test_stop_strings_need_the_text_detokenize_false_leaves_out():
+    with pytest.raises(ValueError, match=r"detokenize=False leaves out: got stop=\['\\n'\]"):
+        SamplingParams(stop="\n", detokenize=False)
+    assert SamplingParams(stop_token_ids=[3], detokenize=False).stop_token_ids == [3]
 
 
 def test_logit_bias_keys_given_as_json_strings_become_token_ids():

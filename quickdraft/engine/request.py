@@ -145,7 +145,7 @@ class Request:
             return self._finish_text("stop", stop_reason=None, drop_token_text=True)
         if min_tokens_met and token_id in self._stop_token_ids:
             return self._finish_text("stop", stop_reason=token_id, drop_token_text=True)
-        new_text = self._detokenizer.add(token_id)
+        new_text = self._detokenizer.add(token_id) if self.params.detokenize else ""
         if new_text:
             self.text += new_text
             if min_tokens_met and self._cut_at_stop_string(len(new_text)):
@@ -173,7 +173,7 @@ class Request:
         return True
 
     def _finish_text(self, reason: str, *, stop_reason, drop_token_text: bool) -> bool:
-        if not drop_token_text:
+        if not drop_token_text and self.params.detokenize:
             self.text += self._detokenizer.flush()
             if self._cut_at_stop_string(0):
                 return True

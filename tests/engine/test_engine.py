@@ -98,6 +98,21 @@ def test_stop_string_spanning_tokens(gemma_llm):
     assert kept.text == full.text[:8]
 
 
+def test_detokenize_false_gives_the_same_tokens_and_no_text(gemma_llm):
+    full = gemma_llm.generate(["hello"], SamplingParams(max_tokens=12, logprobs=1, **GREEDY))[0].outputs[0]
+    stop_id = full.token_ids[7]
+    for params in (
+        SamplingParams(max_tokens=12, logprobs=1, detokenize=False, **GREEDY),
+        SamplingParams(max_tokens=12, logprobs=1, detokenize=False, stop_token_ids=[stop_id], **GREEDY),
+    ):
+        bare = gemma_llm.generate(["hello"], params)[0].outputs[0]
+        assert full.text and bare.text == ""
+        end = full.token_ids.index(stop_id) + 1 if params.stop_token_ids else len(full.token_ids)  # kept, as vLLM
+        assert bare.token_ids == full.token_ids[:end] and bare.logprobs == full.logprobs[:end]
+    deltas = list(gemma_llm.stream("hello", SamplingParams(max_tokens=12, detokenize=False, **GREEDY)))
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids and not any(d.text for d in deltas)
+
+
 def test_stream_never_shows_a_stop_string(gemma_llm):
     full = gemma_llm.generate(["hello"], SamplingParams(max_tokens=16, **GREEDY))[0].outputs[0]
     stop = full.text[6:9]
