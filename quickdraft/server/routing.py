@@ -93,7 +93,7 @@ def routing_text(path: str, body: Any) -> str:
     Completions: the prompt (a string; token ids as their decimal text). Chat: each message's
     role and text content, separated by control characters that no rendering template uses
     as content, so a conversation's next turn starts with its previous turn's text. Both after
-    the request's cache_salt, where it has one.
+    the request's cache_salt, where it has one. /invocations: as the route its body picks.
     """
     if not isinstance(body, dict):
         return ""
@@ -101,6 +101,8 @@ def routing_text(path: str, body: Any) -> str:
     # the same prompt under another salt (which could not use them).
     salt = body.get("cache_salt")
     start = f"\x1dsalt\x1e{salt}\x1d" if isinstance(salt, str) else ""
+    if path == "/invocations":  # SageMaker's: routed as the route its body picks (server/api.py)
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions" if "prompt" in body else ""
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):

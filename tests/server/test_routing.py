@@ -56,6 +56,9 @@ def test_prefix_hashes_reject_bad_chunk_sizes(bad):
         ),
         ("/v1/chat/completions", {"messages": "not a list"}, ""),
         ("/v1/models", {"prompt": "x"}, ""),
+        ("/invocations", {"prompt": "hello"}, "hello"),
+        ("/invocations", {"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "user\x1fhi\x1e"),
+        ("/invocations", {"input": "hello"}, ""),
         ("/v1/completions", ["not", "a", "dict"], ""),
         ("/v1/completions", {"prompt": "hello", "cache_salt": "t1"}, "\x1dsalt\x1et1\x1dhello"),
         (
