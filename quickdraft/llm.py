@@ -412,11 +412,12 @@ class LLM:
         *,
         use_tqdm: bool,
     ) -> list[ScoringRequestOutput]:
-        prompts = self.tokenizer.rerank_prompts(firsts, seconds, pairs)
-        if prompts is None:  # each pair one prompt: the first's tokens, the second's without specials
-            first_ids = [self._prompt_token_ids(prompt) for prompt in firsts]
-            second_ids = [self._prompt_token_ids(prompt, add_special_tokens=False) for prompt in seconds]
-            prompts = [first_ids[i] + second_ids[j] for i, j in pairs]
+        prompts = self.tokenizer.cross_encoder_prompts(
+            firsts,
+            seconds,
+            pairs,
+            token_ids=lambda inputs, specials: [self._prompt_token_ids(p, add_special_tokens=specials) for p in inputs],
+        )
         runs = self._pool_each(
             prompts, self._classify_one(truncate_prompt_tokens), keep=truncate_prompt_tokens, use_tqdm=use_tqdm
         )

@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -468,6 +468,23 @@ class Tokenizer:
             return re.sub(r"\{(query|document)\}", lambda m: query if m[1] == "query" else document, template)
 
         return [self.encode(fill(queries[i], documents[j])) for i, j in pairs]
+
+    def cross_encoder_prompts(
+        self,
+        firsts: list,
+        seconds: list,
+        pairs: list[tuple[int, int]],
+        *,
+        token_ids: Callable[[list, bool], list[list[int]]],
+    ) -> list[list[int]]:
+        """Each (first i, second j) pair as one prompt of a cross-encoder: through the rerank
+        template (rerank_prompts), else the first's tokens then the second's without special
+        tokens (vLLM's). `token_ids(inputs, add_special_tokens)` tokenizes the caller's inputs."""
+        prompts = self.rerank_prompts(firsts, seconds, pairs)
+        if prompts is not None:
+            return prompts
+        first_ids, second_ids = token_ids(firsts, True), token_ids(seconds, False)
+        return [first_ids[i] + second_ids[j] for i, j in pairs]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; BOS (and EOS) added when the config says so and add_special_tokens.

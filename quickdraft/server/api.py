@@ -1014,18 +1014,14 @@ async def _pair_scores(
             "labels: use /classify",
             param="model",
         )
-    if pooler.cross_encoder:  # each pair one prompt: through the model's rerank template, or concatenated
+    if pooler.cross_encoder:  # each pair one prompt
+
+        def token_ids(inputs: list[str], specials: bool) -> list[list[int]]:
+            return _pooling_tokens(server, inputs, add_special_tokens=specials and add_special_tokens, param="input")
+
         prompts = await server.preprocessor.run(
-            server.tokenizer.rerank_prompts, texts[:num_first], texts[num_first:], pairs
+            server.tokenizer.cross_encoder_prompts, texts[:num_first], texts[num_first:], pairs, token_ids=token_ids
         )
-        if prompts is None:  # the first text's tokens, the second's without specials
-            firsts = await server.preprocessor.run(
-                _pooling_tokens, server, texts[:num_first], add_special_tokens=add_special_tokens, param="input"
-            )
-            seconds = await server.preprocessor.run(
-                _pooling_tokens, server, texts[num_first:], add_special_tokens=False, param="input"
-            )
-            prompts = [firsts[i] + seconds[j] for i, j in pairs]
         probs = await _pool_on_loop(
             server, lambda engine: engine.classify(prompts, truncate_prompt_tokens=truncate_prompt_tokens)
         )
