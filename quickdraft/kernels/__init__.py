@@ -23,6 +23,9 @@ def build_cpu_kernels(*, threads: int = 1) -> list[str]:
         "draft_mixture": draft_mixture.available,
         "skinny_linear": cpu_linear.kernel_available,
     }
+    if threads == 1:  # in the caller's thread (a server's daemon thread: its exit waits for no build)
+        return [name for name, available in checks.items() if not available()]
+    # A pool's threads are joined at interpreter exit, which then waits for every queued build.
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kernel-build") as pool:
         results = dict(zip(checks, pool.map(lambda available: available(), checks.values())))
     return [name for name, available in results.items() if not available]
