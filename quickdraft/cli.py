@@ -320,9 +320,9 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every /v1 route (HTTP 401 otherwise; /health "
-        "and /metrics stay open); default: the QUICKDRAFT_API_KEY environment variable, which "
-        "keeps the key out of the process list",
+        help="require 'Authorization: Bearer KEY' on every route that runs the model (HTTP 401 "
+        "otherwise; /health, /ping, /metrics, /version, /tokenize and /detokenize stay open); "
+        "default: the QUICKDRAFT_API_KEY environment variable, which keeps the key out of the process list",
     )
     serve.add_argument(
         "--tool-call-parser",

@@ -76,6 +76,7 @@ from quickdraft.server.responses import (
     renamed_error,
     response_body,
 )
+from quickdraft.server.routing import INVOCATION_FIELDS, invoked_route
 from quickdraft.server.validation import validation_error_to_api_error
 from quickdraft.structured.reasoning import REASONING_PARSERS, ReasoningParser
 from quickdraft.structured.tools import (
@@ -594,26 +595,16 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
 
 
 # ---- SageMaker's /invocations (vLLM serves it): one path for every kind of request ------------
-# The first field of these that a body has picks its route, so a request with a mistake gets
-# that route's own error naming it.
-INVOCATION_FIELDS = (
-    ("messages", "/v1/chat/completions"),
-    ("prompt", "/v1/completions"),
-    ("query", "/v1/rerank"),
-    ("text_1", "/v1/score"),
-    ("input", "/v1/embeddings"),  # /v1/classify on a model with a classification head
-)
-
-
 def invocation_path(body: Any, *, classifier: bool) -> str:
-    """The route that serves an /invocations body; a 400 naming the fields that pick one."""
+    """The route that serves an /invocations body (routing.invoked_route); a 400 naming the
+    fields that pick one."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", param=None)
-    for field, path in INVOCATION_FIELDS:
-        if field in body:
-            return "/v1/classify" if field == "input" and classifier else path
-    fields = ", ".join(f"{field} ({path})" for field, path in INVOCATION_FIELDS)
-    raise bad_request(f"/invocations: the body has none of the fields that pick a route: {fields}", param=None)
+    path = invoked_route(body, classifier=classifier)
+    if path is None:
+        fields = ", ".join(f"{name} ({route})" for name, route in INVOCATION_FIELDS)
+        raise bad_request(f"/invocations: the body has none of the fields that pick a route: {fields}", param=None)
+    return path
 
 
 def _add_invocations_route(app: FastAPI, server: QuickdraftServer) -> None:
@@ -621,11 +612,7 @@ def _add_invocations_route(app: FastAPI, server: QuickdraftServer) -> None:
 
     @app.post("/invocations")
     async def invocations(request: Request):
-        if server.shutting_down:
-            raise shutting_down()
-        raw = await read_body(
-            request, max_bytes=server.config.max_request_bytes, idle_timeout=server.config.request_read_timeout_seconds
-        )
+        raw = await _read_raw(server, request)
         if raw is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         body = await server.preprocessor.run(parse_json, raw, content_type=request.headers.get("content-type"))
@@ -698,15 +685,20 @@ async def _respond_to(server: QuickdraftServer, *, request: Request, body: Respo
 
 async def _read_request(server: QuickdraftServer, request: Request, *, model: type[Model]) -> Model | None:
     """The validated body (parsed on a preprocessing thread), or None if the client left."""
-    if server.shutting_down:  # before reading a body that would be refused anyway
-        raise shutting_down()
-    raw = await read_body(
-        request, max_bytes=server.config.max_request_bytes, idle_timeout=server.config.request_read_timeout_seconds
-    )
+    raw = await _read_raw(server, request)
     if raw is None:
         return None
     return await server.preprocessor.run(
         parse_request, raw, content_type=request.headers.get("content-type"), model=model
+    )
+
+
+async def _read_raw(server: QuickdraftServer, request: Request) -> bytes | None:
+    """The body under the server's size and time limits, or None if the client left."""
+    if server.shutting_down:  # before reading a body that would be refused anyway
+        raise shutting_down()
+    return await read_body(
+        request, max_bytes=server.config.max_request_bytes, idle_timeout=server.config.request_read_timeout_seconds
     )
 
 

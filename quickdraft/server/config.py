@@ -84,7 +84,8 @@ class ServerConfig:
     hf_overrides: dict | None = None  # vLLM's --hf-overrides (EngineConfig.hf_overrides)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
     request_read_timeout_seconds: float = DEFAULT_REQUEST_READ_TIMEOUT_SECONDS  # body stall -> 408, dropped
-    # When set, every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise). Not in
+    # When set, every route that runs the model needs `Authorization: Bearer <api_key>` (401
+    # otherwise; middleware.OPEN_PATHS stay open). Not in
     # the repr: configs end up in logs.
     api_key: str | None = field(default=None, repr=False)
     # CORS for browser clients (vLLM's --allowed-origins / -methods / -headers, --allow-credentials;

@@ -87,6 +87,25 @@ def prefix_hashes(text: str, *, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> tuple
     return tuple(hashes)
 
 
+# SageMaker's /invocations (server/api.py): the first field of these that a body has picks the
+# route that answers it, so a request with a mistake gets that route's own error naming it.
+INVOCATION_FIELDS = (
+    ("messages", "/v1/chat/completions"),
+    ("prompt", "/v1/completions"),
+    ("query", "/v1/rerank"),
+    ("text_1", "/v1/score"),
+    ("input", "/v1/embeddings"),  # /v1/classify on a model with a classification head
+)
+
+
+def invoked_route(body: dict, *, classifier: bool) -> str | None:
+    """The route an /invocations body goes to; None when it has none of INVOCATION_FIELDS."""
+    for name, path in INVOCATION_FIELDS:
+        if name in body:
+            return "/v1/classify" if name == "input" and classifier else path
+    return None
+
+
 def routing_text(path: str, body: Any) -> str:
     """The prompt text a request is routed on ("" when it has none).
 
@@ -101,8 +120,8 @@ def routing_text(path: str, body: Any) -> str:
     # the same prompt under another salt (which could not use them).
     salt = body.get("cache_salt")
     start = f"\x1dsalt\x1e{salt}\x1d" if isinstance(salt, str) else ""
-    if path == "/invocations":  # SageMaker's: routed as the route its body picks (server/api.py)
-        path = "/v1/chat/completions" if "messages" in body else "/v1/completions" if "prompt" in body else ""
+    if path == "/invocations":  # routed as the route its body picks (the classifier's is not routed on)
+        path = invoked_route(body, classifier=False) or ""
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):
