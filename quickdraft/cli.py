@@ -9,7 +9,7 @@ import shlex
 import sys
 import time
 
-from quickdraft.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
+from quickdraft.config import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES
 from quickdraft.pooling import POOLING_TYPES
 from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
@@ -381,6 +381,14 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
         default="fcfs",
         help="fcfs: first come, first served; priority: requests' `priority` field orders them (lower first, "
         "then arrival), and preemption takes the last in that order (default: fcfs, as vLLM)",
+    )
+    serve.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw_logprobs",
+        help="what generated tokens' logprobs hold: the model's (raw) or what the token was sampled from "
+        "(processed: after biases, penalties, temperature and top_k / top_p / min_p, dropped tokens -inf, "
+        "sent as -9999.0), as log-probabilities or as logits (default: raw_logprobs, as vLLM)",
     )
     serve.add_argument(
         "--generation-config",
@@ -1131,6 +1139,7 @@ def _server_config(args, *, api_key: str | None):
         logits_processor_pattern=args.logits_processor_pattern,
         generation_config=args.generation_config,
         scheduling_policy=args.scheduling_policy,
+        logprobs_mode=args.logprobs_mode,
         enable_lora=args.enable_lora,
         lora_modules=args.lora_modules,
         max_loras=args.max_loras,

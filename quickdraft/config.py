@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # quickdraft/engine/scheduler.py
+# vLLM's: what a generated token's `logprobs` hold (quickdraft/verify/sampler.py)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def check_ranks_by_logprobs(logprobs_mode: str, *, what: str) -> None:
+    """`what` (beam search, best_of) ranks by summed logprobs: an engine returning logits cannot."""
+    if not logprobs_mode.endswith("logprobs"):
+        raise ValueError(
+            f"{what} ranks by summed logprobs, and this engine's logprobs_mode {logprobs_mode!r} returns logits: "
+            "load it with raw_logprobs or processed_logprobs"
+        )
 
 
 @dataclass
@@ -66,6 +77,13 @@ class EngineConfig:
     # + method (or is_original_qwen3_reranker) to read a causal LM as a reranker at some tokens'
     # logits (quickdraft/models/overrides.py).
     hf_overrides: dict | None = None
+    # vLLM's logprobs_mode: what SamplingParams.logprobs return for generated tokens.  "raw_*": the
+    # model's logits (after a structured output's mask and the request's logits processors, which
+    # define its distribution); "processed_*": what the token was sampled from (allowed tokens, bad
+    # words, biases, penalties, min_tokens; for sampled requests temperature, then top_k / top_p /
+    # min_p's dropped tokens at -inf: the distribution an RL trainer needs); "_logprobs" their
+    # log_softmax, "_logits" the values themselves.  Prompt logprobs are always raw logprobs.
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         for name in (
@@ -83,6 +101,8 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         lazy = self.lazy_logits_rows
         if lazy is not None and (not isinstance(lazy, int) or isinstance(lazy, bool) or lazy < 0):
             raise ValueError(f"lazy_logits_rows must be None or an integer >= 0, got {lazy!r}")

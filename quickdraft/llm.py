@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from quickdraft.config import EngineConfig
+from quickdraft.config import EngineConfig, check_ranks_by_logprobs
 from quickdraft.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from quickdraft.engine.engine import Engine
 from quickdraft.engine.parallel_sampling import child_params, child_request_ids, children_seed, merged_output
@@ -87,6 +87,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         hf_overrides: dict[str, Any] | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ):
         """`generation_config` (vLLM's): "auto" takes the sampling an HF model directory's
         generation_config.json recommends as the defaults of `get_default_sampling_params()`
@@ -123,6 +124,7 @@ class LLM:
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
             hf_overrides=hf_overrides,
+            logprobs_mode=logprobs_mode,
         )
         self.engine = Engine(self.config)
 
@@ -186,7 +188,9 @@ class LLM:
             for prompt, params, rank, adapter in zip(prompt_list, params_list, priorities, adapters):
                 group = self._new_group(params)
                 groups.append(group)  # first: a failure aborts every child (an id not added is ignored)
-                for request_id, child in zip(group.request_ids, child_params(params, seed=group.seed)):
+                for request_id, child in zip(
+                    group.request_ids, child_params(params, seed=group.seed, logprobs_mode=self.config.logprobs_mode)
+                ):
                     self._add(prompt, child, request_id=request_id, priority=rank, lora_request=adapter)
         except Exception:
             for request_id in (request_id for group in groups for request_id in group.request_ids):
@@ -226,7 +230,9 @@ class LLM:
         group = self._new_group(params)
         try:
             one_prompt = _as_prompt_list(prompt)[0]
-            for request_id, child in zip(group.request_ids, child_params(params, seed=group.seed)):
+            for request_id, child in zip(
+                group.request_ids, child_params(params, seed=group.seed, logprobs_mode=self.config.logprobs_mode)
+            ):
                 self._add(one_prompt, child, request_id=request_id, lora_request=lora_request)
             index_of = {request_id: index for index, request_id in enumerate(group.request_ids)}
             finished: dict[str, RequestOutput] = {}
@@ -311,6 +317,7 @@ class LLM:
         common. Outputs in the order of the prompts, each's beams best first."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        check_ranks_by_logprobs(self.config.logprobs_mode, what="beam search")
         token_ids = [self._prompt_token_ids(prompt) for prompt in _as_prompt_list(prompts)]
         search = BeamSearch(
             token_ids, params, eos_token_ids=self.engine.eos_token_ids, max_model_len=self.engine.max_model_len

@@ -52,7 +52,14 @@ from quickdraft.pooling import Pooler, PoolingParams
 from quickdraft.sampling_params import InvalidParameterError, SamplingParams, bad_words_token_ids
 from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.logits_processors import LogitsProcessorError, apply_logits_processors
-from quickdraft.verify.sampler import compute_logprobs, make_generator, position_key, token_ranks
+from quickdraft.verify.sampler import (
+    RowContext,
+    compute_logprobs,
+    make_generator,
+    position_key,
+    processed_logits,
+    token_ranks,
+)
 
 if TYPE_CHECKING:  # torch.distributed is imported only when tensor parallelism is on
     from quickdraft.distributed.launch import TensorParallelWorkers
@@ -1012,7 +1019,8 @@ class Engine:
         logits: StepLogits,  # the step's rows; every path's are computed
         row_offsets: list[int],  # request k's node rows start at row_offsets[k]
     ) -> list[list[TokenLogprobs | None]]:
-        """Per request, the logprobs of each committed token (None where not asked for), in one call."""
+        """Per request, the logprobs of each committed token (None where not asked for), in one
+        call: as config.logprobs_mode says, each with its rank in its row."""
         result: list[list[TokenLogprobs | None]] = [[None] * len(path.nodes) for path in paths]
         wanted = [k for k, request in enumerate(requests) if request.params.logprobs is not None]
         if not wanted:  # gathering the rows copies megabytes: only when asked
@@ -1020,10 +1028,22 @@ class Engine:
         rows = [row_offsets[k] + node for k in wanted for node in paths[k].nodes]
         tokens = [token for k in wanted for token in paths[k].committed_token_ids]
         num_top = max(requests[k].params.logprobs or 0 for k in wanted)
-        rows_logits = logits.gather(rows)  # [len(rows), V]
-        token_lp, top_ids, top_lp = compute_logprobs(
-            rows_logits, torch.tensor(tokens, device=rows_logits.device), num_top
-        )
+        values = logits.gather(rows)  # [len(rows), V]
+        mode = self.config.logprobs_mode
+        if mode.startswith("processed"):
+            contexts = [  # the j-th committed token was chosen after the path's first j
+                RowContext(
+                    params=requests[k].params,
+                    prompt_token_ids=requests[k].prompt_token_ids,
+                    output_token_ids=requests[k].output_token_ids + paths[k].committed_token_ids[:j],
+                )
+                for k in wanted
+                for j in range(len(paths[k].nodes))
+            ]
+            values = processed_logits(values, contexts, eos_token_ids=self.eos_token_ids)
+        token_ids = torch.tensor(tokens, device=values.device)  # [len(rows)]
+        token_lp, top_ids, top_lp = compute_logprobs(values, token_ids, num_top, normalize=mode.endswith("logprobs"))
+        ranks = token_ranks(values, token_ids).tolist()
         flat = 0
         for k in wanted:
             top = requests[k].params.logprobs
@@ -1034,6 +1054,7 @@ class Engine:
                     top_ids=top_ids[flat, :top].tolist(),
                     top_logprobs=top_lp[flat, :top].tolist(),
                     tokenizer=self.tokenizer,
+                    rank=ranks[flat],
                 )
                 flat += 1
         return result

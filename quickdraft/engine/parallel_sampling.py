@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from quickdraft.config import check_ranks_by_logprobs
 from quickdraft.outputs import RequestMetrics, RequestOutput
 from quickdraft.sampling_params import SamplingParams
 
@@ -33,7 +34,11 @@ def children_seed(params: SamplingParams, *, draw_seed: Callable[[], int]) -> in
 
 
 def child_params(
-    params: SamplingParams, *, seed: int | None, prompt_logprobs_for_all: bool = False
+    params: SamplingParams,
+    *,
+    seed: int | None,
+    prompt_logprobs_for_all: bool = False,
+    logprobs_mode: str = "raw_logprobs",  # the engine's (EngineConfig.logprobs_mode)
 ) -> list[SamplingParams]:
     """Each child's parameters (params.num_samples children): n = 1, child i seeded seed + i.
     `seed` is needed for several (the request's seed, or one the engine drew) so that the
@@ -46,6 +51,8 @@ def child_params(
     if seed is None:
         raise ValueError("several completions need the request's seed (or one the engine drew) to seed them")
     ranked = count > params.n
+    if ranked:
+        check_ranks_by_logprobs(logprobs_mode, what="best_of")
     logprobs = 0 if ranked and params.logprobs is None else params.logprobs
     # The prompt's logprobs are the same for every child: the first computes them, the others may
     # then take the prompt from the prefix cache.

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 import quickdraft
+from quickdraft.config import check_ranks_by_logprobs
 from quickdraft.engine.beam_search import BeamSearch
 from quickdraft.engine.parallel_sampling import merged_batch_output
 from quickdraft.kv.cache import CacheFullError
@@ -826,6 +827,10 @@ async def _beam_search(
     """vLLM's use_beam_search: rounds of one-token requests through the engine loop (each
     beam's top 2n next tokens; engine/beam_search.py), then the n best beams of each prompt as
     its choices (choice k: beam k % n of prompt k // n)."""
+    try:
+        check_ranks_by_logprobs(server.config.logprobs_mode, what="beam search")
+    except ValueError as error:
+        raise bad_request(str(error), param="use_beam_search") from None
     params = body.beam_search_params(
         max_tokens=prepared.params.max_tokens, room=server.max_model_len - max(len(p) for p in prompts)
     )

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quickdraft.config import EngineConfig
+from quickdraft.config import LOGPROBS_MODES, EngineConfig
 from quickdraft.models.generation_config import default_sampling_fields
 from quickdraft.models.lora import LoRARequest
 from quickdraft.models.overrides import check_hf_overrides
@@ -51,6 +51,7 @@ class ServerConfig:
     lazy_logits_rows: int | None = None  # EngineConfig's: LM-head rows before each walk (None: measured)
     weights_in_huge_pages: bool | None = None  # EngineConfig's (False: replicas share the mapped weights)
     scheduling_policy: str = "fcfs"  # EngineConfig's: "priority" orders requests by their `priority`
+    logprobs_mode: str = "raw_logprobs"  # EngineConfig's: what generated tokens' logprobs hold
     max_queue: int = 64  # requests waiting + running before new ones get 429
     shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
     max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
@@ -171,6 +172,8 @@ class ServerConfig:
         self.default_sampling_fields()  # a bad setting fails at start, naming itself
         if self.hf_overrides is not None:
             check_hf_overrides(self.hf_overrides)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r}")
 
@@ -226,6 +229,7 @@ class ServerConfig:
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
             hf_overrides=self.hf_overrides,
+            logprobs_mode=self.logprobs_mode,
         )
 
     @property

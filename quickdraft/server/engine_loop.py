@@ -272,7 +272,9 @@ class EngineLoop:
         params, prompts = submission.params, submission.prompts
         seed = children_seed(params, draw_seed=self._engine.draw_seed)
         request_ids = child_request_ids(submission.request_id, len(prompts) * params.num_samples)
-        each = child_params(params, seed=seed, prompt_logprobs_for_all=True)  # each choice streams its echo
+        each = child_params(  # each choice streams its echo
+            params, seed=seed, prompt_logprobs_for_all=True, logprobs_mode=self._engine.config.logprobs_mode
+        )
         children = [(prompt, child) for prompt in prompts for child in each]
         try:
             for request_id, (prompt, child) in zip(request_ids, children):

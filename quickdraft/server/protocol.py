@@ -762,6 +762,14 @@ def speculation_body(metrics: RequestMetrics, *, method: str, adaptive: bool) ->
     }
 
 
+# JSON has no -inf: a token a constraint or a filter rules out is sent with this logprob (vLLM's)
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 class CompletionLogprobs:
     """The legacy completions `logprobs` object, built incrementally (text offsets carry over)."""
 
@@ -783,9 +791,11 @@ class CompletionLogprobs:
             self._offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [None] * len(first) + [entry.logprob for entry in token_logprobs],
+            "token_logprobs": [None] * len(first) + [json_logprob(entry.logprob) for entry in token_logprobs],
             "top_logprobs": [None] * len(first)
-            + [{self._decode(top.token_id): top.logprob for top in entry.top} for entry in token_logprobs],
+            + [
+                {self._decode(top.token_id): json_logprob(top.logprob) for top in entry.top} for entry in token_logprobs
+            ],
             "text_offset": offsets,
         }
 
@@ -799,11 +809,16 @@ def prompt_logprobs_body(entries: list[TokenLogprobs | None], *, decode) -> list
             body.append(None)
             continue
         ranked = {
-            str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": decode(entry.token_id)}
+            str(entry.token_id): {
+                "logprob": json_logprob(entry.logprob),
+                "rank": entry.rank,
+                "decoded_token": decode(entry.token_id),
+            }
         }
         for rank, top in enumerate(entry.top, start=1):
             ranked.setdefault(
-                str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": decode(top.token_id)}
+                str(top.token_id),
+                {"logprob": json_logprob(top.logprob), "rank": rank, "decoded_token": decode(top.token_id)},
             )
         body.append(ranked)
     return body
@@ -817,10 +832,10 @@ def chat_logprobs_body(token_logprobs: list[TokenLogprobs], *, decode) -> dict[s
         content.append(
             {
                 "token": token,
-                "logprob": entry.logprob,
+                "logprob": json_logprob(entry.logprob),
                 "bytes": list(token.encode("utf-8")),
                 "top_logprobs": [
-                    {"token": name, "logprob": top.logprob, "bytes": list(name.encode("utf-8"))}
+                    {"token": name, "logprob": json_logprob(top.logprob), "bytes": list(name.encode("utf-8"))}
                     for top, name in ((top, decode(top.token_id)) for top in entry.top)
                 ],
             }

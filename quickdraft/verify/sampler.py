@@ -711,22 +711,55 @@ def uniform(
 
 
 def compute_logprobs(
-    logits: torch.Tensor,  # [R, V] raw logits (before penalties / temperature / filters)
+    logits: torch.Tensor,  # [R, V] the rows' values: raw logits, or processed_logits' output
     token_ids: torch.Tensor,  # [R] int64 sampled tokens
     num_top: int,
+    *,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's default ("raw") logprobs: log_softmax of the model's logits in float32.
+    """Each row's log_softmax in float32 (vLLM's default, "raw_logprobs", of the model's logits),
+    or with ``normalize=False`` the values themselves (its "_logits" modes).
 
-    Returns (sampled token's logprob [R], top ids [R, num_top] int64, top logprobs
-    [R, num_top]); ``num_top == 0`` gives empty [R, 0] tensors.
+    Returns (sampled token's value [R], top ids [R, num_top] int64, top values [R, num_top]);
+    ``num_top == 0`` gives empty [R, 0] tensors.
     """
     if num_top < 0:
         raise ValueError(f"num_top must be >= 0, got {num_top}")
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [R, V]
-    token_logprob = logprobs.gather(1, token_ids.to(torch.long).unsqueeze(1)).squeeze(1)  # [R]
-    num_top = min(num_top, logprobs.shape[1])
-    top_logprobs, top_ids = torch.topk(logprobs, num_top, dim=-1)  # [R, k] each
-    return token_logprob, top_ids, top_logprobs
+    values = logits.to(torch.float32)
+    if normalize:
+        values = torch.log_softmax(values, dim=-1)  # [R, V]
+    token_value = values.gather(1, token_ids.to(torch.long).unsqueeze(1)).squeeze(1)  # [R]
+    num_top = min(num_top, values.shape[1])
+    top_values, top_ids = torch.topk(values, num_top, dim=-1)  # [R, k] each
+    return token_value, top_ids, top_values
+
+
+def processed_logits(
+    logits: torch.Tensor,  # [R, V] raw logits, any float dtype (not written)
+    rows: Sequence[RowContext],  # [R]
+    *,
+    eos_token_ids: Sequence[int] = (),
+) -> torch.Tensor:  # [R, V] float32
+    """What each row samples from, as logits (vLLM's "processed" logprobs modes): steps 0-2
+    (allowed tokens, bad words, biases, penalties, min_tokens); a sampled row's then divided by
+    its temperature, with the tokens top_k / top_p / min_p drop at -inf.  A greedy row stays as
+    penalized: its argmax is its token.  The log_softmax of a sampled row is the log of
+    ``logits_to_probs``' row wherever that is above float32's underflow."""
+    values = _penalized_logits(logits, rows, eos_token_ids=eos_token_ids)
+    sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if not sampled:
+        return values
+    if values is logits:  # _penalized_logits hands back a float32 input unchanged: write into a copy
+        values = values.clone()
+    index = _index(sampled, values.device)
+    params = [rows[i].params for i in sampled]
+    x = values[index]  # [N, V]
+    weights = sampling_weights(x, params)  # [N, V], 0 where a filter dropped a token (or exp underflows)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=values.device)  # [N]
+    z = x / temps.unsqueeze(1)  # [N, V], as sampling_weights scales them
+    dropped = (weights == 0) & (z - z.amax(dim=-1, keepdim=True) >= _EXP_CUTOFF)  # not an underflow
+    values[index] = z.masked_fill(dropped, float("-inf"))
+    return values
 
 
 def token_ranks(

@@ -231,6 +231,8 @@ def test_serve_vllm_style_options_reach_the_config(monkeypatch, tmp_path, capsys
         "qwen3",
         "--scheduling-policy",
         "priority",
+        "--logprobs-mode",
+        "processed_logprobs",
         "--generation-config",
         "vllm",
         "--override-generation-config",
@@ -250,6 +252,7 @@ def test_serve_vllm_style_options_reach_the_config(monkeypatch, tmp_path, capsys
         True,
     )
     assert config.default_sampling_fields() == {"temperature": 0.5}
+    assert config.engine_config().logprobs_mode == "processed_logprobs"
     assert main(["serve", str(tmp_path), "--allowed-origins", "*"]) == 2
     assert "--allowed-origins must be a JSON list" in capsys.readouterr().err
 

@@ -16,6 +16,7 @@ from quickdraft.verify.sampler import (
     logits_to_probs,
     make_generator,
     min_p_filter,
+    processed_logits,
     position_key,
     sample_from_probs,
     sample_keyed,
@@ -754,6 +755,46 @@ def test_compute_logprobs_matches_log_softmax(dtype):
 def test_compute_logprobs_zero_top():
     token_lp, top_ids, top_lp = compute_logprobs(torch.randn(2, 10), torch.tensor([1, 2]), 0)
     assert token_lp.shape == (2,) and top_ids.shape == (2, 0) and top_lp.shape == (2, 0)
+
+
+def test_compute_logprobs_unnormalized_returns_the_values():
+    values = torch.tensor([[1.0, 3.0, -2.0, 0.5]])
+    token, top_ids, top = compute_logprobs(values, torch.tensor([3]), 2, normalize=False)
+    assert token.tolist() == [0.5] and top_ids.tolist() == [[1, 0]] and top.tolist() == [[3.0, 1.0]]
+
+
+def test_processed_logits_exact_table():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0], [4.0, -2.0, 1.0, 0.0]])
+    rows = [
+        row(temperature=0, logit_bias={3: 5.0}),  # greedy: penalized, no temperature, nothing dropped
+        row(temperature=0.5, top_k=2),  # / 0.5, all but the top 2 dropped
+        row(output=[0], temperature=2.0, repetition_penalty=2.0, min_p=0.5),  # 4 -> 2, / 2, min_p
+    ]
+    inf = math.inf
+    assert processed_logits(logits, rows).tolist() == [
+        [2.0, 1.0, 0.0, 4.0],
+        [4.0, 2.0, -inf, -inf],
+        [1.0, -inf, 0.5, -inf],  # weights e^0, e^-2, e^-0.5, e^-1 against min_p's 0.5: 0 and 2 kept
+    ]
+    assert logits.tolist()[0] == [2.0, 1.0, 0.0, -1.0]  # the caller's tensor is not written
+
+
+def test_processed_logprobs_are_the_log_of_the_sampled_distribution():
+    logits = torch.randn(6, 400, generator=torch.Generator().manual_seed(3)) * 4
+    rows = [
+        row(temperature=0.7, top_p=0.8),
+        row(temperature=1.3, top_k=20, min_p=0.05),
+        row(output=[1, 2, 2], temperature=0.9, presence_penalty=1.0, frequency_penalty=0.5, top_p=0.95),
+        row(temperature=1.0, allowed_token_ids=[5, 9, 11]),
+        row(temperature=0.01),  # far below the others: exp underflows, which drops nothing
+        row(temperature=0.6, top_k=1),
+    ]
+    probs = logits_to_probs(logits, rows)
+    values = torch.log_softmax(processed_logits(logits, rows), dim=-1)
+    kept = probs > 1e-30
+    torch.testing.assert_close(values[kept].exp(), probs[kept], rtol=2e-5, atol=1e-7)
+    assert torch.equal(torch.isneginf(values[:4]), probs[:4] == 0)  # exactly the dropped tokens, where no underflow
+    assert not bool(torch.isneginf(values[4]).any())  # an underflow is not a drop
 
 
 def test_token_ranks_count_the_more_likely_tokens():
