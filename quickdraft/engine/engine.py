@@ -341,7 +341,9 @@ class Engine:
             config = SpeculativeConfig(method="prediction", num_speculative_tokens=1)
             self.speculator = Speculator(config=config, drafter=NoDrafter(), max_tree_nodes=CACHE_HEADROOM)
         structured = params.structured_outputs
-        grammar = self.grammars.matcher_for(structured) if structured is not None else None
+        grammar = (
+            None if structured is None else self.grammars.matcher_for(structured, ends_at_eos=not params.ignore_eos)
+        )
         request = Request(
             request_id=request_id,
             prompt=prompt,

@@ -56,13 +56,19 @@ class GrammarCompiler:
         """Build the vocabulary index on a daemon thread (servers call this at start)."""
         threading.Thread(target=lambda: self.ll_tokenizer, name="grammar-index", daemon=True).start()
 
-    def matcher_for(self, params: StructuredOutputsParams) -> RequestGrammar:
+    def matcher_for(self, params: StructuredOutputsParams, *, ends_at_eos: bool = True) -> RequestGrammar:
+        """`ends_at_eos` False: the request goes on after an EOS (ignore_eos), so a tree's nodes
+        after one are drafted and masked like any other (the ended grammar allows only EOS)."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self.ll_tokenizer, params.compiled, log_level=0)
         if matcher.is_error():  # checks that need the vocabulary (e.g. a literal no token can spell)
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {matcher.get_error()}")
-        return RequestGrammar(matcher=matcher, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
+        return RequestGrammar(
+            matcher=matcher,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids if ends_at_eos else [],
+        )
 
 
 @dataclass
@@ -195,13 +201,13 @@ class RequestGrammar:
             if not allowed:  # a sampled chain's first forbidden token: kept as its last node
                 walk.unmasked.append(child_new)
                 return
-            if token in self.eos_token_ids:  # the request ends there: nothing after it is drafted
+            if token in self.eos_token_ids:  # the request ends there: nothing after it is verified
                 walk.unmasked.append(child_new)
                 continue
-            self._consume(token)
+            recorded = self._advance(token)
             self._fill(walk.masks[child_new])
             self._visit(walk, child, child_new)
-            self.matcher.rollback(1)
+            self.matcher.rollback(int(recorded))
         if not kept_a_child:
             self._extend(walk, new)
 
@@ -211,18 +217,23 @@ class RequestGrammar:
         if room <= 0:
             return
         forced = [t for t in self.matcher.compute_ff_tokens()[:room] if t not in self.eos_token_ids]
-        parent = leaf
+        parent, recorded = leaf, 0
         for token in forced:
-            self._consume(token)
+            recorded += self._advance(token)
             parent = walk.add(token, parent=parent, origin=-1)
             self._fill(walk.masks[parent])
         walk.extend_left -= len(forced)
-        if forced:
-            self.matcher.rollback(len(forced))
+        self.matcher.rollback(recorded)
 
-    def _consume(self, token: int) -> None:
+    def _advance(self, token: int) -> bool:
+        """Consumes a token the mask allowed; False where the grammar had ended (its mask allows
+        only EOS, which a request that ignores EOS goes on with): the matcher then records
+        nothing, so there is nothing to roll back."""
+        if self.matcher.is_stopped():
+            return False
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token} its mask allowed: {self.matcher.get_error()}")
+        return True
 
     def _fill(self, row: torch.Tensor) -> None:  # row [ceil(V / 32)] int32, contiguous
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())

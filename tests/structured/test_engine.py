@@ -230,3 +230,25 @@ def test_a_grammar_that_must_stop_wins_over_min_tokens_and_ignore_eos(target, sp
         SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, structured_outputs=constraint),
     )
     assert out[0].outputs[0].finish_reason == "length" and out[0].outputs[0].text.startswith("ab")
+
+
+@pytest.mark.parametrize("name", ["suffix", "garbage"])
+def test_drafts_past_the_eos_of_a_request_that_ignores_it_stay_exact(target, name):
+    """With ignore_eos a request goes on after the EOS its finished grammar leaves it, so a tree's
+    nodes after an EOS are verified: masked by the ended grammar (only EOS), which records no
+    token for them (a walk rolled back what it had not consumed, and the commit then failed)."""
+    constraints = [{"choice": ["ab", "b"]}, {"regex": "[0-9]{2}"}, {"json_object": True}]
+    requests = [
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, structured_outputs=c) for c in constraints
+    ]
+    inputs = [prompt(5, seed=94), prompt(9, seed=95), prompt(6, seed=96) * 2]
+    plain = LLM(target, max_model_len=64, max_num_seqs=4).generate(inputs, requests)
+    spec = {"method": "suffix", "num_speculative_tokens": 6}
+    llm = LLM(target, max_model_len=64, max_num_seqs=4, speculative_config=spec)
+    eos = llm.engine.eos_token_ids[0]
+    if name == "garbage":  # trees thick with EOS nodes, and other tokens after them
+        llm.engine.speculator.drafter = GarbageDrafter(vocab_size=320, tree=True, choices=[eos, eos, eos, 5, 40])
+    outs = llm.generate(inputs, requests)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert eos in outs[0].outputs[0].token_ids and llm.get_metrics().num_accepted_tokens > 0
