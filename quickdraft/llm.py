@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -145,6 +145,15 @@ class LLM:
         """Forget every cached prefix (vLLM's); True once done (requests must not be running)."""
         self.engine.reset_prefix_cache()
         return True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """New weights for the target, as (checkpoint name, tensor) pairs: all of them or a
+        bucket at a time, as an RL trainer sends its policy between rollouts (vLLM's
+        model.load_weights; quickdraft/models/weight_updates.py).  Returns the model tensors
+        changed.  Bad input (an unknown name, a wrong shape, a quantized format that cannot be
+        rebuilt) is a ValueError that changes nothing.  The prefix cache is dropped; the drafter
+        stays as it is, and speculation stays exact."""
+        return self.engine.load_weights(weights)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling a prompt gets without SamplingParams: the model's generation config

@@ -15,6 +15,7 @@ import functools
 import itertools
 import time
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -47,6 +48,7 @@ from quickdraft.models.loader import (
 from quickdraft.models.lora import LoRARegistry, LoRARequest, LoRASlots, LoRAWeights
 from quickdraft.models.quantized_loader import quantized_weights_in_huge_pages
 from quickdraft.models.tokenizer import Tokenizer
+from quickdraft.models.weight_updates import load_hf_weights
 from quickdraft.outputs import EngineMetrics, StreamDelta, TokenLogprobs
 from quickdraft.pooling import Pooler, PoolingParams
 from quickdraft.sampling_params import InvalidParameterError, SamplingParams, bad_words_token_ids
@@ -266,6 +268,24 @@ class Engine:
         """Forget every cached prefix (between benchmark runs, after changing what a prefix means)."""
         self._check_idle("the prefix cache")
         self.cache.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """New target weights under the checkpoint's names (vLLM's model.load_weights, what an RL
+        trainer sends between rollouts; models/weight_updates.py), all or some of them; returns
+        our names of the tensors changed.  The prefix cache and the drafter's cached features
+        were computed with the old weights: both are dropped.  A drafter trained for the old
+        weights still drafts, and speculation stays exact whatever it proposes."""
+        self._check_idle("the weights")
+        if self.tensor_parallel is not None:
+            raise ValueError("load_weights needs tensor_parallel_size 1 (the followers hold their own shards)")
+        if self.embedding_only:
+            raise ValueError("load_weights updates a generating target; this model only embeds")
+        changed = load_hf_weights(self.model, self.model_config, weights)
+        self.cache.reset_prefix_cache()
+        if self._speculator is not None and self._speculator.feature_blocks is not None:
+            self._speculator.feature_blocks = None
+            self.speculator = self._speculator  # a fresh feature cache
+        return changed
 
     def _check_idle(self, what: str) -> None:
         if self.has_unfinished_requests():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -251,7 +252,7 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
                         continue  # read with its blocks
                     # gpt-oss: every expert in one tensor, or its MXFP4 blocks (to floats in the model's layout)
                     mxfp4 = name.endswith("_blocks")
-                    if _STACKED_EXPERTS.search(name.removesuffix("_blocks")):
+                    if STACKED_EXPERTS.search(name.removesuffix("_blocks")):
                         stem = normalised_name(name.removesuffix("_blocks"), bare=bare)
                         experts = f.get_slice(name).get_shape()[0]
                         wanted_names = {
@@ -266,7 +267,7 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
                             if mxfp4
                             else f.get_tensor(name)
                         )
-                        tensors.update((n, t) for n, t in _unstacked_experts(stem, stacked) if n in wanted_names)
+                        tensors.update((n, t) for n, t in unstacked_experts(stem, stacked) if n in wanted_names)
                         continue
                     ours = normalised_name(name, bare=bare)
                     if (names is None or ours in names) and ours.startswith(prefix):
@@ -284,7 +285,7 @@ def read_hf_tensors(model_dir: Path, *, prefix: str = "", names: set[str] | None
 
 # gpt-oss's checkpoints hold a layer's experts stacked: gate_up_proj [E, D, 2I] with gate and up
 # in alternate columns, down_proj [E, I, D] (inputs first), and their biases [E, 2I] / [E, D].
-_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 # OCP FP4 E2M1's 16 values by code (gpt-oss's MXFP4 checkpoints)
@@ -305,8 +306,8 @@ def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def unstacked_names(name: str, experts: int) -> list[str]:
-    """The per-expert names a stacked experts tensor `name` is split into (see _unstacked_experts)."""
-    match = _STACKED_EXPERTS.search(name)
+    """The per-expert names a stacked experts tensor `name` is split into (see unstacked_experts)."""
+    match = STACKED_EXPERTS.search(name)
     assert match is not None
     stem = name[: match.start()] + ".mlp.experts."
     kind = "bias" if match[2] else "weight"
@@ -314,10 +315,10 @@ def unstacked_names(name: str, experts: int) -> list[str]:
     return [f"{stem}{expert}.{leaf}.{kind}" for expert in range(experts) for leaf in leaves]
 
 
-def _unstacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def unstacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A stacked experts tensor as the per-expert tensors of the usual layout (gate_proj, up_proj,
     down_proj weights [out, in] and biases), under the names of `unstacked_names`."""
-    match = _STACKED_EXPERTS.search(name)
+    match = STACKED_EXPERTS.search(name)
     assert match is not None
     is_bias = bool(match[2])
     pieces = []
@@ -434,9 +435,9 @@ def convert_hf_tensors(
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors the config needs: {shown}")
     state = {
-        ours: torch.cat([_reordered(config, n, tensors[n]) for n in theirs])
+        ours: torch.cat([reordered(config, n, tensors[n]) for n in theirs])
         if len(theirs) > 1
-        else _reordered(config, theirs[0], tensors[theirs[0]])
+        else reordered(config, theirs[0], tensors[theirs[0]])
         for ours, theirs in plan.items()
         if not ours.endswith("qk_norm.weight")
     }
@@ -451,9 +452,22 @@ def convert_hf_tensors(
     return state
 
 
-def _reordered(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+def reordered(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
     order = config.hf_row_order(hf_name)
     return tensor if order is None else tensor.index_select(0, torch.tensor(order))
+
+
+def fused_piece_rows(config: ModelConfig, ours: str, theirs: list[str], *, rows: int) -> list[tuple[int, int]]:
+    """Rows [start, stop) of our tensor `ours` (of `rows` rows) each of its checkpoint tensors
+    `theirs` makes: q, k, v or gate, up stacked; a qk_norm's H rows of q_norm, then Hkv of k_norm."""
+    if ours.endswith("qk_norm.weight"):
+        sizes = [config.num_heads, config.num_kv_heads]
+    elif len(theirs) == 3:
+        sizes = [config.q_size, config.kv_size, config.kv_size]
+    else:  # one tensor, or gate and up of equal halves
+        sizes = [rows // len(theirs)] * len(theirs)
+    bounds = [0, *itertools.accumulate(sizes)]
+    return list(itertools.pairwise(bounds))
 
 
 def hf_tensors_from_state(
@@ -462,18 +476,15 @@ def hf_tensors_from_state(
     """The inverse of convert_hf_tensors: our tensors in `state` back under the HF names of `plan`
     (q/k/v and gate/up split, one q_norm and one k_norm row, Gemma norms without the folded 1)."""
     tensors: dict[str, torch.Tensor] = {}
-    c = config
     for ours, theirs in plan.items():
         tensor = state[ours].detach()
-        if c.norm_unit_offset and ours.endswith("norm.weight"):
+        if config.norm_unit_offset and ours.endswith("norm.weight"):
             tensor = tensor - 1.0
+        rows = fused_piece_rows(config, ours, theirs, rows=tensor.shape[0])
         if ours.endswith("qk_norm.weight"):
-            pieces = [tensor[0], tensor[c.num_heads]]
-        elif len(theirs) > 1:
-            sizes = {3: [c.q_size, c.kv_size, c.kv_size], 2: [tensor.shape[0] // 2] * 2}[len(theirs)]  # gate, up
-            pieces = list(tensor.split(sizes))
+            pieces = [tensor[start] for start, _ in rows]
         else:
-            pieces = [tensor]
+            pieces = [tensor[start:stop] for start, stop in rows]
         for name, piece in zip(theirs, pieces):
             order = config.hf_row_order(name)
             if order is not None:  # back to the checkpoint's row order
