@@ -79,6 +79,9 @@ class SamplingParams:
     # prediction as token ids, filled by the engine from its tokenizer when the request is added
     prediction_token_ids: list[int] | None = field(default=None, init=False, repr=False, compare=False)
     skip_special_tokens: bool = True
+    # vLLM's: its slow (Python) tokenizers put a space between special tokens kept in the text;
+    # its fast ones, like every tokenizer here, decode as the tokenizer does, so it changes nothing
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # False: no output text (vLLM's), for callers that read token_ids only; stop strings then
     # cannot be matched and are refused
@@ -152,7 +155,13 @@ class SamplingParams:
                 processor_arity(processor, index=index) for index, processor in enumerate(self.logits_processors)
             ]
 
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:

@@ -104,6 +104,7 @@ _INVALID = [
     ("logprobs", 2.0),
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),
+    ("spaces_between_special_tokens", 0),
     ("include_stop_str_in_output", None),
     ("detokenize", 0),
     ("logit_bias", [1, 2]),

@@ -154,6 +154,7 @@ class SamplingFields(StrictModel):
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's; no effect with these (fast) tokenizers
     include_stop_str_in_output: bool = False
     # vLLM's extension: the generated token ids next to the text (a client can then compare
     # outputs exactly, e.g. speculative against plain decoding).
@@ -227,6 +228,7 @@ class SamplingFields(StrictModel):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         optional = {
@@ -318,6 +320,7 @@ BEAM_SEARCH_FIELDS = frozenset(
         "return_token_ids",
         "truncate_prompt_tokens",
         "skip_special_tokens",
+        "spaces_between_special_tokens",
         "add_special_tokens",
         "add_generation_prompt",
         "continue_final_message",

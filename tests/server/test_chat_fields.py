@@ -172,3 +172,19 @@ def test_prompt_logprobs_that_cannot_be_given_are_400s(server, change, message):
     response = httpx.post(f"{server.api_url}/completions", json=body, timeout=30)
     assert response.status_code == 400 and message in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_spaces_between_special_tokens_is_taken_as_vllm_takes_it_with_fast_tokenizers(server):
+    """vLLM's field: its fast tokenizers (every one here) decode as the tokenizer does, so the
+    text is the same either way; a value that is not a bool is a 400."""
+    body = {"model": "rendering", "prompt": "Hi", "max_tokens": 6, "temperature": 0, "skip_special_tokens": False}
+    texts = []
+    for spaces in (True, False):
+        reply = httpx.post(
+            f"{server.api_url}/completions", json={**body, "spaces_between_special_tokens": spaces}, timeout=60
+        )
+        assert reply.status_code == 200, reply.text
+        texts.append(reply.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    reply = httpx.post(f"{server.api_url}/completions", json={**body, "spaces_between_special_tokens": [1]}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "spaces_between_special_tokens"
