@@ -459,9 +459,9 @@ class Engine:
             assert prompt_token_ids is not None  # exactly one of the two was given
             token_ids = list(prompt_token_ids)
             vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
         if not token_ids:
             raise ValueError("the prompt is empty")
         if keep_last is not None:

@@ -228,8 +228,11 @@ def test_prompt_longer_than_context_is_rejected(gemma_llm):
 
 
 def test_bad_prompt_does_not_leave_others_running(gemma_llm):
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"must be integers in \[0, 320\), got \[99999\]"):
         gemma_llm.generate(["fine", [1, 2, 99999]], SamplingParams(max_tokens=2))
+    for bad in ([5, True], [5, 6.0]):  # a bool is an int to Python, never a token id
+        with pytest.raises(ValueError, match=r"must be integers in \[0, 320\), got \["):
+            gemma_llm.generate([bad], SamplingParams(max_tokens=2))
     assert not gemma_llm.engine.has_unfinished_requests()
     assert gemma_llm.engine.cache.num_free_slots == 4
 
