@@ -391,6 +391,13 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
         "sent as -9999.0), as log-probabilities or as logits (default: raw_logprobs, as vLLM)",
     )
     serve.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most top logprobs (and prompt logprobs) a request may ask; -1: no cap, and a request's -1 "
+        "returns every token's (default: 20, as vLLM)",
+    )
+    serve.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|vllm|DIR",
@@ -1140,6 +1147,7 @@ def _server_config(args, *, api_key: str | None):
         generation_config=args.generation_config,
         scheduling_policy=args.scheduling_policy,
         logprobs_mode=args.logprobs_mode,
+        max_logprobs=args.max_logprobs,
         enable_lora=args.enable_lora,
         lora_modules=args.lora_modules,
         max_loras=args.max_loras,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from quickdraft.sampling_params import DEFAULT_MAX_LOGPROBS
+
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # quickdraft/engine/scheduler.py
 # vLLM's: what a generated token's `logprobs` hold (quickdraft/verify/sampler.py)
@@ -84,6 +86,9 @@ class EngineConfig:
     # min_p's dropped tokens at -inf: the distribution an RL trainer needs); "_logprobs" their
     # log_softmax, "_logits" the values themselves.  Prompt logprobs are always raw logprobs.
     logprobs_mode: str = "raw_logprobs"
+    # vLLM's max_logprobs: the most top logprobs (and prompt logprobs) a request may ask; -1: any
+    # number, and a request's -1 means every token of the vocabulary
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         for name in (
@@ -101,6 +106,9 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
+        cap = self.max_logprobs
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: no cap), got {cap!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         lazy = self.lazy_logits_rows

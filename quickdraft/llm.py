@@ -88,6 +88,7 @@ class LLM:
         max_cpu_loras: int | None = None,
         hf_overrides: dict[str, Any] | None = None,
         logprobs_mode: str = "raw_logprobs",
+        max_logprobs: int = 20,
     ):
         """`generation_config` (vLLM's): "auto" takes the sampling an HF model directory's
         generation_config.json recommends as the defaults of `get_default_sampling_params()`
@@ -125,6 +126,7 @@ class LLM:
             max_cpu_loras=max_cpu_loras,
             hf_overrides=hf_overrides,
             logprobs_mode=logprobs_mode,
+            max_logprobs=max_logprobs,
         )
         self.engine = Engine(self.config)
 

@@ -35,8 +35,9 @@ class InvalidParameterError(ValueError):
         self.param = param
 
 
-# vLLM's default ``max_logprobs``; the engine returns at most this many top logprobs.
-MAX_LOGPROBS = 20
+# vLLM's default ``max_logprobs``: the most top logprobs a request may ask of an engine that
+# sets no other cap (EngineConfig.max_logprobs).
+DEFAULT_MAX_LOGPROBS = 20
 
 
 @dataclass(kw_only=True)
@@ -131,11 +132,11 @@ class SamplingParams:
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
 
         if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+            self.logprobs = _check_int("logprobs", self.logprobs, low=-1)  # -1: every token (vLLM's)
         if self.truncate_prompt_tokens is not None:
             self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, low=-1)
 
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)

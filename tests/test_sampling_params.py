@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams, bad_words_token_ids
+from quickdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, bad_words_token_ids
 
 
 def test_defaults_are_valid_and_normalized():
@@ -48,7 +48,7 @@ def test_is_greedy_only_for_temperature_zero():
         dict(max_tokens=None, min_tokens=1000),
         dict(max_tokens=5, min_tokens=5),
         dict(logprobs=0),
-        dict(logprobs=MAX_LOGPROBS),
+        dict(logprobs=DEFAULT_MAX_LOGPROBS),
         dict(seed=0),
         dict(seed=-3),
         dict(ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True),
@@ -99,8 +99,7 @@ _INVALID = [
     ("stop_token_ids", [1, -2], -2),
     ("stop_token_ids", [1, "2"], "2"),
     ("stop_token_ids", 3),
-    ("logprobs", -1),
-    ("logprobs", MAX_LOGPROBS + 1),
+    ("logprobs", -2),
     ("logprobs", 2.0),
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),

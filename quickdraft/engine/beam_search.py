@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from quickdraft.outputs import Logprob
-from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
+from quickdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
 # Each round asks for the 2 * beam_width most likely tokens of each beam (vLLM's), at most
-# MAX_LOGPROBS: a beam width of at most 10.
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# DEFAULT_MAX_LOGPROBS: a beam width of at most 10.
+MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2
 
 
 @dataclass(kw_only=True)

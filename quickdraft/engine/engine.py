@@ -345,6 +345,7 @@ class Engine:
         lora = self._lora_for(lora_request)
         token_ids = self._prompt_tokens(prompt, prompt_token_ids, keep_last=params.truncate_prompt_tokens)
         self._check_vocabulary_ids(params)
+        params = self._with_logprob_counts(params)
         if params.num_samples != 1:
             raise ValueError(
                 f"n: the engine takes one completion per request, got n={params.n}, best_of={params.best_of} "
@@ -425,6 +426,21 @@ class Engine:
         if params.prediction is not None:
             resolved.prediction_token_ids = encode(params.prediction)
         return resolved
+
+    def _with_logprob_counts(self, params: SamplingParams) -> SamplingParams:
+        """logprobs / prompt_logprobs within config.max_logprobs (vLLM's); -1, every token of
+        the vocabulary, as that many."""
+        vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
+        counts = {"logprobs": params.logprobs, "prompt_logprobs": params.prompt_logprobs}
+        for name, value in counts.items():
+            if value is not None and cap != -1 and (value == -1 or value > cap):
+                raise InvalidParameterError(
+                    name, f"{name} must be <= {cap} (the engine's max_logprobs; -1 lifts it), got {value}"
+                )
+        if -1 not in counts.values():
+            return params
+        every = {name: vocab if value == -1 else value for name, value in counts.items()}
+        return dataclasses.replace(params, logprobs=every["logprobs"], prompt_logprobs=every["prompt_logprobs"])
 
     def _check_vocabulary_ids(self, params: SamplingParams) -> None:
         """Token ids in the parameters must exist: found at admission, not when a step samples."""

@@ -896,7 +896,7 @@ def _prepare(server: QuickdraftServer, *, request: Request, body: SamplingFields
     request.state.scenario = scenario
     adapter = _check_model(server, body.model)
     body.check_unsupported()
-    params = body.sampling_params(server.default_sampling)
+    params = body.sampling_params(server.default_sampling, max_logprobs=server.config.max_logprobs)
     if body.logits_processors:
         processors = resolve_logits_processors(body.logits_processors, pattern=server.config.logits_processor_pattern)
         try:

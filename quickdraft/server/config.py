@@ -13,6 +13,7 @@ from quickdraft.models.lora import LoRARequest
 from quickdraft.models.overrides import check_hf_overrides
 from quickdraft.models.tokenizer import check_chat_template
 from quickdraft.pooling import POOLING_TYPES
+from quickdraft.sampling_params import DEFAULT_MAX_LOGPROBS
 from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
@@ -52,6 +53,7 @@ class ServerConfig:
     weights_in_huge_pages: bool | None = None  # EngineConfig's (False: replicas share the mapped weights)
     scheduling_policy: str = "fcfs"  # EngineConfig's: "priority" orders requests by their `priority`
     logprobs_mode: str = "raw_logprobs"  # EngineConfig's: what generated tokens' logprobs hold
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # EngineConfig's: the most top logprobs a request may ask
     max_queue: int = 64  # requests waiting + running before new ones get 429
     shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
     max_scenarios: int = 32  # distinct `scenario` label values before new ones become "other"
@@ -174,6 +176,8 @@ class ServerConfig:
             check_hf_overrides(self.hf_overrides)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: no cap), got {self.max_logprobs!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {self.speculative_config!r}")
 
@@ -230,6 +234,7 @@ class ServerConfig:
             max_cpu_loras=self.max_cpu_loras,
             hf_overrides=self.hf_overrides,
             logprobs_mode=self.logprobs_mode,
+            max_logprobs=self.max_logprobs,
         )
 
     @property

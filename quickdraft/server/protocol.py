@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from quickdraft.engine.beam_search import BeamSearchParams
 from quickdraft.models.chat import ChatRenderError, ChatRendering
 from quickdraft.outputs import RequestMetrics, RequestOutput, TokenLogprobs
-from quickdraft.sampling_params import MAX_LOGPROBS, SamplingParams
+from quickdraft.sampling_params import SamplingParams
 from quickdraft.server.errors import bad_request
 from quickdraft.structured import StructuredOutputsParams
 from quickdraft.structured.tools import ToolCalling, resolve_tool_calling
@@ -357,9 +357,10 @@ class CompletionRequest(SamplingFields):
                 code="unsupported_value",
             )
 
-    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any], *, max_logprobs: int) -> SamplingParams:
         """The request's SamplingParams; `defaults` for the fields it leaves out (and for
-        max_tokens sent as null: OpenAI's 16 stays the default of a field left out)."""
+        max_tokens sent as null: OpenAI's 16 stays the default of a field left out);
+        `max_logprobs` the server's cap on logprobs (-1: none)."""
         kwargs = self.sampling_kwargs(defaults) | {
             "max_tokens": self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens"),
             "logprobs": self.logprobs,
@@ -373,7 +374,8 @@ class CompletionRequest(SamplingFields):
                     param="prompt_logprobs",
                 )
             kwargs["prompt_logprobs"] = self.logprobs
-        return build_sampling_params(kwargs, renamed={"prompt_logprobs": "logprobs"})
+        renamed = {"prompt_logprobs": "logprobs"} if self.echo and self.logprobs is not None else {}
+        return build_sampling_params(kwargs, renamed=renamed, max_logprobs=max_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts (texts or token ids): one, or a batch of up to MAX_PROMPTS."""
@@ -481,9 +483,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_completion_tokens")
 
-    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any], *, max_logprobs: int) -> SamplingParams:
         """The request's SamplingParams; `defaults` for the fields it leaves out (max_tokens
-        too: else until EOS or the end of the context)."""
+        too: else until EOS or the end of the context); `max_logprobs` the server's cap (-1: none)."""
         use_new_name = self.max_completion_tokens is not None
         max_tokens = self.max_completion_tokens if use_new_name else self.max_tokens
         if max_tokens is None:
@@ -493,7 +495,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         renamed = {"logprobs": "top_logprobs"}
         if use_new_name:
             renamed["max_tokens"] = "max_completion_tokens"
-        return build_sampling_params(kwargs, renamed=renamed)
+        return build_sampling_params(kwargs, renamed=renamed, max_logprobs=max_logprobs)
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages)
@@ -673,9 +675,9 @@ def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> SamplingParams:
+def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str], max_logprobs: int) -> SamplingParams:
     """SamplingParams from request fields; a ValueError becomes a 400 naming the request field."""
-    _check_server_bounds(kwargs, renamed=renamed)
+    _check_server_bounds(kwargs, renamed=renamed, max_logprobs=max_logprobs)
     try:
         return SamplingParams(**kwargs)
     except ValueError as err:
@@ -688,7 +690,7 @@ def build_sampling_params(kwargs: dict[str, Any], *, renamed: dict[str, str]) ->
         raise bad_request(message, param=param) from err
 
 
-def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> None:
+def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str], max_logprobs: int) -> None:
     for name in ("n", "best_of"):
         count = kwargs.get(name)
         if isinstance(count, int) and count > MAX_N:
@@ -707,10 +709,13 @@ def _check_server_bounds(kwargs: dict[str, Any], *, renamed: dict[str, str]) -> 
     seed = kwargs.get("seed")
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise bad_request(f"seed must fit in 64 bits, got {seed!r}", param="seed")
-    logprobs = kwargs.get("logprobs")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        name = renamed.get("logprobs", "logprobs")
-        raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {logprobs!r}", param=name)
+    for field in ("logprobs", "prompt_logprobs"):
+        count = kwargs.get(field)
+        if count is None or (0 <= count <= max_logprobs) or (max_logprobs == -1 and count >= -1):
+            continue
+        name = renamed.get(field, field)
+        allowed = "an integer >= -1 (-1: every token)" if max_logprobs == -1 else f"in [0, {max_logprobs}]"
+        raise bad_request(f"{name} must be {allowed} (the server's --max-logprobs), got {count!r}", param=name)
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from quickdraft.sampling_params import MAX_LOGPROBS
 from quickdraft.server.errors import APIError, bad_request
 from quickdraft.server.protocol import StrictModel
 
 MAX_STORED_RESPONSES = 1024
+RESPONSES_MAX_TOP_LOGPROBS = 20  # OpenAI's documented range for this API
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value served: tokens' logprobs
 
 # chat request field -> the Responses field a client sent it as (errors name the client's field)
@@ -56,9 +56,11 @@ class ResponsesRequest(StrictModel):
     top_logprobs: int | None = None  # with that include: the likeliest tokens beside each one's
 
     def check_unsupported(self) -> None:
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= RESPONSES_MAX_TOP_LOGPROBS:  # and --max-logprobs, as for chat
             raise bad_request(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+                f"top_logprobs must be in [0, {RESPONSES_MAX_TOP_LOGPROBS}] (OpenAI's range), got {top}",
+                param="top_logprobs",
             )
         other = sorted(set(self.include or ()) - {LOGPROBS_INCLUDE})
         if other:

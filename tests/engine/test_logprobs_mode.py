@@ -109,3 +109,22 @@ def test_rankings_by_logprobs_refuse_logits(llms):
 def test_an_unknown_mode_is_refused(tiny_checkpoints):
     with pytest.raises(ValueError, match="logprobs_mode must be one of"):
         LLM(str(tiny_checkpoints["gemma3"]), logprobs_mode="logits")
+
+
+def test_max_logprobs_caps_what_a_request_may_ask(tiny_checkpoints, llms):
+    """vLLM's max_logprobs: 20 by default; -1 lifts it, and a request's -1 is every token."""
+    with pytest.raises(ValueError, match=r"logprobs must be <= 20 \(the engine's max_logprobs"):
+        llms["raw_logprobs"].generate([[5, 6]], SamplingParams(max_tokens=1, logprobs=21))
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be <= 20 .* got -1"):
+        llms["raw_logprobs"].generate([[5, 6]], SamplingParams(max_tokens=1, prompt_logprobs=-1))
+    assert not llms["raw_logprobs"].engine.has_unfinished_requests()
+    llm = LLM(str(tiny_checkpoints["gemma3"]), max_model_len=64, max_logprobs=-1)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0, logprobs=-1, prompt_logprobs=-1))[0]
+    vocab = llm.engine.model_config.vocab_size
+    for entry in [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]:
+        assert len(entry.top) == vocab
+        assert math.fsum(math.exp(t.logprob) for t in entry.top) == pytest.approx(1.0, abs=1e-4)
+    wide = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0, logprobs=50))[0].outputs[0]
+    assert [len(entry.top) for entry in wide.logprobs] == [50, 50]
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= -1"):
+        LLM(str(tiny_checkpoints["gemma3"]), max_logprobs=-2)

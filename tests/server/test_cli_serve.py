@@ -233,6 +233,8 @@ def test_serve_vllm_style_options_reach_the_config(monkeypatch, tmp_path, capsys
         "priority",
         "--logprobs-mode",
         "processed_logprobs",
+        "--max-logprobs",
+        "64",
         "--generation-config",
         "vllm",
         "--override-generation-config",
@@ -252,7 +254,7 @@ def test_serve_vllm_style_options_reach_the_config(monkeypatch, tmp_path, capsys
         True,
     )
     assert config.default_sampling_fields() == {"temperature": 0.5}
-    assert config.engine_config().logprobs_mode == "processed_logprobs"
+    assert (config.engine_config().logprobs_mode, config.engine_config().max_logprobs) == ("processed_logprobs", 64)
     assert main(["serve", str(tmp_path), "--allowed-origins", "*"]) == 2
     assert "--allowed-origins must be a JSON list" in capsys.readouterr().err
 

@@ -44,3 +44,21 @@ def test_logprobs_of_tokens_a_constraint_rules_out_stay_valid_json(ngram_server)
         for top in choice["logprobs"]["top_logprobs"]
     ]
     assert tops == logprobs["top_logprobs"]
+
+
+def test_logprobs_past_the_servers_cap_are_400s_naming_the_field(ngram_server):
+    common = {"model": ngram_server.model_name, "max_tokens": 2}
+    cases = [
+        ("completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+        ("completions", {"prompt": "Hi", "prompt_logprobs": 30}, "prompt_logprobs"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 25},
+            "top_logprobs",
+        ),
+    ]
+    for route, body, param in cases:
+        reply = httpx.post(f"{ngram_server.api_url}/{route}", json={**common, **body}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and "--max-logprobs" in error["message"], error
