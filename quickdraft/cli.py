@@ -16,6 +16,7 @@ from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
 # vLLM's switch for the adapter routes of a running server, read as the flag's default.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 DESCRIPTION = """\
 quickdraft: an LLM inference engine built around lossless speculative decoding.
@@ -437,6 +438,13 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         default=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
         help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also {RUNTIME_LORA_ENV}=true, as vLLM)",
+    )
+    serve.add_argument(
+        "--enable-dev-endpoints",
+        action="store_true",
+        default=os.environ.get(DEV_MODE_ENV, "") == "1",
+        help="serve /reset_prefix_cache and /update_weights_from_disk (an RL trainer's new policy from a local "
+        f"checkpoint directory), each once the requests in flight have finished (also {DEV_MODE_ENV}=1, as vLLM)",
     )
     serve.add_argument(
         "--logits-processor-pattern",
@@ -1154,6 +1162,7 @@ def _server_config(args, *, api_key: str | None):
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        enable_dev_endpoints=args.enable_dev_endpoints,
         reasoning_parser=args.reasoning_parser,
         pooling_type=args.pooling_type,
         allow_credentials=args.allow_credentials,

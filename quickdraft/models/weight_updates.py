@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from quickdraft.models.loader import (
     fused_piece_rows,
     normalised_name,
     reordered,
+    safetensors_files,
     unstacked_experts,
 )
 from quickdraft.models.quantized import (
@@ -80,6 +82,27 @@ def load_hf_weights(
     for ours, rows in prepared.items():
         _write(model, ours, rows)
     return set(prepared)
+
+
+def read_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a local checkpoint directory's safetensors files (a trainer's save), under
+    their own names; a ValueError naming what is wrong."""
+    from safetensors import safe_open
+
+    if not path.is_dir():
+        raise ValueError(f"model_path: {str(path)!r} is not a directory")
+    try:
+        files = safetensors_files(path)
+    except FileNotFoundError as err:
+        raise ValueError(f"model_path: {err}") from err
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), "pt") as reader:
+                tensors.update((name, reader.get_tensor(name)) for name in reader.keys())
+        except Exception as err:  # safetensors raises several types for a missing or corrupt file
+            raise ValueError(f"model_path: cannot read {file}: {err}") from err
+    return tensors
 
 
 def _normalised(weights: Iterable[tuple[str, torch.Tensor]]):

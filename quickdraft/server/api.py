@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -40,6 +41,7 @@ from quickdraft.engine.parallel_sampling import merged_batch_output
 from quickdraft.kv.cache import CacheFullError
 from quickdraft.models.chat import ChatRenderError, render_chat
 from quickdraft.models.lora import LoRAError, LoRARequest
+from quickdraft.models.weight_updates import read_checkpoint_tensors
 from quickdraft.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from quickdraft.pooling import PoolingParams, cosine_similarity, score_pairs
 from quickdraft.server.engine_loop import Admitted, Failed, LoopStopped, Progress, Rejected, RequestOptions, Submission
@@ -60,6 +62,7 @@ from quickdraft.server.protocol import (
     ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    UpdateWeightsFromDiskRequest,
     chat_logprobs_body,
     now_seconds,
     prompt_logprobs_body,
@@ -110,6 +113,8 @@ def create_app(server: QuickdraftServer) -> FastAPI:
     _add_invocations_route(app, server)
     if server.config.allow_runtime_lora_updating:
         _add_lora_routes(app, server)
+    if server.config.enable_dev_endpoints:
+        _add_dev_routes(app, server)
     # The last added runs first: the key is checked before anything else happens.
     app.add_middleware(EndCancelledRequests, is_shutting_down=lambda: server.shutting_down, error=server.shutdown_error)
     if server.config.api_key is not None:
@@ -263,6 +268,32 @@ def _add_lora_routes(app: FastAPI, server: QuickdraftServer) -> None:
         del server.lora_modules[body.lora_name]  # new requests no longer find it; running ones keep it
         await asyncio.wrap_future(server.engine_loop.call(lambda engine: engine.remove_lora(adapter.lora_int_id)))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _add_dev_routes(app: FastAPI, server: QuickdraftServer) -> None:
+    @app.post("/reset_prefix_cache")  # vLLM's (dev mode)
+    async def reset_prefix_cache():
+        await asyncio.wrap_future(server.engine_loop.call(lambda engine: engine.reset_prefix_cache(), when_idle=True))
+        return Response(status_code=200)
+
+    @app.post("/update_weights_from_disk")  # SGLang's
+    async def update_weights_from_disk(request: Request):
+        body = await _read_request(server, request, model=UpdateWeightsFromDiskRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if body.load_format not in (None, "auto", "safetensors"):
+            raise bad_request(
+                f"load_format: only safetensors checkpoints are read, got {body.load_format!r}", param="load_format"
+            )
+        try:  # read off the event loop; applied on the loop thread once the requests in flight are done
+            tensors = await server.preprocessor.run(read_checkpoint_tensors, Path(body.model_path))
+            changed = await asyncio.wrap_future(
+                server.engine_loop.call(lambda engine: engine.load_weights(tensors.items()), when_idle=True)
+            )
+        except ValueError as err:
+            raise bad_request(str(err), param="model_path") from err
+        message = f"updated {len(changed)} model tensors from {body.model_path}; the prefix cache was reset"
+        return JSONResponse({"success": True, "message": message, "num_updated_tensors": len(changed)})
 
 
 # ---- generation -----------------------------------------------------------------------------

@@ -108,6 +108,10 @@ class ServerConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     allow_runtime_lora_updating: bool = False
+    # vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1): /reset_prefix_cache, and SGLang's
+    # /update_weights_from_disk, the way an RL trainer hands a rollout server its new policy; each
+    # runs once the requests in flight have finished, holding new ones until it has.
+    enable_dev_endpoints: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_scenarios", "max_request_bytes", "tensor_parallel_size"):

@@ -140,6 +140,9 @@ class _Call:
     # CacheFullError while requests generate: run it again after the next step (it waits for the
     # slot or blocks they hold, as a queued request does)
     wait_for_cache: bool = False
+    # run once no request is left in the engine; submissions arriving meanwhile wait for it
+    # (a weight update must not mix two models' keys in one request)
+    when_idle: bool = False
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -172,6 +175,8 @@ class EngineLoop:
         self._compute = compute
         self._running: concurrent.futures.Future | None = None
         self._calls_waiting_for_cache: list[_Call] = []
+        self._calls_waiting_for_idle: list[_Call] = []
+        self._held: list[_Add] = []  # submissions that came while a call waits for the engine to drain
         self._accepting = True
         self._accept_lock = threading.Lock()  # orders "stop" against late submissions
         self._steps = 0
@@ -195,10 +200,13 @@ class EngineLoop:
         except LoopStopped:
             pass  # the stopping loop aborts every request it still holds
 
-    def call(self, function: Callable[[Engine], Any], *, wait_for_cache: bool = False) -> concurrent.futures.Future:
+    def call(
+        self, function: Callable[[Engine], Any], *, wait_for_cache: bool = False, when_idle: bool = False
+    ) -> concurrent.futures.Future:
         """Run function(engine) on the loop thread between steps (inspection, tests, embeddings);
-        `wait_for_cache`: a CacheFullError while requests generate runs it again after later steps."""
-        command = _Call(function, wait_for_cache=wait_for_cache)
+        `wait_for_cache`: a CacheFullError while requests generate runs it again after later steps;
+        `when_idle`: once the running requests have finished, new ones held back until it has run."""
+        command = _Call(function, wait_for_cache=wait_for_cache, when_idle=when_idle)
         self._put(command)
         return command.future
 
@@ -237,6 +245,8 @@ class EngineLoop:
                     self._step()
                 # after a step, or an abort, freed what they wait for (with nothing generating they end)
                 self._retry_calls_waiting_for_cache()
+                # before the loop blocks on its inbox: the step may have finished the last request
+                self._run_calls_waiting_for_idle()
                 self._publish_stats()
             except Exception:  # a bug in the loop itself must not end the service
                 logger.exception("engine loop iteration failed; continuing")
@@ -259,11 +269,28 @@ class EngineLoop:
 
     def _handle(self, command) -> None:
         if isinstance(command, _Add):
-            self._add(command.submission)
+            if self._calls_waiting_for_idle:
+                self._held.append(command)
+            else:
+                self._add(command.submission)
         elif isinstance(command, _Abort):
+            self._held = [held for held in self._held if held.submission.request_id != command.request_id]
             self._abort_submission(command.request_id, notify=None)
+        elif isinstance(command, _Call) and command.when_idle:
+            self._calls_waiting_for_idle.append(command)
         elif isinstance(command, _Call):
             self._call(command)
+
+    def _run_calls_waiting_for_idle(self) -> None:
+        """Once the engine has drained, the calls that waited for it, then the held submissions."""
+        if not self._calls_waiting_for_idle or self._engine.has_unfinished_requests():
+            return
+        calls, self._calls_waiting_for_idle = self._calls_waiting_for_idle, []
+        for command in calls:
+            self._call(command)
+        held, self._held = self._held, []
+        for command in held:
+            self._handle(command)
 
     def _add(self, submission: Submission) -> None:
         """The submission's engine requests: params.num_samples children of each prompt (n, or
@@ -448,6 +475,11 @@ class EngineLoop:
         for waiting in self._calls_waiting_for_cache:  # running futures: they cannot be cancelled
             waiting.future.set_exception(LoopStopped("the server is shutting down"))
         self._calls_waiting_for_cache = []
+        for waiting_call in self._calls_waiting_for_idle:
+            waiting_call.future.cancel()
+        for held in self._held:
+            _deliver(held.submission, failure)
+        self._calls_waiting_for_idle, self._held = [], []
         for submission_id in list(self._children):
             self._abort_submission(submission_id, notify=failure)
         self._publish_stats(alive=False)

@@ -633,6 +633,14 @@ class LoadLoRAAdapterRequest(StrictModel):
     lora_path: str
 
 
+class UpdateWeightsFromDiskRequest(StrictModel):
+    """SGLang's /update_weights_from_disk: a local checkpoint directory (safetensors under the
+    model's tensor names, all or some of them) whose weights replace the served model's."""
+
+    model_path: str
+    load_format: str | None = None  # SGLang's; only its default (safetensors) is read
+
+
 class UnloadLoRAAdapterRequest(StrictModel):
     """vLLM's /v1/unload_lora_adapter (lora_int_id, where sent, must be the adapter's)."""
 

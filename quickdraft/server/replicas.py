@@ -74,6 +74,10 @@ CLIENT_CLOSED_REQUEST = 499
 PARSE_OFF_LOOP_BYTES = 64 * 1024
 ROUTE_TIMEOUT_SECONDS = 60.0  # a request no replica takes within this gets a 503 (no_replica)
 REPLICA_QUERY_TIMEOUT_SECONDS = 10.0  # a replica that does not answer /health or /metrics in time is left out
+# The development endpoints every replica must run (--enable-dev-endpoints), and how long each may
+# take: a weight update waits for the replica's requests in flight.
+FAN_OUT_POSTS = ("/update_weights_from_disk", "/reset_prefix_cache")
+FAN_OUT_TIMEOUT_SECONDS = 600.0
 START_TIMEOUT_SECONDS = 600.0
 PROXY_PORT_ATTEMPTS = 5  # free ports tried for Serve's proxy (one of Ray's processes may take a probed one)
 
@@ -395,10 +399,13 @@ class Ingress:
             return await self._health()
         if path == "/metrics" and method == "GET":
             return await self._metrics()
+        if path in FAN_OUT_POSTS and method == "POST" and self.config.enable_dev_endpoints:
+            return await self._fan_out(request)
         return await self._forward(request)
 
     # -- forwarding
-    async def _forward(self, request: Request) -> Response:
+    async def _read_call(self, request: Request) -> HttpCall | Response:
+        """The request as an HttpCall, or the response when its body cannot be read."""
         from quickdraft.server.api import read_body
 
         try:
@@ -409,13 +416,38 @@ class Ingress:
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         if raw is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        call = HttpCall(
+        return HttpCall(
             method=request.method,
             path=request.url.path,
             query_string=request.url.query.encode(),
             headers=list(request.headers.raw),
             body=raw,
         )
+
+    async def _fan_out(self, request: Request) -> Response:
+        """A development endpoint run by every replica: 200 when each answered 200, else the
+        first failure's status (503 when a replica did not answer), with every replica's answer."""
+        call = await self._read_call(request)
+        if isinstance(call, Response):
+            return call
+        answers = await self.each_replica(call, timeout=FAN_OUT_TIMEOUT_SECONDS)
+        replicas = []
+        for answer in sorted(answers, key=lambda answer: answer.replica):
+            try:
+                body = json.loads(answer.body) if answer.body else {}
+            except ValueError:
+                body = {"message": answer.body.decode("utf-8", "replace")}
+            replicas.append({"replica": answer.replica, "status": answer.status, "answer": body})
+        failed = [answer.status for answer in answers if answer.status != 200]
+        missing = self.options.replicas - len(answers)
+        status = failed[0] if failed else (503 if missing > 0 else 200)
+        body = {"success": status == 200, "replicas_expected": self.options.replicas, "replicas": replicas}
+        return JSONResponse(body, status_code=status)
+
+    async def _forward(self, request: Request) -> Response:
+        call = await self._read_call(request)
+        if isinstance(call, Response):
+            return call
         hint = await self._hint(call)
         stream = self.replicas.options(stream=True).handle_http.remote(call, route=hint)
         replica = None
@@ -500,15 +532,15 @@ class Ingress:
         return JSONResponse(failure.body(), status_code=failure.status, headers=failure.headers)
 
     # -- every replica
-    async def each_replica(self, call: HttpCall) -> list[WholeResponse]:
+    async def each_replica(
+        self, call: HttpCall, *, timeout: float = REPLICA_QUERY_TIMEOUT_SECONDS
+    ) -> list[WholeResponse]:
         """call's answer from each replica reachable now (the router avoids those already asked)."""
         answers: dict[str, WholeResponse] = {}
         for _ in range(2 * self.options.replicas + 2):
             hint = RouteHint(avoid=frozenset(answers), fan_out=True)
             try:
-                answer = await asyncio.wait_for(
-                    self.replicas.request_once.remote(call, route=hint), REPLICA_QUERY_TIMEOUT_SECONDS
-                )
+                answer = await asyncio.wait_for(self.replicas.request_once.remote(call, route=hint), timeout)
             except Exception as err:  # a replica dying or restarting: the others still answer
                 logger.info("a replica did not answer %s %s: %s: %s", call.method, call.path, type(err).__name__, err)
                 continue

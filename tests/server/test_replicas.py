@@ -30,6 +30,7 @@ from quickdraft.server.replicas import (
     start_proxy,
 )
 from quickdraft.server.routing import CacheAwarePolicy, PolicyRegistry, RoundRobinPolicy, RouteHint
+from tests.conftest import build_tiny_checkpoint
 
 MAX_REQUEST_BYTES = 64 * 1024
 SPECULATIVE_CONFIG = {"method": "suffix"}
@@ -52,6 +53,7 @@ def replicated(tiny_checkpoints):
         shutdown_grace_seconds=5.0,
         max_request_bytes=MAX_REQUEST_BYTES,
         speculative_config=SPECULATIVE_CONFIG,
+        enable_dev_endpoints=True,
     )
     server = ReplicatedServer(
         config,
@@ -375,3 +377,26 @@ def test_a_proxy_port_taken_before_serve_binds_it_is_retried_on_another():
     with pytest.raises(ValueError, match="something else"):
         start_proxy("127.0.0.1", 0, start=broken, stop=lambda: None)
     assert len(calls) == 1
+
+
+def test_a_weight_update_reaches_every_replica(replicated, client, tiny_checkpoints, tmp_path_factory):
+    """The ingress hands /update_weights_from_disk and /reset_prefix_cache to each replica and
+    answers with all their answers; every replica then serves the new weights."""
+    new = build_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("new_qwen3"), seed=5)
+    prompts = [f"Question {i}: what comes after {i}?" for i in range(6)]
+    llm = LLM(model=str(new), max_model_len=512)
+    expected = [out.outputs[0].token_ids for out in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
+    try:
+        reply = client.post("/update_weights_from_disk", json={"model_path": str(new)})
+        assert reply.status_code == 200, reply.text
+        answers = reply.json()["replicas"]
+        assert len({answer["replica"] for answer in answers}) == 2
+        assert all(answer["answer"]["success"] and answer["answer"]["num_updated_tensors"] > 0 for answer in answers)
+        served = [
+            complete(client, prompt, return_token_ids=True).json()["choices"][0]["token_ids"] for prompt in prompts
+        ]
+        assert served == expected
+    finally:
+        restored = client.post("/update_weights_from_disk", json={"model_path": str(tiny_checkpoints["qwen3"])})
+        assert restored.status_code == 200, restored.text
+    assert client.post("/reset_prefix_cache").status_code == 200
