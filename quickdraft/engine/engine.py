@@ -56,11 +56,10 @@ from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, Tre
 from quickdraft.verify.logits_processors import LogitsProcessorError, apply_logits_processors
 from quickdraft.verify.sampler import (
     RowContext,
-    compute_logprobs,
     make_generator,
     position_key,
     processed_logits,
-    token_ranks,
+    token_logprobs,
 )
 
 if TYPE_CHECKING:  # torch.distributed is imported only when tensor parallelism is on
@@ -715,7 +714,7 @@ class Engine:
         row_starts: list[int],  # item i's fed tokens are rows row_starts[i]:row_starts[i + 1]
         hidden_states: torch.Tensor,  # [N, D] the forward's last hidden states
     ) -> None:
-        """SamplingParams.prompt_logprobs: each fed prompt row's logprobs (compute_logprobs, raw
+        """SamplingParams.prompt_logprobs: each fed prompt row's logprobs (token_logprobs, raw
         like `logprobs`) read at the prompt token that follows it, through the LM head a few rows
         at a time (a row of the 262k vocabulary is 1 MB)."""
         for i, item in enumerate(plan):
@@ -730,8 +729,8 @@ class Engine:
                 rows = torch.arange(chunk.start - start, chunk.stop - start, device=self.device) + row_starts[i]
                 following = torch.tensor(prompt[chunk.start + 1 : chunk.stop + 1], device=self.device)
                 logits = self.model.compute_logits(hidden_states[rows])  # [rows, V]
-                chosen, top_ids, top_lp = compute_logprobs(logits, following, wanted)
-                ranks = token_ranks(logits, following).tolist()
+                chosen, top_ids, top_lp, rank_of = token_logprobs(logits, following, wanted)
+                ranks = rank_of.tolist()
                 for j, position in enumerate(chunk):
                     req.prompt_logprobs[position + 1] = make_token_logprobs(
                         token_id=prompt[position + 1],
@@ -1080,8 +1079,10 @@ class Engine:
             ]
             values = processed_logits(values, contexts, eos_token_ids=self.eos_token_ids)
         token_ids = torch.tensor(tokens, device=values.device)  # [len(rows)]
-        token_lp, top_ids, top_lp = compute_logprobs(values, token_ids, num_top, normalize=mode.endswith("logprobs"))
-        ranks = token_ranks(values, token_ids).tolist()
+        token_lp, top_ids, top_lp, rank_of = token_logprobs(
+            values, token_ids, num_top, normalize=mode.endswith("logprobs")
+        )
+        ranks = rank_of.tolist()
         flat = 0
         for k in wanted:
             top = requests[k].params.logprobs

@@ -11,11 +11,14 @@ import torch
 
 from quickdraft.kernels.build import LazyKernel
 
-__all__ = ["keyed_draw_rows", "sampling_weights_rows"]
+__all__ = ["keyed_draw_rows", "row_logprobs", "sampling_weights_rows"]
+
+# Top lists longer than this go to torch.topk: the kernel keeps its top list by insertion.
+MAX_KERNEL_TOP = 64
 
 # -ffp-contract=off: the exp polynomial's multiplies and adds round one by one, as torch's do.
 _KERNEL = LazyKernel(
-    "keyed_draw_v1", source="keyed_draw.cpp", extra_cflags=("-ffp-contract=off",), what="the torch keyed draw"
+    "keyed_draw_v2", source="keyed_draw.cpp", extra_cflags=("-ffp-contract=off",), what="the torch keyed draw"
 )
 
 
@@ -50,6 +53,24 @@ def sampling_weights_rows(
 ) -> torch.Tensor | None:  # [N, V] float32: the weights keyed_draw_rows races (for tests)
     ext = _extension(logits)
     return None if ext is None else ext.sampling_weights_rows(*_row_tensors(logits, temperature, top_k, top_p, min_p))
+
+
+def row_logprobs(
+    values: torch.Tensor,  # [R, V] raw or processed logits
+    token_ids: torch.Tensor,  # [R] int64
+    num_top: int,
+    *,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(chosen token's value [R], top ids [R, k], top values [R, k], rank [R]) in one read of each
+    row (values less the row's logsumexp when `normalize`); None where the kernel cannot run."""
+    ext = _extension(values)
+    if ext is None or num_top > MAX_KERNEL_TOP:
+        return None
+    chosen, top_ids, top_values, ranks = ext.row_logprobs(
+        values.contiguous(), token_ids.to(torch.long).contiguous(), num_top, normalize
+    )
+    return chosen, top_ids, top_values, ranks
 
 
 def _extension(logits: torch.Tensor):

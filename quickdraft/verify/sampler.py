@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.kernels.argmax import argmax_rows
-from quickdraft.kernels.keyed_draw import keyed_draw_rows
+from quickdraft.kernels.keyed_draw import keyed_draw_rows, row_logprobs, sampling_weights_rows
 from quickdraft.sampling_params import SamplingParams
 
 # Tests set this to True to push every row through every stage (with the stage's "off"
@@ -377,6 +377,18 @@ def _uses_top_k(params: SamplingParams, vocab: int) -> bool:
 
 def _uses_top_p(params: SamplingParams) -> bool:
     return _ALWAYS_SLOW or params.top_p < 1.0
+
+
+def _filter_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [F, V] -> [F, V]
+    """sampling_weights' bits; on the CPU from the C++ keyed draw's pass (~10x faster)."""
+    weights = sampling_weights_rows(
+        logits,
+        temperature=[p.temperature for p in params],
+        top_k=[_effective_top_k(p, logits.shape[1]) for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
+    )
+    return weights if weights is not None else sampling_weights(logits, params)
 
 
 def _uses_filters(params: SamplingParams, vocab: int) -> bool:
@@ -739,6 +751,22 @@ def compute_logprobs(
     return token_value, top_ids, top_values
 
 
+def token_logprobs(
+    values: torch.Tensor,  # [R, V] raw logits, or processed_logits' output
+    token_ids: torch.Tensor,  # [R] int64 the tokens each row chose
+    num_top: int,
+    *,
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compute_logprobs' (token's value, top ids, top values) and the token's rank (token_ranks):
+    on the CPU in one read of each row and one pass of exp (C++), elsewhere in torch."""
+    fused = row_logprobs(values, token_ids, num_top, normalize=normalize)
+    if fused is not None:
+        return fused
+    token_value, top_ids, top_values = compute_logprobs(values, token_ids, num_top, normalize=normalize)
+    return token_value, top_ids, top_values, token_ranks(values, token_ids)
+
+
 def processed_logits(
     logits: torch.Tensor,  # [R, V] raw logits, any float dtype (not written)
     rows: Sequence[RowContext],  # [R]
@@ -759,7 +787,7 @@ def processed_logits(
     # tokens the sampler's own top_k / top_p / min_p drop, from the same penalized logits.
     filtering = [i for i in sampled if _uses_filters(rows[i].params, vocab)]
     filtered_index = _index(filtering, values.device)
-    weights = sampling_weights(values[filtered_index], [rows[i].params for i in filtering]) if filtering else None
+    weights = _filter_weights(values[filtered_index], [rows[i].params for i in filtering]) if filtering else None
     # z = logits / T as sampling_weights scales them (a greedy row's divided by 1: unchanged)
     temps = [1.0 if row.params.is_greedy else row.params.temperature for row in rows]
     values = values / torch.tensor(temps, dtype=torch.float32, device=values.device).unsqueeze(1)
@@ -775,7 +803,7 @@ def processed_logits(
     # tokens the sampler's own top_k / top_p / min_p drop, from the same penalized logits.
     filtering = [i for i in sampled if _uses_filters(rows[i].params, vocab)]
     filtered_index = _index(filtering, values.device)
-    weights = sampling_weights(values[filtered_index], [rows[i].params for i in filtering]) if filtering else None
+    weights = _filter_weights(values[filtered_index], [rows[i].params for i in filtering]) if filtering else None
     temps = torch.tensor([rows[i].params.temperature for i in sampled], dtype=torch.float32, device=values.device)
     index = _index(sampled, values.device)
     values[index] = values[index] / temps.unsqueeze(1)  # as sampling_weights scales them

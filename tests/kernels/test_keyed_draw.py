@@ -159,3 +159,31 @@ def test_top_p_total_is_the_eight_lane_sum():
     assert found is not None
     kernel, reference = kernel_and_reference(logits, [SamplingParams(temperature=1.0, top_p=found)], [5])
     assert kernel == reference
+
+
+@needs_kernel
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("vocab", [5, 1000, 262144 + 3])
+def test_row_logprobs_equal_the_torch_reference(normalize, vocab):
+    """One read of each row for its logprobs: the chosen token's value, the top k, its rank; the
+    values less the row's logsumexp (summed in double) or as they are."""
+    from quickdraft.kernels.keyed_draw import row_logprobs
+    from quickdraft.verify.sampler import compute_logprobs, token_ranks
+
+    generator = torch.Generator().manual_seed(vocab)
+    values = torch.randn(6, vocab, generator=generator) * 4
+    values[1, : vocab // 2] = float("-inf")  # a constrained row
+    values[2, 1:] = values[2, 0]  # every value tied: the top k are the smallest ids
+    tokens = torch.randint(0, vocab, (6,), generator=generator)
+    tokens[1] = vocab - 1
+    k = min(5, vocab)
+    chosen, top_ids, top_values, ranks = row_logprobs(values, tokens, k, normalize=normalize)
+    ref_chosen, ref_ids, ref_values = compute_logprobs(values, tokens, k, normalize=normalize)
+    torch.testing.assert_close(chosen, ref_chosen, rtol=0, atol=2e-5)
+    torch.testing.assert_close(top_values, ref_values, rtol=0, atol=2e-5)
+    assert torch.equal(ranks, token_ranks(values, tokens))
+    untied = [row for row in range(6) if row != 2]
+    assert torch.equal(top_ids[untied], ref_ids[untied]) and top_ids[2].tolist() == list(range(k))
+    # a row's numbers are its own, whatever rows share the call
+    alone = row_logprobs(values[4:5], tokens[4:5], k, normalize=normalize)
+    assert all(torch.equal(part[4:5], single) for part, single in zip((chosen, top_ids, top_values, ranks), alone))

@@ -111,32 +111,101 @@ float scale_and_max(const float* x, float* w, int64_t n, float temperature) {
   return any_nan ? NAN : m;
 }
 
-// w = exp(w - m), the same operations as exp_scalar in 8 lanes.
+// exp(d) for d <= 0 (or -inf), the same operations as exp_scalar in 8 lanes.
+inline __m256 exp8(__m256 d) {
+  const __m256 cutoff = _mm256_set1_ps(kExpCutoff);
+  const __m256 live = _mm256_cmp_ps(d, cutoff, _CMP_GE_OQ);
+  const __m256 dc = _mm256_max_ps(d, cutoff);  // keeps -inf out of the polynomial
+  const __m256 nf = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(dc, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(dc, _mm256_mul_ps(nf, _mm256_set1_ps(kLn2Hi)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(nf, _mm256_set1_ps(kLn2Lo)));
+  const __m256 rr = _mm256_mul_ps(r, r);
+  __m256 p = _mm256_add_ps(_mm256_mul_ps(r, _mm256_set1_ps(kP0)), _mm256_set1_ps(kP1));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP2));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP3));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP4));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP5));
+  p = _mm256_add_ps(_mm256_mul_ps(p, rr), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), live);
+}
+
+// w = exp(w - m)
 void exp_shifted(float* w, int64_t n, float m) {
-  const __m256 vm = _mm256_set1_ps(m), cutoff = _mm256_set1_ps(kExpCutoff);
-  const __m256 log2e = _mm256_set1_ps(kLog2e), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-  const __m256 hi = _mm256_set1_ps(kLn2Hi), lo = _mm256_set1_ps(kLn2Lo);
+  const __m256 vm = _mm256_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(w + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(w + i), vm)));
+  for (; i < n; ++i) w[i] = exp_scalar(w[i] - m);
+}
+
+// The sum of exp(x - m) over x[0, n), m its maximum, in eight double lanes (float lanes would
+// lose ~1e-5 of the sum over a 262k vocabulary).
+double sum_exp_shifted(const float* x, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(w + i), vm);
-    const __m256 live = _mm256_cmp_ps(d, cutoff, _CMP_GE_OQ);
-    const __m256 dc = _mm256_max_ps(d, cutoff);  // keeps -inf out of the polynomial
-    const __m256 nf = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(dc, log2e), half));
-    __m256 r = _mm256_sub_ps(dc, _mm256_mul_ps(nf, hi));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(nf, lo));
-    const __m256 rr = _mm256_mul_ps(r, r);
-    __m256 p = _mm256_add_ps(_mm256_mul_ps(r, _mm256_set1_ps(kP0)), _mm256_set1_ps(kP1));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP2));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP3));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP4));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP5));
-    p = _mm256_add_ps(_mm256_mul_ps(p, rr), r);
-    p = _mm256_add_ps(p, one);
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    _mm256_storeu_ps(w + i, _mm256_and_ps(e, live));
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
   }
-  for (; i < n; ++i) w[i] = exp_scalar(w[i] - m);
+  alignas(32) double lanes[8];
+  _mm256_store_pd(lanes, low);
+  _mm256_store_pd(lanes + 4, high);
+  double total = 0.0;
+  for (double lane : lanes) total += lane;
+  for (; i < n; ++i) total += exp_scalar(x[i] - m);
+  return total;
+}
+
+// One read of a row for its logprobs: the maximum, how many values exceed the chosen token's,
+// and the k largest (by value, then the smaller index) into top_values / top_ids, sorted.
+float scan_row(const float* x, int64_t n, float chosen, int64_t k, float* top_values, int64_t* top_ids,
+               int64_t* greater) {
+  const __m256 vc = _mm256_set1_ps(chosen);
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  __m256i above = _mm256_setzero_si256();
+  int64_t held = 0;  // entries of the top list
+  auto insert = [&](float v, int64_t index) {
+    if (held == k && !(v > top_values[k - 1])) return;  // ties keep the earlier index
+    int64_t at = held < k ? held++ : k - 1;
+    while (at > 0 && v > top_values[at - 1]) {
+      top_values[at] = top_values[at - 1];
+      top_ids[at] = top_ids[at - 1];
+      --at;
+    }
+    top_values[at] = v;
+    top_ids[at] = index;
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    best = _mm256_max_ps(best, v);
+    above = _mm256_sub_epi32(above, _mm256_castps_si256(_mm256_cmp_ps(v, vc, _CMP_GT_OQ)));  // -(-1) per lane
+    if (k == 0) continue;
+    const float floor = held < k ? -INFINITY : top_values[k - 1];
+    const int mask = held < k ? 0xFF : _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(floor), _CMP_GT_OQ));
+    if (mask == 0) continue;
+    for (int lane = 0; lane < 8; ++lane) insert(x[i + lane], i + lane);
+  }
+  alignas(32) float best_lanes[8];
+  alignas(32) int32_t above_lanes[8];
+  _mm256_store_ps(best_lanes, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(above_lanes), above);
+  float m = -INFINITY;
+  int64_t count = 0;
+  for (int lane = 0; lane < 8; ++lane) {
+    m = std::max(m, best_lanes[lane]);
+    count += above_lanes[lane];
+  }
+  for (; i < n; ++i) {
+    m = std::max(m, x[i]);
+    count += x[i] > chosen;
+    if (k > 0) insert(x[i], i);
+  }
+  *greater = count;
+  return m;
 }
 
 // w < threshold -> 0
@@ -355,13 +424,62 @@ torch::Tensor sampling_weights_rows(const torch::Tensor& logits, const torch::Te
   const RowParams p = check_params(logits, temperature, top_k, top_p, min_p);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   torch::Tensor out = torch::empty({rows, vocab}, torch::kFloat32);
-  std::vector<float> scratch;
+  std::vector<int> status(rows);
+  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+    thread_local std::vector<float> scratch;
+    for (int64_t r = first; r < last; ++r) {
+      status[r] = weigh_row(logits.data_ptr<float>() + r * vocab, vocab, p.temperature[r], p.top_k[r], p.top_p[r],
+                            p.min_p[r], out.data_ptr<float>() + r * vocab, scratch);
+    }
+  });
   for (int64_t r = 0; r < rows; ++r) {
-    const int status = weigh_row(logits.data_ptr<float>() + r * vocab, vocab, p.temperature[r], p.top_k[r],
-                                 p.top_p[r], p.min_p[r], out.data_ptr<float>() + r * vocab, scratch);
-    TORCH_CHECK(status == 0, "sampling_weights_rows: row ", r, " has a NaN or no finite logit");
+    TORCH_CHECK(status[r] == 0, "sampling_weights_rows: row ", r, " has a NaN or no finite logit");
   }
   return out;
+}
+
+// Each row's logprobs in one read and one pass of exp (vLLM's logprobs and their ranks): the
+// chosen token's value, the k largest values with their ids (by value, ties to the smaller id),
+// the rank of the chosen token (1 + the values above it), the values less the row's logsumexp
+// when `normalize` (the log_softmax), else as they are.  A row's numbers depend on that row alone.
+std::vector<torch::Tensor> row_logprobs(const torch::Tensor& values,  // [R, V] float32
+                                        const torch::Tensor& tokens,  // [R] int64
+                                        int64_t k, bool normalize) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == torch::kFloat32 && values.is_contiguous() &&
+                  values.device().is_cpu(),
+              "row_logprobs: need a contiguous [R, V] float32 CPU tensor");
+  const int64_t rows = values.size(0), vocab = values.size(1);
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == rows && tokens.scalar_type() == torch::kInt64 &&
+                  tokens.is_contiguous(),
+              "row_logprobs: one int64 token per row");
+  TORCH_CHECK(vocab > 0 && k >= 0 && k <= vocab, "row_logprobs: k of ", k, " for a vocabulary of ", vocab);
+  torch::Tensor chosen = torch::empty({rows}, torch::kFloat32);
+  torch::Tensor top_values = torch::empty({rows, k}, torch::kFloat32);
+  torch::Tensor top_ids = torch::empty({rows, k}, torch::kInt64);
+  torch::Tensor ranks = torch::empty({rows}, torch::kInt64);
+  const float* x = values.data_ptr<float>();
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(token[r] >= 0 && token[r] < vocab, "row_logprobs: token ", token[r], " outside the vocabulary");
+  }
+  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* row = x + r * vocab;
+      const float value = row[token[r]];
+      float* top_v = top_values.data_ptr<float>() + r * k;
+      int64_t* top_i = top_ids.data_ptr<int64_t>() + r * k;
+      int64_t greater = 0;
+      const float m = scan_row(row, vocab, value, k, top_v, top_i, &greater);
+      ranks.data_ptr<int64_t>()[r] = greater + 1;
+      float shift = 0.0f;
+      if (normalize) {
+        shift = std::isfinite(m) ? static_cast<float>(m + std::log(sum_exp_shifted(row, vocab, m))) : m;
+      }
+      chosen.data_ptr<float>()[r] = value - shift;
+      for (int64_t j = 0; j < k; ++j) top_v[j] -= shift;
+    }
+  });
+  return {chosen, top_ids, top_values, ranks};
 }
 
 torch::Tensor keyed_draw_rows(const torch::Tensor& logits,       // [R, V] float32
@@ -397,4 +515,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_supported", &qd_keyed::cpu_supported);
   m.def("keyed_draw_rows", &qd_keyed::keyed_draw_rows);
   m.def("sampling_weights_rows", &qd_keyed::sampling_weights_rows);
+  m.def("row_logprobs", &qd_keyed::row_logprobs);
 }
