@@ -270,7 +270,8 @@ def test_a_killed_replica_fails_its_requests_clearly_and_the_endpoint_keeps_serv
             response = other.post("/v1/completions", json=long_request)
             whole_answer.update(status=response.status_code, body=response.json())
 
-    with client.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as stream:
+    # 12 completions, 4 at a time: the stream outlasts the wait below (one of 440 tokens could finish first)
+    with client.stream("POST", "/v1/completions", json={**long_request, "stream": True, "n": 12}) as stream:
         assert stream.status_code == 200
         victim = stream.headers[REPLICA_HEADER]
         lines = stream.iter_lines()
@@ -382,6 +383,10 @@ def test_a_proxy_port_taken_before_serve_binds_it_is_retried_on_another():
 def test_a_weight_update_reaches_every_replica(replicated, client, tiny_checkpoints, tmp_path_factory):
     """The ingress hands /update_weights_from_disk and /reset_prefix_cache to each replica and
     answers with all their answers; every replica then serves the new weights."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_SECONDS  # a replica killed by an earlier test restarts
+    while len(healthy_replicas(client)) < 2:
+        assert time.monotonic() < deadline, "fewer than 2 healthy replicas"
+        time.sleep(1.0)
     new = build_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("new_qwen3"), seed=5)
     prompts = [f"Question {i}: what comes after {i}?" for i in range(6)]
     llm = LLM(model=str(new), max_model_len=512)
