@@ -11,6 +11,7 @@ import time
 
 from quickdraft.config import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES
 from quickdraft.pooling import POOLING_TYPES
+from quickdraft.sampling_params import DEFAULT_MAX_LOGPROBS
 from quickdraft.structured.reasoning import REASONING_PARSERS
 from quickdraft.structured.tools import TOOL_CALL_PARSERS
 
@@ -394,7 +395,7 @@ def _add_server_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--max-logprobs",
         type=int,
-        default=20,
+        default=DEFAULT_MAX_LOGPROBS,
         help="the most top logprobs (and prompt logprobs) a request may ask; -1: no cap, and a request's -1 "
         "returns every token's (default: 20, as vLLM)",
     )

@@ -26,7 +26,7 @@ from quickdraft.pooling import (
     cosine_similarity,
     score_pairs,
 )
-from quickdraft.sampling_params import SamplingParams
+from quickdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from quickdraft.structured.tools import resolve_tool_calling
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class LLM:
         max_cpu_loras: int | None = None,
         hf_overrides: dict[str, Any] | None = None,
         logprobs_mode: str = "raw_logprobs",
-        max_logprobs: int = 20,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ):
         """`generation_config` (vLLM's): "auto" takes the sampling an HF model directory's
         generation_config.json recommends as the defaults of `get_default_sampling_params()`

@@ -31,7 +31,14 @@ from quickdraft.engine.request import Request, make_token_logprobs
 from quickdraft.engine.runner import REUSED_LOGITS_BYTES, ModelRunner, SequenceWork
 from quickdraft.engine.scheduler import ScheduledRequest, Scheduler
 from quickdraft.engine.speculation import Speculator
-from quickdraft.engine.verification import StepLogits, chain_rows, node_histories, verify_step, walks_path
+from quickdraft.engine.verification import (
+    StepLogits,
+    chain_rows,
+    node_histories,
+    row_context,
+    verify_step,
+    walks_path,
+)
 from quickdraft.kv.cache import CacheFullError, KVCache
 from quickdraft.models.decoder import Decoder, LogitsArena
 from quickdraft.models.heap import return_free_heap, transparent_huge_pages
@@ -55,7 +62,6 @@ from quickdraft.sampling_params import InvalidParameterError, SamplingParams, ba
 from quickdraft.structured.grammar import SPARSE_ROW_LIMIT, GrammarCompiler, TreeMasks, apply_masks
 from quickdraft.verify.logits_processors import LogitsProcessorError, apply_logits_processors
 from quickdraft.verify.sampler import (
-    RowContext,
     make_generator,
     position_key,
     processed_logits,
@@ -1069,11 +1075,7 @@ class Engine:
         mode = self.config.logprobs_mode
         if mode.startswith("processed"):
             contexts = [  # the j-th committed token was chosen after the path's first j
-                RowContext(
-                    params=requests[k].params,
-                    prompt_token_ids=requests[k].prompt_token_ids,
-                    output_token_ids=requests[k].output_token_ids + paths[k].committed_token_ids[:j],
-                )
+                row_context(requests[k], requests[k].output_token_ids + paths[k].committed_token_ids[:j])
                 for k in wanted
                 for j in range(len(paths[k].nodes))
             ]

@@ -140,7 +140,7 @@ def verify_step(
     for i, (request, proposal) in enumerate(zip(requests, proposals)):
         if not walked[i]:
             rows = table.gather(list(range(row_offsets[i], row_offsets[i + 1])))
-            contexts = [_row_context(request, history) for history in node_histories(request, proposal)]
+            contexts = [row_context(request, history) for history in node_histories(request, proposal)]
             target_probs = logits_to_probs(rows, contexts, eos_token_ids=eos_token_ids)  # [num_nodes, V]
             results[i] = verify_proposal(
                 proposal=proposal,
@@ -234,7 +234,7 @@ def _root_draws(*, requests: list[Request], logits: torch.Tensor | None, eos_tok
     if not requests:
         return []
     assert logits is not None  # given with the requests
-    contexts = [_row_context(r, r.output_token_ids) for r in requests]
+    contexts = [row_context(r, r.output_token_ids) for r in requests]
     keys = [position_key(r.seed, len(r.output_token_ids)) for r in requests]
     return draw_keyed(logits, contexts, keys, eos_token_ids=eos_token_ids).tolist()
 
@@ -262,11 +262,12 @@ class _KeyedChoice:
             raise RowMissing(node)
         history = self.request.output_token_ids + self.proposal.tree.path_tokens(self.proposal.token_ids, node)
         key = position_key(self.request.seed, len(history))
-        context = _row_context(self.request, history)
+        context = row_context(self.request, history)
         logits = self.table.gather([row])  # [1, V]
         self.drawn[node] = int(draw_keyed(logits, [context], [key], eos_token_ids=self.eos_token_ids)[0])
         return self.drawn[node]
 
 
-def _row_context(request: Request, history: list[int]) -> RowContext:
+def row_context(request: Request, history: list[int]) -> RowContext:
+    """The sampler's view of a row of `request` whose output so far is `history`."""
     return RowContext(params=request.params, prompt_token_ids=request.prompt_token_ids, output_token_ids=history)

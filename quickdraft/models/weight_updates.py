@@ -125,9 +125,14 @@ def _piece_table(config: ModelConfig, plan: dict[str, list[str]], model: torch.n
     return table
 
 
-def _target(model: torch.nn.Module, ours: str) -> torch.Tensor | QuantizedWeight:
+def _owner(model: torch.nn.Module, ours: str) -> tuple[torch.nn.Module, str]:
+    """The module holding our tensor `ours`, and its attribute name there."""
     module_name, _, leaf = ours.rpartition(".")
-    return getattr(model.get_submodule(module_name) if module_name else model, leaf)
+    return (model.get_submodule(module_name) if module_name else model), leaf
+
+
+def _target(model: torch.nn.Module, ours: str) -> torch.Tensor | QuantizedWeight:
+    return getattr(*_owner(model, ours))
 
 
 def _prepared_rows(
@@ -170,11 +175,8 @@ def _write(model: torch.nn.Module, ours: str, rows: list[tuple[int, int, torch.T
             target[start:stop].copy_(values)
         return
     parts = [_rebuilt_part(part, rows, cols=target.shape[1]) for part in target.parts]
-    module_name, _, leaf = ours.rpartition(".")
     # a new object: the one-call layers gather their arguments again when a weight is replaced
-    setattr(
-        model.get_submodule(module_name) if module_name else model, leaf, QuantizedWeight(parts, shape=target.shape)
-    )
+    setattr(*_owner(model, ours), QuantizedWeight(parts, shape=target.shape))
 
 
 def _rebuilt_part(part: PackedPart, rows: list[tuple[int, int, torch.Tensor]], *, cols: int) -> PackedPart:

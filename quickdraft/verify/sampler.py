@@ -381,14 +381,18 @@ def _uses_top_p(params: SamplingParams) -> bool:
 
 def _filter_weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [F, V] -> [F, V]
     """sampling_weights' bits; on the CPU from the C++ keyed draw's pass (~10x faster)."""
-    weights = sampling_weights_rows(
-        logits,
-        temperature=[p.temperature for p in params],
-        top_k=[_effective_top_k(p, logits.shape[1]) for p in params],
-        top_p=[p.top_p for p in params],
-        min_p=[p.min_p for p in params],
-    )
+    weights = sampling_weights_rows(logits, **_kernel_row_params(params, logits.shape[1]))
     return weights if weights is not None else sampling_weights(logits, params)
+
+
+def _kernel_row_params(params: Sequence[SamplingParams], vocab: int) -> dict[str, list]:
+    """The per-row settings the C++ keyed-draw kernel takes (kernels/keyed_draw.py)."""
+    return {
+        "temperature": [p.temperature for p in params],
+        "top_k": [_effective_top_k(p, vocab) for p in params],
+        "top_p": [p.top_p for p in params],
+        "min_p": [p.min_p for p in params],
+    }
 
 
 def _uses_filters(params: SamplingParams, vocab: int) -> bool:
@@ -687,14 +691,7 @@ def draw_keyed(
         x = logits if len(sampled) == len(rows) else logits[idx]  # [N, V]
         params = [rows[i].params for i in sampled]
         row_keys = [keys[i] for i in sampled]
-        tokens = keyed_draw_rows(
-            x,
-            temperature=[p.temperature for p in params],
-            top_k=[_effective_top_k(p, x.shape[1]) for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-            keys=row_keys,
-        )
+        tokens = keyed_draw_rows(x, **_kernel_row_params(params, x.shape[1]), keys=row_keys)
         if tokens is None:
             tokens = sample_keyed(sampling_weights(x, params), row_keys)
         elif bool((tokens < 0).any()):
@@ -791,22 +788,6 @@ def processed_logits(
     # z = logits / T as sampling_weights scales them (a greedy row's divided by 1: unchanged)
     temps = [1.0 if row.params.is_greedy else row.params.temperature for row in rows]
     values = values / torch.tensor(temps, dtype=torch.float32, device=values.device).unsqueeze(1)
-    if weights is not None:
-        z = values[filtered_index]  # [F, V]
-        dropped = (weights == 0) & (z - z.amax(dim=-1, keepdim=True) >= _EXP_CUTOFF)  # not an underflow
-        values[filtered_index] = z.masked_fill(dropped, float("-inf"))
-    return values
-    if values is logits:  # _penalized_logits hands back a float32 input unchanged: write into a copy
-        values = values.clone()
-    vocab = values.shape[1]
-    # Only rows that filter need their weights (a pass of exp over the vocabulary each): which
-    # tokens the sampler's own top_k / top_p / min_p drop, from the same penalized logits.
-    filtering = [i for i in sampled if _uses_filters(rows[i].params, vocab)]
-    filtered_index = _index(filtering, values.device)
-    weights = _filter_weights(values[filtered_index], [rows[i].params for i in filtering]) if filtering else None
-    temps = torch.tensor([rows[i].params.temperature for i in sampled], dtype=torch.float32, device=values.device)
-    index = _index(sampled, values.device)
-    values[index] = values[index] / temps.unsqueeze(1)  # as sampling_weights scales them
     if weights is not None:
         z = values[filtered_index]  # [F, V]
         dropped = (weights == 0) & (z - z.amax(dim=-1, keepdim=True) >= _EXP_CUTOFF)  # not an underflow
