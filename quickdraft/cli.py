@@ -809,6 +809,14 @@ def _add_bench_serve_parser(suites) -> None:
         choices=["cache_aware", "round_robin"],
         help="how the replicas are routed to (with --replicas; default: cache_aware)",
     )
+    serve.add_argument(
+        "--clients",
+        default="process",
+        choices=["process", "thread"],
+        help="where the clients run: a process of their own, as a real server's clients are, or this process's "
+        "main thread, where their HTTP and JSON work competes with the server for Python's interpreter lock "
+        "(default: process)",
+    )
     serve.add_argument("--out", default=None, metavar="DIR", help="results folder (default: results/serve-DATE-TIME)")
     _add_model_options(serve)
     _add_kv_cache_dtype_option(serve)
@@ -990,6 +998,7 @@ def run_bench_serve(args) -> int:
         routing=args.routing,
         lora_modules=tuple(args.lora_modules),
         max_loras=args.max_loras,
+        clients=args.clients,
     )
     out_dir = Path(args.out) if args.out else default_out_dir()
     report = run_serving_bench(

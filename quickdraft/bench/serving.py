@@ -4,7 +4,8 @@ The flow: load the engine once; for each mode (off = plain decoding, always-on =
 speculative config, adaptive = that config plus "adaptive": true) switch the engine's
 speculation, start the real server (uvicorn, in this process, on a free loopback port), send
 one uncounted warm-up request, then for each concurrency C run C clients that each stream
-`requests_per_client` greedy completions one after another.  Prompts are the first turns of
+`requests_per_client` greedy completions one after another.  The clients run in a process of
+their own (as a real server's do), or with `clients="thread"` in this one.  Prompts are the first turns of
 Spec-Bench questions, interleaved across tasks (so every level sees a mix, not only the file's
 first task) and cycled; request n of a level asks question n, so every mode answers the same
 prompts and its greedy tokens can be compared with plain decoding's, request by request.
@@ -34,6 +35,7 @@ from pathlib import Path
 from quickdraft.bench.specbench import TASKS, Question, add_counts, conversation_prompt, load_questions, task_of
 
 MODES = ("off", "always-on", "adaptive")
+CLIENT_PLACES = ("process", "thread")
 BASELINE_MODE = "off"
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
 DEFAULT_QUESTIONS = Path("../shared/data/specbench/questions.dev.jsonl")
@@ -74,6 +76,10 @@ class ServingBenchOptions:
     # names adapter n % len(lora_modules); empty: every request runs the base model.
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 1
+    # Where the clients run: "process", one process of their own beside the server's, as a real
+    # server's clients (and vLLM's `bench serve`) are; "thread", this process's main thread, where
+    # their HTTP and JSON work takes the interpreter lock the server's engine thread also needs.
+    clients: str = "process"
 
     def __post_init__(self) -> None:
         self.questions = Path(self.questions)
@@ -100,6 +106,8 @@ class ServingBenchOptions:
                 raise ValueError("LoRA adapters with replicas are not built (quickdraft serve refuses them too)")
         if self.max_num_seqs is not None:
             _check_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.clients not in CLIENT_PLACES:
+            raise ValueError(f"clients must be one of {list(CLIENT_PLACES)}, got {self.clients!r}")
         for name in ("time_limit_seconds", "request_timeout_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -507,21 +515,50 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
     else:
         serving, start = contextlib.nullcontext(), functools.partial(_running_mode, engine, options, compute=compute)
     # frozen as `quickdraft serve` does after loading; unfrozen after, for the caller
-    with loaded_objects_frozen(), serving, contextlib.closing(compute):
+    with loaded_objects_frozen(), serving, contextlib.closing(compute), _clients(options) as run_clients:
         for round_index, mode, levels in _schedule(options, list(configs), per_level=options.replicas is None):
             with start(speculative_config=configs[mode]) as base_url:
-                asyncio.run(
-                    _run_levels(
-                        report,
-                        base_url=base_url,
-                        prompts=prompts,
-                        mode=mode,
-                        concurrency=levels,
-                        round_index=round_index,
-                        log=log,
-                    )
+                results = run_clients(
+                    base_url=base_url, prompts=prompts, mode=mode, concurrency=levels, round_index=round_index
                 )
+            for level in results:
+                level.summary = summarize_level(level, baseline=None)  # for the progress line; redone at the end
+                report.levels.append(level)
+                log(_progress_line(level))
     return _summarized(report)
+
+
+@contextlib.contextmanager
+def _clients(options: ServingBenchOptions) -> Iterator:
+    """A function that runs the clients of one server start and returns its levels: in a process
+    of their own (kept for the whole benchmark), or on this thread."""
+    if options.clients == "thread":
+        yield functools.partial(run_clients, options=options)
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    # spawn, not fork: this process holds the engine's threads (a forked child inherits their locks)
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        yield lambda **level: pool.submit(run_clients, options=options, **level).result()
+
+
+def run_clients(
+    *,
+    options: ServingBenchOptions,
+    base_url: str,
+    prompts: list[BenchPrompt],
+    mode: str,
+    concurrency: tuple[int, ...],
+    round_index: int,
+) -> list[LevelResult]:
+    """A warm-up request, then the given concurrency levels of one mode on a running server."""
+    return asyncio.run(
+        _run_levels(
+            options, base_url=base_url, prompts=prompts, mode=mode, concurrency=concurrency, round_index=round_index
+        )
+    )
 
 
 def _schedule(
@@ -598,19 +635,16 @@ def running_replicas(options: ServingBenchOptions, *, speculative_config: dict |
 
 
 async def _run_levels(
-    report: ServingBenchReport,
+    options: ServingBenchOptions,
     *,
     base_url: str,
     prompts: list[BenchPrompt],
     mode: str,
     concurrency: tuple[int, ...],
     round_index: int,
-    log,
-) -> None:
-    """A warm-up request, then the given concurrency levels of one mode on a running server."""
+) -> list[LevelResult]:
     import httpx
 
-    options = report.options
     async with httpx.AsyncClient(base_url=base_url, timeout=options.request_timeout_seconds) as client:
         warmup = await stream_completion(
             client,
@@ -621,13 +655,12 @@ async def _run_levels(
         )
     if not warmup.ok:
         raise RuntimeError(f"the {mode} server failed its warm-up request: {warmup.error}")
-    for clients in concurrency:
-        level = await run_level(
+    return [
+        await run_level(
             base_url=base_url, prompts=prompts, mode=mode, concurrency=clients, options=options, round_index=round_index
         )
-        level.summary = summarize_level(level, baseline=None)  # for the progress line; redone at the end
-        report.levels.append(level)
-        log(_progress_line(level))
+        for clients in concurrency
+    ]
 
 
 def _progress_line(level: LevelResult) -> str:
@@ -669,6 +702,7 @@ def _header(options: ServingBenchOptions, *, engine, num_prompts: int) -> str:
         f"{options.requests_per_client} per client; first turns of {num_prompts} Spec-Bench questions from "
         f"{options.questions.name}; always-on = {json.dumps(options.speculative_config, sort_keys=True)}; "
         f"{_lora_text(options)}"
+        f"clients in {_clients_text(options)}; "
         f"{time.strftime('%Y-%m-%d %H:%M')}"
     )
 
@@ -678,6 +712,10 @@ def _lora_text(options: ServingBenchOptions) -> str:
         return ""
     names = ", ".join(options.request_model(i) for i in range(len(options.lora_modules)))
     return f"requests run LoRA adapters in turn ({names}; max_loras {options.max_loras}); "
+
+
+def _clients_text(options: ServingBenchOptions) -> str:
+    return "a process of their own" if options.clients == "process" else "the server's process (main thread)"
 
 
 def replica_options(options: ServingBenchOptions):

@@ -253,6 +253,8 @@ def test_options_validate_without_the_cli():
         ServingBenchOptions(speculative_config=NGRAM, requests_per_client=0)
     with pytest.raises(ValueError, match="needs at least one level"):
         ServingBenchOptions(speculative_config=NGRAM, concurrency=())
+    with pytest.raises(ValueError, match=r"clients must be one of \['process', 'thread'\], got 'remote'"):
+        ServingBenchOptions(speculative_config=NGRAM, clients="remote")
     modes = ServingBenchOptions(speculative_config=NGRAM, concurrency=(3, 1)).mode_configs()
     assert modes == {"off": None, "always-on": NGRAM, "adaptive": {**NGRAM, "adaptive": True}}
     chosen = ServingBenchOptions(speculative_config=NGRAM, modes=("adaptive", "off")).mode_configs()
@@ -325,6 +327,36 @@ def test_bench_serve_on_replicas_gives_the_single_servers_tokens(report, tiny_ch
         tokens = {r["index"]: r["token_ids"] for r in level["requests"]}
         expected = {r["index"]: r["token_ids"] for r in single_levels[key]["requests"]}
         assert tokens == expected
+
+
+def test_clients_on_the_servers_thread_give_the_same_tokens(report, tiny_checkpoints, questions_file, tmp_path):
+    """The report fixture's clients ran in a process of their own (the default); `--clients thread`
+    runs them in the server's process: same prompts, same greedy tokens, and each header says where."""
+    _, in_own_process, _ = report
+    assert "clients in a process of their own" in in_own_process["header"]
+    assert (
+        run_bench(
+            tiny_checkpoints["gemma3"],
+            questions_file,
+            tmp_path,
+            "--concurrency",
+            "2",
+            "--modes",
+            "off",
+            "--clients",
+            "thread",
+        )
+        == 0
+    )
+    data = json.loads((tmp_path / JSON_FILE).read_text())
+    assert "clients in the server's process (main thread)" in data["header"]
+    assert data["options"]["clients"] == "thread"
+    expected = levels_by_key(in_own_process)[("off", 2)]
+    level = levels_by_key(data)[("off", 2)]
+    assert level["summary"]["errors"] == 0
+    assert {r["index"]: r["token_ids"] for r in level["requests"]} == {
+        r["index"]: r["token_ids"] for r in expected["requests"]
+    }
 
 
 def test_requests_run_lora_adapters_in_turn_and_stay_exact(tiny_checkpoints, questions_file, tmp_path):
