@@ -809,6 +809,7 @@ async def _generate(
     writer_options: dict[str, Any] | None = None,  # the writer class's own keyword arguments
 ):
     """Run the prompts through the engine loop, answer (streamed or whole)."""
+    _check_room_for_max_tokens(server, prompts, body=body)
     if body.use_beam_search:
         return await _beam_search(
             server,
@@ -1169,6 +1170,24 @@ def _chat_text(server: QuickdraftServer, body: ChatCompletionRequest | TokenizeR
 def _truncated(token_ids: list[int], keep_last: int | None) -> list[int]:
     """truncate_prompt_tokens (checked in SamplingParams before the prompt is tokenized)."""
     return token_ids if keep_last is None else token_ids[-keep_last:]
+
+
+def _check_room_for_max_tokens(server: QuickdraftServer, prompts: list[list[int]], *, body) -> None:
+    """A request whose own max_tokens does not fit beside its prompt gets vLLM's (and OpenAI's) 400,
+    not an answer silently cut at the end of the context; a server default is a cap, never a 400."""
+    param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    max_tokens = getattr(body, param, None)
+    if max_tokens is None:
+        return
+    longest = max(len(p) for p in prompts)
+    room = server.max_model_len - longest
+    if max_tokens > room:
+        raise bad_request(
+            f"{param} is too large: {max_tokens}. This model's maximum context length is {server.max_model_len} "
+            f"tokens and your request has {longest} input tokens ({max_tokens} > {server.max_model_len} - {longest})",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _check_prompt_length(server: QuickdraftServer, prompt_token_ids: list[int], *, param: str) -> None:

@@ -118,6 +118,31 @@ def test_chat_errors_name_the_field(ngram_server, change, param):
     assert_openai_error(post(ngram_server, "/chat/completions", {**CHAT, **change}), status=400, param=param)
 
 
+def test_max_tokens_past_the_context_is_a_400_as_in_vllm(plain_server, ngram_server):
+    """The fixtures' context is 128 tokens: a prompt of 100 token ids leaves room for 28.  A request's
+    own max_tokens beyond that is refused naming it, under each endpoint's name for it; one that
+    fits, or none at all (chat: until the end of the context), is answered."""
+    prompt = list(range(5, 105))
+    refused = post(plain_server, "/completions", {**COMPLETION, "prompt": prompt, "max_tokens": 29})
+    error = assert_openai_error(refused, status=400, param="max_tokens")
+    assert error["code"] == "context_length_exceeded"
+    assert "context length is 128 tokens and your request has 100 input tokens (29 > 128 - 100)" in error["message"]
+    answered = post(
+        plain_server, "/completions", {**COMPLETION, "prompt": prompt, "max_tokens": 28, "ignore_eos": True}
+    )
+    assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 28
+    # a batch of prompts: the longest decides
+    batch = post(plain_server, "/completions", {**COMPLETION, "prompt": [[5, 6], prompt], "max_tokens": 29})
+    assert_openai_error(batch, status=400, param="max_tokens")
+    for field in ("max_tokens", "max_completion_tokens"):
+        body = {**CHAT, "max_tokens": None, field: 1000}
+        assert_openai_error(post(ngram_server, "/chat/completions", body), status=400, param=field)
+    responses = {"input": "hello", "max_output_tokens": 1000}
+    assert_openai_error(post(ngram_server, "/responses", responses), status=400, param="max_output_tokens")
+    until_the_end = post(ngram_server, "/chat/completions", {**CHAT, "max_tokens": None})
+    assert until_the_end.status_code == 200
+
+
 def test_unknown_model_is_404_naming_model(plain_server):
     with pytest.raises(openai.NotFoundError) as caught:
         plain_server.openai_client().completions.create(model="gpt-17", prompt="x", max_tokens=2)

@@ -52,7 +52,8 @@ def tool_server(tiny_checkpoints):
 
 def create(server, **kwargs):
     client = server.openai_client()
-    options = dict(model=server.model_name, messages=ASK, tools=TOOLS, temperature=0, max_tokens=150)
+    # no max_tokens: until the end of the context (the tools' preamble leaves the tiny model little)
+    options = dict(model=server.model_name, messages=ASK, tools=TOOLS, temperature=0)
     return client.chat.completions.create(**(options | kwargs))
 
 
