@@ -75,6 +75,14 @@ class _DecayedFit:
                 self.sxx[i][j] = self.decay * self.sxx[i][j] + x[i] * x[j]
         self.weight = self.decay * self.weight + 1.0
 
+    def age(self) -> None:
+        """A step without an observation: the data grows older (the fit itself is unchanged)."""
+        for i in range(self.num_features):
+            self.sxy[i] *= self.decay
+            for j in range(self.num_features):
+                self.sxx[i][j] *= self.decay
+        self.weight *= self.decay
+
     def solve(self, *, prior: tuple[float, ...], ridge: float = 1e-3) -> tuple[float, ...] | None:
         """Coefficients (all >= 0), or None before any data."""
         if self.weight == 0.0:
@@ -143,13 +151,26 @@ class StepCostModel:
     The priors only set ratios until the data separates the coefficients (the choice of draft
     lengths depends on ratios, not on the unit): a request and a verified token each cost 5% of
     a step's fixed part, a drafted token 1%.
+
+    The drafting fit is what decides whether drafts are tried at all, so it must not lock a
+    wrong answer in.  A drafter's first call costs what later ones do not (its caches allocated,
+    its memory first touched: 20 ms for eagle3's first draft of one token on the 2-core machine,
+    ~1 ms after); fed to the fit, that one observation priced every drafted token at 20 ms, no
+    draft or probe paid again, and no later observation could correct it (adaptive eagle3
+    decoded plainly in 88% of its steps at 4 clients, where always-on was 1.17x plain).  So the
+    first `warmup_drafts` drafting steps are not fed, and a fit whose data has aged away (no
+    drafting for a few hundred steps) gives way to the prior again, so that a probe can measure
+    it afresh.
     """
 
     decay: float = 0.98
     prior_forward: tuple[float, float, float] = (1.0, 0.05, 0.05)  # fixed, per request, per verified token
     prior_draft: tuple[float, float] = (0.0, 0.01)  # per drafting request, per drafted token
+    warmup_drafts: int = 1  # drafting steps not fed to the fit (the drafter's first calls)
+    min_weight: float = 0.05  # the fit's decayed count of observations below which the prior is used
     _forward: _DecayedFit = field(init=False)
     _draft: _DecayedFit = field(init=False)
+    _drafts_seen: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self._forward = _DecayedFit(self.decay, num_features=3)
@@ -160,13 +181,19 @@ class StepCostModel:
         self._forward.add((1.0, float(num_requests), float(num_tokens)), seconds)
 
     def observe_drafting(self, *, num_requests: int, num_draft_tokens: int, seconds: float) -> None:
-        if num_requests > 0:
+        """A step's drafting phase (every step: one without drafts ages the fit's data)."""
+        if num_requests == 0:
+            self._draft.age()
+            return
+        self._drafts_seen += 1
+        if self._drafts_seen > self.warmup_drafts:
             self._draft.add((float(num_requests), float(num_draft_tokens)), seconds)
 
     def cost(self) -> StepCost:
         forward = self._forward.solve(prior=self.prior_forward) or self.prior_forward
         one_token_step = sum(forward)  # the prior draft costs are shares of it
-        draft = self._draft.solve(prior=self.prior_draft) or tuple(p * one_token_step for p in self.prior_draft)
+        fitted = self._draft.solve(prior=self.prior_draft) if self._draft.weight >= self.min_weight else None
+        draft = fitted or tuple(p * one_token_step for p in self.prior_draft)
         return StepCost(*forward, *draft)
 
 
@@ -179,6 +206,11 @@ def expected_tokens(rate: float, depth: int) -> float:
 
 PROBE_RATE = 0.9  # the acceptance a probe hopes to find: a probe is drafted only where it would pay
 PROBE_LENGTH = 2  # draft tokens of a probe
+# Requests that probe in one step.  Requests fall due together (a batch that stopped drafting),
+# and a probe of a head that reads features first feeds the request's pending features (up to
+# its catch-up window): 22 of 32 requests probing at once took a 113 ms drafting phase beside a
+# 60 ms step.  Two at a time measure the same acceptance and drafting cost for a tenth of that.
+MAX_PROBES_PER_STEP = 2
 
 
 @dataclass

@@ -18,6 +18,7 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal
 from quickdraft.drafters.prediction import MAX_CHAIN, PredictionDrafter
 from quickdraft.engine.adaptive import (
+    MAX_PROBES_PER_STEP,
     PROBE_LENGTH,
     AcceptanceEstimate,
     ProbeSchedule,
@@ -249,11 +250,13 @@ class Speculator:
         chosen, path_probs = {}, {}
         # by cap: the same answer for every request of the step
         probe_pays = functools.cache(lambda cap: worth_probing(cost=cost, throughput=throughput, max_length=cap))
+        probes_left = MAX_PROBES_PER_STEP  # a due request past them stays due for a later step
         for request, estimate, cap, k in zip(requests, estimates, caps, lengths):
             rid = request.request_id
             probes = self._probes[rid]
-            if k == 0 and cap > 0 and probes.due and probe_pays(cap):
+            if k == 0 and cap > 0 and probes_left and probes.due and probe_pays(cap):
                 k = min(cap, PROBE_LENGTH)  # fresh evidence for an estimate that may have fallen too low
+                probes_left -= 1
                 chosen[rid] = (k, k)
             elif k > 0 and scores_paths:
                 chosen[rid], path_probs[rid] = (limits[rid][0], k), (limits[rid][1], break_even)

@@ -3,6 +3,8 @@ keeping greedy output exact while it drafts less for garbage and more for good d
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 
 from quickdraft import LLM, SamplingParams
@@ -112,6 +114,72 @@ def test_cost_fit_recovers_the_step_costs_and_falls_back_to_the_prior_split():
     )
     model.observe_forward(num_requests=2, num_tokens=2, seconds=0.5)
     assert model.cost().seconds([0, 0]) == pytest.approx(0.5)
+
+
+def test_the_drafting_fit_skips_the_drafters_first_call_and_forgets_data_that_aged_away():
+    """A drafter's first call costs what later ones do not (caches allocated, memory first
+    touched).  Fed to the fit, one such observation priced every drafted token at 20 ms, so no
+    draft or probe paid again and nothing could correct it; and a fit whose data has aged away
+    gives way to the prior, so that a probe can measure the drafter afresh."""
+    model = StepCostModel()
+    for requests in (1, 4, 8, 16):
+        model.observe_forward(num_requests=requests, num_tokens=requests, seconds=0.01 + 0.001 * requests)
+    prior = model.cost()
+    assert prior.draft_per_token == pytest.approx(0.01 * prior.seconds([0]))  # 1% of a one-token step
+    model.observe_drafting(num_requests=1, num_draft_tokens=1, seconds=0.020)  # the first call: not fed
+    assert model.cost() == prior
+    for requests, tokens in ((1, 2), (2, 6), (4, 8), (3, 12)) * 3:
+        model.observe_drafting(
+            num_requests=requests, num_draft_tokens=tokens, seconds=0.001 * requests + 0.0002 * tokens
+        )
+    fitted = model.cost()
+    assert (fitted.draft_per_request, fitted.draft_per_token) == pytest.approx((0.001, 0.0002), rel=0.05)
+    for _ in range(100):  # steps without drafts: the data ages, the fit stays while it is recent
+        model.observe_drafting(num_requests=0, num_draft_tokens=0, seconds=0.0)
+    assert astuple(model.cost()) == pytest.approx(astuple(fitted))
+    for _ in range(300):
+        model.observe_drafting(num_requests=0, num_draft_tokens=0, seconds=0.0)
+    assert model.cost() == prior
+    model.observe_drafting(num_requests=2, num_draft_tokens=4, seconds=0.004)  # fresh data counts at once
+    assert model.cost() != prior
+
+
+def test_at_most_two_requests_probe_in_a_step():
+    """Requests fall due for a probe together (a batch that stopped drafting); a probe of a head
+    first feeds each request's pending features, so 22 probing at once made a 113 ms drafting
+    phase beside a 60 ms step.  Two a step, the others kept due for the next."""
+    from types import SimpleNamespace
+
+    from quickdraft.engine.speculation import Speculator
+    from quickdraft.outputs import RequestMetrics
+
+    config = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 6, "adaptive": True, "adaptive_probe_every": 3}
+    )
+    speculator = Speculator(config=config, drafter=GarbageDrafter(vocab_size=320, tree=False), max_tree_nodes=64)
+    speculator._all_acceptance = AcceptanceEstimate(prior=0.05, prior_weight=1e6)  # drafts do not pay...
+    speculator.step_costs.cost = lambda: COSTS  # ...but probes, accepted at PROBE_RATE, would
+    requests = [
+        SimpleNamespace(
+            request_id=f"r{i}",
+            prompt_token_ids=[1, 2, 3],
+            output_token_ids=[4],
+            params=SamplingParams(),
+            slot=i,
+            seed=0,
+            grammar=None,
+            metrics=RequestMetrics(arrival_time=0.0),
+        )
+        for i in range(8)
+    ]
+    limits = {r.request_id: (63, 6) for r in requests}
+    probing = []
+    for _ in range(10):
+        chosen, _ = speculator._adaptive_limits(requests, limits)
+        probing.append(sorted(rid for rid, (k, _) in chosen.items() if k > 0))
+    assert probing[:3] == [[], [], []]
+    assert probing[3:7] == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"], ["r6", "r7"]]
+    assert probing[7] == ["r0", "r1"]  # their 3 plain steps since
 
 
 def test_adaptive_config_is_validated():
