@@ -544,21 +544,10 @@ def _clients(options: ServingBenchOptions) -> Iterator:
         yield lambda **level: pool.submit(run_clients, options=options, **level).result()
 
 
-def run_clients(
-    *,
-    options: ServingBenchOptions,
-    base_url: str,
-    prompts: list[BenchPrompt],
-    mode: str,
-    concurrency: tuple[int, ...],
-    round_index: int,
-) -> list[LevelResult]:
-    """A warm-up request, then the given concurrency levels of one mode on a running server."""
-    return asyncio.run(
-        _run_levels(
-            options, base_url=base_url, prompts=prompts, mode=mode, concurrency=concurrency, round_index=round_index
-        )
-    )
+def run_clients(**level) -> list[LevelResult]:
+    """_run_levels (its keyword arguments: one mode's levels on a running server) from a caller
+    without an event loop: this thread, or the clients' process."""
+    return asyncio.run(_run_levels(**level))
 
 
 def _schedule(
@@ -643,6 +632,7 @@ async def _run_levels(
     concurrency: tuple[int, ...],
     round_index: int,
 ) -> list[LevelResult]:
+    """A warm-up request, then the given concurrency levels of one mode on a running server."""
     import httpx
 
     async with httpx.AsyncClient(base_url=base_url, timeout=options.request_timeout_seconds) as client:

@@ -339,12 +339,7 @@ def test_clients_on_the_servers_thread_give_the_same_tokens(report, tiny_checkpo
             tiny_checkpoints["gemma3"],
             questions_file,
             tmp_path,
-            "--concurrency",
-            "2",
-            "--modes",
-            "off",
-            "--clients",
-            "thread",
+            *"--concurrency 2 --modes off --clients thread".split(),
         )
         == 0
     )
