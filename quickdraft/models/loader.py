@@ -493,6 +493,12 @@ def hf_tensors_from_state(
     return tensors
 
 
+def owning_module(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The module holding the tensor our state dict calls `name`, and its attribute name there."""
+    module_name, _, leaf = name.rpartition(".")
+    return (model.get_submodule(module_name) if module_name else model), leaf
+
+
 def build_decoder(
     config: ModelConfig,
     state: dict[str, torch.Tensor],
@@ -510,13 +516,11 @@ def build_decoder(
     with torch.device("meta"):
         decoder = decoder_class(config, dtype=dtype, max_len=max_len)
     for name in quantized or {}:
-        module_name, _, leaf = name.rpartition(".")
         # Removed before to_empty, which would otherwise allocate the float weight.
-        delattr(decoder.get_submodule(module_name), leaf)
+        delattr(*owning_module(decoder, name))
     decoder = decoder.to_empty(device=device)
     for name, weight in (quantized or {}).items():
-        module_name, _, leaf = name.rpartition(".")
-        setattr(decoder.get_submodule(module_name), leaf, weight)
+        setattr(*owning_module(decoder, name), weight)
     own = decoder.state_dict()
     for name, tensor in state.items():
         if name not in own:

@@ -27,6 +27,7 @@ from quickdraft.models.loader import (
     decoder_plan,
     fused_piece_rows,
     normalised_name,
+    owning_module,
     reordered,
     safetensors_files,
     unstacked_experts,
@@ -125,14 +126,8 @@ def _piece_table(config: ModelConfig, plan: dict[str, list[str]], model: torch.n
     return table
 
 
-def _owner(model: torch.nn.Module, ours: str) -> tuple[torch.nn.Module, str]:
-    """The module holding our tensor `ours`, and its attribute name there."""
-    module_name, _, leaf = ours.rpartition(".")
-    return (model.get_submodule(module_name) if module_name else model), leaf
-
-
 def _target(model: torch.nn.Module, ours: str) -> torch.Tensor | QuantizedWeight:
-    return getattr(*_owner(model, ours))
+    return getattr(*owning_module(model, ours))
 
 
 def _prepared_rows(
@@ -176,7 +171,7 @@ def _write(model: torch.nn.Module, ours: str, rows: list[tuple[int, int, torch.T
         return
     parts = [_rebuilt_part(part, rows, cols=target.shape[1]) for part in target.parts]
     # a new object: the one-call layers gather their arguments again when a weight is replaced
-    setattr(*_owner(model, ours), QuantizedWeight(parts, shape=target.shape))
+    setattr(*owning_module(model, ours), QuantizedWeight(parts, shape=target.shape))
 
 
 def _rebuilt_part(part: PackedPart, rows: list[tuple[int, int, torch.Tensor]], *, cols: int) -> PackedPart:
