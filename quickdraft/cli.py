@@ -9,6 +9,7 @@ import shlex
 import sys
 import time
 
+from quickdraft.bench.serving import CLIENT_PLACES
 from quickdraft.config import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES
 from quickdraft.pooling import POOLING_TYPES
 from quickdraft.sampling_params import DEFAULT_MAX_LOGPROBS
@@ -812,7 +813,7 @@ def _add_bench_serve_parser(suites) -> None:
     serve.add_argument(
         "--clients",
         default="process",
-        choices=["process", "thread"],
+        choices=CLIENT_PLACES,
         help="where the clients run: a process of their own, as a real server's clients are, or this process's "
         "main thread, where their HTTP and JSON work competes with the server for Python's interpreter lock "
         "(default: process)",

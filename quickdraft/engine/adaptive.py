@@ -69,14 +69,16 @@ class _DecayedFit:
         self.sxy = [0.0] * self.num_features
 
     def add(self, x: tuple[float, ...], y: float) -> None:
+        self.age()
         for i in range(self.num_features):
-            self.sxy[i] = self.decay * self.sxy[i] + x[i] * y
+            self.sxy[i] += x[i] * y
             for j in range(self.num_features):
-                self.sxx[i][j] = self.decay * self.sxx[i][j] + x[i] * x[j]
-        self.weight = self.decay * self.weight + 1.0
+                self.sxx[i][j] += x[i] * x[j]
+        self.weight += 1.0
 
     def age(self) -> None:
-        """A step without an observation: the data grows older (the fit itself is unchanged)."""
+        """A step's decay of the data so far (alone: a step without an observation, which leaves
+        the fit itself unchanged)."""
         for i in range(self.num_features):
             self.sxy[i] *= self.decay
             for j in range(self.num_features):
