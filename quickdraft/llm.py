@@ -20,7 +20,9 @@ from quickdraft.pooling import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
     PoolingParams,
+    PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
     cosine_similarity,
@@ -361,6 +363,36 @@ class LLM:
             token_ids, self._embed_one(params), keep=params.truncate_prompt_tokens, use_tqdm=use_tqdm
         )
         return [EmbeddingRequestOutput(rid, EmbeddingOutput(vector.tolist()), kept) for rid, vector, kept in runs]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's result of a pooling task (vLLM's `LLM.encode`), as a float32 tensor in
+        `.outputs.data`: "embed" [D] (what `embed` gives), "classify" [num_labels] (what
+        `classify` gives), "token_embed" [T, D] (every prompt token's final state through the
+        model's modules after pooling, cut and normalized as an embedding is), "token_classify"
+        [T, num_labels] (the classifier's probabilities at every token).  No task named: the
+        model's own ("classify" for a classifier, else "embed").  Outputs in the order of the
+        prompts; every prompt and the task are checked before any runs."""
+        pooler = self.engine.pooler
+        task = pooler.default_task if pooling_task is None else pooling_task
+        pooler.check_task(task)
+        params = _pooling_params(pooling_params, truncate_prompt_tokens)
+        pooler.check(params)
+        token_ids = [self._prompt_token_ids(prompt) for prompt in _as_prompt_list(prompts)]
+        runs = self._pool_each(
+            token_ids,
+            lambda ids: self.engine.pool([ids], params, task=task)[0],
+            keep=params.truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+        )
+        return [PoolingRequestOutput(rid, PoolingOutput(data), kept) for rid, data, kept in runs]
 
     def _pool_each(
         self,

@@ -21,6 +21,9 @@ from quickdraft.models.sentence_transformers import EmbeddingHead, read_embeddin
 # LAST: the last token's state (vLLM's default for decoder-only models: the only one that saw the
 # whole prompt); MEAN: the average over the prompt's tokens; CLS: the first token's.
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# vLLM's pooling tasks (LLM.encode, /pooling): one vector per prompt (embed), its class
+# probabilities (classify), or one of either per prompt token (token_embed, token_classify).
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 
 @dataclass
@@ -113,9 +116,47 @@ class Pooler:
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, D] final states -> [num_labels] float32
         """The classifier's probabilities from the last token's state (as transformers' decoder
         classifiers read it): a sigmoid for one label, a softmax over several."""
-        assert self.classifier is not None  # Engine.classify refuses a model without one, by name
-        logits = self.classifier.logits(hidden[-1].float())
-        return torch.sigmoid(logits) if self.classifier.num_labels == 1 else torch.softmax(logits, dim=0)
+        return self._probabilities(hidden[-1:])[0]
+
+    def _probabilities(self, states: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, num_labels] float32
+        assert self.classifier is not None  # check_task refuses a model without one, by name
+        logits = self.classifier.logits(states.float())
+        return torch.sigmoid(logits) if self.classifier.num_labels == 1 else torch.softmax(logits, dim=-1)
+
+    @property
+    def default_task(self) -> str:
+        """What LLM.encode and /pooling compute when no task is named: a classifier's
+        probabilities, else an embedding."""
+        return "classify" if self.classifier is not None else "embed"
+
+    def check_task(self, task: str) -> None:
+        """ValueError naming `task` when it is unknown or this model cannot run it."""
+        if task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task must be one of {list(POOLING_TASKS)}, got {task!r}")
+        if task.endswith("classify") and self.classifier is None:
+            raise ValueError(
+                f"pooling_task {task!r} needs a classification head (a *ForSequenceClassification checkpoint); "
+                "this model has none: use 'embed' or 'token_embed'"
+            )
+
+    def pool(self, hidden: torch.Tensor, params: PoolingParams, *, task: str) -> torch.Tensor:
+        """[T, D] final states -> `task`'s result, float32: embed [D'], classify [num_labels],
+        token_embed [T, D'] (each token's state through the modules after pooling, cut to
+        `dimensions` and normalized as an embedding is), token_classify [T, num_labels]."""
+        if task == "embed":
+            return self(hidden, params)
+        if task == "classify":
+            return self.classify(hidden)
+        if task == "token_classify":
+            return self._probabilities(hidden)
+        vectors = hidden.float()
+        if self.head is not None:
+            vectors = self.head.project(vectors)
+        if params.dimensions is not None:
+            vectors = vectors[:, : params.dimensions]
+        if params.normalize:
+            vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
+        return vectors
 
     @classmethod
     def of_model(cls, model_dir: Path, *, config: ModelConfig, hf_config: dict) -> Pooler:
@@ -176,6 +217,24 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    """What a pooling task gives one prompt (vLLM's): embed [D], classify [num_labels],
+    token_embed [T, D], token_classify [T, num_labels] (T: the prompt tokens run)."""
+
+    data: torch.Tensor  # float32
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's result of LLM.encode (vLLM's PoolingRequestOutput)."""
+
+    request_id: str
+    outputs: PoolingOutput
     prompt_token_ids: list[int]
     finished: bool = True
 

@@ -40,6 +40,28 @@ def test_embeddings_are_transformers_final_states_pooled(llms, tiny_checkpoints,
     )
 
 
+def test_encode_runs_vllm_s_pooling_tasks(llms, tiny_checkpoints):
+    """LLM.encode: "token_embed" is every prompt token's final state (normalized per token by
+    default), "embed" what LLM.embed gives; the task and the model are checked by name."""
+    llm = llms["gemma3"]
+    states = transformers_final_states(tiny_checkpoints["gemma3"], PROMPT)
+    [raw] = llm.encode([PROMPT], PoolingParams(normalize=False), pooling_task="token_embed")
+    assert raw.prompt_token_ids == PROMPT and raw.finished and raw.outputs.data.shape == states.shape
+    torch.testing.assert_close(raw.outputs.data, states, rtol=1e-4, atol=1e-4)
+    [unit] = llm.encode(PROMPT, pooling_task="token_embed", truncate_prompt_tokens=8)
+    assert unit.prompt_token_ids == PROMPT[-8:] and unit.outputs.data.shape == (8, states.shape[1])
+    last = llm.encode([PROMPT[-8:]], pooling_task="token_embed")[0].outputs.data
+    assert torch.equal(unit.outputs.data, last)  # what the kept tokens alone give
+    torch.testing.assert_close(unit.outputs.data.norm(dim=-1), torch.ones(8))
+    embedded = llm.embed([PROMPT])[0].outputs.embedding
+    assert llm.encode([PROMPT])[0].outputs.data.tolist() == embedded  # the default task: embed
+    assert llm.encode([PROMPT], pooling_task="embed")[0].outputs.data.tolist() == embedded
+    with pytest.raises(ValueError, match="pooling_task must be one of"):
+        llm.encode([PROMPT], pooling_task="reward")
+    with pytest.raises(ValueError, match="'token_classify' needs a classification head"):
+        llm.encode([PROMPT], pooling_task="token_classify")
+
+
 def test_chunks_and_neighbours_change_no_bit(tiny_checkpoints, llms):
     """A prompt prefilled in chunks of 7 gives the very bits of one forward; embedding between the
     steps of a generating request leaves its output and its vector unchanged."""

@@ -144,11 +144,25 @@ class Drafter(Protocol):
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         """One proposal per request (None: no draft, plain decoding for it this step)."""
 
+    def catch_up_rows(self, request: DraftRequest) -> int:
+        """Rows a propose for `request` would feed before its first draft depth (what it committed
+        since it last drafted), for a drafter keeping a context of its own: a head's features, a
+        draft model's KV.  Adaptive speculation fits their cost apart from the drafts' and charges
+        it to a probe after a long plain stretch."""
+        return 0
+
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         """The request committed tokens (request's token lists are already updated)."""
 
     def finish(self, request_id: str) -> None:
         """The request is done: drop its state."""
+
+
+def catch_up_rows_of(drafter: Drafter, request: DraftRequest) -> int:
+    """Drafter.catch_up_rows, 0 for a drafter written without it (the protocol's methods are
+    duck-typed: a registered drafter need not derive from Drafter)."""
+    method = getattr(drafter, "catch_up_rows", None)
+    return 0 if method is None else method(request)
 
 
 DrafterFactory = Callable[..., Drafter]

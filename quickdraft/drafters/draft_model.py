@@ -141,6 +141,10 @@ class DraftModelDrafter(Drafter):
         if state is not None:
             self.cache.free(state.slot)
 
+    def catch_up_rows(self, request: DraftRequest) -> int:
+        state = self._states.get(request.request_id)  # none yet: its first draft feeds the whole context
+        return len(request.token_ids) - (0 if state is None else self.cache.lengths[state.slot])
+
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         state = self._states.get(request.request_id)
         if state is None:

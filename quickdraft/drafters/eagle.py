@@ -269,6 +269,13 @@ class EagleDrafter(Drafter):
         while window is not None and state.num_pending - state.pending[0].shape[0] >= window:
             state.num_pending -= state.pending.pop(0).shape[0]  # older than any catch-up will feed
 
+    def catch_up_rows(self, request: DraftRequest) -> int:
+        state = self._states.get(request.request_id)
+        if state is None:
+            return 0
+        owed = state.num_features - state.num_true  # what _catch_up feeds
+        return owed if self.catch_up_window is None else min(owed, self.catch_up_window)
+
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         pass  # draft entries sit past num_true: they are overwritten next step
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo
+from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Proposal, TargetInfo, catch_up_rows_of
 from quickdraft.drafters.suffix import DEFAULT_DRAFT_LENGTH
 
 
@@ -295,6 +295,9 @@ class HybridDrafter(Drafter):
         asked = self.policy.choose(context)
         self.policy.started(request, now, context, asked)
         return asked
+
+    def catch_up_rows(self, request: DraftRequest) -> int:
+        return sum(catch_up_rows_of(child, request) for child in self.children)
 
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         merged = self._merged.pop(request.request_id, None)

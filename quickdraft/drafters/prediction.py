@@ -67,6 +67,9 @@ class PredictionDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         return [self._propose_one(request) for request in requests]
 
+    def catch_up_rows(self, request: DraftRequest) -> int:
+        return 0  # a prediction is read, not run
+
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         state = self._states.get(request.request_id)
         if state is None or state.proposed_from is None:
@@ -146,6 +149,9 @@ class NoDrafter:
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal | None]:
         return [None] * len(requests)
+
+    def catch_up_rows(self, request: DraftRequest) -> int:
+        return 0
 
     def accept(self, request: DraftRequest, accepted: AcceptedPath) -> None:
         return None

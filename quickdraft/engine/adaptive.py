@@ -7,7 +7,9 @@ The choice maximises the expected tokens the whole step commits per second:
     step seconds = fixed + per_request * #requests + per_token * sum_r (1 + k_r)
                  + draft_per_request * #{r: k_r > 0} + draft_per_token * sum_r k_r
 
-with the cost coefficients fitted online from the engine's own step timings, and a_r from the
+with the cost coefficients fitted online from the engine's own step timings (none below a
+tenth of its prior's share; the rows a drafter feeds to catch up on what a request committed
+since it last drafted are fitted apart and charged to probes alone), and a_r from the
 request's own drafts, starting from (and drifting back to, while it does not draft) the
 acceptance of all requests' drafts so far.  A request that has decoded plainly for
 `probe_every` steps drafts a short probe, so an estimate that fell too low can recover, but
@@ -22,6 +24,7 @@ throughput of those choices, until it stops improving.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -60,6 +63,7 @@ class _DecayedFit:
 
     decay: float
     num_features: int
+    floor: float = 0.1  # no coefficient below this share of the prior's at the data's level
     sxx: list[list[float]] = field(init=False)
     sxy: list[float] = field(init=False)
     weight: float = 0.0
@@ -99,10 +103,38 @@ class _DecayedFit:
         strength = [ridge * self.sxx[i][i] for i in range(n)]  # scaled per feature: unit-free
         matrix = [[self.sxx[i][j] + (strength[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
         rhs = [self.sxy[i] + strength[i] * anchor[i] for i in range(n)]
-        solution = _solve_linear(matrix, rhs)
-        if solution is None or min(solution) < 0.0:
-            return tuple(anchor)
-        return tuple(solution)
+        return tuple(_bounded_least_squares(matrix, rhs, floor=[self.floor * a for a in anchor]))
+
+
+def _bounded_least_squares(matrix: list[list[float]], rhs: list[float], *, floor: list[float]) -> list[float]:
+    """argmin over c >= floor of c.M.c - 2 rhs.c (M positive definite): the best of the
+    solutions with each subset of coefficients held at its floor and the rest solved freely,
+    among those that respect the floors (a handful of features: every face is tried)."""
+    n = len(rhs)
+    best, best_value = list(floor), _quadratic(matrix, rhs, floor)  # every coefficient at its floor
+    for held in itertools.product((False, True), repeat=n):
+        free = [i for i in range(n) if not held[i]]
+        if not free:
+            continue
+        sub = [[matrix[i][j] for j in free] for i in free]
+        sub_rhs = [rhs[i] - sum(matrix[i][j] * floor[j] for j in range(n) if held[j]) for i in free]
+        part = _solve_linear(sub, sub_rhs)
+        if part is None or any(value < floor[i] for value, i in zip(part, free)):
+            continue
+        candidate = list(floor)
+        for value, i in zip(part, free):
+            candidate[i] = value
+        value = _quadratic(matrix, rhs, candidate)
+        if value < best_value:
+            best, best_value = candidate, value
+    return best
+
+
+def _quadratic(matrix: list[list[float]], rhs: list[float], c: list[float]) -> float:
+    """c.M.c - 2 rhs.c: least squares' objective up to a constant."""
+    n = len(rhs)
+    quadratic = sum(c[i] * matrix[i][j] * c[j] for i in range(n) for j in range(n))
+    return quadratic - 2.0 * sum(rhs[i] * c[i] for i in range(n))
 
 
 def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
@@ -127,13 +159,16 @@ def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | 
 @dataclass
 class StepCost:
     """Seconds of a step: the target forward (fixed + per request + per verified token) and the
-    drafting phase (per drafting request + per drafted token)."""
+    drafting phase (per drafting request + per drafted token; and per row a drafting request's
+    drafter feeds to catch up on what it committed since it last drafted, which only a probe is
+    charged: see Speculator._adaptive_limits)."""
 
     fixed: float
     per_request: float
     per_token: float
     draft_per_request: float
     draft_per_token: float
+    draft_per_catch_up_row: float = 0.0
 
     def seconds(self, lengths: list[int]) -> float:
         drafting = [k for k in lengths if k]
@@ -144,6 +179,10 @@ class StepCost:
             + self.draft_per_request * len(drafting)
             + self.draft_per_token * sum(drafting)
         )
+
+    def draft_start(self, catch_up_rows: int) -> float:
+        """Seconds a request's drafting costs before its first draft token, owing `catch_up_rows`."""
+        return self.draft_per_request + self.draft_per_catch_up_row * catch_up_rows
 
 
 @dataclass
@@ -167,7 +206,8 @@ class StepCostModel:
 
     decay: float = 0.98
     prior_forward: tuple[float, float, float] = (1.0, 0.05, 0.05)  # fixed, per request, per verified token
-    prior_draft: tuple[float, float] = (0.0, 0.01)  # per drafting request, per drafted token
+    # per drafting request, per drafted token, per row a drafting request's drafter feeds to catch up
+    prior_draft: tuple[float, float, float] = (0.0, 0.01, 0.01)
     warmup_drafts: int = 1  # drafting steps not fed to the fit (the drafter's first calls)
     min_weight: float = 0.05  # the fit's decayed count of observations below which the prior is used
     _forward: _DecayedFit = field(init=False)
@@ -176,20 +216,26 @@ class StepCostModel:
 
     def __post_init__(self) -> None:
         self._forward = _DecayedFit(self.decay, num_features=3)
-        self._draft = _DecayedFit(self.decay, num_features=2)
+        self._draft = _DecayedFit(self.decay, num_features=3)
 
     def observe_forward(self, *, num_requests: int, num_tokens: int, seconds: float) -> None:
         """A forward over decode/verify rows only (steps with prompt chunks are not fed)."""
         self._forward.add((1.0, float(num_requests), float(num_tokens)), seconds)
 
-    def observe_drafting(self, *, num_requests: int, num_draft_tokens: int, seconds: float) -> None:
-        """A step's drafting phase (every step: one without drafts ages the fit's data)."""
+    def observe_drafting(
+        self, *, num_requests: int, num_draft_tokens: int, seconds: float, num_catch_up_rows: int = 0
+    ) -> None:
+        """A step's drafting phase (every step: one without drafts ages the fit's data).  Rows a
+        drafter fed to catch up on what its requests committed since they last drafted (a
+        head's features: a whole prompt at a request's first draft) are a regressor of their
+        own: fitted as a cost per drafting request, a request's first draft after its prompt
+        priced every request's draft at several ms."""
         if num_requests == 0:
             self._draft.age()
             return
         self._drafts_seen += 1
         if self._drafts_seen > self.warmup_drafts:
-            self._draft.add((float(num_requests), float(num_draft_tokens)), seconds)
+            self._draft.add((float(num_requests), float(num_draft_tokens), float(num_catch_up_rows)), seconds)
 
     def cost(self) -> StepCost:
         forward = self._forward.solve(prior=self.prior_forward) or self.prior_forward
@@ -235,12 +281,11 @@ class ProbeSchedule:
         self.misses = 0 if num_accepted else self.misses + 1
 
 
-def worth_probing(*, cost: StepCost, throughput: float, max_length: int) -> bool:
-    """Whether a request's drafts, if accepted at PROBE_RATE, would pay in a step of `throughput`."""
-    return (
-        _best_length(PROBE_RATE, max_length, throughput, cost.per_token + cost.draft_per_token, cost.draft_per_request)
-        > 0
-    )
+def worth_probing(*, cost: StepCost, throughput: float, max_length: int, catch_up_rows: int = 0) -> bool:
+    """Whether a request's drafts, if accepted at PROBE_RATE, would pay in a step of `throughput`
+    (its drafter's catch-up included: after a long plain stretch, most of what a probe costs)."""
+    per_token = cost.per_token + cost.draft_per_token
+    return _best_length(PROBE_RATE, max_length, throughput, per_token, cost.draft_start(catch_up_rows)) > 0
 
 
 def step_throughput(*, rates: list[float], lengths: list[int], cost: StepCost) -> float:

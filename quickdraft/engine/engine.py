@@ -503,11 +503,7 @@ class Engine:
         cache slot (chunks of max_num_batched_tokens; an encoder's prompt whole), between steps of
         the requests that are generating, whose state it leaves as it was.  CacheFullError when no
         slot or blocks are free for it (the server's loop runs it again once generation frees them)."""
-        self.pooler.check(params)
-        checked = [
-            self._prompt_tokens(None, ids, keep_last=params.truncate_prompt_tokens, generates=False) for ids in prompts
-        ]
-        return [self.pooler(self._final_hidden_states(ids), params) for ids in checked]
+        return self.pool(prompts, params, task="embed")
 
     @torch.inference_mode()
     def classify(self, prompts: list[list[int]], *, truncate_prompt_tokens: int | None = None) -> list[torch.Tensor]:
@@ -518,8 +514,18 @@ class Engine:
                 f"{self.model_dir.name} has no classification head: classify and cross-encoder scores need a "
                 "*ForSequenceClassification checkpoint"
             )
-        checked = [self._prompt_tokens(None, ids, keep_last=truncate_prompt_tokens, generates=False) for ids in prompts]
-        return [self.pooler.classify(self._final_hidden_states(ids)) for ids in checked]
+        return self.pool(prompts, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens), task="classify")
+
+    @torch.inference_mode()
+    def pool(self, prompts: list[list[int]], params: PoolingParams, *, task: str) -> list[torch.Tensor]:
+        """Each prompt's result of a pooling task (Pooler.pool: embed, classify, token_embed,
+        token_classify), float32; run as `embed` runs its prompts, every one checked first."""
+        self.pooler.check_task(task)
+        self.pooler.check(params)
+        checked = [
+            self._prompt_tokens(None, ids, keep_last=params.truncate_prompt_tokens, generates=False) for ids in prompts
+        ]
+        return [self.pooler.pool(self._final_hidden_states(ids), params, task=task) for ids in checked]
 
     def _final_hidden_states(self, token_ids: list[int]) -> torch.Tensor:  # -> [T, D]
         slot = self.cache.allocate()  # CacheFullError when every slot is taken

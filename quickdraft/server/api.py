@@ -57,6 +57,7 @@ from quickdraft.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    PoolingRequest,
     RerankRequest,
     SamplingFields,
     ScoreRequest,
@@ -513,24 +514,12 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         _check_base_model(server, body.model)
-        prompts = body.prompts()
-        params = _pooling_params(
-            server,
-            normalize=body.normalize,
-            dimensions=body.dimensions,
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
-        )
-        token_ids = await server.preprocessor.run(
-            _pooling_tokens, server, prompts, add_special_tokens=body.add_special_tokens, param="input"
-        )
-        vectors = await _embed_on_loop(server, token_ids, params)
+        vectors, used = await _pool_inputs(server, body, task="embed")
         data = [
             {"object": "embedding", "index": index, "embedding": _embedding_body(vector, body.encoding_format)}
             for index, vector in enumerate(vectors)
         ]
-        return _list_response(
-            server, body, prefix="embd", data=data, used=_tokens_used(token_ids, keep=params.truncate_prompt_tokens)
-        )
+        return _list_response(server, body, prefix="embd", data=data, used=used)
 
     @app.post("/score")
     @app.post("/v1/score")
@@ -617,6 +606,26 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         ]
         used = _tokens_used(token_ids, keep=keep)
         return _list_response(server, body, prefix="classify", data=data, used=used)
+
+    @app.post("/pooling")
+    @app.post("/v1/pooling")
+    async def pooling(request: Request):
+        body = await _read_request(server, request, model=PoolingRequest)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        _check_base_model(server, body.model)
+        pooler = server.engine.pooler
+        task = pooler.default_task if body.task is None else body.task
+        try:
+            pooler.check_task(task)
+        except ValueError as err:
+            raise bad_request(str(err).replace("pooling_task", "task"), param="task") from err
+        results, used = await _pool_inputs(server, body, task=task)
+        data = [
+            {"index": index, "object": "pooling", "data": _embedding_body(result, body.encoding_format)}
+            for index, result in enumerate(results)
+        ]
+        return _list_response(server, body, prefix="pool", data=data, used=used)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -997,6 +1006,24 @@ def _pooling_tokens(
     return token_ids
 
 
+async def _pool_inputs(
+    server: QuickdraftServer, body: EmbeddingRequest | PoolingRequest, *, task: str
+) -> tuple[list[torch.Tensor], int]:
+    """(each input's result of a pooling task, float32; the prompt tokens run) for a body with the
+    fields of /v1/embeddings, computed on the loop thread between steps (Engine.pool)."""
+    params = _pooling_params(
+        server,
+        normalize=body.normalize,
+        dimensions=body.dimensions,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+    )
+    token_ids = await server.preprocessor.run(
+        _pooling_tokens, server, body.prompts(), add_special_tokens=body.add_special_tokens, param="input"
+    )
+    results = await _pool_on_loop(server, lambda engine: engine.pool(token_ids, params, task=task))
+    return results, _tokens_used(token_ids, keep=params.truncate_prompt_tokens)
+
+
 async def _embed_on_loop(
     server: QuickdraftServer, token_ids: list[list[int]], params: PoolingParams
 ) -> list[torch.Tensor]:  # each [D] float32
@@ -1067,8 +1094,9 @@ async def _pair_scores(
     return scores, _tokens_used([list(ids) for ids in distinct], keep=params.truncate_prompt_tokens)
 
 
-def _embedding_body(vector: torch.Tensor, encoding_format: str) -> list[float] | str:  # vector [D] float32
-    """OpenAI's: a list of floats, or base64 of the little-endian float32 bytes (what its client asks for)."""
+def _embedding_body(vector: torch.Tensor, encoding_format: str) -> list | str:  # vector [D] or [T, D] float32
+    """OpenAI's: a (nested) list of floats, or base64 of the little-endian float32 bytes, row after
+    row (what its client asks for)."""
     if encoding_format == "float":
         return vector.tolist()
     return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")

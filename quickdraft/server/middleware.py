@@ -21,7 +21,7 @@ logger = logging.getLogger("quickdraft.server")
 
 # The routes an API key leaves open: probes, scrapers, the API's description and the tokenizer's
 # routes (open in vLLM). Every other one needs it: the unversioned routes that run the model
-# (/score, /rerank, /classify, /invocations) as much as /v1's (vLLM checks /v1 only).
+# (/score, /rerank, /classify, /pooling, /invocations) as much as /v1's (vLLM checks /v1 only).
 OPEN_PATHS = frozenset(
     {"/health", "/ping", "/metrics", "/version", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json"}
 )

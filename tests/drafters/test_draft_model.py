@@ -168,12 +168,16 @@ def test_draft_cache_rolls_back_to_the_accepted_prefix(tiny_checkpoints, other_g
         prompt_token_ids=repetitive_prompts()[0], params=SamplingParams(max_tokens=25, **GREEDY)
     )
     drafter = engine.speculator.drafter
+    view = engine.speculator.view(engine.get_request(request_id))
+    assert drafter.catch_up_rows(view) == len(repetitive_prompts()[0])  # its first draft feeds them all
     while engine.has_unfinished_requests():
         engine.step()
         state = drafter._states.get(request_id)
         if state is not None:
             request = engine.get_request(request_id)
             assert drafter.cache.lengths[state.slot] <= request.num_tokens - 1
+            if request.metrics.num_drafts:  # then it owes only what the last step committed
+                assert 1 <= drafter.catch_up_rows(view) <= 4 + 1
     assert torch.is_tensor(drafter.cache.keys[0])
 
 

@@ -222,12 +222,14 @@ def test_catch_up_window_feeds_only_the_last_tokens(tiny_checkpoints, head_dir):
     )
     assert max(pending) < window + 2
     state = drafter._states["r"]
+    assert drafter.catch_up_rows(request) == window  # what adaptive speculation prices apart
     with torch.inference_mode():
         root_hidden = drafter._catch_up([(state, request.token_ids)])[0]
         head = drafter.head
         expected = head.unrolled_logits(tokens[11 - window :], features[11 - window :], depths=1)[0][-1]
         torch.testing.assert_close(head.draft_logits(root_hidden), expected, rtol=1e-4, atol=1e-4)
     assert (state.first_true, state.num_true, state.num_pending) == (11 - window, 11, 0)
+    assert drafter.catch_up_rows(request) == 0
     drafter.finish("r")
 
 
@@ -340,6 +342,7 @@ def test_copy_sources_cover_the_whole_context_past_a_catch_up_window(tiny_checkp
         tiny_checkpoints["gemma3"], copy_head_dir, window=window, seed=3
     )
     assert pending[-1] == 11  # nothing dropped: the skipped entries need their copy keys
+    assert drafter.catch_up_rows(request) == window  # but only the window goes through the head
     state = drafter._states["r"]
     with torch.inference_mode():
         drafter._catch_up([(state, request.token_ids)])[0]

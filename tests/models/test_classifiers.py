@@ -66,6 +66,17 @@ def test_classify_is_transformers_softmax(classifier):
     torch.testing.assert_close(torch.tensor(cut.outputs.probs), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_encode_classifies_the_prompt_or_every_token(classifier):
+    """LLM.encode on a classifier: by default what classify gives; "token_classify" the score
+    head's softmax at every token, as transformers computes it before pooling the last one."""
+    model, llm = classifier
+    assert llm.encode([PROMPT])[0].outputs.data.tolist() == llm.classify([PROMPT])[0].outputs.probs
+    [out] = llm.encode([PROMPT], pooling_task="token_classify")
+    with torch.no_grad():
+        logits = model.score(model.model(torch.tensor([PROMPT])).last_hidden_state)[0]  # [T, labels]
+    torch.testing.assert_close(out.outputs.data, torch.softmax(logits, dim=-1), rtol=1e-4, atol=1e-5)
+
+
 def test_reranker_scores_pairs_as_one_prompt(reranker):
     model, llm = reranker
     query, documents = "a cat", ["the cat sat", "stock prices", "a kitten"]

@@ -237,6 +237,27 @@ def test_a_reranker_gguf_reads_pairs_through_its_template_over_http(tmp_path, mo
         running.stop()
 
 
+def test_pooling_returns_llm_encode_s_results(server, offline_llms):
+    """vLLM's /pooling: each input's result of the task asked for (the model's own when none),
+    as LLM.encode gives it, nested floats or base64 row after row; a task the model cannot run
+    is a 400 naming it."""
+    llm = offline_llms["gemma3"]
+    tokens = llm.encode(TEXTS, pooling_task="token_embed")
+    body = {"model": "embedder", "input": TEXTS, "task": "token_embed"}
+    reply = httpx.post(f"{server.base_url}/pooling", json=body, timeout=30).json()
+    assert [item["object"] for item in reply["data"]] == ["pooling", "pooling"]
+    assert [item["data"] for item in reply["data"]] == [out.outputs.data.tolist() for out in tokens]
+    assert reply["usage"]["prompt_tokens"] == sum(len(out.prompt_token_ids) for out in tokens)
+    packed = httpx.post(f"{server.base_url}/v1/pooling", json={**body, "encoding_format": "base64"}, timeout=30)
+    rows = np.frombuffer(base64.b64decode(packed.json()["data"][1]["data"]), dtype="<f4").reshape(-1, 64)
+    assert rows.tolist() == tokens[1].outputs.data.tolist()
+    default = httpx.post(f"{server.base_url}/pooling", json={"input": TEXTS[0]}, timeout=30).json()
+    assert default["data"][0]["data"] == llm.embed(TEXTS[:1])[0].outputs.embedding
+    refused = httpx.post(f"{server.base_url}/pooling", json={"input": "x", "task": "classify"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "task"
+    assert "task 'classify' needs a classification head" in refused.json()["error"]["message"]
+
+
 def test_classify_needs_a_classifier(server):
     response = httpx.post(f"{server.base_url}/classify", json={"input": "x"}, timeout=30)
     assert response.status_code == 400 and "no classification head" in response.json()["error"]["message"]

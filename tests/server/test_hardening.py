@@ -408,7 +408,12 @@ def test_api_key_is_required_on_v1_routes(guarded_server):
     assert tokens.status_code == 200  # open, as in vLLM
     # The routes outside /v1 that run the model need it as much as those under /v1.
     body = {"model": "team/guarded", "prompt": "hi", "max_tokens": 2}
-    for path, fields in (("/invocations", body), ("/score", {"text_1": "a", "text_2": "b"}), ("/classify", {})):
+    for path, fields in (
+        ("/invocations", body),
+        ("/score", {"text_1": "a", "text_2": "b"}),
+        ("/classify", {}),
+        ("/pooling", {"input": "a"}),
+    ):
         refused = httpx.post(f"{guarded_server.base_url}{path}", json=fields, timeout=10)
         assert_error(refused, status=401, code="invalid_api_key")
     invoked = httpx.post(f"{guarded_server.base_url}/invocations", json=body, headers=auth(), timeout=30)
