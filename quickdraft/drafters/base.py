@@ -40,6 +40,9 @@ class Proposal:
     token_ids: list[int]  # [num_nodes] node 0 = root (the last committed token)
     parents: list[int]  # [num_nodes] parent index, -1 for the root; parents precede children
     draft_probs: torch.Tensor | None = None  # [num_nodes, V]: row i = distribution node i was drawn from
+    # [num_nodes] the log-probability the drafter gives each node's path (drafters that score
+    # their paths); adaptive speculation learns how often a path of that probability is accepted
+    path_log_probs: list[float] | None = None
     # The tree's facts (depths, children, ancestor mask, paths), worked out once from `parents`.
     tree: Tree = field(init=False, repr=False, compare=False)
 
@@ -49,6 +52,8 @@ class Proposal:
         self.tree = Tree(self.parents)
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
             raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.token_ids)} nodes")
+        if self.path_log_probs is not None and len(self.path_log_probs) != len(self.token_ids):
+            raise ValueError(f"path_log_probs has {len(self.path_log_probs)} values for {len(self.token_ids)} nodes")
 
     @property
     def num_draft_tokens(self) -> int:

@@ -312,8 +312,7 @@ class EagleDrafter(Drafter):
             if grown is None or len(grown.tree.token_ids) == 1:
                 proposals.append(None)
                 continue
-            token_ids, parents = grown.tree.pruned(grown.budget)
-            proposals.append(Proposal(token_ids=token_ids, parents=parents))
+            proposals.append(grown.tree.proposal(grown.budget))
         return proposals
 
     def _grow_depth_by_depth(self, drafts: list[_Draft]) -> None:

@@ -182,8 +182,7 @@ class LayerSkipDrafter(Drafter):
             if len(tree.token_ids) == 1:
                 proposals.append(None)
                 continue
-            token_ids, parents = tree.pruned(budget)
-            proposals.append(Proposal(token_ids=token_ids, parents=parents))
+            proposals.append(tree.proposal(budget))
         return proposals
 
     def _early_layers(self, requests: list[DraftRequest], trees: list[DynamicTree]) -> list[torch.Tensor]:

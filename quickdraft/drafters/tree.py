@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from quickdraft.drafters.base import Proposal
 from quickdraft.verify.tree import Tree
 
 
@@ -136,8 +137,17 @@ class DynamicTree:
         chosen = sorted(nodes, key=lambda n: (-self.scores[n], n))[:k]
         return sorted(chosen)
 
+    def proposal(self, budget: int) -> Proposal:
+        """The root plus the `budget` best draft nodes (pruned), each with its path's score."""
+        order = self._kept(budget)
+        token_ids, parents = self._subtree(order)
+        return Proposal(token_ids=token_ids, parents=parents, path_log_probs=[self.scores[n] for n in order])
+
     def pruned(self, budget: int) -> tuple[list[int], list[int]]:
         """(token_ids, parents) of the root plus the `budget` best draft nodes, parents first."""
+        return self._subtree(self._kept(budget))
+
+    def _kept(self, budget: int) -> list[int]:  # the kept nodes, root first, parents before children
         drafts = sorted(range(1, len(self.token_ids)), key=lambda n: (-self.scores[n], self.depths[n], n))
         kept = set(drafts[:budget])
         for node in list(kept):  # equal scores can rank a child above its parent: keep ancestors
@@ -148,7 +158,9 @@ class DynamicTree:
         while len(kept) > budget:  # only possible after adding ancestors: drop the worst leaves
             leaves = [n for n in kept if not any(self.parents[c] == n for c in kept)]
             kept.discard(max(leaves, key=lambda n: (-self.scores[n], self.depths[n], n)))
-        order = [0] + sorted(kept, key=lambda n: (self.depths[n], n))
+        return [0] + sorted(kept, key=lambda n: (self.depths[n], n))
+
+    def _subtree(self, order: list[int]) -> tuple[list[int], list[int]]:  # (token_ids, parents) of those nodes
         new_index = {node: i for i, node in enumerate(order)}
         parents = [-1] + [new_index[self.parents[n]] for n in order[1:]]
         return [self.token_ids[n] for n in order], parents

@@ -20,6 +20,10 @@ request whose drafts are rarely accepted); an idle engine with a well-predicted 
 long.  The ratio is maximised with Dinkelbach iterations: for a throughput guess L each
 request's best k maximises tokens_r(k) - L * seconds_r(k) on its own, and L is then the
 throughput of those choices, until it stops improving.
+
+A drafter that scores its paths (eagle3, `[self]`) sizes its own drafts: there the choice is
+whether a request drafts at all, from what its drafts brought lately (DraftValue, choose_drafting),
+and its paths grow while their probability, calibrated online (PathCalibration), pays.
 """
 
 from __future__ import annotations
@@ -52,6 +56,122 @@ class AcceptanceEstimate:
     def idle(self) -> None:
         self.accepted *= self.idle_decay
         self.rejected *= self.idle_decay
+
+
+@dataclass
+class DraftValue:
+    """What a request's drafts brought lately, for a drafter that sizes its own drafts (one that
+    scores its paths: it stops where its path probability falls below a floor): accepted tokens
+    and verified draft nodes per draft, exponentially decayed means starting from (and drifting
+    back to, while it does not draft) `prior`, all requests' figures, worth `prior_weight` drafts."""
+
+    prior: tuple[float, float]  # (accepted tokens, verified nodes) per draft
+    prior_weight: float = 2.0
+    decay: float = 0.85  # per draft: about the last seven drafts count
+    idle_decay: float = 0.97  # per step without a draft
+    drafts: float = 0.0
+    accepted: float = 0.0
+    nodes: float = 0.0
+
+    @property
+    def per_draft(self) -> tuple[float, float]:
+        """(accepted tokens, verified draft nodes) a draft is expected to bring."""
+        weight = self.drafts + self.prior_weight
+        return (
+            (self.accepted + self.prior[0] * self.prior_weight) / weight,
+            (self.nodes + self.prior[1] * self.prior_weight) / weight,
+        )
+
+    def record(self, *, num_nodes: int, num_accepted: int) -> None:
+        self.drafts = self.decay * self.drafts + 1.0
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.nodes = self.decay * self.nodes + num_nodes
+
+    def idle(self) -> None:
+        self.drafts *= self.idle_decay
+        self.accepted *= self.idle_decay
+        self.nodes *= self.idle_decay
+
+
+def choose_drafting(
+    *, values: list[tuple[float, float]], allowed: list[bool], cost: StepCost, iterations: int = 8
+) -> tuple[list[bool], float]:
+    """Which requests draft this step, for a drafter that sizes its own drafts: request r's draft
+    brings values[r] = (accepted tokens, verified draft nodes); the set maximising expected
+    committed tokens per second (Dinkelbach iterations, as choose_draft_lengths), and that
+    throughput."""
+    drafting = [False] * len(values)
+
+    def throughput(chosen: list[bool]) -> float:
+        tokens = len(values) + sum(a for (a, _), d in zip(values, chosen) if d)
+        nodes = sum(n for (_, n), d in zip(values, chosen) if d)
+        seconds = (
+            cost.fixed
+            + (cost.per_request + cost.per_token) * len(values)
+            + (cost.per_token + cost.draft_per_token) * nodes
+            + cost.draft_per_request * sum(chosen)
+        )
+        return tokens / seconds if seconds > 0 else float("inf")
+
+    best = throughput(drafting)
+    for _ in range(iterations):
+        proposal = [
+            ok and a - best * ((cost.per_token + cost.draft_per_token) * n + cost.draft_per_request) > 0
+            for (a, n), ok in zip(values, allowed)
+        ]
+        value = throughput(proposal)
+        if value <= best * (1 + 1e-9):
+            break
+        drafting, best = proposal, value
+    return drafting, best
+
+
+@dataclass
+class PathCalibration:
+    """How often a drafted node is accepted, by the probability the drafter gave its path: decayed
+    counts in `num_bins` equal bins of that probability, each starting from the drafter's own
+    word (a path of probability p accepted p of the time) worth `prior_weight` nodes.
+
+    Measured on eagle3's shipped head (chains, greedy, 4 closed-loop clients): nodes it gave a
+    conditional probability of 0.2-0.3 were accepted 37% of the time, 0.3-0.4 48%, 0.6-0.7 76%,
+    0.7-0.8 87%: an underconfident head, whose paths adaptive speculation cut where they still
+    paid when it read their probability as their acceptance."""
+
+    num_bins: int = 10
+    prior_weight: float = 8.0
+    decay: float = 0.999  # per node recorded: about the last thousand count
+    nodes: list[float] = field(init=False)
+    accepted: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nodes = [0.0] * self.num_bins
+        self.accepted = [0.0] * self.num_bins
+
+    def record(self, *, path_prob: float, accepted: bool) -> None:
+        b = self._bin(path_prob)
+        self.nodes = [n * self.decay for n in self.nodes]
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.nodes[b] += 1.0
+        self.accepted[b] += 1.0 if accepted else 0.0
+
+    def acceptance(self, b: int) -> float:
+        """Bin b's acceptance rate."""
+        center = (b + 0.5) / self.num_bins
+        return (self.accepted[b] + self.prior_weight * center) / (self.nodes[b] + self.prior_weight)
+
+    def path_floor(self, break_even: float) -> float:
+        """The lowest path probability from which every bin up is accepted at least `break_even`
+        of the time: a node below it does not pay.  Where not even the top bin's average does,
+        the drafter's word within it (paths near 1 are accepted near always)."""
+        floor = max(break_even, (self.num_bins - 1) / self.num_bins)
+        for b in range(self.num_bins - 1, -1, -1):
+            if self.acceptance(b) < break_even:
+                break
+            floor = b / self.num_bins
+        return floor
+
+    def _bin(self, path_prob: float) -> int:
+        return min(self.num_bins - 1, max(0, int(path_prob * self.num_bins)))
 
 
 @dataclass
@@ -111,10 +231,13 @@ def _bounded_least_squares(matrix: list[list[float]], rhs: list[float], *, floor
     solutions with each subset of coefficients held at its floor and the rest solved freely,
     among those that respect the floors (a handful of features: every face is tried)."""
     n = len(rhs)
+    free_solution = _solve_linear(matrix, rhs)
+    if free_solution is not None and all(c >= f for c, f in zip(free_solution, floor)):
+        return free_solution  # the usual case, and then the bounded answer too (the problem is convex)
     best, best_value = list(floor), _quadratic(matrix, rhs, floor)  # every coefficient at its floor
     for held in itertools.product((False, True), repeat=n):
         free = [i for i in range(n) if not held[i]]
-        if not free:
+        if not free or len(free) == n:  # every coefficient held: the start; none: infeasible above
             continue
         sub = [[matrix[i][j] for j in free] for i in free]
         sub_rhs = [rhs[i] - sum(matrix[i][j] * floor[j] for j in range(n) if held[j]) for i in free]

@@ -20,9 +20,12 @@ from quickdraft.engine.adaptive import (
     MAX_PROBES_PER_STEP,
     PROBE_LENGTH,
     AcceptanceEstimate,
+    DraftValue,
+    PathCalibration,
     ProbeSchedule,
     StepCostModel,
     choose_draft_lengths,
+    choose_drafting,
     step_throughput,
     worth_probing,
 )
@@ -68,6 +71,9 @@ class Speculator:
         # adaptive: every request's drafts; new and idle requests start from / drift to its rate
         self._all_acceptance = AcceptanceEstimate(prior=config.adaptive_prior, decay=0.98)
         self._probes: dict[str, ProbeSchedule] = {}  # adaptive: per request
+        self._path_calibration = PathCalibration()  # adaptive: a path-scoring drafter's acceptance by path probability
+        self._values: dict[str, DraftValue] = {}  # adaptive, a path-scoring drafter: per request
+        self._all_values = DraftValue(prior=(1.0, 2.0), decay=0.98)  # every request's drafts
         # adaptive: draft tokens per decoding request, exponentially averaged over the steps that
         # had decodes (the scheduler's draft_reserve).  Starts at 0 and rises as decodes draft:
         # started at the bound, every fresh speculator (a new server, a switched config) held back
@@ -102,6 +108,7 @@ class Speculator:
             self._views[request.request_id] = view
             self._draft_length[request.request_id] = self.num_speculative_tokens
             self._acceptance[request.request_id] = AcceptanceEstimate(prior=self._all_acceptance.rate)
+            self._values[request.request_id] = DraftValue(prior=self._all_values.per_draft)
             self._probes[request.request_id] = ProbeSchedule(every=self.config.adaptive_probe_every)
             self.drafter.begin(view)
             self.predictions.begin(view)
@@ -150,6 +157,7 @@ class Speculator:
         if self._views.pop(request_id, None) is not None:
             self._draft_length.pop(request_id, None)
             self._acceptance.pop(request_id, None)
+            self._values.pop(request_id, None)
             self._probes.pop(request_id, None)
             self.drafter.finish(request_id)
             self.predictions.finish(request_id)
@@ -226,17 +234,23 @@ class Speculator:
     def _adaptive_limits(
         self, requests: list[Request], limits: dict[str, tuple[int, int]]
     ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, float]]]:
-        """(budget, max_depth) per request, with the draft length adaptive speculation chooses:
-        a chain's worth of nodes (k), 0 for requests that decode plainly this step; and, for a
-        drafter that scores its paths, an extension of each drafting request's paths past k (up
-        to its limits) where the probability the drafter gives a path is at least the break-even:
-        a node that costs c seconds pays when its expected tokens beat throughput * c, with the
-        drafting cost of a node priced as a whole draft depth (one head forward for every
-        drafting request: an extension of one request alone pays for all of them).  The chain
-        model's length alone (every token accepted at the request's average rate) cut a confident
-        head's chains where they were still worth verifying (adaptive eagle3 at batch 1: 1.32x
-        plain vs 1.37x always-on); the break-even alone, without the chain model's length and
-        with drafting priced per token, drafted too much at batch 4 (0.96x vs 1.00x)."""
+        """(budget, max_depth) per request, with the draft length adaptive speculation chooses
+        (0 for requests that decode plainly this step), and for a drafter that scores its paths
+        an extension of each drafting request's paths (up to its limits) where the path's
+        probability, calibrated (PathCalibration), pays: a node that costs c seconds pays when
+        its expected tokens beat throughput * c, the drafting cost of a node priced as a whole
+        draft depth (one head forward for every drafting request).
+
+        Other drafters get a chain's worth of nodes from the chain model (choose_draft_lengths).
+        A drafter that scores its paths sizes its own drafts, so whether a request drafts is
+        decided on what its drafts brought lately (DraftValue: accepted tokens and verified nodes
+        per draft; choose_drafting), and a drafting request is offered one node plus the
+        extension.  The chain model's per-token rate misread such drafts: cut where the head is
+        unsure, they end in a rejection more often than a fixed-length chain, and the rate it
+        fitted (0.5-0.7 for most requests) kept adaptive eagle3 at 4 closed-loop clients plain in
+        76% of its choices, 10-15% below always-on; with the drafts' own value, at parity.  The
+        head's raw probability as the break-even cut paths too early (nodes it gave 0.3-0.4 were
+        accepted 48% of the time)."""
         for request in requests:
             self.view(request)  # a new request gets its acceptance estimate
         estimates = [self._acceptance[r.request_id] for r in requests]
@@ -245,15 +259,23 @@ class Speculator:
         caps = [max(0, min(limits[r.request_id])) for r in requests]
         rates, cost = [e.rate for e in estimates], self.step_costs.cost()
         # A request's choice is made on a drafting request's steady costs: what its drafter owes
-        # from a plain stretch is paid once, by whichever step resumes drafting (charged to that
-        # step, it kept requests that had paused from ever resuming: adaptive eagle3 at 4 clients
-        # decoded plainly in 85% of its steps, 1.11x off where always-on was 1.29x).  A probe,
-        # which may be the only draft, must pay for it (worth_probing below).
-        lengths = choose_draft_lengths(rates=rates, max_lengths=caps, cost=cost)
-        throughput = step_throughput(rates=rates, lengths=lengths, cost=cost)
-        depth_seconds = cost.draft_per_token * sum(1 for k in lengths if k > 0)
-        break_even = min(0.99, throughput * (cost.per_token + depth_seconds))
+        # from a plain stretch is paid once, by whichever step resumes drafting.  A probe, which
+        # may be the only draft, must pay for it (worth_probing below).
         scores_paths = getattr(self.drafter, "scores_paths", False)
+        if scores_paths:
+            values = [self._values[r.request_id] for r in requests]
+            for value in values:
+                value.prior = self._all_values.per_draft
+            drafting, throughput = choose_drafting(
+                values=[v.per_draft for v in values], allowed=[cap > 0 for cap in caps], cost=cost
+            )
+            lengths = [1 if d else 0 for d in drafting]
+        else:
+            lengths = choose_draft_lengths(rates=rates, max_lengths=caps, cost=cost)
+            throughput = step_throughput(rates=rates, lengths=lengths, cost=cost)
+        depth_seconds = cost.draft_per_token * sum(1 for k in lengths if k > 0)
+        # a path's probability, as the drafter gives it, from which its node is accepted often enough to pay
+        path_floor = self._path_calibration.path_floor(min(0.99, throughput * (cost.per_token + depth_seconds)))
         chosen, path_probs = {}, {}
         probes_left = MAX_PROBES_PER_STEP  # a due request past them stays due for a later step
         for request, estimate, cap, k in zip(requests, estimates, caps, lengths):
@@ -273,15 +295,21 @@ class Speculator:
             ):
                 k = min(cap, PROBE_LENGTH)  # fresh evidence for an estimate that may have fallen too low
                 probes_left -= 1
-                chosen[rid] = (k, k)
+                if scores_paths:  # a draft as the drafter sizes it: what DraftValue must learn
+                    k = 1
+                    chosen[rid], path_probs[rid] = (limits[rid][0], k), (limits[rid][1], path_floor)
+                else:
+                    chosen[rid] = (k, k)
             elif k > 0 and scores_paths:
-                chosen[rid], path_probs[rid] = (limits[rid][0], k), (limits[rid][1], break_even)
+                chosen[rid], path_probs[rid] = (limits[rid][0], k), (limits[rid][1], path_floor)
             else:
                 chosen[rid] = (k, k)
             request.metrics.record_draft_length_choice(k)
             probes.step(drafted=k > 0)
             if k == 0:
                 estimate.idle()
+                if scores_paths:
+                    self._values[rid].idle()
         return chosen, path_probs
 
     def observe_step(
@@ -360,6 +388,13 @@ class Speculator:
             for estimate in (self._acceptance[request_id], self._all_acceptance):
                 estimate.record(drafted_depth=max(depths), num_accepted=accepted.num_accepted)
             self._probes[request_id].result(num_accepted=accepted.num_accepted)
+            if getattr(self.drafter, "scores_paths", False):
+                for value in (self._values[request_id], self._all_values):
+                    value.record(num_nodes=proposal.num_draft_tokens, num_accepted=accepted.num_accepted)
+            if proposal.path_log_probs is not None and not request.is_finished:  # a stop cuts paths short
+                on_path = set(accepted.nodes)
+                for node, log_prob in enumerate(proposal.path_log_probs[1:], start=1):
+                    self._path_calibration.record(path_prob=math.exp(log_prob), accepted=node in on_path)
         self._draft_length[request_id] = self.policy.next_length(
             self._draft_length[request_id], drafted=max(depths), accepted=accepted.num_accepted
         )

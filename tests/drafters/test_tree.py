@@ -61,6 +61,11 @@ def test_dynamic_tree_scores_expansion_and_pruning():
     tokens, parents = tree.pruned(10)
     assert tokens == [100, 1, 2, 3, 4, 5] and parents == [-1, 0, 0, 1, 1, 2]
     Proposal(token_ids=tokens, parents=parents)
+    proposal = tree.proposal(3)  # the same nodes, each with its path's log-probability
+    assert (proposal.token_ids, proposal.parents) == ([100, 1, 2, 3], [-1, 0, 0, 1])
+    assert [math.exp(lp) for lp in proposal.path_log_probs] == pytest.approx([1.0, 0.6, 0.3, 0.54])
+    with pytest.raises(ValueError, match="path_log_probs has 2 values for 4 nodes"):
+        Proposal(token_ids=tokens[:4], parents=parents[:4], path_log_probs=[0.0, -1.0])
 
 
 def test_dynamic_tree_pruning_keeps_ancestors_on_ties():

@@ -4,6 +4,7 @@ keeping greedy output exact while it drafts less for garbage and more for good d
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import astuple
 
 import pytest
@@ -13,12 +14,15 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.base import Proposal
 from quickdraft.engine.adaptive import (
     AcceptanceEstimate,
+    DraftValue,
+    PathCalibration,
     ProbeSchedule,
     StepCost,
     StepCostModel,
     _best_length,
     _DecayedFit,
     choose_draft_lengths,
+    choose_drafting,
     expected_tokens,
     worth_probing,
 )
@@ -80,6 +84,54 @@ def test_choice_beats_every_uniform_length():
     assert cost.seconds([0, 2, 5]) == pytest.approx(1.0 + 0.6 + 0.1 * 10 + 0.05 * 2 + 0.02 * 7)
     chosen = choose_draft_lengths(rates=rates, max_lengths=[8] * 3, cost=cost)
     assert all(throughput(chosen) >= throughput([k] * 3) for k in range(9))
+
+
+def test_path_calibration_learns_how_often_a_path_of_a_probability_is_accepted():
+    """Before any data a path of probability p is taken at its word; an underconfident drafter
+    (eagle3's shipped head: nodes it gave 0.3-0.4 were accepted 48% of the time) earns a lower
+    floor, an overconfident one a higher floor, and the floor never lets in a bin below one
+    that fails (bins are read from the top down)."""
+    calibration = PathCalibration()
+    assert calibration.path_floor(0.5) == pytest.approx(0.5)  # bins from 0.5 up: centers >= 0.55
+    assert calibration.path_floor(0.99) == pytest.approx(0.99)  # not even the top bin: the drafter's word
+    under = PathCalibration()
+    for b in range(2, 10):  # accepted 0.25 more often than the path's probability says
+        for i in range(40):
+            under.record(path_prob=(b + 0.5) / 10, accepted=i < 40 * min(1.0, (b + 0.5) / 10 + 0.25))
+    assert under.path_floor(0.5) == pytest.approx(0.3)
+    over = PathCalibration()
+    for b in range(10):
+        for i in range(40):
+            over.record(path_prob=(b + 0.5) / 10, accepted=i < 40 * (b + 0.5) / 10 / 2)
+    assert over.path_floor(0.4) == pytest.approx(0.7)
+    holed = PathCalibration(prior_weight=0.0)
+    for b, rate in enumerate([0.0, 0.0, 0.9, 0.1, 0.9, 0.9, 0.9, 0.9, 0.9, 1.0]):
+        for i in range(10):
+            holed.record(path_prob=(b + 0.5) / 10, accepted=i < 10 * rate)
+    assert holed.path_floor(0.5) == pytest.approx(0.4)  # 0.2-0.3 passes, but 0.3-0.4 below it fails
+
+
+def test_drafting_is_chosen_from_what_drafts_brought():
+    """A drafter that sizes its own drafts: a request drafts where its drafts' accepted tokens
+    pay for their verified nodes and drafting at the step's throughput; a busy step drafts only
+    the requests whose drafts bring most; a request not allowed to draft never does."""
+    cost = StepCost(fixed=0.008, per_request=0.0003, per_token=0.0008, draft_per_request=0.0018, draft_per_token=0.0002)
+    good, poor = (3.3, 4.5), (0.4, 2.0)
+    drafting, throughput = choose_drafting(values=[good, poor, good], allowed=[True, True, False], cost=cost)
+    assert drafting == [True, False, False]
+    plain = 3 / (0.008 + 3 * 0.0011)
+    assert throughput > plain
+    busy = StepCost(fixed=0.008, per_request=0.0003, per_token=0.0012, draft_per_request=0.0018, draft_per_token=0.0015)
+    assert choose_drafting(values=[good] * 32, allowed=[True] * 32, cost=busy)[0] == [False] * 32
+    value = DraftValue(prior=(1.0, 2.0))
+    assert value.per_draft == (1.0, 2.0)
+    for _ in range(20):
+        value.record(num_nodes=5, num_accepted=4)
+    weight = sum(0.85**i for i in range(20))  # the decayed drafts, beside the prior's 2
+    assert value.per_draft == pytest.approx(((4 * weight + 2) / (weight + 2), (5 * weight + 4) / (weight + 2)))
+    for _ in range(300):
+        value.idle()
+    assert value.per_draft == pytest.approx((1.0, 2.0), rel=0.01)  # drifts back to the prior: tried again
 
 
 def test_acceptance_estimate_follows_recent_drafts():
@@ -308,6 +360,8 @@ def test_garbage_drafts_fade_out_and_output_stays_exact(tiny_checkpoints, plain)
 def test_good_drafts_keep_long_chains_and_output_stays_exact(tiny_checkpoints, plain):
     continuations = {tuple(p): out for p, out in zip(repetitive_prompts(), plain)}
     llm = _adaptive_llm(tiny_checkpoints, OracleDrafter(continuations=continuations, corrupt=0.02))
+    # costs fixed: the choice is what is tested (timings measured beside a parallel test run drift)
+    llm.engine.speculator.step_costs.cost = lambda: COSTS
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=60, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == plain
     choices = llm.get_metrics().draft_length_choices
@@ -357,7 +411,13 @@ class PathScoringOracle(OracleDrafter):
         for req in requests:
             future = self.continuations[tuple(req.prompt_token_ids)][len(req.output_token_ids) :]
             draft = future[: min(req.budget, req.depth_limit)]
-            proposals.append(Proposal.chain(req.token_ids[-1], draft) if draft else None)
+            if not draft:
+                proposals.append(None)
+                continue
+            proposal = Proposal.chain(req.token_ids[-1], draft)
+            if self.scores_paths:  # it says 0.45 for every path, and is always right
+                proposal.path_log_probs = [0.0] + [math.log(0.45)] * len(draft)
+            proposals.append(proposal)
         return proposals
 
 
@@ -378,6 +438,8 @@ def test_drafters_that_score_paths_may_extend_them_past_the_chosen_length(tiny_c
     assert len(extended) > 0.5 * len(drafter.offers)
     for max_depth, extend_depth, min_path_prob in extended:
         assert 1 <= max_depth <= extend_depth <= 6 and 0.0 < min_path_prob < 1.0
+    calibration = llm.engine.speculator._path_calibration  # its paths' acceptance, learned
+    assert sum(calibration.nodes) > 20 and calibration.acceptance(4) > 0.9
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
