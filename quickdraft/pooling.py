@@ -105,13 +105,17 @@ class Pooler:
             vector = hidden[0].float()
         else:
             vector = hidden.float().mean(dim=0)
+        return self._project(vector, params)
+
+    def _project(self, vectors: torch.Tensor, params: PoolingParams) -> torch.Tensor:  # [..., D] -> [..., D']
+        """Pooled states through the modules after pooling, cut to `dimensions`, normalized."""
         if self.head is not None:
-            vector = self.head.project(vector)
+            vectors = self.head.project(vectors)
         if params.dimensions is not None:
-            vector = vector[: params.dimensions]
+            vectors = vectors[..., : params.dimensions]
         if params.normalize:
-            vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
-        return vector
+            vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
+        return vectors
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, D] final states -> [num_labels] float32
         """The classifier's probabilities from the last token's state (as transformers' decoder
@@ -129,13 +133,13 @@ class Pooler:
         probabilities, else an embedding."""
         return "classify" if self.classifier is not None else "embed"
 
-    def check_task(self, task: str) -> None:
-        """ValueError naming `task` when it is unknown or this model cannot run it."""
+    def check_task(self, task: str, *, field: str = "pooling_task") -> None:
+        """ValueError naming `task` (given as `field`) when it is unknown or this model cannot run it."""
         if task not in POOLING_TASKS:
-            raise ValueError(f"pooling_task must be one of {list(POOLING_TASKS)}, got {task!r}")
+            raise ValueError(f"{field} must be one of {list(POOLING_TASKS)}, got {task!r}")
         if task.endswith("classify") and self.classifier is None:
             raise ValueError(
-                f"pooling_task {task!r} needs a classification head (a *ForSequenceClassification checkpoint); "
+                f"{field} {task!r} needs a classification head (a *ForSequenceClassification checkpoint); "
                 "this model has none: use 'embed' or 'token_embed'"
             )
 
@@ -149,14 +153,7 @@ class Pooler:
             return self.classify(hidden)
         if task == "token_classify":
             return self._probabilities(hidden)
-        vectors = hidden.float()
-        if self.head is not None:
-            vectors = self.head.project(vectors)
-        if params.dimensions is not None:
-            vectors = vectors[:, : params.dimensions]
-        if params.normalize:
-            vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
-        return vectors
+        return self._project(hidden.float(), params)
 
     @classmethod
     def of_model(cls, model_dir: Path, *, config: ModelConfig, hf_config: dict) -> Pooler:

@@ -29,6 +29,7 @@ and its paths grow while their probability, calibrated online (PathCalibration),
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -104,13 +105,7 @@ def choose_drafting(
 
     def throughput(chosen: list[bool]) -> float:
         tokens = len(values) + sum(a for (a, _), d in zip(values, chosen) if d)
-        nodes = sum(n for (_, n), d in zip(values, chosen) if d)
-        seconds = (
-            cost.fixed
-            + (cost.per_request + cost.per_token) * len(values)
-            + (cost.per_token + cost.draft_per_token) * nodes
-            + cost.draft_per_request * sum(chosen)
-        )
+        seconds = cost.seconds([n if d else 0.0 for (_, n), d in zip(values, chosen)])  # a draft: n nodes
         return tokens / seconds if seconds > 0 else float("inf")
 
     best = throughput(drafting)
@@ -293,7 +288,8 @@ class StepCost:
     draft_per_token: float
     draft_per_catch_up_row: float = 0.0
 
-    def seconds(self, lengths: list[int]) -> float:
+    def seconds(self, lengths: Sequence[float]) -> float:
+        """lengths: per request the draft nodes it verifies (0: none; a mean where expected)."""
         drafting = [k for k in lengths if k]
         return (
             self.fixed

@@ -293,14 +293,11 @@ class Speculator:
                     catch_up_rows=catch_up_rows_of(self.drafter, self._views[rid]),
                 )
             ):
-                k = min(cap, PROBE_LENGTH)  # fresh evidence for an estimate that may have fallen too low
+                # fresh evidence for an estimate that may have fallen too low; from a drafter that
+                # sizes its drafts, a draft as it sizes it (what DraftValue must learn)
+                k = 1 if scores_paths else min(cap, PROBE_LENGTH)
                 probes_left -= 1
-                if scores_paths:  # a draft as the drafter sizes it: what DraftValue must learn
-                    k = 1
-                    chosen[rid], path_probs[rid] = (limits[rid][0], k), (limits[rid][1], path_floor)
-                else:
-                    chosen[rid] = (k, k)
-            elif k > 0 and scores_paths:
+            if k > 0 and scores_paths:
                 chosen[rid], path_probs[rid] = (limits[rid][0], k), (limits[rid][1], path_floor)
             else:
                 chosen[rid] = (k, k)

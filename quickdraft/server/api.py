@@ -617,9 +617,9 @@ def _add_generation_routes(app: FastAPI, server: QuickdraftServer) -> None:
         pooler = server.engine.pooler
         task = pooler.default_task if body.task is None else body.task
         try:
-            pooler.check_task(task)
+            pooler.check_task(task, field="task")
         except ValueError as err:
-            raise bad_request(str(err).replace("pooling_task", "task"), param="task") from err
+            raise bad_request(str(err), param="task") from err
         results, used = await _pool_inputs(server, body, task=task)
         data = [
             {"index": index, "object": "pooling", "data": _embedding_body(result, body.encoding_format)}
@@ -1007,7 +1007,7 @@ def _pooling_tokens(
 
 
 async def _pool_inputs(
-    server: QuickdraftServer, body: EmbeddingRequest | PoolingRequest, *, task: str
+    server: QuickdraftServer, body: EmbeddingRequest, *, task: str
 ) -> tuple[list[torch.Tensor], int]:
     """(each input's result of a pooling task, float32; the prompt tokens run) for a body with the
     fields of /v1/embeddings, computed on the loop thread between steps (Engine.pool)."""

@@ -575,15 +575,12 @@ class ClassificationRequest(PooledInputs):
     """vLLM's /classify: each input's class probabilities from a *ForSequenceClassification model."""
 
 
-class PoolingRequest(PooledInputs):
-    """vLLM's /pooling: each input's result of a pooling task (LLM.encode): "embed", "classify",
-    "token_embed" or "token_classify"; none named: the model's own (a classifier's probabilities,
-    else an embedding)."""
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: /v1/embeddings' fields and each input's result of a pooling task
+    (LLM.encode): "embed", "classify", "token_embed" or "token_classify"; none named: the model's
+    own (a classifier's probabilities, else an embedding)."""
 
     task: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    normalize: bool = True
 
 
 def _texts(value: str | list[str], *, param: str) -> list[str]:
