@@ -14,3 +14,8 @@ def save_results(out: Path | None, *, rows: Any, report: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     (out / "summary.md").write_text(report)
+
+
+def totals(rows: list[dict], *fields: str) -> list[float]:
+    """Each field summed over rows (a config's requests), in the order asked."""
+    return [sum(row[name] for row in rows) for name in fields]

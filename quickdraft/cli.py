@@ -766,8 +766,9 @@ def _add_bench_serve_parser(suites) -> None:
         nargs="+",
         default=["off", "always-on", "adaptive"],
         metavar="MODE",
-        help="which of off, always-on, adaptive to run; off always runs, every figure is a ratio "
-        "to it (default: all three)",
+        help="which of off, always-on, adaptive, ceiling to run; off always runs, every figure is a ratio "
+        "to it; ceiling: plain decoding whose requests bring off's answers as their predictions, what a "
+        "drafter that is always right would reach (default: off always-on adaptive)",
     )
     serve.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: 128)")
     serve.add_argument(

@@ -1,14 +1,20 @@
 """`quickdraft bench serve`: the real server under concurrent streaming clients, per speculative mode.
 
 The flow: load the engine once; for each mode (off = plain decoding, always-on = the given
-speculative config, adaptive = that config plus "adaptive": true) switch the engine's
-speculation, start the real server (uvicorn, in this process, on a free loopback port), send
+speculative config, adaptive = that config plus "adaptive": true; on request, ceiling = plain
+decoding whose every request brings off's answer to it as its OpenAI `prediction`) switch the
+engine's speculation, start the real server (uvicorn, in this process, on a free loopback port), send
 one uncounted warm-up request, then for each concurrency C run C clients that each stream
 `requests_per_client` greedy completions one after another.  The clients run in a process of
 their own (as a real server's do), or with `clients="thread"` in this one.  Prompts are the first turns of
 Spec-Bench questions, interleaved across tasks (so every level sees a mix, not only the file's
 first task) and cycled; request n of a level asks question n, so every mode answers the same
 prompts and its greedy tokens can be compared with plain decoding's, request by request.
+
+ceiling is what a drafter that is always right would reach on this machine: each request's
+chains of up to 16 tokens are off's own tokens (drafters/prediction.py), verified as any draft
+(its tokens still equal off's), so it bounds any drafter whose drafts are chains of that length
+at the engine's real step costs: where its ratio is low, no drafter can do much better.
 
 Measured from the client side: output tokens per second over the level's wall time, TTFT
 (request sent to first token) and TPOT (first to last token / tokens after the first), as
@@ -34,7 +40,10 @@ from pathlib import Path
 
 from quickdraft.bench.specbench import TASKS, Question, add_counts, conversation_prompt, load_questions, task_of
 
-MODES = ("off", "always-on", "adaptive")
+MODES = ("off", "always-on", "adaptive", "ceiling")
+DEFAULT_MODES = ("off", "always-on", "adaptive")
+# Needs off's answers of its level: runs right after off whatever the rotation (_mode_order).
+CEILING_MODE = "ceiling"
 CLIENT_PLACES = ("process", "thread")
 BASELINE_MODE = "off"
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
@@ -63,7 +72,7 @@ class ServingBenchOptions:
     time_limit_seconds: float = 300.0  # per level: no client starts another request after it
     max_num_seqs: int | None = None  # None: the largest concurrency, so no level queues for a slot
     request_timeout_seconds: float = 600.0
-    modes: tuple[str, ...] = MODES  # which to run; off (the baseline) always runs
+    modes: tuple[str, ...] = DEFAULT_MODES  # which to run; off (the baseline) always runs
     # None: the single server in this process; N: N replicas on Ray Serve (a local instance),
     # deployed afresh for each mode, each with cores / N CPUs (quickdraft/server/replicas.py).
     replicas: int | None = None
@@ -131,6 +140,7 @@ class ServingBenchOptions:
             "off": None,
             "always-on": dict(self.speculative_config),
             "adaptive": {**self.speculative_config, "adaptive": True},
+            CEILING_MODE: None,  # plain decoding; the requests bring their predictions
         }
         return {mode: config for mode, config in configs.items() if mode in self.modes}
 
@@ -211,6 +221,7 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     speculation: dict | None = None  # the server's figures for this request
+    text: str = ""  # the streamed text (off's is the ceiling mode's prediction)
     error: str | None = None
 
     @property
@@ -219,9 +230,16 @@ class RequestRecord:
 
 
 async def stream_completion(
-    client, *, prompt: BenchPrompt, index: int, max_tokens: int, model: str = SERVED_MODEL_NAME
+    client,
+    *,
+    prompt: BenchPrompt,
+    index: int,
+    max_tokens: int,
+    model: str = SERVED_MODEL_NAME,
+    prediction: str | None = None,
 ) -> RequestRecord:
-    """One greedy streamed completion; errors are recorded, not raised (the level goes on)."""
+    """One greedy streamed completion; errors are recorded, not raised (the level goes on).
+    prediction: the text sent as the request's OpenAI `prediction` (None: none)."""
     import httpx
 
     record = RequestRecord(index=index, question_id=prompt.question_id, task=prompt.task)
@@ -235,6 +253,8 @@ async def stream_completion(
         "return_token_ids": True,
         "metadata": {"scenario": prompt.task},
     }
+    if prediction:
+        body["prediction"] = {"type": "content", "content": prediction}
     started = time.perf_counter()
     first_token_at = last_token_at = None
     try:
@@ -252,6 +272,7 @@ async def stream_completion(
                         last_token_at = time.perf_counter()
                         first_token_at = first_token_at or last_token_at
                         record.token_ids += new_tokens
+                    record.text += choice.get("text") or ""
                     record.finish_reason = choice.get("finish_reason") or record.finish_reason
                 record.speculation = chunk.get("speculation") or record.speculation
     except httpx.HTTPError as err:
@@ -297,9 +318,11 @@ async def run_level(
     concurrency: int,
     options: ServingBenchOptions,
     round_index: int = 0,
+    predictions: dict[int, str] | None = None,
 ) -> LevelResult:
     """C clients, each sending requests_per_client requests back to back; request n = prompt n
-    (round r's requests are numbered after the earlier rounds' ones: new prompts)."""
+    (round r's requests are numbered after the earlier rounds' ones: new prompts).
+    predictions: request index -> the text request n sends as its `prediction` (ceiling)."""
     import httpx
 
     first_index = round_index * concurrency * options.requests_per_client
@@ -322,6 +345,7 @@ async def run_level(
                         index=index,
                         max_tokens=options.max_tokens,
                         model=options.request_model(index),
+                        prediction=(predictions or {}).get(index),
                     )
                 )
             return records
@@ -515,13 +539,24 @@ def run_serving_bench(options: ServingBenchOptions, *, command: str | None = Non
     else:
         serving, start = contextlib.nullcontext(), functools.partial(_running_mode, engine, options, compute=compute)
     # frozen as `quickdraft serve` does after loading; unfrozen after, for the caller
+    answers: dict[tuple[int, int], dict[int, str]] = {}  # (round, concurrency) -> off's texts by request
     with loaded_objects_frozen(), serving, contextlib.closing(compute), _clients(options) as run_clients:
         for round_index, mode, levels in _schedule(options, list(configs), per_level=options.replicas is None):
+            predictions = None
+            if mode == CEILING_MODE:
+                predictions = {clients: answers.get((round_index, clients), {}) for clients in levels}
             with start(speculative_config=configs[mode]) as base_url:
                 results = run_clients(
-                    base_url=base_url, prompts=prompts, mode=mode, concurrency=levels, round_index=round_index
+                    base_url=base_url,
+                    prompts=prompts,
+                    mode=mode,
+                    concurrency=levels,
+                    round_index=round_index,
+                    predictions=predictions,
                 )
             for level in results:
+                if level.mode == BASELINE_MODE:
+                    answers[(level.round, level.concurrency)] = {r.index: r.text for r in level.requests if r.ok}
                 level.summary = summarize_level(level, baseline=None)  # for the progress line; redone at the end
                 report.levels.append(level)
                 log(_progress_line(level))
@@ -584,9 +619,14 @@ def _running_mode(engine, options: ServingBenchOptions, *, compute, speculative_
 
 
 def _mode_order(modes: list[str], round_index: int) -> list[str]:
-    """The modes in the order round `round_index` runs them: rotated by one each round."""
-    shift = round_index % len(modes)
-    return modes[shift:] + modes[:shift]
+    """The modes in the order round `round_index` runs them: rotated by one each round, ceiling
+    (which sends off's answers) right after off."""
+    rotating = [mode for mode in modes if mode != CEILING_MODE]
+    shift = round_index % len(rotating)
+    order = rotating[shift:] + rotating[:shift]
+    if CEILING_MODE in modes:
+        order.insert(order.index(BASELINE_MODE) + 1, CEILING_MODE)
+    return order
 
 
 def _summarized(report: ServingBenchReport) -> ServingBenchReport:
@@ -631,8 +671,10 @@ async def _run_levels(
     mode: str,
     concurrency: tuple[int, ...],
     round_index: int,
+    predictions: dict[int, dict[int, str]] | None = None,
 ) -> list[LevelResult]:
-    """A warm-up request, then the given concurrency levels of one mode on a running server."""
+    """A warm-up request, then the given concurrency levels of one mode on a running server.
+    predictions: per concurrency, the `prediction` of each request (ceiling; see run_level)."""
     import httpx
 
     async with httpx.AsyncClient(base_url=base_url, timeout=options.request_timeout_seconds) as client:
@@ -647,7 +689,13 @@ async def _run_levels(
         raise RuntimeError(f"the {mode} server failed its warm-up request: {warmup.error}")
     return [
         await run_level(
-            base_url=base_url, prompts=prompts, mode=mode, concurrency=clients, options=options, round_index=round_index
+            base_url=base_url,
+            prompts=prompts,
+            mode=mode,
+            concurrency=clients,
+            options=options,
+            round_index=round_index,
+            predictions=(predictions or {}).get(clients),
         )
         for clients in concurrency
     ]
@@ -812,7 +860,15 @@ def summary_markdown(report: ServingBenchReport) -> str:
         "## Speculation (the server's figures)",
         speculation_table(report),
         "plain-decoding steps and mean draft length: adaptive speculation's choices per decoding step "
-        "(zeros included in the mean); always-on drafts every step it can.",
+        "(zeros included in the mean); always-on drafts every step it can."
+        + (
+            " ceiling: every request brings off's answer to it as its `prediction` (chains of up to 16 of "
+            "off's own tokens): what a drafter that is always right reaches here, a bound on any drafter's "
+            "ratio at these step costs; its acceptance rate below 1 is where off's text re-encodes to "
+            "other tokens than off's."
+            if CEILING_MODE in report.options.modes
+            else ""
+        ),
         "## Exact vs off, per mode",
         "\n".join(
             f"- {mode}: {mode_exactness(report, mode)}" for mode in report.options.modes if mode != BASELINE_MODE

@@ -69,7 +69,8 @@ def run_bench(model, questions, out, *extra) -> int:
 def report(tiny_checkpoints, questions_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve-bench")
     threads_before = set(threading.enumerate())
-    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--concurrency", "1", "2") == 0
+    modes = ("--modes", *MODES)  # ceiling too (not run by default)
+    assert run_bench(tiny_checkpoints["gemma3"], questions_file, out, "--concurrency", "1", "2", *modes) == 0
     # Every mode's server (uvicorn thread, engine loop, preprocessing pool) is gone; the pool's
     # threads end on their own after shutdown(wait=False), so they get a moment on a busy machine.
     # A server's "kernel-builds" thread is the process's, not the server's: it builds the C++
@@ -119,7 +120,7 @@ def test_greedy_outputs_are_identical_in_every_mode(report, tiny_checkpoints):
 
     _, data, summary_md = report
     levels = levels_by_key(data)
-    for mode in ("always-on", "adaptive"):
+    for mode in ("always-on", "adaptive", "ceiling"):
         for concurrency in (1, 2):
             summary = levels[(mode, concurrency)]["summary"]
             assert summary["exact"] is True and summary["compared"] == concurrency * 2 and summary["differing"] == []
@@ -139,7 +140,7 @@ def test_speculation_figures_come_from_the_server(report):
     _, data, _ = report
     levels = levels_by_key(data)
     for concurrency in (1, 2):
-        off, always, adaptive = (levels[(mode, concurrency)] for mode in MODES)
+        off, always, adaptive, ceiling = (levels[(mode, concurrency)] for mode in MODES)
         assert off["summary"]["draft_tokens"] == 0 and off["summary"]["draft_length_choices"] == []
         assert always["summary"]["draft_tokens"] > 0 and always["summary"]["draft_length_choices"] == []
         assert all(
@@ -149,10 +150,23 @@ def test_speculation_figures_come_from_the_server(report):
         assert sum(choices) == sum(sum(r["speculation"]["draft_length_choices"]) for r in adaptive["requests"]) > 0
         assert len(choices) <= NGRAM["num_speculative_tokens"] + 1
         assert adaptive["summary"]["plain_step_share"] == pytest.approx(choices[0] / sum(choices))
+        # ceiling: an engine without a drafter (method "none") whose requests draft off's own
+        # answers, their predictions (the random model's text re-encodes to other tokens mostly)
+        assert all(r["speculation"]["method"] == "none" for r in ceiling["requests"])
+        assert ceiling["summary"]["accepted_tokens"] > 0
         assert off["summary"]["throughput_vs_off"] is None
         assert always["summary"]["throughput_vs_off"] == pytest.approx(
             always["summary"]["tokens_per_second"] / off["summary"]["tokens_per_second"]
         )
+
+
+def test_ceiling_runs_right_after_off_whatever_the_rotation():
+    from quickdraft.bench.serving import _mode_order
+
+    assert _mode_order(list(MODES), 0) == ["off", "ceiling", "always-on", "adaptive"]
+    assert _mode_order(list(MODES), 1) == ["always-on", "adaptive", "off", "ceiling"]
+    assert _mode_order(["off", "ceiling"], 1) == ["off", "ceiling"]
+    assert _mode_order(["off", "always-on"], 1) == ["always-on", "off"]
 
 
 def test_summary_has_command_machine_and_a_row_per_mode_and_level(report):
