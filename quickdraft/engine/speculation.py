@@ -281,6 +281,7 @@ class Speculator:
         for request, estimate, cap, k in zip(requests, estimates, caps, lengths):
             rid = request.request_id
             probes = self._probes[rid]
+            probe = False
             if (
                 k == 0
                 and cap > 0
@@ -297,12 +298,13 @@ class Speculator:
                 # sizes its drafts, a draft as it sizes it (what DraftValue must learn)
                 k = 1 if scores_paths else min(cap, PROBE_LENGTH)
                 probes_left -= 1
+                probe = True
             if k > 0 and scores_paths:
                 chosen[rid], path_probs[rid] = (limits[rid][0], k), (limits[rid][1], path_floor)
             else:
                 chosen[rid] = (k, k)
             request.metrics.record_draft_length_choice(k)
-            probes.step(drafted=k > 0)
+            probes.step(drafted=k > 0, probe=probe)
             if k == 0:
                 estimate.idle()
                 if scores_paths:
@@ -336,8 +338,6 @@ class Speculator:
         drafted = num_draft_tokens / max(1, num_decodes)
         if num_decodes and (decode_only or drafted < self._drafted_per_decode):
             self._drafted_per_decode += DRAFT_RESERVE_RATE * (drafted - self._drafted_per_decode)
-        if decode_only:
-            self.step_costs.observe_forward(num_requests=num_requests, num_tokens=num_tokens, seconds=forward_seconds)
         self.step_costs.observe_drafting(
             num_requests=num_drafted_requests,
             num_draft_tokens=num_draft_tokens,
@@ -345,6 +345,13 @@ class Speculator:
             seconds=draft_seconds,
         )
         self._step_catch_up_rows = 0
+        if decode_only:
+            self.step_costs.observe_forward(
+                num_requests=num_requests,
+                num_tokens=num_tokens,
+                seconds=forward_seconds,
+                drafted=num_drafted_requests > 0,
+            )
 
     def restore(self, request: Request, num_tokens: int, *, keys: list[bytes]) -> None:
         """The request's first `num_tokens` tokens (the blocks of `keys`) entered the target's

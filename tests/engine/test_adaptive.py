@@ -213,6 +213,31 @@ def test_the_drafting_fit_prices_catch_up_rows_apart_from_the_drafts():
     assert cost.draft_start(300) == pytest.approx(0.001 + 300 * 0.00005, rel=0.05)  # what a probe pays first
 
 
+def test_the_forward_of_the_drafters_first_call_is_not_fed_either():
+    """At one request every plain step is one row wide, so the first verification of drafts is
+    the only forward that prices a verified token.  A fresh eagle3 speculator's first one took
+    46-52 ms in the server (first-call costs) against ~11: fed to the fit, it priced a verified
+    token at 3.5 ms instead of ~0.6, no draft or probe paid, and a request decoded plainly to
+    its end (127 plain steps of 127)."""
+    model = StepCostModel()
+    for _ in range(20):  # batch 1, plain: one row a step
+        model.observe_drafting(num_requests=0, num_draft_tokens=0, seconds=0.0)
+        model.observe_forward(num_requests=1, num_tokens=1, seconds=0.010)
+    before = model.cost()
+    model.observe_drafting(num_requests=1, num_draft_tokens=4, seconds=0.003)  # the drafter's first call
+    model.observe_forward(num_requests=1, num_tokens=5, seconds=0.050, drafted=True)
+    assert model.cost() == before  # neither half of the warm-up step is fed
+    for _ in range(3):
+        model.observe_drafting(num_requests=1, num_draft_tokens=4, seconds=0.003)
+        model.observe_forward(num_requests=1, num_tokens=5, seconds=0.012, drafted=True)
+        model.observe_drafting(num_requests=0, num_draft_tokens=0, seconds=0.0)
+        model.observe_forward(num_requests=1, num_tokens=1, seconds=0.010)
+    cost = model.cost()
+    assert cost.seconds([4]) - cost.draft_per_request - 4 * cost.draft_per_token == pytest.approx(0.012, rel=0.05)
+    assert cost.seconds([0]) == pytest.approx(0.010, rel=0.05)
+    assert cost.per_token < 0.001  # with the warm-up forward fed: ~0.01
+
+
 def test_the_drafters_catch_up_rows_reach_the_drafting_fit(tiny_checkpoints, plain):
     """What Drafter.catch_up_rows says of this step's drafting requests is what the fit hears."""
 
@@ -377,15 +402,23 @@ def test_probes_back_off_after_misses_and_skip_drafters_that_cannot_pay():
     assert not schedule.due
     schedule.step(drafted=False)
     assert schedule.due
-    schedule.step(drafted=True)
+    schedule.step(drafted=True, probe=True)
     schedule.result(num_accepted=0)
     for _ in range(7):
         schedule.step(drafted=False)
-    assert not schedule.due  # one miss: twice as long
+    assert not schedule.due  # one missed probe: twice as long
     schedule.step(drafted=False)
     assert schedule.due
     schedule.result(num_accepted=2)
     assert schedule.due  # an accept resets the back-off
+    # A request's own drafts that miss (not probes) leave the schedule alone: its estimate
+    # weighs them, and a backed-off first probe came 64 plain steps after a few early misses.
+    for _ in range(3):
+        schedule.step(drafted=True)
+        schedule.result(num_accepted=0)
+    for _ in range(4):
+        schedule.step(drafted=False)
+    assert schedule.due and schedule.misses == 0
     cheap = StepCost(fixed=0.04, per_request=0.004, per_token=0.006, draft_per_request=0.0005, draft_per_token=0.0001)
     costly = StepCost(fixed=0.04, per_request=0.004, per_token=0.006, draft_per_request=0.02, draft_per_token=0.003)
     assert worth_probing(cost=cheap, throughput=90.0, max_length=5)
