@@ -72,7 +72,8 @@ def main() -> None:
         engine.set_speculative_config(config)
         speculators[name] = engine.speculator
     prompts = first_turns(args.per_task)
-    configs = ["plain", *(f"ceiling, chain of {n}" for n in CEILING_CHAINS), *DRAFTERS]
+    ceilings = {f"ceiling, chain of {n}": n for n in CEILING_CHAINS}
+    configs = ["plain", *ceilings, *DRAFTERS]
     rows = {mode: {name: [] for name in configs} for mode in args.modes}
     warm = SamplingParams(max_tokens=8, temperature=0.0)
     for name in DRAFTERS:
@@ -84,10 +85,9 @@ def main() -> None:
             for name in configs:
                 if name == "plain":
                     engine.set_speculator(None)
-                elif name.startswith("ceiling"):
+                elif name in ceilings:  # chains of up to ceilings[name] tokens (num_speculative_tokens)
                     answer = rows[mode]["plain"][-1]["token_ids"]
-                    chain = int(name.rsplit(" ", 1)[1])
-                    engine.set_drafter(AnswerDrafter(answer, chain=chain), num_speculative_tokens=chain)
+                    engine.set_drafter(AnswerDrafter(answer), num_speculative_tokens=ceilings[name])
                 else:
                     engine.set_speculator(speculators[name])
                 engine.reset_prefix_cache()

@@ -9,7 +9,7 @@ import shlex
 import sys
 import time
 
-from quickdraft.bench.serving import CLIENT_PLACES
+from quickdraft.bench.serving import CLIENT_PLACES, DEFAULT_MODES
 from quickdraft.config import KV_CACHE_DTYPES, LOGPROBS_MODES, SCHEDULING_POLICIES
 from quickdraft.pooling import POOLING_TYPES
 from quickdraft.sampling_params import DEFAULT_MAX_LOGPROBS
@@ -764,7 +764,7 @@ def _add_bench_serve_parser(suites) -> None:
     serve.add_argument(
         "--modes",
         nargs="+",
-        default=["off", "always-on", "adaptive"],
+        default=list(DEFAULT_MODES),
         metavar="MODE",
         help="which of off, always-on, adaptive, ceiling to run; off always runs, every figure is a ratio "
         "to it; ceiling: plain decoding whose requests bring off's answers as their predictions, what a "
