@@ -59,5 +59,5 @@ def test_shipped_heads_are_small_and_say_how_they_were_made():
         manifest = json.loads((folder / "manifest.json").read_text())
         assert manifest["method"] == entry.get("method", entry["name"])
         assert manifest["command"].startswith("quickdraft train-head") and manifest["reproduce"]
-        assert "Spec-Bench" in manifest["data"] and manifest["options"]["seed"] == 0
+        assert "Spec-Bench" in manifest["data"] and isinstance(manifest["options"]["seed"], int)
         assert manifest["report"]["val_chain_acceptance_length"] > 1.0

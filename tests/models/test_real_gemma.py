@@ -169,10 +169,12 @@ def test_shipped_eagle3_heads_load_by_name_and_draft_usefully(options):
     assert metrics.acceptance_length > 1.3  # an untrained head stays near 1.0
 
 
-def test_eagle3_with_no_options_drafts_as_its_heads_manifest_recommends():
-    """{"method": "eagle3"} alone: the shipped head's recommended chain of 8 cut below path
-    probability 0.2 (measured 1.89x here vs 1.33x for the drafter's own dynamic tree)."""
-    speculator = LLM(max_model_len=256, speculative_config={"method": "eagle3"}).engine.speculator
+@pytest.mark.parametrize("method", ["eagle3", "self"])
+def test_a_head_with_no_options_drafts_as_its_manifest_recommends(method):
+    """{"method": "eagle3"} or {"method": "self"} alone: the shipped head's recommended chain of 8
+    cut below path probability 0.2 (eagle3: 1.89x here vs 1.33x for the drafter's own dynamic
+    tree; [self]: see its manifest's "choices")."""
+    speculator = LLM(max_model_len=256, speculative_config={"method": method}).engine.speculator
     assert speculator.config.num_speculative_tokens == 8
     drafter = speculator.drafter
     assert (drafter.depth, drafter.top_k) == (8, 1) and drafter.min_log_prob == pytest.approx(math.log(0.2))
