@@ -578,7 +578,9 @@ def _add_train_head_parser(commands) -> None:
         "hold the features of layer EXIT_LAYER - 1)",
     )
     train.add_argument("--draft-layers", type=int, default=2, help="draft: layers of the draft model (default: 2)")
-    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument(
+        "--epochs", type=int, default=2, help="passes over the data (default: 2; 0: build OUT/data only, no head)"
+    )
     train.add_argument("--learning-rate", type=float, default=1e-3)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument(
@@ -1069,6 +1071,12 @@ def run_train_head(args) -> int:
         command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
     )
     report = train_head(config, progress=not args.no_progress)
+    if config.epochs == 0:
+        print(
+            f"[quickdraft] data written to {config.out / 'data'}: {report.train_answer_tokens} answer tokens of "
+            f"{report.train_sequences} sequences (no head trained: epochs 0); data {report.seconds['data']:.0f} s"
+        )
+        return 0
     accuracy = ", ".join(f"{a:.2f}" for a in report.val_accuracy_by_depth)
     print(
         f"[quickdraft] head written to {config.out / 'head'} ({report.head_bytes / 1e6:.1f} MB, "

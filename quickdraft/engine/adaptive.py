@@ -304,6 +304,15 @@ class StepCost:
         return self.draft_per_request + self.draft_per_catch_up_row * catch_up_rows
 
 
+@dataclass(frozen=True)
+class ForwardTiming:
+    """A forward over decode/verify rows only."""
+
+    num_requests: int
+    num_tokens: int  # rows: committed tokens' and drafted ones'
+    seconds: float
+
+
 @dataclass
 class StepCostModel:
     """The StepCost fitted online from the engine's step timings.
@@ -337,32 +346,39 @@ class StepCostModel:
         self._forward = _DecayedFit(self.decay, num_features=3)
         self._draft = _DecayedFit(self.decay, num_features=3)
 
-    def observe_forward(self, *, num_requests: int, num_tokens: int, seconds: float, drafted: bool = False) -> None:
-        """A forward over decode/verify rows only (steps with prompt chunks are not fed).
-        drafted: it verified drafts (observe_drafting of its step comes first).  The forward of a
-        warm-up drafting step is not fed either: it pays first-call costs too (46-52 ms for the
-        first 5-row verification of a fresh eagle3 speculator in the server, ~11 after), and at
-        one request, where every plain step is one row wide, the only wide forward sets the
-        cost of a verified token alone: 3.5 ms instead of ~0.6, so neither a draft nor a probe
-        paid again and the request decoded plainly to its end."""
-        if drafted and self._drafts_seen <= self.warmup_drafts:
-            return
-        self._forward.add((1.0, float(num_requests), float(num_tokens)), seconds)
-
-    def observe_drafting(
-        self, *, num_requests: int, num_draft_tokens: int, seconds: float, num_catch_up_rows: int = 0
+    def observe_step(
+        self,
+        *,
+        num_drafted_requests: int = 0,
+        num_draft_tokens: int = 0,
+        draft_seconds: float = 0.0,
+        num_catch_up_rows: int = 0,
+        forward: ForwardTiming | None = None,
     ) -> None:
-        """A step's drafting phase (every step: one without drafts ages the fit's data).  Rows a
-        drafter fed to catch up on what its requests committed since they last drafted (a
+        """One step: its drafting phase (every step: one without drafts ages the drafting fit's
+        data) and its forward (None where the step carried prompt chunks: not fed).
+
+        Rows a drafter fed to catch up on what its requests committed since they last drafted (a
         head's features: a whole prompt at a request's first draft) are a regressor of their
         own: fitted as a cost per drafting request, a request's first draft after its prompt
-        priced every request's draft at several ms."""
-        if num_requests == 0:
+        priced every request's draft at several ms.
+
+        Neither half of a warm-up drafting step is fed: its forward pays first-call costs too
+        (46-52 ms for the first 5-row verification of a fresh eagle3 speculator in the server,
+        ~11 after), and at one request, where every plain step is one row wide, the only wide
+        forward sets the cost of a verified token alone: 3.5 ms instead of ~0.6, so neither a
+        draft nor a probe paid again and the request decoded plainly to its end."""
+        warm_up = False
+        if num_drafted_requests == 0:
             self._draft.age()
-            return
-        self._drafts_seen += 1
-        if self._drafts_seen > self.warmup_drafts:
-            self._draft.add((float(num_requests), float(num_draft_tokens), float(num_catch_up_rows)), seconds)
+        else:
+            self._drafts_seen += 1
+            warm_up = self._drafts_seen <= self.warmup_drafts
+            if not warm_up:
+                features = (float(num_drafted_requests), float(num_draft_tokens), float(num_catch_up_rows))
+                self._draft.add(features, draft_seconds)
+        if forward is not None and not warm_up:
+            self._forward.add((1.0, float(forward.num_requests), float(forward.num_tokens)), forward.seconds)
 
     def cost(self) -> StepCost:
         forward = self._forward.solve(prior=self.prior_forward) or self.prior_forward

@@ -21,6 +21,7 @@ from quickdraft.engine.adaptive import (
     PROBE_LENGTH,
     AcceptanceEstimate,
     DraftValue,
+    ForwardTiming,
     PathCalibration,
     ProbeSchedule,
     StepCostModel,
@@ -338,20 +339,14 @@ class Speculator:
         drafted = num_draft_tokens / max(1, num_decodes)
         if num_decodes and (decode_only or drafted < self._drafted_per_decode):
             self._drafted_per_decode += DRAFT_RESERVE_RATE * (drafted - self._drafted_per_decode)
-        self.step_costs.observe_drafting(
-            num_requests=num_drafted_requests,
+        self.step_costs.observe_step(
+            num_drafted_requests=num_drafted_requests,
             num_draft_tokens=num_draft_tokens,
+            draft_seconds=draft_seconds,
             num_catch_up_rows=self._step_catch_up_rows,
-            seconds=draft_seconds,
+            forward=ForwardTiming(num_requests, num_tokens, forward_seconds) if decode_only else None,
         )
         self._step_catch_up_rows = 0
-        if decode_only:
-            self.step_costs.observe_forward(
-                num_requests=num_requests,
-                num_tokens=num_tokens,
-                seconds=forward_seconds,
-                drafted=num_drafted_requests > 0,
-            )
 
     def restore(self, request: Request, num_tokens: int, *, keys: list[bytes]) -> None:
         """The request's first `num_tokens` tokens (the blocks of `keys`) entered the target's

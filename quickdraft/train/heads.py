@@ -63,7 +63,7 @@ class TrainHeadConfig:
     exit_layer: int | None = None  # self: target layers the drafter runs (default: half of them, plus one)
     draft_layers: int = 2  # draft: decoder layers of the distilled draft model
     val_depths: int = 5
-    epochs: int = 2
+    epochs: int = 2  # 0: build OUT/data only (to train on later with extra_data), no head
     learning_rate: float = 1e-3
     warmup_steps: int = 20
     sequences_per_step: int = 4
@@ -106,7 +106,6 @@ class TrainHeadConfig:
             "draft_vocab_size",
             "train_depths",
             "val_depths",
-            "epochs",
             "sequences_per_step",
             "max_seq_len",
             "checkpoint_every",
@@ -114,6 +113,10 @@ class TrainHeadConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 0:
+            raise ValueError(f"epochs must be a non-negative integer (0: build the data only), got {self.epochs!r}")
+        if self.epochs == 0 and self.num_prompts == 0:
+            raise ValueError("epochs 0 builds data only, and num_prompts 0 asks for none: nothing to do")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
         if self.exit_layer is not None and (not isinstance(self.exit_layer, int) or self.exit_layer < 1):
@@ -169,9 +172,14 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
         if config.prompt_mix in MIXES_ON_TRANSCRIPTS
         else []
     )
-    shards = _build_data(config, llm, layers, transcripts=transcripts, progress=progress) + extra
+    built = _build_data(config, llm, layers, transcripts=transcripts, progress=progress)
     report.seconds["data"] = time.perf_counter() - start
-    sequences = [s for shard in shards for s in shard.sequences]
+    if config.epochs == 0:  # data only: report what this run built, not the extra data it built on
+        new = [s for shard in built for s in shard.sequences]
+        report.train_sequences = len(new)
+        report.train_answer_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in new)
+        return report
+    sequences = [s for shard in built + extra for s in shard.sequences]
     random.Random(config.seed).shuffle(sequences)
     if len(sequences) <= config.val_sequences:
         raise ValueError(

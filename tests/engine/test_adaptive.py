@@ -15,6 +15,7 @@ from quickdraft.drafters.base import Proposal
 from quickdraft.engine.adaptive import (
     AcceptanceEstimate,
     DraftValue,
+    ForwardTiming,
     PathCalibration,
     ProbeSchedule,
     StepCost,
@@ -170,7 +171,7 @@ def test_cost_fit_recovers_the_step_costs_and_falls_back_to_the_prior_split():
         draft_per_token=pytest.approx(0.011),
         draft_per_catch_up_row=pytest.approx(0.011),
     )
-    model.observe_forward(num_requests=2, num_tokens=2, seconds=0.5)
+    model.observe_step(forward=ForwardTiming(2, 2, 0.5))
     assert model.cost().seconds([0, 0]) == pytest.approx(0.5)
 
 
@@ -199,13 +200,15 @@ def test_the_drafting_fit_prices_catch_up_rows_apart_from_the_drafts():
     always-on was 2.45x.  The rows are a regressor of their own."""
     model = StepCostModel()
     for requests in (1, 4, 8, 16):
-        model.observe_forward(num_requests=requests, num_tokens=requests, seconds=0.01 + 0.001 * requests)
-    model.observe_drafting(num_requests=1, num_draft_tokens=1, seconds=0.020)  # the first call: not fed
+        model.observe_step(forward=ForwardTiming(requests, requests, 0.01 + 0.001 * requests))
+    model.observe_step(num_drafted_requests=1, num_draft_tokens=1, draft_seconds=0.020)  # the first call: not fed
     for i in range(48):
         requests, tokens = 1 + i % 2, 2 + 2 * (i % 4)
         rows = 300 if i % 6 == 0 else 3 * requests  # a prompt caught up, else the last step's tokens
         seconds = 0.001 * requests + 0.0002 * tokens + 0.00005 * rows
-        model.observe_drafting(num_requests=requests, num_draft_tokens=tokens, num_catch_up_rows=rows, seconds=seconds)
+        model.observe_step(
+            num_drafted_requests=requests, num_draft_tokens=tokens, num_catch_up_rows=rows, draft_seconds=seconds
+        )
     cost = model.cost()
     assert (cost.draft_per_request, cost.draft_per_token) == pytest.approx((0.001, 0.0002), rel=0.05)
     assert cost.draft_per_catch_up_row == pytest.approx(0.00005, rel=0.05)
@@ -221,17 +224,14 @@ def test_the_forward_of_the_drafters_first_call_is_not_fed_either():
     its end (127 plain steps of 127)."""
     model = StepCostModel()
     for _ in range(20):  # batch 1, plain: one row a step
-        model.observe_drafting(num_requests=0, num_draft_tokens=0, seconds=0.0)
-        model.observe_forward(num_requests=1, num_tokens=1, seconds=0.010)
+        model.observe_step(forward=ForwardTiming(1, 1, 0.010))
     before = model.cost()
-    model.observe_drafting(num_requests=1, num_draft_tokens=4, seconds=0.003)  # the drafter's first call
-    model.observe_forward(num_requests=1, num_tokens=5, seconds=0.050, drafted=True)
+    drafting = dict(num_drafted_requests=1, num_draft_tokens=4, draft_seconds=0.003)
+    model.observe_step(**drafting, forward=ForwardTiming(1, 5, 0.050))  # the drafter's first call
     assert model.cost() == before  # neither half of the warm-up step is fed
     for _ in range(3):
-        model.observe_drafting(num_requests=1, num_draft_tokens=4, seconds=0.003)
-        model.observe_forward(num_requests=1, num_tokens=5, seconds=0.012, drafted=True)
-        model.observe_drafting(num_requests=0, num_draft_tokens=0, seconds=0.0)
-        model.observe_forward(num_requests=1, num_tokens=1, seconds=0.010)
+        model.observe_step(**drafting, forward=ForwardTiming(1, 5, 0.012))
+        model.observe_step(forward=ForwardTiming(1, 1, 0.010))
     cost = model.cost()
     assert cost.seconds([4]) - cost.draft_per_request - 4 * cost.draft_per_token == pytest.approx(0.012, rel=0.05)
     assert cost.seconds([0]) == pytest.approx(0.010, rel=0.05)
@@ -249,13 +249,13 @@ def test_the_drafters_catch_up_rows_reach_the_drafting_fit(tiny_checkpoints, pla
     llm = _adaptive_llm(tiny_checkpoints, CatchingUp(continuations=continuations, corrupt=0.0))
     heard = []
     model = llm.engine.speculator.step_costs
-    observe = model.observe_drafting
-    model.observe_drafting = lambda **kw: (heard.append(kw), observe(**kw))[1]
+    observe = model.observe_step
+    model.observe_step = lambda **kw: (heard.append(kw), observe(**kw))[1]
     outs = llm.generate(repetitive_prompts(), SamplingParams(max_tokens=30, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == [p[:30] for p in plain]
-    drafting = [kw for kw in heard if kw["num_requests"]]
-    assert drafting and all(kw["num_catch_up_rows"] == 5 * kw["num_requests"] for kw in drafting)
-    assert all(kw.get("num_catch_up_rows", 0) == 0 for kw in heard if not kw["num_requests"])
+    drafting = [kw for kw in heard if kw["num_drafted_requests"]]
+    assert drafting and all(kw["num_catch_up_rows"] == 5 * kw["num_drafted_requests"] for kw in drafting)
+    assert all(kw.get("num_catch_up_rows", 0) == 0 for kw in heard if not kw["num_drafted_requests"])
 
 
 def test_the_drafting_fit_skips_the_drafters_first_call_and_forgets_data_that_aged_away():
@@ -265,24 +265,24 @@ def test_the_drafting_fit_skips_the_drafters_first_call_and_forgets_data_that_ag
     gives way to the prior, so that a probe can measure the drafter afresh."""
     model = StepCostModel()
     for requests in (1, 4, 8, 16):
-        model.observe_forward(num_requests=requests, num_tokens=requests, seconds=0.01 + 0.001 * requests)
+        model.observe_step(forward=ForwardTiming(requests, requests, 0.01 + 0.001 * requests))
     prior = model.cost()
     assert prior.draft_per_token == pytest.approx(0.01 * prior.seconds([0]))  # 1% of a one-token step
-    model.observe_drafting(num_requests=1, num_draft_tokens=1, seconds=0.020)  # the first call: not fed
+    model.observe_step(num_drafted_requests=1, num_draft_tokens=1, draft_seconds=0.020)  # the first call: not fed
     assert model.cost() == prior
     for requests, tokens in ((1, 2), (2, 6), (4, 8), (3, 12)) * 3:
-        model.observe_drafting(
-            num_requests=requests, num_draft_tokens=tokens, seconds=0.001 * requests + 0.0002 * tokens
+        model.observe_step(
+            num_drafted_requests=requests, num_draft_tokens=tokens, draft_seconds=0.001 * requests + 0.0002 * tokens
         )
     fitted = model.cost()
     assert (fitted.draft_per_request, fitted.draft_per_token) == pytest.approx((0.001, 0.0002), rel=0.05)
     for _ in range(100):  # steps without drafts: the data ages, the fit stays while it is recent
-        model.observe_drafting(num_requests=0, num_draft_tokens=0, seconds=0.0)
+        model.observe_step()
     assert astuple(model.cost()) == pytest.approx(astuple(fitted))
     for _ in range(300):
-        model.observe_drafting(num_requests=0, num_draft_tokens=0, seconds=0.0)
+        model.observe_step()
     assert model.cost() == prior
-    model.observe_drafting(num_requests=2, num_draft_tokens=4, seconds=0.004)  # fresh data counts at once
+    model.observe_step(num_drafted_requests=2, num_draft_tokens=4, draft_seconds=0.004)  # fresh data counts at once
     assert model.cost() != prior
 
 

@@ -114,8 +114,8 @@ def test_rerun_resumes_from_data_and_checkpoint(trained, tiny_checkpoints):
 def test_bad_options_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown head method"):
         TrainHeadConfig(out=tmp_path, method="medusa2")
-    with pytest.raises(ValueError, match="epochs"):
-        TrainHeadConfig(out=tmp_path, epochs=0)
+    with pytest.raises(ValueError, match="epochs must be a non-negative integer"):
+        TrainHeadConfig(out=tmp_path, epochs=-1)
     with pytest.raises(ValueError, match="num_prompts"):
         TrainHeadConfig(out=tmp_path, num_prompts=0)
     with pytest.raises(ValueError, match="holds no shard"):
@@ -128,6 +128,26 @@ def test_bad_options_are_clear_errors(tmp_path):
         TrainHeadConfig(out=tmp_path, method="draft", init_head=tmp_path)
     with pytest.raises(ValueError, match="not a head folder"):
         TrainHeadConfig(out=tmp_path, init_head=tmp_path / "missing")
+
+
+def test_epochs_zero_builds_the_data_only_and_a_later_run_trains_on_it(tiny_checkpoints, tmp_path):
+    target = str(tiny_checkpoints["gemma3"])
+    data_only = TrainHeadConfig(out=tmp_path / "data-only", target=target, **{**TINY_RUN, "epochs": 0})
+    report = train_head(data_only, progress=False)
+    shards = sorted((tmp_path / "data-only" / "data").glob("shard-*.safetensors"))
+    assert len(shards) == 2 and not (tmp_path / "data-only" / "head").exists()
+    built = [s for path in shards for s in DataShard.load(path).sequences]
+    assert report.train_sequences == len(built) == TINY_RUN["num_prompts"] and report.steps == 0
+    assert report.train_answer_tokens == sum(len(s.token_ids) - s.num_prompt_tokens for s in built) > 0
+    later = TrainHeadConfig(
+        out=tmp_path / "later",
+        target=target,
+        **{**TINY_RUN, "num_prompts": 0, "epochs": 1, "extra_data": (tmp_path / "data-only" / "data",)},
+    )
+    assert train_head(later, progress=False).train_sequences == len(built) - TINY_RUN["val_sequences"]
+    assert (tmp_path / "later" / "head").is_dir()
+    with pytest.raises(ValueError, match="nothing to do"):
+        TrainHeadConfig(out=tmp_path, epochs=0, num_prompts=0, extra_data=(tmp_path / "data-only" / "data",))
 
 
 def test_prompt_mixes_cover_the_task_shapes():
