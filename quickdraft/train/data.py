@@ -446,6 +446,10 @@ class Sequence:
     num_prompt_tokens: int
     features: torch.Tensor  # [len(token_ids) - 1, L * D] bf16: every token but the last
 
+    @property
+    def num_answer_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
     def with_features(self, features: torch.Tensor) -> Sequence:
         return Sequence(token_ids=self.token_ids, num_prompt_tokens=self.num_prompt_tokens, features=features)
 

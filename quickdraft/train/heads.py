@@ -164,8 +164,13 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     llm = _load_target(config)
     target = llm.engine.model
     layers = config.feature_layers or default_feature_layers(target.config.num_layers)
+    # The earlier data: trained on, or (articles) the transcripts new prompts build on; a
+    # data-only run of another mix needs none of it.
+    needs_extra = config.epochs > 0 or config.prompt_mix in MIXES_ON_TRANSCRIPTS
     extra = [
-        DataShard.load(path) for folder in config.extra_data for path in sorted(folder.glob("shard-*.safetensors"))
+        DataShard.load(path)
+        for folder in (config.extra_data if needs_extra else ())
+        for path in sorted(folder.glob("shard-*.safetensors"))
     ]
     transcripts = (
         [llm.tokenizer.decode(s.token_ids) for shard in extra for s in shard.sequences]
@@ -177,7 +182,7 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     if config.epochs == 0:  # data only: report what this run built, not the extra data it built on
         new = [s for shard in built for s in shard.sequences]
         report.train_sequences = len(new)
-        report.train_answer_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in new)
+        report.train_answer_tokens = sum(s.num_answer_tokens for s in new)
         return report
     sequences = [s for shard in built + extra for s in shard.sequences]
     random.Random(config.seed).shuffle(sequences)
@@ -207,7 +212,7 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
         head = load_trained_head(config.method, config.init_head, max_len=max_len, copy_dim=config.copy_dim)
         d2t, coverage = head.d2t.clone(), vocabulary_coverage(train, head.d2t)
     report.train_sequences, report.draft_vocab_coverage = len(train), coverage
-    report.train_answer_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in train)
+    report.train_answer_tokens = sum(s.num_answer_tokens for s in train)
     head.attach_target(target)
     target_dir = llm.engine.model_dir
     del llm
