@@ -129,6 +129,27 @@ def _recommended(directory: Path) -> dict:
     return json.loads(manifest.read_text()).get("drafting", {}) if manifest.is_file() else {}
 
 
+def inherited_drafting(method: str, *, init_head: Path | None, depths: int) -> tuple[dict, str]:
+    """The drafting settings a newly trained head's manifest recommends, and where they come
+    from: its init head's (a fine-tune drafts like the head it started from), else those measured
+    best for the head of the same method shipped here (on a CPU target a drafter's own defaults,
+    a wide dynamic tree, cost more to verify than they return).  Neither was measured for the
+    new head itself, and its manifest says so.  A static tree deeper than the new head's `depths`
+    (Medusa heads) is not inherited.  ({}, "") when there is nothing to inherit."""
+    sources = [(Path(init_head), f"inherited from the init head {init_head}")] if init_head is not None else []
+    sources += [
+        (HEADS_ROOT / entry["dir"], f"those measured best for the shipped {method} head ({entry['dir']})")
+        for entry in shipped_heads()
+        if entry["name"] == method and entry["method"] == method
+    ]
+    for directory, source in sources:
+        drafting = _recommended(directory)
+        tree = drafting.get("tree")
+        if drafting and not (isinstance(tree, list) and max(map(len, tree), default=0) > depths):
+            return drafting, f"{source}; not measured for this head"
+    return {}, ""
+
+
 def drafting_options(directory: Path, **given) -> dict:
     """A drafter's options: each given value, or where it is None the one the head's manifest
     recommends (``"drafting"``: the settings measured best for that head, see its manifest),

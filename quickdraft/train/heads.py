@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.heads import inherited_drafting
 from quickdraft.models.heads import CopyPath, EagleHead, HeadConfig
 from quickdraft.models.medusa import LayerSkipHead, MedusaConfig, MedusaHeads
 from quickdraft.models.mtp import MtpHead
@@ -642,4 +643,7 @@ def _write_manifest(config: TrainHeadConfig, report: TrainReport, layers) -> Non
         report=asdict(report),
         date=time.strftime("%Y-%m-%d %H:%M"),
     )
+    drafting, source = inherited_drafting(config.method, init_head=config.init_head, depths=config.depths)
+    if drafting:  # what a config that leaves them unset drafts with (quickdraft/heads drafting_options)
+        manifest.update(drafting=drafting, drafting_measured=source)
     (config.out / "head" / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
+from quickdraft.heads import HEADS_ROOT, inherited_drafting
 from quickdraft.models.heads import EagleHead
 from quickdraft.models.medusa import LayerSkipHead
 from quickdraft.train.data import DataShard, Sequence, build_prompts, is_prose
@@ -67,6 +68,10 @@ def test_training_writes_a_loadable_head_with_a_manifest(trained, tiny_checkpoin
     assert sorted(p.name for p in (out / "data").iterdir()) == ["shard-0000.safetensors", "shard-0001.safetensors"]
     manifest = json.loads((out / "head" / "manifest.json").read_text())
     assert manifest["method"] == "eagle3" and manifest["report"]["steps"] == report.steps == 4 * 5
+    # drafted by default as the shipped eagle3 head is (a chain, not the drafter's wide tree), and said to be unmeasured
+    shipped = json.loads((HEADS_ROOT / "gemma3-270m" / "eagle3" / "manifest.json").read_text())["drafting"]
+    assert manifest["drafting"] == shipped and shipped["top_k"] == 1
+    assert "not measured for this head" in manifest["drafting_measured"]
     assert report.val_chain_acceptance_length >= 1.0 and len(report.val_accuracy_by_depth) == 3
     assert 0 < report.draft_token_cost < 1
     target = str(tiny_checkpoints["gemma3"])
@@ -75,7 +80,13 @@ def test_training_writes_a_loadable_head_with_a_manifest(trained, tiny_checkpoin
     llm = LLM(
         target,
         max_model_len=160,
-        speculative_config={"method": "eagle3", "head": str(out / "head"), "num_speculative_tokens": 3, "top_k": 2},
+        speculative_config={
+            "method": "eagle3",
+            "head": str(out / "head"),
+            "num_speculative_tokens": 3,
+            "top_k": 2,
+            "min_draft_prob": 0.0,  # the tiny head is unsure of everything
+        },
     )
     spec = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
     assert spec[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
@@ -200,6 +211,9 @@ def test_fine_tuning_starts_from_the_trained_head(trained, tiny_checkpoints, tmp
         **{**TINY_RUN, "num_prompts": 0, "epochs": 1, "learning_rate": 1e-12, "draft_vocab_size": 32},
     )
     train_head(config, progress=False)
+    manifest = json.loads((tmp_path / "tuned" / "head" / "manifest.json").read_text())
+    assert manifest["drafting"] == json.loads((out / "head" / "manifest.json").read_text())["drafting"]
+    assert manifest["drafting_measured"].startswith(f"inherited from the init head {out / 'head'}")
     before = EagleHead.load(out / "head", dtype=torch.float32).state_dict()
     after = EagleHead.load(tmp_path / "tuned" / "head", dtype=torch.float32).state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -234,7 +248,13 @@ def test_fine_tuning_with_copy_dim_trains_a_copy_path_and_drafts_exactly(trained
     prompts = [build_prompts(1, seed=5)[0][:60]]
     params = SamplingParams(temperature=0, max_tokens=20)
     plain = LLM(target, max_model_len=160).generate(prompts, params)
-    spec = {"method": "eagle3", "head": str(tmp_path / "copy" / "head"), "num_speculative_tokens": 3, "top_k": 2}
+    spec = {
+        "method": "eagle3",
+        "head": str(tmp_path / "copy" / "head"),
+        "num_speculative_tokens": 3,
+        "top_k": 2,
+        "min_draft_prob": 0.0,
+    }
     llm = LLM(target, max_model_len=160, speculative_config=spec)
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
@@ -265,6 +285,19 @@ def test_medusa_heads_train_on_earlier_data_and_draft_exactly(trained, tiny_chec
     )
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
+
+
+def test_a_new_head_inherits_drafting_only_where_its_shape_allows():
+    """The shipped Medusa head drafts a static chain of 2: a new head with 4 heads inherits it, one
+    with a single head cannot draft that deep and inherits nothing; methods shipped with no head
+    (mtp, draft) get nothing."""
+    shipped = json.loads((HEADS_ROOT / "gemma3-270m" / "medusa" / "manifest.json").read_text())["drafting"]
+    assert max(map(len, shipped["tree"])) == 2
+    drafting, source = inherited_drafting("medusa", init_head=None, depths=4)
+    assert drafting == shipped and "shipped medusa head" in source
+    assert inherited_drafting("medusa", init_head=None, depths=1) == ({}, "")
+    assert inherited_drafting("mtp", init_head=None, depths=3) == ({}, "")
+    assert inherited_drafting("draft", init_head=None, depths=1) == ({}, "")
 
 
 def test_validation_counts_acceptance_per_decoding_step():
@@ -322,7 +355,7 @@ def test_self_head_trains_on_a_middle_layer_and_drafts_exactly(trained, tiny_che
         target,
         max_model_len=160,
         speculative_model="[self]",
-        speculative_config={"head": str(tmp_path / "self" / "head")},
+        speculative_config={"head": str(tmp_path / "self" / "head"), "min_draft_prob": 0.0},
     )
     assert llm.generate(prompts, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.get_metrics().num_drafts > 0
