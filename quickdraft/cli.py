@@ -559,6 +559,14 @@ def _add_train_head_parser(commands) -> None:
         metavar="DIR",
         help="data folders of earlier runs (OUT/data) whose shards are trained on too",
     )
+    train.add_argument(
+        "--val-data",
+        nargs="+",
+        default=(),
+        metavar="DIR",
+        help="data folders the head is also validated on, never trained on (e.g. benchmarks/specbench_val_data.py's); "
+        "with --init-head, --epochs 0 and --num-prompts 0: only validate that head on them",
+    )
     train.add_argument("--max-new-tokens", type=int, default=256, help="answer length (default: 256)")
     train.add_argument("--draft-vocab-size", type=int, default=8192, help="draft vocabulary (default: 8192)")
     train.add_argument(
@@ -1055,6 +1063,7 @@ def run_train_head(args) -> int:
         num_prompts=args.num_prompts,
         prompt_mix=args.prompt_mix,
         extra_data=tuple(args.extra_data),
+        val_data=tuple(args.val_data),
         init_head=args.init_head,
         copy_dim=args.copy_dim,
         max_seq_len=args.max_seq_len,
@@ -1071,6 +1080,16 @@ def run_train_head(args) -> int:
         command="quickdraft " + " ".join(shlex.quote(a) for a in args.argv),
     )
     report = train_head(config, progress=not args.no_progress)
+    val_data = (
+        f"on --val-data: top-1 accuracy by depth [{', '.join(f'{a:.2f}' for a in report.val_data_accuracy_by_depth)}], "
+        f"greedy chain acceptance length {report.val_data_chain_acceptance_length:.2f} "
+        f"(of {len(report.val_data_accuracy_by_depth) + 1})"
+        if config.val_data
+        else ""
+    )
+    if config.validate_only:
+        print(f"[quickdraft] {config.init_head} {val_data}; {report.seconds['validate']:.0f} s")
+        return 0
     if config.epochs == 0:
         print(
             f"[quickdraft] data written to {config.out / 'data'}: {report.train_answer_tokens} answer tokens of "
@@ -1089,6 +1108,8 @@ def run_train_head(args) -> int:
         f"reads {report.draft_token_cost:.1%} of the weights a target token does; "
         f"times {', '.join(f'{k} {v:.0f} s' for k, v in report.seconds.items())}"
     )
+    if val_data:
+        print(f"[quickdraft] validation {val_data}")
     return 0
 
 

@@ -156,6 +156,8 @@ def test_train_head_options_reach_the_config_and_errors_are_clear(tmp_path, caps
     assert config.command.startswith("quickdraft train-head --method self")
     assert main(["train-head", "--out", str(tmp_path / "o"), "--extra-data", str(tmp_path)]) == 2
     assert "holds no shard" in capsys.readouterr().err
+    assert main(["train-head", "--out", str(tmp_path / "o"), "--val-data", str(tmp_path)]) == 2
+    assert "val_data folder" in capsys.readouterr().err
     from tests.drafters.test_eagle import random_head
 
     random_head(tmp_path / "trained")

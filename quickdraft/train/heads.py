@@ -51,6 +51,10 @@ class TrainHeadConfig:
     num_prompts: int = 480
     prompt_mix: str = "tasks"  # see quickdraft.train.data.build_prompts
     extra_data: tuple[Path, ...] = ()  # data folders of earlier runs whose shards are trained on too
+    # data folders the head is validated on besides its held-out split, never trained on (answers to
+    # benchmark-like prompts: benchmarks/specbench_val_data.py); with init_head, epochs 0 and
+    # num_prompts 0 the run only validates that head on them
+    val_data: tuple[Path, ...] = ()
     init_head: Path | None = None  # a trained head to start from (fine-tuning; its draft vocabulary is kept)
     copy_dim: int = 0  # eagle3, self: width of a learned copy path (0: none); eagle3 with init_head: a fresh one
     shard_prompts: int = 32
@@ -77,6 +81,7 @@ class TrainHeadConfig:
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         self.extra_data = tuple(Path(d) for d in self.extra_data)
+        self.val_data = tuple(Path(d) for d in self.val_data)
         if self.prompt_mix in MIXES_ON_TRANSCRIPTS and self.num_prompts and not self.extra_data:
             raise ValueError(f"prompt_mix {self.prompt_mix!r} builds on earlier answers: give extra_data")
         if self.init_head is not None:
@@ -88,16 +93,20 @@ class TrainHeadConfig:
                 )
             if not self.init_head.is_dir():
                 raise ValueError(f"init_head {str(self.init_head)!r} is not a head folder")
-        for folder in self.extra_data:
-            if not sorted(folder.glob("shard-*.safetensors")):
-                raise ValueError(f"extra_data folder {str(folder)!r} holds no shard-*.safetensors files")
+        for name, folders in (("extra_data", self.extra_data), ("val_data", self.val_data)):
+            for folder in folders:
+                if not sorted(folder.glob("shard-*.safetensors")):
+                    raise ValueError(f"{name} folder {str(folder)!r} holds no shard-*.safetensors files")
         if self.prompt_mix not in PROMPT_MIXES:
             raise ValueError(f"unknown prompt_mix {self.prompt_mix!r}; choose one of {list(PROMPT_MIXES)}")
         if self.method not in METHODS:
             raise ValueError(f"unknown head method {self.method!r}; trainable here: {list(METHODS)}")
-        if not isinstance(self.num_prompts, int) or self.num_prompts < (0 if self.extra_data else 1):
+        if not isinstance(self.num_prompts, int) or self.num_prompts < (
+            0 if self.extra_data or self.validate_only else 1
+        ):
             raise ValueError(
-                f"num_prompts must be a positive integer (0 only with extra_data), got {self.num_prompts!r}"
+                f"num_prompts must be a positive integer (0 only with extra_data, or to validate an init_head "
+                f"on val_data), got {self.num_prompts!r}"
             )
         for name in (
             "shard_prompts",
@@ -116,8 +125,11 @@ class TrainHeadConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 0:
             raise ValueError(f"epochs must be a non-negative integer (0: build the data only), got {self.epochs!r}")
-        if self.epochs == 0 and self.num_prompts == 0:
-            raise ValueError("epochs 0 builds data only, and num_prompts 0 asks for none: nothing to do")
+        if self.epochs == 0 and self.num_prompts == 0 and not self.validate_only:
+            raise ValueError(
+                "epochs 0 builds data only, and num_prompts 0 asks for none: nothing to do "
+                "(to validate a trained head, give init_head and val_data)"
+            )
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
         if self.exit_layer is not None and (not isinstance(self.exit_layer, int) or self.exit_layer < 1):
@@ -130,6 +142,11 @@ class TrainHeadConfig:
             raise ValueError(f"copy_dim: only eagle3 and self heads have a copy path, not {self.method}")
         if self.copy_dim and self.init_head is not None and self.method != "eagle3":
             raise ValueError(f"copy_dim with init_head: only an eagle3 head gains a fresh copy path, not {self.method}")
+
+    @property
+    def validate_only(self) -> bool:
+        """No data to build and nothing to train: the init head is validated on val_data."""
+        return self.epochs == 0 and self.num_prompts == 0 and self.init_head is not None and bool(self.val_data)
 
     @property
     def depths(self) -> int:
@@ -152,6 +169,9 @@ class TrainReport:
     final_train_loss: float | None = None
     val_accuracy_by_depth: list[float] = field(default_factory=list)
     val_chain_acceptance_length: float | None = None
+    # the same on the val_data folders' sequences (empty / None without val_data)
+    val_data_accuracy_by_depth: list[float] = field(default_factory=list)
+    val_data_chain_acceptance_length: float | None = None
     parameters: int = 0
     head_bytes: int = 0
     draft_token_cost: float | None = None  # head matmul weights per draft token / target's per token
@@ -165,6 +185,12 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     llm = _load_target(config)
     target = llm.engine.model
     layers = config.feature_layers or default_feature_layers(target.config.num_layers)
+    if config.validate_only:
+        head = load_trained_head(config.method, config.init_head, max_len=config.max_seq_len + config.val_depths + 2)
+        head.attach_target(target)
+        _validate_on_val_data(config, report, head, layers=layers, target=target)
+        report.seconds["validate"] = time.perf_counter() - start
+        return report
     # The earlier data: trained on, or (articles) the transcripts new prompts build on; a
     # data-only run of another mix needs none of it.
     needs_extra = config.epochs > 0 or config.prompt_mix in MIXES_ON_TRANSCRIPTS
@@ -230,6 +256,7 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     report.val_accuracy_by_depth, report.val_chain_acceptance_length = validate(
         head, val, t2d, depths=config.validation_depths, max_seq_len=config.max_seq_len
     )
+    _validate_on_val_data(config, report, head, layers=layers, target=target)
     report.seconds["validate"] = time.perf_counter() - started
     report.parameters = sum(p.numel() for p in head.parameters())
     report.draft_token_cost = draft_token_cost(head, target)
@@ -241,6 +268,28 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     report.head_bytes = sum(f.stat().st_size for f in head_dir.iterdir())
     _write_manifest(config, report, head_feature_layers(head))
     return report
+
+
+def _validate_on_val_data(config: TrainHeadConfig, report: TrainReport, head, *, layers, target) -> None:
+    """report.val_data_*: `head` validated on the val_data folders' sequences (recorded at the
+    run's feature layers, like extra_data), as on the held-out split."""
+    if not config.val_data:
+        return
+    sequences = [
+        s
+        for folder in config.val_data
+        for path in sorted(folder.glob("shard-*.safetensors"))
+        for s in DataShard.load(path).sequences
+    ]
+    columns = feature_columns(
+        data_layers=layers, head_layers=head_feature_layers(head), hidden_size=target.config.hidden_size
+    )
+    if columns is not None:
+        sequences = [s.with_features(s.features[:, columns]) for s in sequences]
+    t2d = target_to_draft(head.d2t, vocab_size=target.config.vocab_size)
+    report.val_data_accuracy_by_depth, report.val_data_chain_acceptance_length = validate(
+        head, sequences, t2d, depths=config.validation_depths, max_seq_len=config.max_seq_len
+    )
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:

@@ -208,15 +208,42 @@ def test_fine_tuning_starts_from_the_trained_head(trained, tiny_checkpoints, tmp
         target=str(tiny_checkpoints["gemma3"]),
         init_head=out / "head",
         extra_data=(out / "data",),
+        val_data=(out / "data",),
         **{**TINY_RUN, "num_prompts": 0, "epochs": 1, "learning_rate": 1e-12, "draft_vocab_size": 32},
     )
-    train_head(config, progress=False)
+    report = train_head(config, progress=False)
+    assert len(report.val_data_accuracy_by_depth) == 3 and report.val_data_chain_acceptance_length >= 1.0
     manifest = json.loads((tmp_path / "tuned" / "head" / "manifest.json").read_text())
     assert manifest["drafting"] == json.loads((out / "head" / "manifest.json").read_text())["drafting"]
     assert manifest["drafting_measured"].startswith(f"inherited from the init head {out / 'head'}")
     before = EagleHead.load(out / "head", dtype=torch.float32).state_dict()
     after = EagleHead.load(tmp_path / "tuned" / "head", dtype=torch.float32).state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_val_data_validates_a_head_on_other_answers_and_alone_writes_nothing(trained, tiny_checkpoints, tmp_path):
+    """--val-data: the head is validated on those folders' sequences too (never trained on them);
+    with an init head, no prompts and no epochs that is all the run does."""
+    out, _ = trained
+    target = str(tiny_checkpoints["gemma3"])
+    options = {**TINY_RUN, "num_prompts": 0, "epochs": 0}
+    config = TrainHeadConfig(
+        out=tmp_path / "val", target=target, init_head=out / "head", val_data=(out / "data",), **options
+    )
+    assert config.validate_only
+    report = train_head(config, progress=False)
+    assert not (tmp_path / "val" / "head").exists() and report.steps == 0
+    llm = LLM(target, max_model_len=160)
+    head = EagleHead.load(out / "head", dtype=torch.float32, max_len=TINY_RUN["max_seq_len"] + 5)
+    head.attach_target(llm.engine.model)
+    sequences = [s for p in sorted((out / "data").iterdir()) for s in DataShard.load(p).sequences]
+    expected = validate(head, sequences, target_to_draft(head.d2t, vocab_size=320), depths=3, max_seq_len=160)
+    assert (report.val_data_accuracy_by_depth, report.val_data_chain_acceptance_length) == expected
+    assert len(expected[0]) == 3 and expected[1] >= 1.0
+    with pytest.raises(ValueError, match="to validate an init_head on val_data"):
+        TrainHeadConfig(out=tmp_path / "x", target=target, init_head=out / "head", **options)
+    with pytest.raises(ValueError, match=r"val_data folder .* holds no shard"):
+        TrainHeadConfig(out=tmp_path / "x", target=target, init_head=out / "head", val_data=(tmp_path,), **options)
 
 
 def test_fine_tuning_with_copy_dim_trains_a_copy_path_and_drafts_exactly(trained, tiny_checkpoints, tmp_path):
