@@ -186,6 +186,7 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     target = llm.engine.model
     layers = config.feature_layers or default_feature_layers(target.config.num_layers)
     if config.validate_only:
+        start = time.perf_counter()  # the head's validation alone, as in a training run's report
         head = load_trained_head(config.method, config.init_head, max_len=config.max_seq_len + config.val_depths + 2)
         head.attach_target(target)
         _validate_on_val_data(config, report, head, layers=layers, target=target)
