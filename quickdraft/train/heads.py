@@ -95,7 +95,7 @@ class TrainHeadConfig:
                 raise ValueError(f"init_head {str(self.init_head)!r} is not a head folder")
         for name, folders in (("extra_data", self.extra_data), ("val_data", self.val_data)):
             for folder in folders:
-                if not sorted(folder.glob("shard-*.safetensors")):
+                if not shard_paths(folder):
                     raise ValueError(f"{name} folder {str(folder)!r} holds no shard-*.safetensors files")
         if self.prompt_mix not in PROMPT_MIXES:
             raise ValueError(f"unknown prompt_mix {self.prompt_mix!r}; choose one of {list(PROMPT_MIXES)}")
@@ -144,6 +144,11 @@ class TrainHeadConfig:
             raise ValueError(f"copy_dim with init_head: only an eagle3 head gains a fresh copy path, not {self.method}")
 
     @property
+    def head_max_len(self) -> int:
+        """Positions a head is built or loaded for: the longest sequence plus its validation depths."""
+        return self.max_seq_len + self.val_depths + 2
+
+    @property
     def validate_only(self) -> bool:
         """No data to build and nothing to train: the init head is validated on val_data."""
         return self.epochs == 0 and self.num_prompts == 0 and self.init_head is not None and bool(self.val_data)
@@ -187,7 +192,7 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     layers = config.feature_layers or default_feature_layers(target.config.num_layers)
     if config.validate_only:
         start = time.perf_counter()  # the head's validation alone, as in a training run's report
-        head = load_trained_head(config.method, config.init_head, max_len=config.max_seq_len + config.val_depths + 2)
+        head = load_trained_head(config.method, config.init_head, max_len=config.head_max_len)
         head.attach_target(target)
         _validate_on_val_data(config, report, head, layers=layers, target=target)
         report.seconds["validate"] = time.perf_counter() - start
@@ -195,11 +200,7 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
     # The earlier data: trained on, or (articles) the transcripts new prompts build on; a
     # data-only run of another mix needs none of it.
     needs_extra = config.epochs > 0 or config.prompt_mix in MIXES_ON_TRANSCRIPTS
-    extra = [
-        DataShard.load(path)
-        for folder in (config.extra_data if needs_extra else ())
-        for path in sorted(folder.glob("shard-*.safetensors"))
-    ]
+    extra = load_shards(config.extra_data if needs_extra else ())
     transcripts = (
         [llm.tokenizer.decode(s.token_ids) for shard in extra for s in shard.sequences]
         if config.prompt_mix in MIXES_ON_TRANSCRIPTS
@@ -220,7 +221,7 @@ def train_head(config: TrainHeadConfig, *, progress: bool = True) -> TrainReport
             f"plus one to train on"
         )
     val, train = sequences[: config.val_sequences], sequences[config.val_sequences :]
-    max_len = config.max_seq_len + config.val_depths + 2
+    max_len = config.head_max_len
     if config.init_head is None:
         d2t, coverage = draft_vocabulary(train, config.draft_vocab_size, vocab_size=target.config.vocab_size)
         head = new_head(
@@ -276,12 +277,7 @@ def _validate_on_val_data(config: TrainHeadConfig, report: TrainReport, head, *,
     run's feature layers, like extra_data), as on the held-out split."""
     if not config.val_data:
         return
-    sequences = [
-        s
-        for folder in config.val_data
-        for path in sorted(folder.glob("shard-*.safetensors"))
-        for s in DataShard.load(path).sequences
-    ]
+    sequences = [s for shard in load_shards(config.val_data) for s in shard.sequences]
     columns = feature_columns(
         data_layers=layers, head_layers=head_feature_layers(head), hidden_size=target.config.hidden_size
     )
@@ -291,6 +287,16 @@ def _validate_on_val_data(config: TrainHeadConfig, report: TrainReport, head, *,
     report.val_data_accuracy_by_depth, report.val_data_chain_acceptance_length = validate(
         head, sequences, t2d, depths=config.validation_depths, max_seq_len=config.max_seq_len
     )
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    """A data folder's shards, in order."""
+    return sorted(folder.glob("shard-*.safetensors"))
+
+
+def load_shards(folders) -> list[DataShard]:
+    """Every shard of the data folders, folder by folder."""
+    return [DataShard.load(path) for folder in folders for path in shard_paths(folder)]
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
