@@ -28,3 +28,11 @@ eval .venv/bin/quickdraft bench specbench --questions ../shared/data/specbench/q
   $EXTRA --out /work/data57/$RUN
 echo benched $RUN
 done
+set -x
+cd /work/main
+.venv/bin/quickdraft bench specbench --questions ../shared/data/specbench/questions.dev.jsonl --questions-per-task 10 --interleave --no-progress \
+  --speculative-config '{"method": "suffix", "label": "suffix"}' \
+  --speculative-config '{"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "num_speculative_tokens": 8, "top_k": 1, "min_draft_prob": 0.2}], "label": "hybrid"}' \
+  --speculative-config '{"method": "eagle3", "label": "eagle3"}' \
+  --out /work/data57/sb-60-hybrid
+echo benched
