@@ -1008,16 +1008,17 @@ class Engine:
         )
         request.num_computed_tokens = start + num_known + len(path)
         self.cache.commit(request.scheduled_slot, request.num_computed_tokens)
-        size = self.cache.block_size
-        if self.config.enable_prefix_caching and request.num_computed_tokens // size > start // size:
-            # This commit filled blocks: shareable from now on (most commits fill none).
-            self.cache.cache_full_blocks(request.scheduled_slot, request.all_token_ids)
         if accepted is not None:
             request.metrics.num_target_forwards += 1
             # Committed token j was chosen from the logits after path node j.
             for token, token_logprobs in zip(accepted.committed_token_ids, logprobs):
                 if request.append_token(token, now=now, logprobs=token_logprobs):
                     break
+        size, slot = self.cache.block_size, request.scheduled_slot
+        if self.config.enable_prefix_caching and request.num_computed_tokens // size > len(self.cache.block_keys(slot)):
+            # Blocks filled and not keyed yet: shareable from now on (most commits fill none).  Keyed
+            # after the accepted tokens are appended: a verified path's KV holds them already.
+            self.cache.cache_full_blocks(slot, request.all_token_ids)
         if self.speculator is not None:
             if kept_nodes is not None and accepted is not None:  # the drafter's node numbering: the
                 # path as far as it stays in the drafter's tree (appended forced tokens are not)

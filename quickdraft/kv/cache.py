@@ -368,10 +368,12 @@ class KVCache:
             group.forget_keys()
 
     def cache_full_blocks(self, slot: int, token_ids: list[int]) -> None:
-        """Key the slot's blocks that its committed length now fills (token_ids: the slot's
-        tokens, at least the committed ones), so that later prompts can share them."""
+        """Key the slot's blocks that its committed length now fills and whose tokens are all in
+        `token_ids` (the slot's tokens), so that later prompts can share them; a block whose
+        tokens are not all known yet (a stop cut the request short of its computed rows) stays
+        unkeyed: its key would be a hash of part of it."""
         keys, size = self._slot_keys[slot], self.block_size
-        for index in range(len(keys), self.lengths[slot] // size):
+        for index in range(len(keys), min(self.lengths[slot], len(token_ids)) // size):
             key = _block_key(keys[-1] if keys else self._slot_roots[slot], token_ids[index * size : (index + 1) * size])
             keys.append(key)
             for group in self.groups:

@@ -9,7 +9,7 @@ import torch
 from quickdraft import LLM, SamplingParams
 from quickdraft.kv.cache import RELEASED, CachedPrefix, KVCache
 from tests.drafters.test_eagle import head_dir  # noqa: F401  (fixture)
-from tests.engine.test_speculative import GarbageDrafter
+from tests.engine.test_speculative import GarbageDrafter, OracleDrafter
 from tests.models.test_decoder import prompt
 
 
@@ -147,6 +147,27 @@ def test_prompts_that_hit_decode_what_they_would_compute(tiny_checkpoints, tempe
             assert metrics.num_cached_tokens == 48 + 24
             assert 0 < metrics.prefix_cache_hit_rate < 1
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_a_second_turn_after_speculative_decoding_reuses_every_block_the_first_filled(tiny_checkpoints, block_size):
+    """Verified paths commit several tokens a step, their KV computed before the tokens are the
+    request's: the blocks they fill are keyed by their whole tokens all the same, so the next turn
+    hits as many of them as after plain decoding (it used to hit only the blocks each step
+    completed with tokens already known, recomputing the rest of the first turn's answer)."""
+    path = str(tiny_checkpoints["gemma3"])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (answer,) = _outputs(LLM(path, max_model_len=256, enable_prefix_caching=False), [PROMPT], params)
+    second_turn = PROMPT + answer + [5, 6, 7]
+    llm = LLM(path, max_model_len=256, block_size=block_size)
+    llm.engine.set_drafter(OracleDrafter(continuations={tuple(PROMPT): answer}, corrupt=0.2), num_speculative_tokens=6)
+    first = llm.generate([{"prompt_token_ids": PROMPT}], params)[0]
+    assert list(first.outputs[0].token_ids) == answer
+    assert first.metrics.num_accepted_tokens > 12  # multi-token steps, crossing block boundaries
+    llm.engine.set_speculative_config(None)
+    second = llm.generate([{"prompt_token_ids": second_turn}], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    # Every full block of the first turn's computed rows (its last token's KV is never computed).
+    assert second.metrics.num_cached_tokens == (40 + 24 - 1) // block_size * block_size
 
 
 def test_rejected_branches_never_touch_shared_blocks(tiny_checkpoints):
