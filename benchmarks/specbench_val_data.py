@@ -2,7 +2,7 @@
 
 A head's own validation split comes from the same generated prompts it trains on, and flatters
 it: the shipped eagle3 head guesses 0.94 of those first draft tokens right but 0.87 of the
-target's answers to Spec-Bench questions (README, session 56).  This writes the target's greedy
+target's answers to Spec-Bench questions (docs/performance-log.md, session 56).  This writes the target's greedy
 answers (and its hidden states at the feature layers, as `train-head` records them) to the first
 turns of Spec-Bench questions `--start` .. `--start + --per-task - 1` of every task, in file
 order: by default the 15th to the 20th, past the first 10 that `quickdraft bench specbench

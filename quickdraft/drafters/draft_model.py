@@ -16,7 +16,7 @@ parameters, in one of two ways (``coupling``):
   (``sampler.draw_keyed``), the very noise the target's draw at that position uses.  The
   draft is then a point mass that equals the target's draw whenever the two Gumbel races
   agree, and verification follows the target's draws, so a seeded run returns plain
-  decoding's tokens.  Measured against the other rule in the README.
+  decoding's tokens.  Measured against the other rule in docs/performance-log.md.
 - ``"rejection"``: from a generator of the drafter's own, returning the rows as
   ``draft_probs``, so the rejection sampler accepts with min(1, p/q) and resamples from the
   residual (the acceptance-optimal rule for one sample; exact, but a seeded run's tokens

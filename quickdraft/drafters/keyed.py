@@ -26,7 +26,7 @@ COUPLINGS = ("keyed", "top_k")
 def check_coupling(coupling: str) -> str:
     """A drafter's `coupling` option: "top_k" (the default: the head's most likely ids, sampled
     requests too) or "keyed" (first children are keyed draws).  Keyed children did not pay on
-    the embedded model at temperature 0.7 (README: the acceptance barely moved, and every keyed
+    the embedded model at temperature 0.7 (docs/performance-log.md: the acceptance barely moved, and every keyed
     draw costs a vocabulary-wide noise draw), so they are asked for, not the default."""
     if coupling not in COUPLINGS:
         raise ValueError(f"coupling must be one of {COUPLINGS}, got {coupling!r}")

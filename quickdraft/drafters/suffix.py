@@ -53,7 +53,7 @@ from quickdraft.drafters.base import AcceptedPath, Drafter, DraftRequest, Propos
 from quickdraft.drafters.ngram import extends_indexed_tokens
 
 # Draft nodes by default: suffix trees match long repeated spans (a base model's own loops,
-# copied passages), and 16 gave 3.17-3.33x plain on Spec-Bench against 2.68x with 5 (README,
+# copied passages), and 16 gave 3.17-3.33x plain on Spec-Bench against 2.68x with 5 (docs/performance-log.md,
 # 2026-12-03).  The registry's default for the method, and the hybrid's depth bound.
 DEFAULT_DRAFT_LENGTH = 16
 

@@ -73,7 +73,7 @@ def head_quantization(head_dtype: str | None, *, model) -> str | None:
     when the target itself runs quantized weights on the CPU kernels (a float32 head would read
     eight times the bytes): a draft depth of the shipped eagle3 head reads ~12 MB in Q8_0, and on
     30 Spec-Bench questions Q4_0 drafted as well (1.85 vs 1.84 tokens accepted per draft) and
-    ran 1.74x plain vs 1.64x for Q8_0 (README, "Heads draft on Q4_0 copies")."""
+    ran 1.74x plain vs 1.64x for Q8_0 (docs/performance-log.md, "Heads draft on Q4_0 copies")."""
     if head_dtype in HEAD_QUANTIZATIONS:
         return HEAD_QUANTIZATIONS[head_dtype]
     if head_dtype is not None:

@@ -88,7 +88,7 @@ _KERNELS = {
 AMX_ENV = "QUICKDRAFT_CPU_AMX"
 # A block of 16 rows (the last one: the rows left) runs on the tiles, always 16 rows high, when
 # it has at least this many rows, else on VNNI: with the weights prefetched into L2, VNNI is as
-# fast up to 12 rows and within noise at 13-15 (measured in the README).
+# fast up to 12 rows and within noise at 13-15 (measured in docs/performance-log.md).
 AMX_MIN_ROWS = 16
 
 

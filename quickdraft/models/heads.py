@@ -466,7 +466,7 @@ class EagleHead(CopyPath, FeatureHead):  # CopyPath's methods before FeatureHead
         """Draft with `format` (Q8_0, Q5_0, Q4_0) copies of the block's matrices and the draft LM
         rows (Q8_0: a quarter of the float32 bytes per draft depth, on the quantized CPU kernels).
         Drafting precision never changes the output, only how well the head guesses: measured in
-        the README.  Call after attach_target; the float weights stay for training and saving."""
+        docs/performance-log.md.  Call after attach_target; the float weights stay for training and saving."""
         if self.lm_rows is None:
             raise RuntimeError("quantize_for_drafting needs the target's LM rows: call attach_target first")
         matrices = {name: getattr(self, name).weight for name in DRAFT_MATRICES if getattr(self, name) is not None}

@@ -62,7 +62,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     transparent huge pages, so that the kernel backs it with 2 MB pages as it is first written.
     The tensor keeps its mapping alive.  Decoding streams every weight once per token: in 4 KB
     pages the embedded model's 250 MB are 61k pages, and the TLB misses of reading them cost
-    ~10% of a decode step (measured; see README, "Weights in huge pages")."""
+    ~10% of a decode step (measured; see docs/performance-log.md, "Weights in huge pages")."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     length = -(-max(nbytes, 1) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES

@@ -236,7 +236,7 @@ constexpr int kRowsQ2K = 4;
 constexpr int kRowsFloat16 = 8;
 // Where group_rows prefetches the weights: L2.  Into L1 (likely evicting the activation quants
 // that 4-8 rows read at every step) a 4-token verification's LM head took 9.8 ms instead of 7.6
-// on the AVX-512 + AMX machine (README, "Weights prefetched into L2").
+// on the AVX-512 + AMX machine (docs/performance-log.md, "Weights prefetched into L2").
 constexpr auto kPrefetchHint = _MM_HINT_T1;
 
 QD_INLINE VecI vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
