@@ -40,6 +40,8 @@ CONFIGS = {
         "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1, "num_speculative_tokens": 5}],
         "skip_after": 2,
     },
+    "eagle3": {"method": "eagle3"},  # the shipped head's recommended chain (8, p >= 0.2)
+    "suffix+eagle3": {"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3"}]},
     "grammar+suffix+eagle3": {
         "method": "hybrid",
         "drafters": [

@@ -1,0 +1,14 @@
+# Session 58 (2026-12-07), the 2-core AMD EPYC Zen 3 VM; embedded Gemma 3 270M, GGUF Q4_K_M as stored.
+# multi-turn-before-fix/: on ed9fab9 (before the prefix-cache fix, fe99e57); the rest after it.
+.venv/bin/quickdraft bench specbench --questions ../shared/data/specbench/questions.dev.jsonl --categories multi-turn --questions-per-task 10 --interleave --no-progress \
+  --speculative-config '{"method": "suffix", "label": "suffix"}' \
+  --speculative-config '{"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "num_speculative_tokens": 8, "top_k": 1, "min_draft_prob": 0.2}], "label": "hybrid"}' \
+  --out multi-turn-before-fix
+# multi-turn-after-fix/: the same with '{"method": "eagle3", "label": "eagle3"}' added
+for RUN in run1 run2; do
+.venv/bin/quickdraft bench specbench --questions ../shared/data/specbench/questions.dev.jsonl --questions-per-task 10 --interleave --no-progress \
+  --speculative-config '{"method": "suffix", "label": "suffix"}' \
+  --speculative-config '{"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "num_speculative_tokens": 8, "top_k": 1, "min_draft_prob": 0.2}], "label": "hybrid"}' \
+  --speculative-config '{"method": "eagle3", "label": "eagle3"}' \
+  --out $RUN
+done
