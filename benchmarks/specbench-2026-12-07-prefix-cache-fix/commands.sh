@@ -12,3 +12,11 @@ for RUN in run1 run2; do
   --speculative-config '{"method": "eagle3", "label": "eagle3"}' \
   --out $RUN
 done
+# hybrid-settings-run1/, hybrid-settings-run2/: the README demo's hybrid and skip_after 1 beside suffix
+for RUN in hybrid-settings-run1 hybrid-settings-run2; do
+.venv/bin/quickdraft bench specbench --questions ../shared/data/specbench/questions.dev.jsonl --questions-per-task 10 --interleave --no-progress \
+  --speculative-config '{"method": "suffix", "label": "suffix"}' \
+  --speculative-config '{"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "top_k": 1, "head_dtype": "bfloat16", "min_draft_prob": 0.2}], "skip_after": 2, "max_draft_tokens": 12, "label": "hybrid demo"}' \
+  --speculative-config '{"method": "hybrid", "drafters": [{"method": "suffix"}, {"method": "eagle3", "num_speculative_tokens": 8, "top_k": 1, "min_draft_prob": 0.2}], "skip_after": 1, "label": "hybrid skip 1"}' \
+  --out $RUN
+done
