@@ -79,6 +79,25 @@ def details_table(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+def ttft_table(report: BenchReport) -> str:
+    """Mean time to first token per task, first turns / later turns where a task has them (a later
+    turn's prompt starts with the conversation so far: its prefix-cache hit should make it as
+    quick in every run as in plain decoding's)."""
+    runs = [r for r in report.runs if r.summary]
+    if not runs:
+        return "(no run finished)"
+    tasks = list(runs[0].summary)
+    lines = ["| run | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for run in runs:
+        cells = []
+        for row in (run.summary[t] for t in tasks):
+            later = row.get("ttft_later_turns")
+            first = row.get("ttft_first_turns", row["ttft"])
+            cells.append(f"{first * 1e3:.0f}" + ("" if later is None else f" / {later * 1e3:.0f}"))
+        lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def position_table(report: BenchReport) -> str:
     curves = {r.name: r.acceptance_by_position for r in report.runs if r.acceptance_by_position}
     if not curves:
@@ -106,6 +125,8 @@ def summary_markdown(report: BenchReport) -> str:
         "equal the reference's in every turn (not defined for sampled runs); peak MB: process "
         "memory above what it held before the run loaded its model (CUDA: allocator peak); drafter MB: "
         "peak above quickdraft plain's.",
+        "## Time to first token by task, ms (first turns / later turns)",
+        ttft_table(report),
         "## Acceptance by draft position (drafts reaching depth k whose accepted path reached it)",
         position_table(report),
     ]

@@ -167,6 +167,7 @@ def summarize_rows(
     new_tokens = sum(r.new_tokens for r in rows)
     forwards = [r.total("target_forwards") for r in rows]
     ttfts = [t.ttft for r in rows for t in r.turns]
+    later_ttfts = [t.ttft for r in rows for t in r.turns[1:]]  # turns whose conversation is cached
     decode_tokens = sum(max(0, len(t.token_ids) - 1) for r in rows for t in r.turns)
     decode_seconds = sum(t.seconds - t.ttft for r in rows for t in r.turns)
     row = dict(
@@ -177,6 +178,8 @@ def summarize_rows(
         tokens_per_second=new_tokens / seconds,
         mean_accepted_tokens=(new_tokens / sum(forwards) if None not in forwards and sum(forwards) else None),
         ttft=sum(ttfts) / len(ttfts),
+        ttft_first_turns=sum(r.turns[0].ttft for r in rows) / len(rows),
+        ttft_later_turns=sum(later_ttfts) / len(later_ttfts) if later_ttfts else None,
         tpot=decode_seconds / decode_tokens if decode_tokens else None,
         exact_match=None,
         acceptance_rate=None,

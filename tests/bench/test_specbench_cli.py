@@ -118,6 +118,10 @@ def test_figures_follow_their_definitions(greedy_report):
             forwards = sum(t["target_forwards"] for i in picked for t in questions[i]["turns"])
             assert row["new_tokens"] == tokens
             assert row["mean_accepted_tokens"] == pytest.approx(tokens / forwards)
+            firsts = [questions[i]["turns"][0]["ttft"] for i in picked]
+            laters = [t["ttft"] for i in picked for t in questions[i]["turns"][1:]]
+            assert row["ttft_first_turns"] == pytest.approx(sum(firsts) / len(firsts))
+            assert row["ttft_later_turns"] == (pytest.approx(sum(laters) / len(laters)) if laters else None)
         assert list(run["summary"]) == ["multi-turn", "qa", "overall"]
         assert set(run["summary"]) - {"overall"} <= set(TASKS)
 
@@ -152,6 +156,14 @@ def test_summary_table_lists_every_run(greedy_report):
     ngram_row = next(line for line in text.splitlines() if line.startswith("| quickdraft ngram"))
     overall = runs_by_name(data)["quickdraft ngram num_speculative_tokens=4"]["summary"]["overall"]
     assert f"{overall['speedup']:.2f}x ({overall['mean_accepted_tokens']:.2f})" in ngram_row
+    ttft_section = text.split("## Time to first token by task")[1].split("## ")[0]
+    ngram_ttft = next(line for line in ttft_section.splitlines() if line.startswith("| quickdraft ngram"))
+    summary = runs_by_name(data)["quickdraft ngram num_speculative_tokens=4"]["summary"]
+    multi_turn, qa = summary["multi-turn"], summary["qa"]  # two turns / one
+    assert ngram_ttft.split(" | ")[1:3] == [
+        f"{multi_turn['ttft_first_turns'] * 1e3:.0f} / {multi_turn['ttft_later_turns'] * 1e3:.0f}",
+        f"{qa['ttft_first_turns'] * 1e3:.0f}",
+    ]
 
 
 def test_sampled_run_reports_acceptance_not_exactness(tiny_checkpoints, questions_file, tmp_path, capsys):
