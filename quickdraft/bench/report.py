@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,20 +27,21 @@ def _fmt(value: float | None, pattern: str, *, scale: float = 1.0) -> str:
     return "-" if value is None else pattern.format(value * scale)
 
 
-def leaderboard_table(report: BenchReport) -> str:
-    """Spec-Bench's leaderboard: speedup over plain decoding (mean accepted tokens) per task."""
+def task_table(report: BenchReport, cell: Callable[[dict], str]) -> str:
+    """A row per finished run, a column per task (then overall): cell(summary row)."""
     runs = [r for r in report.runs if r.summary]
     if not runs:
         return "(no run finished)"
     tasks = list(runs[0].summary)
     lines = ["| run | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
     for run in runs:
-        cells = [
-            f"{row['speedup']:.2f}x ({_fmt(row['mean_accepted_tokens'], '{:.2f}')})"
-            for row in (run.summary[t] for t in tasks)
-        ]
-        lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {run.name} | " + " | ".join(cell(run.summary[t]) for t in tasks) + " |")
     return "\n".join(lines)
+
+
+def leaderboard_table(report: BenchReport) -> str:
+    """Spec-Bench's leaderboard: speedup over plain decoding (mean accepted tokens) per task."""
+    return task_table(report, lambda row: f"{row['speedup']:.2f}x ({_fmt(row['mean_accepted_tokens'], '{:.2f}')})")
 
 
 def peak_memory_mb(report: BenchReport, run: RunReport) -> float | None:
@@ -83,19 +85,12 @@ def ttft_table(report: BenchReport) -> str:
     """Mean time to first token per task, first turns / later turns where a task has them (a later
     turn's prompt starts with the conversation so far: its prefix-cache hit should make it as
     quick in every run as in plain decoding's)."""
-    runs = [r for r in report.runs if r.summary]
-    if not runs:
-        return "(no run finished)"
-    tasks = list(runs[0].summary)
-    lines = ["| run | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
-    for run in runs:
-        cells = []
-        for row in (run.summary[t] for t in tasks):
-            later = row.get("ttft_later_turns")
-            first = row.get("ttft_first_turns", row["ttft"])
-            cells.append(f"{first * 1e3:.0f}" + ("" if later is None else f" / {later * 1e3:.0f}"))
-        lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(row: dict) -> str:
+        first, later = row.get("ttft_first_turns", row["ttft"]), row.get("ttft_later_turns")
+        return f"{first * 1e3:.0f}" + ("" if later is None else f" / {later * 1e3:.0f}")
+
+    return task_table(report, cell)
 
 
 def position_table(report: BenchReport) -> str:
