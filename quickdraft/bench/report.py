@@ -87,7 +87,7 @@ def ttft_table(report: BenchReport) -> str:
     quick in every run as in plain decoding's)."""
 
     def cell(row: dict) -> str:
-        first, later = row.get("ttft_first_turns", row["ttft"]), row.get("ttft_later_turns")
+        first, later = row["ttft_first_turns"], row["ttft_later_turns"]
         return f"{first * 1e3:.0f}" + ("" if later is None else f" / {later * 1e3:.0f}")
 
     return task_table(report, cell)
