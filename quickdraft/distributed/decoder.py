@@ -93,7 +93,7 @@ class TensorParallelDecoder(Decoder):
     def compute_logits(self, hidden: torch.Tensor, *, buffer: LogitsBuffer | None = None) -> torch.Tensor:
         """[M, D] -> [M, V]: every rank's shard gathered (a gathered result is fresh memory: `buffer` unused)."""
         assert self.group is not None and self.lm_head_shard is not None
-        local = self.linear(self.norm(hidden), self.lm_head_shard, None)  # [M, ceil(V / tp)]
+        local = self.lm_head_matmul(self.norm(hidden), self.lm_head_shard)  # [M, ceil(V / tp)]
         logits = torch.cat(self.group.all_gather(local), dim=-1)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcapping
         if cap:

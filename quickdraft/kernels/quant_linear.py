@@ -16,6 +16,10 @@ Three implementations of the same numerics, bit for bit, the first that runs her
 ``QUICKDRAFT_CPU_ISA=avx512|avx2|reference`` forces one (``auto``, the default, picks as above);
 a forced kernel this CPU cannot run leaves the reference (logged once when its build is tried).
 The variable is read at every call, so tests can switch it with monkeypatch.
+
+Activation quants have 127 levels a side, or 63 where a caller asks for them
+(``activation_levels``): a Q8_0 LM head does on CPUs without AVX-512 VNNI
+(``lm_head_activation_levels``), where its weights then multiply without a sign flip.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ __all__ = [
     "fused_layer_available",
     "isa_extension",
     "kernel_available",
+    "lm_head_activation_levels",
     "norm_matmul",
     "quant_linear",
     "quantize_activations",
@@ -154,17 +159,43 @@ def fused_layer_available() -> bool:
     return ext is not None and hasattr(ext, "decoder_layer")
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> q [M, K] int8, dx [M, K/32] float32, bsum [M, K/16] int32 (torch)."""
+# Activation quant levels: the default, and the narrow quants of lm_head_activation_levels.
+ACTIVATION_LEVELS = 127
+NARROW_ACTIVATION_LEVELS = 63
+
+
+def lm_head_activation_levels(weight: QuantizedWeight) -> int:
+    """How many levels a side the LM head's activation quants take: 63 for a Q8_0 head on a CPU
+    where the AVX-512 VNNI build cannot run (or is not built: QUICKDRAFT_DISABLE_CPU_KERNEL),
+    else 127.  There the AVX2 build multiplies narrow
+    quants by the stored unsigned Q8_0 quants without a sign flip: the head ~17-19% faster at the
+    8-16 rows of a verification or a batch, forwards of 8-32 tokens 7-10% faster, Spec-Bench
+    suffix and eagle3 ~2% (docs/performance-log.md, session 59).  The price, measured on the
+    embedded model's greedy answers: the head's top-1 differs from unquantized activations' on
+    0.61% of rows instead of 0.30%.  VNNI gains nothing from narrow quants, so it keeps 127.
+    A property of the machine, not of the build a caller forces, so that the kernels and the
+    torch reference compute the same bits on it; every path to the target's logits takes its
+    levels from here, so plain and speculative decoding stay bit-identical."""
+    if all(part.format == "Q8_0" for part in weight.parts) and isa_extension("avx512") is None:
+        return NARROW_ACTIVATION_LEVELS
+    return ACTIVATION_LEVELS
+
+
+def quantize_activations(
+    x: torch.Tensor, levels: int = ACTIVATION_LEVELS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> q [M, K] int8 within +-levels, dx [M, K/32] float32, bsum [M, K/16]
+    int32 (torch)."""
+    _check_levels(levels)
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
     amax = blocks.abs().amax(dim=-1)  # [M, K/32]
-    dx = amax / 127.0
+    dx = amax / float(levels)
     # A tensor numerator: `127.0 / amax` runs as reciprocal-then-multiply, off by an ulp for a
     # quarter of the scales, which flips a product sitting at a rounding tie (x * inv = 63.5)
     # away from the kernel's one IEEE division.
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv[:, :, None]).clamp_(-127, 127)
+    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv[:, :, None]).clamp_(-levels, levels)
     bsum = q.reshape(m, k // 16, 16).sum(dim=-1).to(torch.int32)
     return q.to(torch.int8).reshape(m, k), dx, bsum
 
@@ -243,11 +274,18 @@ def _float16_part_reference(part: PackedPart, x: torch.Tensor, cols: int) -> tor
     return acc
 
 
-def reference_quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def _check_levels(levels: int) -> None:
+    if levels not in (ACTIVATION_LEVELS, NARROW_ACTIVATION_LEVELS):
+        raise ValueError(f"activation_levels must be {ACTIVATION_LEVELS} or {NARROW_ACTIVATION_LEVELS}, got {levels!r}")
+
+
+def reference_quant_linear(
+    x: torch.Tensor, weight: QuantizedWeight, *, activation_levels: int = ACTIVATION_LEVELS
+) -> torch.Tensor:
     """The kernel's numerics in plain torch: x [..., K] -> [..., N] float32."""
     k = weight.shape[1]
     x2 = x.reshape(-1, k).to(torch.float32)
-    q, dx, bsum = quantize_activations(x2)
+    q, dx, bsum = quantize_activations(x2, activation_levels)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
     for part in weight.parts:
         if part.format in FLOAT16_FORMATS:
@@ -264,11 +302,14 @@ def quant_linear(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,  # [M, N] float32, contiguous: written instead of a new tensor
+    activation_levels: int = ACTIVATION_LEVELS,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for x [..., K] float32 (other dtypes are cast) -> [..., N] float32.
 
     `out` (x 2-D, no bias) lets a caller reuse one buffer across calls: a fresh LM-head output
-    of M x 262k floats is M MiB of pages the kernel first-touches, a page fault per 4 KiB."""
+    of M x 262k floats is M MiB of pages the kernel first-touches, a page fault per 4 KiB.
+    `activation_levels`: 127, or 63 (narrow quants: see lm_head_activation_levels)."""
+    _check_levels(activation_levels)
     k = weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {k}")
@@ -276,13 +317,13 @@ def quant_linear(
         _check_out(out, x=x, cols=weight.shape[0], has_bias=bias is not None)
     ext = _extension() if x.device.type == "cpu" else None
     if ext is None:
-        result = reference_quant_linear(x.cpu(), weight).to(x.device)
+        result = reference_quant_linear(x.cpu(), weight, activation_levels=activation_levels).to(x.device)
         out = result if out is None else out.copy_(result)
     else:
         x2 = x.reshape(-1, k).to(torch.float32).contiguous()
         # F16 / BF16 parts read x as it is: its int8 quants only where another format needs them
         if any(part.format not in FLOAT16_FORMATS for part in weight.parts):
-            q, dx, bsum = ext.quantize_rows(x2)
+            q, dx, bsum = ext.quantize_rows(x2, activation_levels)
         if out is None:
             out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
         amx_rows = _amx_min_rows(ext)
@@ -291,7 +332,9 @@ def quant_linear(
             if part.format in FLOAT16_FORMATS:
                 ext.float16_matmul(x2, part.packed, fmt, part.rows, k, out, part.row_start)
             else:
-                ext.quant_matmul(q, dx, bsum, part.packed, fmt, part.rows, k, out, part.row_start, amx_rows)
+                ext.quant_matmul(
+                    q, dx, bsum, part.packed, fmt, part.rows, k, out, part.row_start, amx_rows, activation_levels
+                )
         out = out.view(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         out = out + bias.to(out.dtype)

@@ -22,6 +22,7 @@ from quickdraft.kernels.quant_linear import (
     MixtureWeights,
     fused_decoder_layer,
     fused_layer_available,
+    lm_head_activation_levels,
     quant_linear,
 )
 from quickdraft.kv.cache import KVCache
@@ -532,14 +533,25 @@ class Decoder(torch.nn.Module):
         out = None
         if buffer is not None and hidden.is_cpu and isinstance(weight, QuantizedWeight):
             out = buffer.rows(hidden.shape[0])  # None past its cap
-        if out is not None:
-            logits = quant_linear(self.norm(hidden), weight, None, out=out)  # what self.linear runs for it
-        else:
-            logits = self.linear(self.norm(hidden), weight, None)
+        logits = self.lm_head_matmul(self.norm(hidden), weight, out=out)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def lm_head_matmul(
+        self,
+        normed: torch.Tensor,  # [M, D], the final norm's output
+        weight: torch.Tensor | QuantizedWeight,  # [V, D] (a tensor-parallel rank: its shard's rows)
+        *,
+        out: torch.Tensor | None = None,  # [M, V] float32 for a quantized head on the CPU
+    ) -> torch.Tensor:  # [M, V]
+        """The LM head's matmul, without the soft cap: a quantized head on the CPU takes the
+        activation levels that lm_head_activation_levels picks for it (every target-logits path
+        goes through here, so they all compute the same bits)."""
+        if normed.is_cpu and isinstance(weight, QuantizedWeight):
+            return quant_linear(normed, weight, None, out=out, activation_levels=lm_head_activation_levels(weight))
+        return self.linear(normed, weight, None)
 
     @torch.inference_mode()
     def logits_of_tokens(self, hidden: torch.Tensor, token_ids: list[list[int]]) -> list[torch.Tensor]:

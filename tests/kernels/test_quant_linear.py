@@ -20,6 +20,7 @@ from quickdraft.kernels.quant_linear import (
     amx_min_rows,
     fused_layer_available,
     isa_extension,
+    lm_head_activation_levels,
     quant_linear,
     quantize_activations,
     reference_quant_linear,
@@ -216,13 +217,46 @@ def test_reference_is_close_to_float64(fmt):
 
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
 @pytest.mark.parametrize("rows", [1, 16, 45])
-def test_kernel_equals_reference_bits(isa, fmt, rows):
+@pytest.mark.parametrize("levels", [127, 63])
+def test_kernel_equals_reference_bits(isa, fmt, rows, levels):
+    """Every format, at both activation quant widths (63: the narrow quants of an AVX2 LM head;
+    1 and 2 rows of x take Q8_0's both-halves tiles on AVX2, more rows its half tiles)."""
     assert active_isa() == isa
     w, _ = weight(fmt, rows, cols_for(fmt), seed=5)
     x = torch.randn(11, cols_for(fmt)) * 3
     x[2] = 0.0  # an all-zero row: zero scales
     bias = torch.randn(rows)
-    assert torch.equal(quant_linear(x, w, bias), reference_quant_linear(x, w) + bias)
+    expected = reference_quant_linear(x, w, activation_levels=levels) + bias
+    assert torch.equal(quant_linear(x, w, bias, activation_levels=levels), expected)
+    for m in (1, 2):
+        got = quant_linear(x[:m], w, bias, activation_levels=levels)
+        assert torch.equal(got, expected[:m]), m
+
+
+def test_narrow_activations_are_a_coarser_quantization():
+    """63 levels: the same formula with half the resolution (twice the error of 127 levels on
+    average, far below the values), not another result; and nothing else is accepted."""
+    w, dense = weight("Q8_0", 64, 256, seed=3)
+    x = torch.randn(32, 256)
+    exact = x.double() @ dense.double().T
+    err = {
+        levels: (reference_quant_linear(x, w, activation_levels=levels).double() - exact).abs().mean()
+        for levels in (127, 63)
+    }
+    assert 1.5 < err[63] / err[127] < 2.5
+    assert err[63] < 0.02 * exact.abs().mean()
+    with pytest.raises(ValueError, match="activation_levels must be 127 or 63, got 100"):
+        quant_linear(x, w, activation_levels=100)
+
+
+@pytest.mark.parametrize("forced", ["auto", *ISAS, "reference"])
+def test_lm_head_levels_are_narrow_for_q8_0_where_vnni_cannot_run(monkeypatch, forced):
+    """The machine decides, not the build a caller forces: the kernels and the reference agree."""
+    monkeypatch.setenv(ISA_ENV, forced)
+    q8, _ = weight("Q8_0", 16, 64)
+    q6, _ = weight("Q6_K", 16, 512)
+    assert lm_head_activation_levels(q8) == (127 if isa_extension("avx512") is not None else 63)
+    assert lm_head_activation_levels(q6) == 127
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K"])
@@ -258,7 +292,8 @@ def _cpu_has_amx() -> bool:
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 @pytest.mark.parametrize("m", [1, 5, 12, 16, 17, 20, 40])
-def test_amx_tiles_compute_the_vnni_bits(monkeypatch, fmt, m):
+@pytest.mark.parametrize("levels", [127, 63])
+def test_amx_tiles_compute_the_vnni_bits(monkeypatch, fmt, m, levels):
     """Matmuls on AMX tiles (forced from one row on), on tiles for whole 16-row blocks with the
     rows after them on VNNI (blocks of at least 16 or 12 rows on tiles), and on VNNI alone: the
     reference's bits in every format, for row counts that fill, pad and overflow a 16-row tile,
@@ -272,40 +307,45 @@ def test_amx_tiles_compute_the_vnni_bits(monkeypatch, fmt, m):
     w, _ = weight(fmt, 45, cols, seed=8)
     x = torch.randn(m, cols) * torch.rand(m, 1) * 4  # [m, K]
     x[0] = 0.0
-    expected = reference_quant_linear(x, w)  # [m, 45]
-    q, dx, bsum = ext.quantize_rows(x)
+    expected = reference_quant_linear(x, w, activation_levels=levels)  # [m, 45]
+    q, dx, bsum = ext.quantize_rows(x, levels)
     for amx_rows in (1, 16, 12, 0):
         out = torch.full((m, 52), float("nan"))
-        ext.quant_matmul(q, dx, bsum, w.parts[0].packed, FORMAT_IDS[fmt], 45, cols, out, 3, amx_rows)
+        ext.quant_matmul(q, dx, bsum, w.parts[0].packed, FORMAT_IDS[fmt], 45, cols, out, 3, amx_rows, levels)
         assert torch.equal(out[:, 3:48], expected), amx_rows
         assert out[:, :3].isnan().all() and out[:, 48:].isnan().all()
     monkeypatch.setenv(ISA_ENV, "avx512")
     assert amx_min_rows() == AMX_MIN_ROWS
-    assert torch.equal(quant_linear(x, w), expected)
+    assert torch.equal(quant_linear(x, w, activation_levels=levels), expected)
     monkeypatch.setenv(AMX_ENV, "0")
     assert amx_min_rows() == 0
-    assert torch.equal(quant_linear(x, w), expected)
+    assert torch.equal(quant_linear(x, w, activation_levels=levels), expected)
 
 
-@pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
-def test_batch_invariance_every_width(isa, fmt):
+@pytest.mark.parametrize(("fmt", "levels"), [(fmt, 127) for fmt in SUPPORTED_FORMATS] + [("Q8_0", 63)])
+def test_batch_invariance_every_width(isa, fmt, levels):
     """Row i computed with 0..63 other rows around it, at every offset: always the same bits (the
     AVX-512 build switches to AMX tiles from AMX_MIN_ROWS rows on, where the CPU has them)."""
     w, _ = weight(fmt, 48, cols_for(fmt), seed=6)
     x = torch.randn(64, cols_for(fmt))
-    alone = torch.cat([quant_linear(x[i : i + 1], w) for i in range(64)])
+
+    def linear(rows: torch.Tensor) -> torch.Tensor:
+        return quant_linear(rows, w, activation_levels=levels)
+
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(64)])
     for width in range(1, 65):
         start = (7 * width) % (65 - width)
-        assert torch.equal(quant_linear(x[start : start + width], w), alone[start : start + width]), width
+        assert torch.equal(linear(x[start : start + width]), alone[start : start + width]), width
     # rows of other requests mixed in, in another order
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(quant_linear(x[perm], w), alone[perm])
+    assert torch.equal(linear(x[perm]), alone[perm])
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_kernel_exact_at_extreme_quants(isa, fmt):
+@pytest.mark.parametrize("levels", [127, 63])
+def test_kernel_exact_at_extreme_quants(isa, fmt, levels):
     """The largest integer products: every quant at its extreme (Q8_0: -128 and 127; the others
-    all bits set), activations at +-127 with equal or alternating signs.  An int16 pair sum
+    all bits set), activations at +-levels with equal or alternating signs.  An int16 pair sum
     that saturated (vpmaddubsw) would change the bits."""
     cols = cols_for(fmt)
     raw = random_gguf(fmt, 32, cols, seed=8).reshape(32 * cols // GGUF_BLOCK[fmt][1], -1)
@@ -325,7 +365,13 @@ def test_kernel_exact_at_extreme_quants(isa, fmt):
     signs[2, 1::2] = -1.0
     signs[3, 2::4] = -1.0
     signs[3, 3::4] = -1.0
-    assert torch.equal(quant_linear(signs * 0.75, w), reference_quant_linear(signs * 0.75, w))
+    x = signs * 0.75
+    assert torch.equal(
+        quant_linear(x, w, activation_levels=levels), reference_quant_linear(x, w, activation_levels=levels)
+    )
+    for m in (1, 2):  # Q8_0's both-halves tiles on AVX2
+        got = quant_linear(x[m : m + m], w, activation_levels=levels)
+        assert torch.equal(got, reference_quant_linear(x[m : m + m], w, activation_levels=levels)), m
 
 
 def test_quantize_rows_equals_reference(isa):
@@ -345,6 +391,14 @@ def test_quantize_rows_equals_reference(isa):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
     assert ext.quantize_rows(x)[0][2, :8].tolist() == [127, -127, 2, -2, 0, 0, 2, 4]
     assert ext.quantize_rows(x)[0][4, :2].tolist() == [127, -64]
+    # narrow quants (63 levels): the same rounding, within +-63
+    x[5, :32] = torch.tensor([63.0, -63.0, 2.5, -2.5, 0.5, -0.5, 1.5, 3.5] * 4)  # inv == 1 again
+    for got, expected in zip(ext.quantize_rows(x, 63), quantize_activations(x, 63)):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    q = ext.quantize_rows(x, 63)[0]
+    assert q.abs().max() == 63 and q[5, :8].tolist() == [63, -63, 2, -2, 0, 0, 2, 4]
+    with pytest.raises(RuntimeError, match="levels must be 127 or 63, got 64"):
+        ext.quantize_rows(x, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

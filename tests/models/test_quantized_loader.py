@@ -482,6 +482,26 @@ def test_quantization_choices_and_errors(tiny_checkpoints, tiny_gguf_paths):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
+def test_lm_head_takes_the_levels_the_machine_gets(tiny_gguf_paths):
+    """A Q8_0 LM head's logits are the kernel's at lm_head_activation_levels (63 without AVX-512
+    VNNI: narrow quants), whichever way they are asked for (with and without a logits buffer)."""
+    from quickdraft.kernels.quant_linear import lm_head_activation_levels, reference_quant_linear
+    from quickdraft.models.decoder import LogitsBuffer
+
+    model, _ = load(tiny_gguf_paths["llama-q8_0"], "gguf")
+    weight = model.lm_head_weight
+    assert isinstance(weight, QuantizedWeight)
+    hidden = torch.randn(5, weight.shape[1]) * 3  # [5, D]
+    levels = lm_head_activation_levels(weight)
+    expected = reference_quant_linear(model.norm(hidden), weight, activation_levels=levels)
+    assert torch.equal(model.compute_logits(hidden), expected)
+    assert torch.equal(
+        model.compute_logits(hidden, buffer=LogitsBuffer(vocab_size=weight.shape[0], max_bytes=1 << 20)), expected
+    )
+    other = reference_quant_linear(model.norm(hidden), weight, activation_levels=190 - levels)
+    assert not torch.equal(other, expected)  # the levels matter
+
+
 def test_reference_path_gives_the_same_tokens(tiny_gguf_paths, monkeypatch):
     """The portable torch code and the kernel are one numerics: same greedy tokens."""
     from quickdraft.kernels import quant_linear as module

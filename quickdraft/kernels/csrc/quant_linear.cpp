@@ -6,8 +6,10 @@
 // documented there; this file only reads them).
 //
 // Numerics (the same for every M, so a row's result never depends on the other rows):
-//  - each row of x is quantized to int8 per 32 values: dx = amax / 127, q = round(x * 127 / amax)
-//    (round half to even), plus the integer sum of every 16 quants (bsum16);
+//  - each row of x is quantized to int8 per 32 values: dx = amax / L, q = round(x * L / amax)
+//    (round half to even), plus the integer sum of every 16 quants (bsum16), with L = 127 levels
+//    (L = 63 where a caller asks for narrow quants: the LM head of quant_linear.py's
+//    lm_head_activation_levels);
 //  - each 32-wide block's dot product of quants is an exact int32 (the weights' offsets are
 //    folded in as -offset * bsum where the instructions multiply unsigned weight quants);
 //  - one fp32 accumulator per output, added block after block in K order:
@@ -26,7 +28,9 @@
 //    products go through vpmaddubsw, whose int16 pair sums saturate above 32767: the 4-6 bit
 //    weight quants (<= 63) keep |2 * 63 * 127| < 2^15; Q8_0's 8-bit quants are made signed
 //    (-128..127) and multiplied as |w| (<= 128, unsigned) times x * sign(w) (|x| <= 127, so the
-//    sign flip never wraps): |2 * 128 * 127| = 32512 < 2^15.  The small quants' pair sums are
+//    sign flip never wraps): |2 * 128 * 127| = 32512 < 2^15; where x's quants are narrow
+//    (|x| <= 63) the stored unsigned quants (w + 128 <= 255) multiply x as they are, one
+//    instruction fewer per step: |2 * 255 * 63| = 32130 < 2^15.  The small quants' pair sums are
 //    added as int16 for a few steps before vpmaddwd widens them (Partial: as many steps as
 //    stay below 2^15).  Either way the block dots are the same exact integers, and the fp32
 //    epilogue is the same operations on the same values, lane by lane.
@@ -123,6 +127,8 @@ struct QRows {
   const int32_t* bsum;   // [M, K / 16]
   int64_t K;
   const float* xf = nullptr;  // [M, K]
+  bool narrow = false;        // every quant within +-63 (quantize_rows with 63 levels)
+  const int32_t* offset128 = nullptr;  // [M, K / 32], narrow: -128 * each block's quant sum
 };
 
 #define QD_INLINE __attribute__((always_inline)) inline
@@ -159,8 +165,6 @@ QD_INLINE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpr
 constexpr int partial_steps(int max_q) { return 32767 / (2 * 127 * max_q); }
 static_assert(partial_steps(15) == 8 && partial_steps(31) == 4 && partial_steps(63) == 2);
 
-constexpr int32_t kQ8Offset = 0;  // Q8_0's quants are made signed: the products are of the signed quants
-
 // out[0 : nvalid] = v (nvalid <= 16)
 QD_INLINE void store_lanes(float* out, VecF v, int64_t nvalid) {
   if (nvalid == 16) {
@@ -191,8 +195,8 @@ QD_INLINE float max8(__m256 v) {
 // x * inv in fp32 and round-half-even (the default rounding of vcvtps2dq), exactly as the torch
 // reference (clamping before rounding to the integer bounds is the same); the 16-value sums are
 // exact integers.
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
-  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_t* bsum, float levels) {
+  const __m256 lo = _mm256_set1_ps(-levels), hi = _mm256_set1_ps(levels);
   const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   // packs leaves the 4-byte groups in the order 0, 2, 4, 6, 1, 3, 5, 7 (within-lane packing)
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -201,8 +205,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
     const float amax = max8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], sign_off), _mm256_and_ps(v[1], sign_off)),
                                           _mm256_max_ps(_mm256_and_ps(v[2], sign_off), _mm256_and_ps(v[3], sign_off))));
-    dx[b] = amax / 127.0f;
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    dx[b] = amax / levels;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
     __m256i qi[4];
     for (int i = 0; i < 4; ++i)
       qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(v[i], inv))));
@@ -316,14 +320,14 @@ QD_INLINE void store_lanes(float* out, VecF v, int64_t nvalid) {
 // x * inv in fp32 and round-half-even (the default rounding of vcvtps2dq), exactly as the torch
 // reference (clamping before rounding to the integer bounds is the same); the 16-value sums are
 // exact integers.
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_t* bsum, float levels) {
+  const __m512 lo = _mm512_set1_ps(-levels), hi = _mm512_set1_ps(levels);
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / 32; ++b) {
     const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, sign_off), _mm512_and_ps(x1, sign_off)));
-    dx[b] = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    dx[b] = amax / levels;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(x0, inv))));
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(x1, inv))));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtepi32_epi8(q0));
@@ -340,9 +344,11 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, int32_
 // ------------------------------------------------------------------------------------------
 
 // Every row of x [M, K]; rows are independent, so threads change nothing.
-inline void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* bsum) {
+inline void quantize_rows_into(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* bsum,
+                               int64_t levels = 127) {
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * K, dx + m * (K / 32), bsum + m * (K / 16));
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, K, q + m * K, dx + m * (K / 32), bsum + m * (K / 16), static_cast<float>(levels));
   });
 }
 
@@ -356,6 +362,8 @@ struct Rows {
   const float* dx[kMaxPassRows];
   const int32_t* bsum[kMaxPassRows];
   const float* xf[kMaxPassRows];
+  bool narrow;  // QRows::narrow
+  const int32_t* offset128[kMaxPassRows];
 };
 
 #if defined(QD_ISA_AVX2)
@@ -652,8 +660,13 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
     r.bsum[m] = quants ? x.bsum + (m0 + m) * (x.K / 16) : nullptr;
     r.xf[m] = floats ? x.xf + (m0 + m) * x.K : nullptr;
   }
+  r.narrow = x.narrow;
+  for (int m = 0; m < MB; ++m) r.offset128[m] = x.offset128 ? x.offset128 + (m0 + m) * (x.K / 32) : nullptr;
 #if defined(QD_ISA_AVX2)
-  half_group_rows<FMT, MB>(group, ntiles, r, out + m0 * ldo, ldo, n0, nvalid);
+  if constexpr (FMT == Q8_0) {
+    if (r.narrow) return half_group_rows<FMT, MB, true>(group, ntiles, r, out + m0 * ldo, ldo, n0, nvalid);
+  }
+  half_group_rows<FMT, MB, false>(group, ntiles, r, out + m0 * ldo, ldo, n0, nvalid);
 #else
   VecF acc[MB];
   QD_UNROLL
@@ -1068,8 +1081,11 @@ inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t
 // Torch binding
 // ------------------------------------------------------------------------------------------
 
-std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in) {
+// Quants within +-levels: 127, or 63 for the narrow quants that Q8_0's AVX2 step multiplies
+// without a sign flip (QRows::narrow).
+std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in, int64_t levels) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "quantize_rows: x must be float32 [M, K]");
+  TORCH_CHECK(levels == 127 || levels == 63, "quantize_rows: levels must be 127 or 63, got ", levels);
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "quantize_rows: K must be a multiple of 32, got ", K);
@@ -1080,7 +1096,7 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in) {
   auto* qp = q.mutable_data_ptr<int8_t>();
   auto* dp = dx.mutable_data_ptr<float>();
   auto* bp = bsum.mutable_data_ptr<int32_t>();
-  quantize_rows_into(xp, M, K, qp, dp, bp);
+  quantize_rows_into(xp, M, K, qp, dp, bp, levels);
   return {q, dx, bsum};
 }
 
@@ -1099,15 +1115,27 @@ void check_packed_matmul(const char* name, const at::Tensor& packed, int64_t for
 
 // out[:, col0 : col0 + N] = x @ W^T, W packed in `format`.  out is [M, ldo] float32, written in
 // place (so a fused weight made of parts in different formats fills one output).
+// x_levels: the levels quantize_rows made q with (63: narrow quants, see QRows::narrow).
 void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
-                  int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0, int64_t amx_min_rows) {
+                  int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0, int64_t amx_min_rows,
+                  int64_t x_levels) {
   TORCH_CHECK(format >= 0 && format <= kLastFormat, "quant_matmul: unknown format ", format);
+  TORCH_CHECK(x_levels == 127 || x_levels == 63, "quant_matmul: x_levels must be 127 or 63, got ", x_levels);
   TORCH_CHECK(q.is_contiguous() && dx.is_contiguous() && bsum.is_contiguous(), "quant_matmul: tensors must be contiguous");
   TORCH_CHECK(q.dim() == 2 && q.size(1) == K, "quant_matmul: activations do not match K");
   const int64_t M = q.size(0);
   check_packed_matmul("quant_matmul", packed, format, N, K, M, out, col0);
   if (M == 0 || N == 0) return;
-  const QRows x{q.const_data_ptr<int8_t>(), dx.const_data_ptr<float>(), bsum.const_data_ptr<int32_t>(), K};
+  // Narrow quants meet the stored unsigned Q8_0 quants as they are (AVX2): each block's dot
+  // starts at -128 * its quant sum, read from memory (a broadcast load, no arithmetic per tile).
+  std::vector<int32_t> offset128;
+  const int32_t* bsum_p = bsum.const_data_ptr<int32_t>();
+  if (x_levels <= 63) {
+    offset128.resize(M * (K / 32));
+    for (int64_t i = 0; i < M * (K / 32); ++i) offset128[i] = -128 * (bsum_p[2 * i] + bsum_p[2 * i + 1]);
+  }
+  const QRows x{q.const_data_ptr<int8_t>(), dx.const_data_ptr<float>(), bsum_p, K, nullptr, x_levels <= 63,
+                offset128.empty() ? nullptr : offset128.data()};
   run_format(format, packed.const_data_ptr<uint8_t>(), N, K, x, M, out.mutable_data_ptr<float>(), out.size(1), col0,
              amx_min_rows);
 }
@@ -2308,10 +2336,10 @@ std::vector<at::Tensor> draft_chain(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("quantize_rows", &qd_quant::quantize_rows, "x [M, K] float32 -> (q int8 [M, K], dx [M, K/32], bsum [M, K/16])",
-        py::arg("x"), py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("levels") = 127, py::call_guard<py::gil_scoped_release>());
   m.def("quant_matmul", &qd_quant::quant_matmul, "out[:, col0:col0+N] = x @ W^T for a packed quantized W",
         py::arg("q"), py::arg("dx"), py::arg("bsum"), py::arg("packed"), py::arg("format"), py::arg("N"),
-        py::arg("K"), py::arg("out"), py::arg("col0"), py::arg("amx_min_rows"),
+        py::arg("K"), py::arg("out"), py::arg("col0"), py::arg("amx_min_rows"), py::arg("x_levels") = 127,
         py::call_guard<py::gil_scoped_release>());
   m.def("float16_matmul", &qd_quant::float16_matmul, "out[:, col0:col0+N] = x @ W^T for W packed in F16 or BF16",
         py::arg("x"), py::arg("packed"), py::arg("format"), py::arg("N"), py::arg("K"), py::arg("out"),

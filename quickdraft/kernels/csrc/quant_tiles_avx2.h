@@ -147,6 +147,40 @@ QD_INLINE void q8_0_half_step(const uint8_t* t, int s, int h, int64_t k0, const 
   signed_half_dots<MB>(idot, w, r.xq, k0 + 4 * s);
 }
 
+// q8_0_half_step for narrow quants of x (|x| <= 63, Rows::narrow): the stored unsigned quants
+// (w + 128) times x as they are, so idot starts at -128 * bsum instead.  No pair sum saturates
+// (2 * 255 * 63 < 2^15), and without vpsignb the step is one multiply-pipe instruction shorter:
+// the LM head at 8-16 rows ~20% faster on Zen 3 (docs/performance-log.md, session 59).
+template <int MB>
+QD_INLINE void q8_0_half_step_narrow(const uint8_t* t, int s, int h, int64_t k0, const Rows& r, __m256i* idot) {
+  const __m256i w = load32(t + 64 * s + 32 * h);
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m)
+    idot[m] = _mm256_add_epi32(idot[m], widen16(_mm256_maddubs_epi16(w, bcast4(r.xq[m] + k0 + 4 * s))));
+}
+
+// idot's start for block b: 0 (signed quants), or -128 * x's quant sum (narrow: Rows::offset128)
+template <int MB, bool NARROW>
+QD_INLINE void q8_0_init(__m256i* idot, const Rows& r, int64_t b) {
+  QD_UNROLL
+  for (int m = 0; m < MB; ++m) idot[m] = NARROW ? _mm256_set1_epi32(r.offset128[m][b]) : _mm256_setzero_si256();
+}
+
+// The 8 steps of half h of a Q8_0 tile into idot (offset included), signed or narrow.
+template <int MB, bool NARROW>
+QD_INLINE void q8_0_half_block(const uint8_t* t, int h, int64_t k0, const Rows& r, __m256i* idot) {
+  q8_0_init<MB, NARROW>(idot, r, k0 / 32);
+  QD_UNROLL
+  for (int s = 0; s < 8; ++s) {
+    if constexpr (NARROW)
+      q8_0_half_step_narrow<MB>(t, s, h, k0, r, idot);
+    else
+      q8_0_half_step<MB>(t, s, h, k0, r, idot);
+    QD_UNROLL
+    for (int m = 0; m < MB; ++m) __asm__("" : "+x"(idot[m]));  // as in half_dots
+  }
+}
+
 // idot[m] += half h of a section of IQ4 indices (32 k from k0) . x_m: the signed levels, as Q8_0's
 // quants (|w| <= 127).
 template <int MB, int FMT>
@@ -202,21 +236,15 @@ QD_INLINE void half_float16_tile(const uint8_t* t, int h, int64_t k0, const floa
 }
 
 // Half h of one tile (8 weight rows x kTileK values from k0) into the accumulators: tile<>
-// for 8 lanes.
-template <int FMT, int MB>
+// for 8 lanes (NARROW: x's quants are narrow, Rows::narrow; Q8_0 only).
+template <int FMT, int MB, bool NARROW>
 QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m256* acc) {
   __m256i idot[MB];
   const int64_t b = k0 / 32;
   if constexpr (float16_format(FMT)) {
     half_float16_tile<FMT, MB>(t, h, k0, r.xf, acc);
   } else if constexpr (FMT == Q8_0) {
-    half_init_offset<MB>(idot, r.bsum, b, kQ8Offset);
-    QD_UNROLL
-    for (int s = 0; s < 8; ++s) {
-      q8_0_half_step<MB>(t, s, h, k0, r, idot);
-      QD_UNROLL
-      for (int m = 0; m < MB; ++m) __asm__("" : "+x"(idot[m]));  // as in half_dots
-    }
+    q8_0_half_block<MB, NARROW>(t, h, k0, r, idot);
     half_add_scaled<MB>(acc, half_f16(t + 512, h), idot, r.dx, b);
   } else if constexpr (FMT == Q4_0 || FMT == Q5_0) {
     half_init_offset<MB>(idot, r.bsum, b, FMT == Q4_0 ? 8 : 16);
@@ -348,24 +376,30 @@ QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m
 // A Q8_0 tile for a row or two of x, both halves step by step: with so few rows the tile is
 // read from memory at the pace of the steps (the LM head at one row: 7.1 ms against 7.5 ms
 // for half after half), and the registers hold both halves' dots.
-template <int MB>
+template <int MB, bool NARROW>
 QD_INLINE void q8_0_tile_both_halves(const uint8_t* t, int64_t k0, const Rows& r, __m256* acc0, __m256* acc1) {
   __m256i idot[2][MB];
   const int64_t b = k0 / 32;
-  half_init_offset<MB>(idot[0], r.bsum, b, kQ8Offset);
-  half_init_offset<MB>(idot[1], r.bsum, b, kQ8Offset);
+  q8_0_init<MB, NARROW>(idot[0], r, b);
+  q8_0_init<MB, NARROW>(idot[1], r, b);
   QD_UNROLL
   for (int s = 0; s < 8; ++s) {
-    q8_0_half_step<MB>(t, s, 0, k0, r, idot[0]);
-    q8_0_half_step<MB>(t, s, 1, k0, r, idot[1]);
+    if constexpr (NARROW) {
+      q8_0_half_step_narrow<MB>(t, s, 0, k0, r, idot[0]);
+      q8_0_half_step_narrow<MB>(t, s, 1, k0, r, idot[1]);
+    } else {
+      q8_0_half_step<MB>(t, s, 0, k0, r, idot[0]);
+      q8_0_half_step<MB>(t, s, 1, k0, r, idot[1]);
+    }
   }
   half_add_scaled<MB>(acc0, half_f16(t + 512, 0), idot[0], r.dx, b);
   half_add_scaled<MB>(acc1, half_f16(t + 512, 1), idot[1], r.dx, b);
 }
 
 // Rows m0..m0+MB-1 of x against weight group g (16 output rows), all of K: per tile, half 0 for
-// every row, then half 1 (the group streams from memory once per pass).
-template <int FMT, int MB>
+// every row, then half 1 (the group streams from memory once per pass).  NARROW: as half_tile's
+// (a template argument: a test per tile made GCC's 8-row Q8_0 loop no faster than the signed one).
+template <int FMT, int MB, bool NARROW>
 QD_INLINE void half_group_rows(const uint8_t* group, int64_t ntiles, const Rows& r, float* out, int64_t ldo,
                                int64_t n0, int64_t nvalid) {
   __m256 acc[2][MB];
@@ -378,10 +412,10 @@ QD_INLINE void half_group_rows(const uint8_t* group, int64_t ntiles, const Rows&
     for (int64_t off = 0; off < kTileBytes[FMT]; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(t + tile_prefetch_bytes(FMT) + off), kPrefetchHint);
     if constexpr (FMT == Q8_0 && MB <= 2) {
-      q8_0_tile_both_halves<MB>(t, i * kTileK[FMT], r, acc[0], acc[1]);
+      q8_0_tile_both_halves<MB, NARROW>(t, i * kTileK[FMT], r, acc[0], acc[1]);
     } else {
-      half_tile<FMT, MB>(t, 0, i * kTileK[FMT], r, acc[0]);
-      half_tile<FMT, MB>(t, 1, i * kTileK[FMT], r, acc[1]);
+      half_tile<FMT, MB, NARROW>(t, 0, i * kTileK[FMT], r, acc[0]);
+      half_tile<FMT, MB, NARROW>(t, 1, i * kTileK[FMT], r, acc[1]);
     }
   }
   for (int m = 0; m < MB; ++m) store_lanes(out + m * ldo + n0, VecF{acc[0][m], acc[1][m]}, nvalid);
