@@ -11,7 +11,10 @@ stream (on AVX-512 both run the same instructions: only the precision differs).
   per arm and config, the arms alternating per prompt; each arm's speculative outputs must equal
   its plain outputs, and the arms' plain answers are compared token for token;
 - precision: the head's final-norm inputs captured during the e2e plain runs, their top-1 under
-  each arm against unquantized activations (float32 matmul with the dequantized head).
+  each arm against unquantized activations (float32 matmul with the dequantized head);
+- agreement: each arm's plain answers against the same file dequantized to float32
+  (`dtype="float32"`, no activation quants anywhere), prompt by prompt: answers identical and
+  the mean common prefix (as benchmarks/token_agreement.py counts them).
 
     python benchmarks/lm_head_levels.py --per-category 4 --json out.json
 """
@@ -134,6 +137,32 @@ def end_to_end(per_category: int, max_tokens: int) -> tuple[dict, list[torch.Ten
     )
 
 
+def float32_agreement(per_category: int, max_tokens: int) -> dict:
+    prompts = prompts_of(per_category)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    answers = {}
+    for arm in ("float32", *ARMS):
+        use(ARMS[0] if arm == "float32" else arm)  # float32 has no quantized head: levels unused
+        llm = LLM(dtype="float32") if arm == "float32" else LLM()
+        answers[arm] = [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
+        del llm
+
+    def common_prefix(a: list[int], b: list[int]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    result: dict = {"prompts": len(prompts)}
+    for levels in ARMS:
+        pairs = list(zip(answers[levels], answers["float32"]))
+        result[f"levels {levels}: answers identical to float32"] = sum(a == b for a, b in pairs) / len(pairs)
+        result[f"levels {levels}: mean common prefix with float32"] = statistics.mean(
+            common_prefix(a, b) for a, b in pairs
+        )
+    return result
+
+
 def precision(captured: list[torch.Tensor], weight) -> dict:
     hidden = torch.cat(captured)  # [R, D]
     vocab = weight.shape[0]
@@ -158,7 +187,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-category", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--skip", nargs="*", default=[], choices=("kernel", "curve", "e2e"))
+    parser.add_argument("--skip", nargs="*", default=[], choices=("kernel", "curve", "e2e", "agreement"))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print("kernel:", ql.active_isa())
@@ -173,6 +202,8 @@ def main() -> None:
     if "e2e" not in args.skip:
         result["e2e"], captured, weight = end_to_end(args.per_category, args.max_tokens)
         result["precision"] = precision(captured, weight)
+    if "agreement" not in args.skip:
+        result["float32 agreement"] = float32_agreement(args.per_category, args.max_tokens)
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

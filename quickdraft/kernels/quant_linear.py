@@ -18,8 +18,9 @@ a forced kernel this CPU cannot run leaves the reference (logged once when its b
 The variable is read at every call, so tests can switch it with monkeypatch.
 
 Activation quants have 127 levels a side, or 63 where a caller asks for them
-(``activation_levels``): a Q8_0 LM head does on CPUs without AVX-512 VNNI
-(``lm_head_activation_levels``), where its weights then multiply without a sign flip.
+(``activation_levels``): a Q8_0 LM head does under ``QUICKDRAFT_LM_HEAD_NARROW=1``
+(``lm_head_activation_levels``), and the AVX2 build then multiplies its weights without a sign
+flip (faster, less precise: off by default).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "AMX_ENV",
     "ISAS",
     "ISA_ENV",
+    "NARROW_LM_HEAD_ENV",
     "active_isa",
     "amx_min_rows",
     "draft_chain",
@@ -162,21 +164,23 @@ def fused_layer_available() -> bool:
 # Activation quant levels: the default, and the narrow quants of lm_head_activation_levels.
 ACTIVATION_LEVELS = 127
 NARROW_ACTIVATION_LEVELS = 63
+NARROW_LM_HEAD_ENV = "QUICKDRAFT_LM_HEAD_NARROW"
 
 
 def lm_head_activation_levels(weight: QuantizedWeight) -> int:
-    """How many levels a side the LM head's activation quants take: 63 for a Q8_0 head on a CPU
-    where the AVX-512 VNNI build cannot run (or is not built: QUICKDRAFT_DISABLE_CPU_KERNEL),
-    else 127.  There the AVX2 build multiplies narrow
-    quants by the stored unsigned Q8_0 quants without a sign flip: the head ~17-19% faster at the
-    8-16 rows of a verification or a batch, forwards of 8-32 tokens 7-10% faster, Spec-Bench
-    suffix and eagle3 ~2% (docs/performance-log.md, session 59).  The price, measured on the
-    embedded model's greedy answers: the head's top-1 differs from unquantized activations' on
-    0.61% of rows instead of 0.30%.  VNNI gains nothing from narrow quants, so it keeps 127.
-    A property of the machine, not of the build a caller forces, so that the kernels and the
-    torch reference compute the same bits on it; every path to the target's logits takes its
-    levels from here, so plain and speculative decoding stay bit-identical."""
-    if all(part.format == "Q8_0" for part in weight.parts) and isa_extension("avx512") is None:
+    """How many levels a side the LM head's activation quants take: 127, or 63 for a Q8_0 head
+    where QUICKDRAFT_LM_HEAD_NARROW=1 asks for narrow quants.  The AVX2 build multiplies those
+    by the stored unsigned Q8_0 quants without a sign flip: the head 16-19% faster at 8-16 rows
+    (a verification, a batch), forwards of 8-32 tokens ~5-10% faster, Spec-Bench first turns
+    ~2% (within the runs' spread); nothing on AVX-512 VNNI.  Off by default for what it costs
+    in fidelity, measured on the embedded model (docs/performance-log.md, session 59): the head's
+    top-1 differs from unquantized activations' on 0.61% of rows instead of 0.30%, and greedy
+    answers identical to the float32 dequantized model's fell from 45% to 37% (common prefix 68
+    -> 58 of 128 tokens).  Read at every call, like QUICKDRAFT_CPU_ISA: set it before loading.
+    Every path to the target's logits takes its levels from here, so plain and speculative
+    decoding stay bit-identical whichever it is."""
+    narrow = os.environ.get(NARROW_LM_HEAD_ENV, "0").strip().lower() not in ("", "0", "false", "no")
+    if narrow and all(part.format == "Q8_0" for part in weight.parts):
         return NARROW_ACTIVATION_LEVELS
     return ACTIVATION_LEVELS
 

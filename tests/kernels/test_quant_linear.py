@@ -16,6 +16,7 @@ from quickdraft.kernels.quant_linear import (
     AMX_MIN_ROWS,
     ISA_ENV,
     ISAS,
+    NARROW_LM_HEAD_ENV,
     active_isa,
     amx_min_rows,
     fused_layer_available,
@@ -249,13 +250,15 @@ def test_narrow_activations_are_a_coarser_quantization():
         quant_linear(x, w, activation_levels=100)
 
 
-@pytest.mark.parametrize("forced", ["auto", *ISAS, "reference"])
-def test_lm_head_levels_are_narrow_for_q8_0_where_vnni_cannot_run(monkeypatch, forced):
-    """The machine decides, not the build a caller forces: the kernels and the reference agree."""
-    monkeypatch.setenv(ISA_ENV, forced)
+@pytest.mark.parametrize("setting", [None, "0", "1", "true"])
+def test_lm_head_levels_are_narrow_for_q8_0_only_when_asked(monkeypatch, setting):
+    if setting is None:
+        monkeypatch.delenv(NARROW_LM_HEAD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(NARROW_LM_HEAD_ENV, setting)
     q8, _ = weight("Q8_0", 16, 64)
     q6, _ = weight("Q6_K", 16, 512)
-    assert lm_head_activation_levels(q8) == (127 if isa_extension("avx512") is not None else 63)
+    assert lm_head_activation_levels(q8) == (63 if setting in ("1", "true") else 127)
     assert lm_head_activation_levels(q6) == 127
 
 

@@ -482,24 +482,32 @@ def test_quantization_choices_and_errors(tiny_checkpoints, tiny_gguf_paths):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no compiled quantized kernel on this CPU")
-def test_lm_head_takes_the_levels_the_machine_gets(tiny_gguf_paths):
-    """A Q8_0 LM head's logits are the kernel's at lm_head_activation_levels (63 without AVX-512
-    VNNI: narrow quants), whichever way they are asked for (with and without a logits buffer)."""
-    from quickdraft.kernels.quant_linear import lm_head_activation_levels, reference_quant_linear
+@pytest.mark.parametrize("narrow", [False, True])
+def test_lm_head_takes_the_levels_asked_for(tiny_gguf_paths, monkeypatch, narrow):
+    """A Q8_0 LM head's logits are the kernel's at lm_head_activation_levels (63 under
+    QUICKDRAFT_LM_HEAD_NARROW=1), whichever way they are asked for (with and without a logits
+    buffer), and narrow decoding stays exact: speculative greedy output equals plain."""
+    from quickdraft.kernels.quant_linear import NARROW_LM_HEAD_ENV, reference_quant_linear
     from quickdraft.models.decoder import LogitsBuffer
 
+    monkeypatch.setenv(NARROW_LM_HEAD_ENV, "1" if narrow else "0")
     model, _ = load(tiny_gguf_paths["llama-q8_0"], "gguf")
     weight = model.lm_head_weight
     assert isinstance(weight, QuantizedWeight)
     hidden = torch.randn(5, weight.shape[1]) * 3  # [5, D]
-    levels = lm_head_activation_levels(weight)
+    levels = 63 if narrow else 127
     expected = reference_quant_linear(model.norm(hidden), weight, activation_levels=levels)
     assert torch.equal(model.compute_logits(hidden), expected)
-    assert torch.equal(
-        model.compute_logits(hidden, buffer=LogitsBuffer(vocab_size=weight.shape[0], max_bytes=1 << 20)), expected
-    )
+    buffer = LogitsBuffer(vocab_size=weight.shape[0], max_bytes=1 << 20)
+    assert torch.equal(model.compute_logits(hidden, buffer=buffer), expected)
     other = reference_quant_linear(model.norm(hidden), weight, activation_levels=190 - levels)
     assert not torch.equal(other, expected)  # the levels matter
+    path = str(tiny_gguf_paths["llama-q8_0"])
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    prompts = repetitive_prompts()[:3]
+    plain = [o.outputs[0].token_ids for o in LLM(path, max_model_len=128).generate(prompts, params)]
+    spec = LLM(path, max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
 
 
 def test_reference_path_gives_the_same_tokens(tiny_gguf_paths, monkeypatch):
