@@ -5,7 +5,7 @@ On AVX2 a Q8_0 head multiplies narrow quants without a sign flip; the arms diffe
 levels the head's input is quantized to, so on AVX2 they are the old and the new instruction
 stream (on AVX-512 both run the same instructions: only the precision differs).
 
-- kernel: the LM head alone at 1..16 rows (medians over alternated rounds);
+- kernel: the LM head alone at 1..16 rows (medians of 5 x --rounds alternations, 3 calls each);
 - curve: one sequence with 300 tokens of context verifying T tokens, logits for all;
 - e2e: Spec-Bench first turns (`--per-category` of each), greedy, plain / suffix / eagle3, one LLM
   per arm and config, the arms alternating per prompt; each arm's speculative outputs must equal
@@ -46,20 +46,18 @@ def use(levels: int) -> None:
     decoder_module.lm_head_activation_levels = lambda weight: levels
 
 
-def per_kernel(weight, rows: list[int], rounds: int) -> dict:
+def per_kernel(weight, rows: list[int], alternations: int) -> dict:
+    """Medians of `alternations` timings per arm (3 calls each), the arms' order flipped each time."""
     times = collections.defaultdict(list)
-    for _ in range(rounds):
-        for m in rows:
-            x, out = torch.randn(m, weight.shape[1]), torch.empty(m, weight.shape[0])
-            for levels in ARMS:
-                for _ in range(2):
+    for m in rows:
+        x, out = torch.randn(m, weight.shape[1]), torch.empty(m, weight.shape[0])
+        for i in range(alternations):
+            for levels in ARMS if i % 2 else reversed(ARMS):
+                ql.quant_linear(x, weight, out=out, activation_levels=levels)
+                started = time.perf_counter()
+                for _ in range(3):
                     ql.quant_linear(x, weight, out=out, activation_levels=levels)
-                samples = []
-                for _ in range(7):
-                    started = time.perf_counter()
-                    ql.quant_linear(x, weight, out=out, activation_levels=levels)
-                    samples.append(time.perf_counter() - started)
-                times[f"lm_head M={m} levels {levels}"].append(statistics.median(samples))
+                times[f"lm_head M={m} levels {levels}"].append((time.perf_counter() - started) / 3)
     return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
@@ -195,7 +193,7 @@ def main() -> None:
     if "kernel" not in args.skip or "curve" not in args.skip:
         llm = LLM()
         if "kernel" not in args.skip:
-            result["kernel ms"] = per_kernel(llm.engine.model.lm_head_weight, args.rows, args.rounds)
+            result["kernel ms"] = per_kernel(llm.engine.model.lm_head_weight, args.rows, 5 * args.rounds)
         if "curve" not in args.skip:
             result["curve ms"] = curve(llm.engine, args.widths, args.rounds)
         del llm
