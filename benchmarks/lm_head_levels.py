@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 from forward_curve import time_forward  # run from benchmarks/: its folder is on the path
+from huge_pages import first_turns
+from token_agreement import common_prefix
 
 import quickdraft.models.decoder as decoder_module
 from quickdraft import LLM, SamplingParams
 from quickdraft.kernels import quant_linear as ql
 
-ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = ROOT.parent / "shared/data/specbench/questions.dev.jsonl"
 CONFIGS = {"plain": None, "suffix": {"method": "suffix"}, "eagle3": {"method": "eagle3"}}
 ARMS = (127, 63)
 
@@ -71,16 +71,8 @@ def curve(engine, widths: list[int], rounds: int) -> dict:
     return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
-def prompts_of(per_category: int) -> list[str]:
-    by_category = collections.defaultdict(list)
-    for line in QUESTIONS.read_text().splitlines():
-        item = json.loads(line)
-        by_category[item["category"]].append(item["turns"][0])
-    return [p for questions in by_category.values() for p in questions[:per_category]]
-
-
 def end_to_end(per_category: int, max_tokens: int) -> tuple[dict, list[torch.Tensor], object]:
-    prompts = prompts_of(per_category)
+    prompts = first_turns(per_category)
     llms = {}
     for name, config in CONFIGS.items():
         for levels in ARMS:
@@ -136,7 +128,7 @@ def end_to_end(per_category: int, max_tokens: int) -> tuple[dict, list[torch.Ten
 
 
 def float32_agreement(per_category: int, max_tokens: int) -> dict:
-    prompts = prompts_of(per_category)
+    prompts = first_turns(per_category)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     answers = {}
     for arm in ("float32", *ARMS):
@@ -144,12 +136,6 @@ def float32_agreement(per_category: int, max_tokens: int) -> dict:
         llm = LLM(dtype="float32") if arm == "float32" else LLM()
         answers[arm] = [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
         del llm
-
-    def common_prefix(a: list[int], b: list[int]) -> int:
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
 
     result: dict = {"prompts": len(prompts)}
     for levels in ARMS:

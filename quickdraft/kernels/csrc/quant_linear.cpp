@@ -127,8 +127,9 @@ struct QRows {
   const int32_t* bsum;   // [M, K / 16]
   int64_t K;
   const float* xf = nullptr;  // [M, K]
-  bool narrow = false;        // every quant within +-63 (quantize_rows with 63 levels)
-  const int32_t* offset128 = nullptr;  // [M, K / 32], narrow: -128 * each block's quant sum
+  // [M, K / 32]: -128 * each block's quant sum where every quant is within +-63 (quantize_rows
+  // with 63 levels: narrow quants, which Q8_0's AVX2 step multiplies without a sign flip); else null
+  const int32_t* offset128 = nullptr;
 };
 
 #define QD_INLINE __attribute__((always_inline)) inline
@@ -362,8 +363,7 @@ struct Rows {
   const float* dx[kMaxPassRows];
   const int32_t* bsum[kMaxPassRows];
   const float* xf[kMaxPassRows];
-  bool narrow;  // QRows::narrow
-  const int32_t* offset128[kMaxPassRows];
+  const int32_t* offset128[kMaxPassRows];  // QRows::offset128's rows
 };
 
 #if defined(QD_ISA_AVX2)
@@ -659,12 +659,11 @@ void group_rows(const uint8_t* group, int64_t ntiles, const QRows& x, int64_t m0
     r.dx[m] = quants ? x.dx + (m0 + m) * (x.K / 32) : nullptr;
     r.bsum[m] = quants ? x.bsum + (m0 + m) * (x.K / 16) : nullptr;
     r.xf[m] = floats ? x.xf + (m0 + m) * x.K : nullptr;
+    r.offset128[m] = x.offset128 ? x.offset128 + (m0 + m) * (x.K / 32) : nullptr;
   }
-  r.narrow = x.narrow;
-  for (int m = 0; m < MB; ++m) r.offset128[m] = x.offset128 ? x.offset128 + (m0 + m) * (x.K / 32) : nullptr;
 #if defined(QD_ISA_AVX2)
   if constexpr (FMT == Q8_0) {
-    if (r.narrow) return half_group_rows<FMT, MB, true>(group, ntiles, r, out + m0 * ldo, ldo, n0, nvalid);
+    if (x.offset128) return half_group_rows<FMT, MB, true>(group, ntiles, r, out + m0 * ldo, ldo, n0, nvalid);
   }
   half_group_rows<FMT, MB, false>(group, ntiles, r, out + m0 * ldo, ldo, n0, nvalid);
 #else
@@ -1082,7 +1081,7 @@ inline void run_format(int64_t format, const uint8_t* packed, int64_t N, int64_t
 // ------------------------------------------------------------------------------------------
 
 // Quants within +-levels: 127, or 63 for the narrow quants that Q8_0's AVX2 step multiplies
-// without a sign flip (QRows::narrow).
+// without a sign flip (QRows::offset128).
 std::vector<at::Tensor> quantize_rows(const at::Tensor& x_in, int64_t levels) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "quantize_rows: x must be float32 [M, K]");
   TORCH_CHECK(levels == 127 || levels == 63, "quantize_rows: levels must be 127 or 63, got ", levels);
@@ -1115,7 +1114,7 @@ void check_packed_matmul(const char* name, const at::Tensor& packed, int64_t for
 
 // out[:, col0 : col0 + N] = x @ W^T, W packed in `format`.  out is [M, ldo] float32, written in
 // place (so a fused weight made of parts in different formats fills one output).
-// x_levels: the levels quantize_rows made q with (63: narrow quants, see QRows::narrow).
+// x_levels: the levels quantize_rows made q with (63: narrow quants, see QRows::offset128).
 void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
                   int64_t format, int64_t N, int64_t K, at::Tensor& out, int64_t col0, int64_t amx_min_rows,
                   int64_t x_levels) {
@@ -1130,11 +1129,11 @@ void quant_matmul(const at::Tensor& q, const at::Tensor& dx, const at::Tensor& b
   // starts at -128 * its quant sum, read from memory (a broadcast load, no arithmetic per tile).
   std::vector<int32_t> offset128;
   const int32_t* bsum_p = bsum.const_data_ptr<int32_t>();
-  if (x_levels <= 63) {
+  if (x_levels == 63) {
     offset128.resize(M * (K / 32));
     for (int64_t i = 0; i < M * (K / 32); ++i) offset128[i] = -128 * (bsum_p[2 * i] + bsum_p[2 * i + 1]);
   }
-  const QRows x{q.const_data_ptr<int8_t>(), dx.const_data_ptr<float>(), bsum_p, K, nullptr, x_levels <= 63,
+  const QRows x{q.const_data_ptr<int8_t>(), dx.const_data_ptr<float>(), bsum_p, K, nullptr,
                 offset128.empty() ? nullptr : offset128.data()};
   run_format(format, packed.const_data_ptr<uint8_t>(), N, K, x, M, out.mutable_data_ptr<float>(), out.size(1), col0,
              amx_min_rows);

@@ -147,7 +147,7 @@ QD_INLINE void q8_0_half_step(const uint8_t* t, int s, int h, int64_t k0, const 
   signed_half_dots<MB>(idot, w, r.xq, k0 + 4 * s);
 }
 
-// q8_0_half_step for narrow quants of x (|x| <= 63, Rows::narrow): the stored unsigned quants
+// q8_0_half_step for narrow quants of x (|x| <= 63, Rows::offset128): the stored unsigned quants
 // (w + 128) times x as they are, so idot starts at -128 * bsum instead.  No pair sum saturates
 // (2 * 255 * 63 < 2^15), and without vpsignb the step is one multiply-pipe instruction shorter:
 // the LM head at 8-16 rows ~20% faster on Zen 3 (docs/performance-log.md, session 59).
@@ -166,16 +166,22 @@ QD_INLINE void q8_0_init(__m256i* idot, const Rows& r, int64_t b) {
   for (int m = 0; m < MB; ++m) idot[m] = NARROW ? _mm256_set1_epi32(r.offset128[m][b]) : _mm256_setzero_si256();
 }
 
+// Step s of half h of a Q8_0 tile, signed or narrow.
+template <int MB, bool NARROW>
+QD_INLINE void q8_0_step(const uint8_t* t, int s, int h, int64_t k0, const Rows& r, __m256i* idot) {
+  if constexpr (NARROW)
+    q8_0_half_step_narrow<MB>(t, s, h, k0, r, idot);
+  else
+    q8_0_half_step<MB>(t, s, h, k0, r, idot);
+}
+
 // The 8 steps of half h of a Q8_0 tile into idot (offset included), signed or narrow.
 template <int MB, bool NARROW>
 QD_INLINE void q8_0_half_block(const uint8_t* t, int h, int64_t k0, const Rows& r, __m256i* idot) {
   q8_0_init<MB, NARROW>(idot, r, k0 / 32);
   QD_UNROLL
   for (int s = 0; s < 8; ++s) {
-    if constexpr (NARROW)
-      q8_0_half_step_narrow<MB>(t, s, h, k0, r, idot);
-    else
-      q8_0_half_step<MB>(t, s, h, k0, r, idot);
+    q8_0_step<MB, NARROW>(t, s, h, k0, r, idot);
     QD_UNROLL
     for (int m = 0; m < MB; ++m) __asm__("" : "+x"(idot[m]));  // as in half_dots
   }
@@ -236,7 +242,7 @@ QD_INLINE void half_float16_tile(const uint8_t* t, int h, int64_t k0, const floa
 }
 
 // Half h of one tile (8 weight rows x kTileK values from k0) into the accumulators: tile<>
-// for 8 lanes (NARROW: x's quants are narrow, Rows::narrow; Q8_0 only).
+// for 8 lanes (NARROW: x's quants are narrow, Rows::offset128; Q8_0 only).
 template <int FMT, int MB, bool NARROW>
 QD_INLINE void half_tile(const uint8_t* t, int h, int64_t k0, const Rows& r, __m256* acc) {
   __m256i idot[MB];
@@ -384,13 +390,8 @@ QD_INLINE void q8_0_tile_both_halves(const uint8_t* t, int64_t k0, const Rows& r
   q8_0_init<MB, NARROW>(idot[1], r, b);
   QD_UNROLL
   for (int s = 0; s < 8; ++s) {
-    if constexpr (NARROW) {
-      q8_0_half_step_narrow<MB>(t, s, 0, k0, r, idot[0]);
-      q8_0_half_step_narrow<MB>(t, s, 1, k0, r, idot[1]);
-    } else {
-      q8_0_half_step<MB>(t, s, 0, k0, r, idot[0]);
-      q8_0_half_step<MB>(t, s, 1, k0, r, idot[1]);
-    }
+    q8_0_step<MB, NARROW>(t, s, 0, k0, r, idot[0]);
+    q8_0_step<MB, NARROW>(t, s, 1, k0, r, idot[1]);
   }
   half_add_scaled<MB>(acc0, half_f16(t + 512, 0), idot[0], r.dx, b);
   half_add_scaled<MB>(acc1, half_f16(t + 512, 1), idot[1], r.dx, b);
